@@ -1,0 +1,72 @@
+"""The exception tree of cryosnap.
+
+Every error cryosnap raises on purpose derives from :class:`CheckpointError`, so a caller can
+catch one class. Where a builtin already means the same thing, the error derives from it too
+(``CheckpointNotFoundError`` is also a ``FileNotFoundError``)::
+
+    CheckpointError
+    ├── CheckpointNotFoundError (+ FileNotFoundError)   no run, no such step, no version at all
+    ├── CheckpointExistsError (+ FileExistsError)        the step is already committed
+    ├── CheckpointFormatError                            a manifest or commit record is malformed,
+    │                                                    of an unknown format_version, or escapes
+    │                                                    the run directory
+    ├── IntegrityError                                   content does not match its hash
+    ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
+    └── StorageError (+ OSError)                         the storage backend failed (full disk,
+                                                         permissions, unreachable endpoint)
+
+``TypeError`` (a leaf of an unsupported type, with its path) and ``ValueError`` (a bad argument)
+are raised as themselves for programming errors detected eagerly on the caller's thread.
+
+Messages name what is wrong and where: the step, the tier or URL, and the leaf path.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "StateMismatchError",
+    "StorageError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error cryosnap raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The run, the requested step or any committed version is missing."""
+
+    def __str__(self) -> str:
+        # FileNotFoundError's __str__ would render "[Errno None] ..." for a one-argument error.
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A version with this step is already committed in the run."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class CheckpointFormatError(CheckpointError):
+    """A manifest or commit record is malformed, of an unknown version, or unsafe."""
+
+
+class IntegrityError(CheckpointError):
+    """Stored content does not match its recorded hash."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """The ``into=`` tree does not match the saved tree (keys, shapes, dtypes, types)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed; the message names the tier and the key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()

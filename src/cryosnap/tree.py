@@ -1,0 +1,663 @@
+"""State trees: flatten into a JSON skeleton plus byte blobs, and build them back.
+
+A *state* is a tree of dict / list / tuple holding tensors, arrays, scalars, strings, bytes,
+None and *stateful* objects (anything with ``state_dict()`` and ``load_state_dict()``).
+:func:`flatten` turns it into a :class:`FlatState`: a *skeleton* (plain JSON: containers, types,
+dtypes, shapes, inline scalars) and a list of :class:`Blob` (the raw bytes of every tensor, array
+and bytes leaf). :class:`Restorer` does the reverse in two phases, so the caller can read the
+blob bytes straight into the final tensors: ``allocate()`` creates empty leaves and hands out a
+writable byte view per blob, ``build()`` assembles the tree once they are filled.
+
+Tensors that share storage (tied weights, views of one buffer) become *one* blob that covers the
+bytes they use; each tensor records its byte offset and strides inside it, and they come back
+sharing one storage, as ``torch.save`` does. A tensor that shares with nobody is stored compact
+(contiguous), whatever its strides: a small view never drags its whole base storage along.
+
+Leaf paths name leaves in messages: the keys from the root joined by ``/``
+(``optim/state/0/exp_avg``). No pickle is involved unless ``allow_pickle=True``: then unknown
+objects are pickled into a blob and only unpickled by a load that also allows it.
+
+Pure, no I/O; runs on the caller's thread. torch is imported only when a tensor is met.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from .errors import CheckpointFormatError, StateMismatchError
+
+__all__ = [
+    "Blob",
+    "FlatState",
+    "Restorer",
+    "apply_into",
+    "check_into",
+    "flatten",
+    "format_path",
+    "is_stateful",
+]
+
+Json = Any  # a JSON-compatible value (dict / list / str / int / float / bool / None)
+
+
+def format_path(path: tuple[str | int, ...]) -> str:
+    """Human form of a leaf path: keys joined by ``/``; the root itself is ``<root>``."""
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` follows the ``state_dict()`` / ``load_state_dict()`` protocol."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+@dataclass(slots=True)
+class Blob:
+    """The bytes of one stored buffer.
+
+    ``source`` is a 1-D uint8 view of the live data (a torch tensor, maybe on a GPU, or a numpy
+    array) or an immutable ``bytes``. It is not copied here: the caller captures or writes it.
+    """
+
+    path: str
+    nbytes: int
+    source: Any
+
+    def host_view(self) -> memoryview:
+        """A flat byte view of the data in host memory (copies only from a GPU)."""
+        src = self.source
+        if isinstance(src, bytes):
+            return memoryview(src)
+        if isinstance(src, np.ndarray):
+            return src.data.cast("B") if src.nbytes else memoryview(b"")
+        if src.device.type != "cpu":
+            src = src.cpu()
+        return memoryview(src.numpy()).cast("B") if src.numel() else memoryview(b"")
+
+
+@dataclass(slots=True)
+class FlatState:
+    """A flattened state: the JSON skeleton, its blobs and a count of leaves."""
+
+    skeleton: Json
+    blobs: list[Blob]
+    leaves: int
+    logical_bytes: int
+    stateful: list[tuple[str, Any]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# flatten
+
+
+_SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
+    """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf."""
+    return _Flattener(allow_pickle).run(state)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.blobs: list[Blob] = []
+        self.leaves = 0
+        self.stateful: list[tuple[str, Any]] = []
+        # Tensors are grouped by storage after the walk, so tied weights become one blob.
+        self.tensors: list[tuple[dict[str, Any], Any, tuple[str | int, ...]]] = []
+        self._active: set[int] = set()
+
+    def run(self, state: Any) -> FlatState:
+        skeleton = self.visit(state, ())
+        self._assign_tensor_blobs()
+        logical = sum(b.nbytes for b in self.blobs)
+        return FlatState(skeleton, self.blobs, self.leaves, logical, self.stateful)
+
+    def add_blob(self, path: tuple[str | int, ...], source: Any, nbytes: int) -> int:
+        self.blobs.append(Blob(format_path(path), nbytes, source))
+        return len(self.blobs) - 1
+
+    def visit(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        tp = type(obj)
+        if tp in _SCALARS:
+            self.leaves += 1
+            return self.scalar(obj, path)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            self.leaves += 1
+            return self.tensor(obj, path)
+        if isinstance(obj, np.ndarray):
+            self.leaves += 1
+            return self.ndarray(obj, path)
+        if isinstance(obj, np.generic):
+            self.leaves += 1
+            return self.npscalar(obj, path)
+        if isinstance(obj, (dict, list, tuple)):
+            key = id(obj)
+            if key in self._active:
+                raise TypeError(f"state contains a reference cycle at {format_path(path)}")
+            self._active.add(key)
+            try:
+                return self.container(obj, path)
+            finally:
+                self._active.discard(key)
+        if is_stateful(obj):
+            self.stateful.append((format_path(path), obj))
+            cls = type(obj)
+            return {
+                "t": "stateful",
+                "type": f"{cls.__module__}.{cls.__qualname__}",
+                "v": self.visit(obj.state_dict(), path),
+            }
+        if self.allow_pickle:
+            self.leaves += 1
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: unsupported type "
+            f"{tp.__module__}.{tp.__qualname__} (supported: tensors, numpy arrays and scalars, "
+            "int/float/bool/complex/str/bytes/None, dict/list/tuple, objects with state_dict(); "
+            "pass allow_pickle=True to pickle anything else)"
+        )
+
+    def container(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if isinstance(obj, dict):
+            keys: list[str | int] = []
+            for k in obj:
+                if type(k) not in (str, int):
+                    raise TypeError(
+                        f"cannot checkpoint {format_path(path)}: dict key {k!r} of type "
+                        f"{type(k).__name__} (keys must be str or int)"
+                    )
+                keys.append(k)
+            kind = "odict" if isinstance(obj, OrderedDict) else "dict"
+            return {"t": kind, "k": keys, "v": [self.visit(obj[k], (*path, k)) for k in keys]}
+        if type(obj) is list:
+            return {"t": "list", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
+        if type(obj) is tuple:
+            return {"t": "tuple", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Size:
+            return {"t": "size", "v": list(obj)}
+        if self.allow_pickle:
+            self.leaves += 1
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+        tp = type(obj)
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: {tp.__module__}.{tp.__qualname__} is a "
+            "list/tuple subclass (namedtuples and the like need allow_pickle=True)"
+        )
+
+    def scalar(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if obj is None:
+            return {"t": "none"}
+        if isinstance(obj, bool):
+            return {"t": "bool", "v": obj}
+        if isinstance(obj, int):
+            return {"t": "int", "v": obj}
+        if isinstance(obj, float):
+            return {"t": "float", "v": obj.hex()}
+        if isinstance(obj, complex):
+            return {"t": "complex", "v": [obj.real.hex(), obj.imag.hex()]}
+        if isinstance(obj, str):
+            return {"t": "str", "v": obj}
+        data = bytes(obj)
+        kind = "bytes" if isinstance(obj, bytes) else "bytearray"
+        return {"t": kind, "b": self.add_blob(path, data, len(data))}
+
+    def ndarray(self, arr: np.ndarray, path: tuple[str | int, ...]) -> Json:
+        if arr.dtype.hasobject:
+            if self.allow_pickle:
+                data = pickle.dumps(arr, protocol=pickle.HIGHEST_PROTOCOL)
+                return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: numpy array of dtype {arr.dtype} holds "
+                "Python objects (pass allow_pickle=True to pickle it)"
+            )
+        node: dict[str, Any] = {
+            "t": "numpy",
+            "dtype": np.lib.format.dtype_to_descr(arr.dtype),
+            "shape": list(arr.shape),
+        }
+        if arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous:
+            node["order"] = "F"
+            flat = arr.T.reshape(-1)
+        else:
+            flat = np.ascontiguousarray(arr).reshape(-1)
+        raw = flat.view(np.uint8) if flat.size else np.empty(0, np.uint8)
+        node["b"] = self.add_blob(path, raw, raw.nbytes)
+        return node
+
+    def npscalar(self, obj: np.generic, path: tuple[str | int, ...]) -> Json:
+        if obj.dtype.hasobject:
+            return self._refuse_object(obj, path)
+        return {
+            "t": "npscalar",
+            "dtype": np.lib.format.dtype_to_descr(obj.dtype),
+            "hex": obj.tobytes().hex(),
+        }
+
+    def _refuse_object(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if self.allow_pickle:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: numpy object scalar "
+            "(pass allow_pickle=True to pickle it)"
+        )
+
+    def tensor(self, t: Any, path: tuple[str | int, ...]) -> Json:
+        torch = sys.modules["torch"]
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            if self.allow_pickle and t.device.type != "meta":
+                data = pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL)
+                return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: {t.layout} / quantized / meta tensors "
+                "are not supported (dense strided tensors only)"
+            )
+        node: dict[str, Any] = {
+            "t": "torch",
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "device": str(t.device),
+        }
+        if isinstance(t, torch.nn.Parameter):
+            node["param"] = True
+        if t.requires_grad:
+            node["grad"] = True
+        self.tensors.append((node, t, path))
+        return node
+
+    def _assign_tensor_blobs(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is None or not self.tensors:
+            return
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, (_node, t, _path) in enumerate(self.tensors):
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or t.numel() == 0:
+                groups[("empty", i)] = [i]
+            else:
+                groups.setdefault((str(t.device), storage.data_ptr()), []).append(i)
+        for members in groups.values():
+            if len(members) == 1:
+                node, t, path = self.tensors[members[0]]
+                x = t.detach().resolve_conj().resolve_neg()
+                if not x.is_contiguous():
+                    x = x.contiguous()
+                flat = (
+                    x.reshape(-1).view(torch.uint8)
+                    if x.numel()
+                    else x.new_empty(0).view(torch.uint8).reshape(0)
+                )
+                node["b"] = self.add_blob(path, flat, flat.numel())
+                continue
+            # Shared storage: one blob covering every byte the group uses, aligned so each
+            # member's offset stays a multiple of its element size.
+            spans = []
+            for i in members:
+                _node, t, _path = self.tensors[i]
+                item = t.element_size()
+                start = t.storage_offset() * item
+                extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+                spans.append((start, start + (extent + 1) * item, item))
+            align = max(item for _s, _e, item in spans)
+            lo = min(s for s, _e, _i in spans) // align * align
+            hi = max(e for _s, e, _i in spans)
+            _node, first, first_path = self.tensors[members[0]]
+            base = torch.empty(0, dtype=torch.uint8, device=first.device)
+            base.set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+            blob = self.add_blob(first_path, base.detach(), hi - lo)
+            for i, (start, _end, _item) in zip(members, spans, strict=True):
+                node, t, _path = self.tensors[i]
+                if t.is_conj() or t.is_neg():
+                    raise TypeError(
+                        f"cannot checkpoint {format_path(_path)}: a lazily conjugated/negated "
+                        "view that shares storage; call .resolve_conj()/.resolve_neg() first"
+                    )
+                node["b"] = blob
+                node["view"] = {"offset": start - lo, "stride": list(t.stride())}
+
+
+# ---------------------------------------------------------------------------------------------
+# restore
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - exercised only without torch
+        raise CheckpointFormatError(
+            "this checkpoint holds torch tensors but torch is not installed "
+            "(pip install 'cryosnap[torch]')"
+        ) from exc
+    return torch
+
+
+def _torch_dtype(name: Any, path: str) -> Any:
+    torch = _torch()
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"leaf {path}: unknown torch dtype {name!r}")
+    return dtype
+
+
+def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
+    def tuples(d: Any) -> Any:
+        if isinstance(d, list):
+            return [tuple(tuples(x) for x in f) if isinstance(f, list) else f for f in d]
+        return d
+
+    try:
+        if isinstance(descr, list):
+            descr = [tuple(tuples(x) if isinstance(x, list) else x for x in f) for f in descr]
+        dtype: np.dtype[Any] = np.lib.format.descr_to_dtype(descr)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointFormatError(f"leaf {path}: invalid numpy dtype {descr!r}") from exc
+    if dtype.hasobject:
+        raise CheckpointFormatError(f"leaf {path}: numpy dtype {descr!r} holds Python objects")
+    return dtype
+
+
+def _shape(node: dict[str, Any], path: str) -> tuple[int, ...]:
+    shape = node.get("shape")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise CheckpointFormatError(f"leaf {path}: invalid shape {shape!r}")
+    return tuple(shape)
+
+
+class Restorer:
+    """Rebuilds a tree from its skeleton, with leaves filled from blob bytes.
+
+    ``allocate()`` creates every tensor/array empty and returns, per blob, a writable flat byte
+    view of the memory its bytes go to. Fill them, then ``build()`` returns the tree.
+    """
+
+    def __init__(self, skeleton: Json, blob_sizes: list[int], *, allow_pickle: bool) -> None:
+        self.skeleton = skeleton
+        self.blob_sizes = blob_sizes
+        self.allow_pickle = allow_pickle
+        self.blob_paths: list[str] = [""] * len(blob_sizes)
+        self._dest: list[Any] = [None] * len(blob_sizes)
+        self._values: dict[int, Any] = {}
+
+    # phase 1 -------------------------------------------------------------------------------
+    def allocate(self) -> list[memoryview]:
+        self._alloc(self.skeleton, ())
+        views: list[memoryview] = []
+        for i, dest in enumerate(self._dest):
+            if dest is None:
+                raise CheckpointFormatError(f"blob {i} is referenced by no leaf")
+            views.append(dest)
+        return views
+
+    def _blob(self, node: dict[str, Any], path: str) -> int:
+        b = node.get("b")
+        if type(b) is not int or not 0 <= b < len(self.blob_sizes):
+            raise CheckpointFormatError(f"leaf {path}: invalid blob reference {b!r}")
+        if not self.blob_paths[b]:
+            self.blob_paths[b] = path
+        return b
+
+    def _claim(self, b: int, view: memoryview, path: str) -> None:
+        if self._dest[b] is not None:
+            raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+        if view.nbytes != self.blob_sizes[b]:
+            raise CheckpointFormatError(
+                f"leaf {path}: holds {view.nbytes} bytes but its blob has {self.blob_sizes[b]}"
+            )
+        self._dest[b] = view
+
+    def _alloc(self, node: Json, path: tuple[str | int, ...]) -> None:
+        if not isinstance(node, dict):
+            raise CheckpointFormatError(f"leaf {format_path(path)}: malformed node {node!r:.80}")
+        t = node.get("t")
+        if t in ("dict", "odict"):
+            keys, vals = node.get("k"), node.get("v")
+            if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
+                raise CheckpointFormatError(f"{format_path(path)}: malformed dict node")
+            for k, v in zip(keys, vals, strict=True):
+                if type(k) not in (str, int):
+                    raise CheckpointFormatError(f"{format_path(path)}: invalid key {k!r}")
+                self._alloc(v, (*path, k))
+        elif t in ("list", "tuple"):
+            vals = node.get("v")
+            if not isinstance(vals, list):
+                raise CheckpointFormatError(f"{format_path(path)}: malformed {t} node")
+            for i, v in enumerate(vals):
+                self._alloc(v, (*path, i))
+        elif t == "stateful":
+            self._alloc(node.get("v"), path)
+        elif t == "torch":
+            self._alloc_tensor(node, format_path(path))
+        elif t == "numpy":
+            p = format_path(path)
+            dtype, shape = _np_dtype(node.get("dtype"), p), _shape(node, p)
+            order: Literal["C", "F"] = "F" if node.get("order") == "F" else "C"
+            arr = np.empty(shape, dtype=dtype, order=order)
+            flat = arr.T.reshape(-1) if order == "F" else arr.reshape(-1)
+            b = self._blob(node, p)
+            self._claim(b, flat.view(np.uint8).data if flat.size else memoryview(bytearray()), p)
+            self._values[id(node)] = arr
+        elif t in ("bytes", "bytearray", "pickle"):
+            p = format_path(path)
+            if t == "pickle" and not self.allow_pickle:
+                raise CheckpointFormatError(
+                    f"leaf {p} is pickled; loading it could run code from the checkpoint, "
+                    "so it needs allow_pickle=True"
+                )
+            b = self._blob(node, p)
+            buf = bytearray(self.blob_sizes[b])
+            self._claim(b, memoryview(buf), p)
+            self._values[id(node)] = buf
+        elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
+            raise CheckpointFormatError(f"leaf {format_path(path)}: unknown node type {t!r}")
+
+    def _alloc_tensor(self, node: dict[str, Any], path: str) -> None:
+        torch = _torch()
+        dtype, shape = _torch_dtype(node.get("dtype"), path), _shape(node, path)
+        b = self._blob(node, path)
+        view = node.get("view")
+        if view is None:
+            t = torch.empty(shape, dtype=dtype)
+            flat = t.reshape(-1).view(torch.uint8) if t.numel() else None
+            self._claim(
+                b, memoryview(flat.numpy()) if flat is not None else memoryview(bytearray()), path
+            )
+        else:
+            if not isinstance(view, dict):
+                raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
+            offset, stride = view.get("offset"), view.get("stride")
+            item = torch.empty(0, dtype=dtype).element_size()
+            if (
+                type(offset) is not int
+                or offset < 0
+                or offset % item
+                or not isinstance(stride, list)
+                or len(stride) != len(shape)
+                or not all(type(s) is int and s >= 0 for s in stride)
+            ):
+                raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
+            extent = sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+            if math.prod(shape) and offset + (extent + 1) * item > self.blob_sizes[b]:
+                raise CheckpointFormatError(f"leaf {path}: view reaches past its blob")
+            base = self._dest[b]
+            if base is None:
+                base_t = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
+                self._claim(b, memoryview(base_t.numpy()), path)
+                self._values[-b - 1] = base_t  # keep the shared storage for its views
+            base_t = self._values[-b - 1]
+            t = torch.empty(0, dtype=dtype)
+            t.set_(base_t.untyped_storage(), offset // item, shape, stride)
+        if node.get("param"):
+            t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
+        elif node.get("grad"):
+            t.requires_grad_(True)
+        self._values[id(node)] = t
+
+    # phase 2 -------------------------------------------------------------------------------
+    def build(self) -> Any:
+        return self._build(self.skeleton, ())
+
+    def _build(self, node: dict[str, Any], path: tuple[str | int, ...]) -> Any:
+        t = node["t"]
+        if t in ("dict", "odict"):
+            items = zip(node["k"], node["v"], strict=True)
+            built = {k: self._build(v, (*path, k)) for k, v in items}
+            return OrderedDict(built) if t == "odict" else built
+        if t == "list":
+            return [self._build(v, (*path, i)) for i, v in enumerate(node["v"])]
+        if t == "tuple":
+            return tuple(self._build(v, (*path, i)) for i, v in enumerate(node["v"]))
+        if t == "stateful":
+            return self._build(node["v"], path)
+        if t in ("torch", "numpy", "bytearray"):
+            return self._values[id(node)]
+        if t == "bytes":
+            return bytes(self._values[id(node)])
+        if t == "pickle":
+            return pickle.loads(self._values[id(node)])
+        return _scalar(node, format_path(path))
+
+
+def _scalar(node: dict[str, Any], path: str) -> Any:
+    t = node["t"]
+    v: Any = node.get("v")
+    try:
+        if t == "none":
+            return None
+        if t == "bool" and type(v) is bool:
+            return v
+        if t == "int" and type(v) is int:
+            return v
+        if t == "float":
+            return float.fromhex(v)
+        if t == "complex":
+            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+        if t == "str" and type(v) is str:
+            return v
+        if t == "size":
+            return _torch().Size(v)
+        if t == "npscalar":
+            dtype = _np_dtype(node.get("dtype"), path)
+            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=dtype)[0]
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}") from exc
+    raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}")
+
+
+# ---------------------------------------------------------------------------------------------
+# into=
+
+
+def check_into(skeleton: Json, into: Any) -> None:
+    """Check that ``into`` can take the saved tree; raise :class:`StateMismatchError` if not.
+
+    Nothing is filled here: :func:`apply_into` does that once every byte has been read and
+    verified, so a mismatch or a corrupt chunk leaves ``into`` untouched.
+    """
+    _check(skeleton, into, ())
+
+
+def _mismatch(path: tuple[str | int, ...], what: str) -> StateMismatchError:
+    return StateMismatchError(f"into= does not match the checkpoint at {format_path(path)}: {what}")
+
+
+def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
+    t = node["t"]
+    torch = sys.modules.get("torch")
+    if t == "stateful" or (is_stateful(into) and not isinstance(into, (dict, list, tuple))):
+        if not is_stateful(into):
+            raise _mismatch(path, f"saved a stateful object, into= has {type(into).__name__}")
+        inner = node["v"] if t == "stateful" else node
+        if torch is not None and isinstance(into, torch.nn.Module):
+            # Module.load_state_dict copies parameter by parameter and reports mismatches only
+            # at the end: check keys and shapes up front so a mismatch changes nothing.
+            _check(inner, into.state_dict(), path)
+        return
+    if t in ("dict", "odict"):
+        if not isinstance(into, dict):
+            raise _mismatch(path, f"saved a dict, into= has {type(into).__name__}")
+        saved = list(node["k"])
+        missing = [k for k in saved if k not in into]
+        extra = [k for k in into if k not in set(saved)]
+        if missing or extra:
+            raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
+        for k, v in zip(node["k"], node["v"], strict=True):
+            _check(v, into[k], (*path, k))
+        return
+    if t in ("list", "tuple"):
+        if not isinstance(into, (list, tuple)):
+            raise _mismatch(path, f"saved a {t}, into= has {type(into).__name__}")
+        if len(into) != len(node["v"]):
+            raise _mismatch(path, f"saved {len(node['v'])} items, into= has {len(into)}")
+        for i, v in enumerate(node["v"]):
+            _check(v, into[i], (*path, i))
+        return
+    if t == "torch" and torch is not None and isinstance(into, torch.Tensor):
+        dtype = str(into.dtype).removeprefix("torch.")
+        if list(into.shape) != node["shape"] or dtype != node["dtype"]:
+            raise _mismatch(
+                path,
+                f"saved {node['dtype']}{node['shape']}, into= has {dtype}{list(into.shape)}",
+            )
+        return
+    if t == "numpy" and isinstance(into, np.ndarray):
+        saved_dtype = _np_dtype(node["dtype"], format_path(path))
+        if list(into.shape) != node["shape"] or into.dtype != saved_dtype:
+            raise _mismatch(
+                path,
+                f"saved {saved_dtype}{node['shape']}, into= has {into.dtype}{list(into.shape)}",
+            )
+        if not into.flags.writeable:
+            raise _mismatch(path, "into= array is read-only")
+        return
+    if (torch is not None and isinstance(into, torch.Tensor)) or isinstance(into, np.ndarray):
+        raise _mismatch(path, f"saved a {t} leaf, into= has {type(into).__name__}")
+    # Scalars, strings, bytes, None: nothing to fill in place; the loaded value replaces them.
+
+
+def apply_into(node: Json, loaded: Any, into: Any) -> Any:
+    """Fill ``into`` from the verified ``loaded`` tree; return the tree as restored.
+
+    Tensors and arrays are copied in place, stateful objects get ``load_state_dict``, and mutable
+    containers (dict, list) get the new values of their non-fillable leaves.
+    """
+    torch = sys.modules.get("torch")
+    t = node["t"]
+    if is_stateful(into) and not isinstance(into, (dict, list, tuple)):
+        into.load_state_dict(loaded)
+        return into
+    if t in ("dict", "odict"):
+        for k, v in zip(node["k"], node["v"], strict=True):
+            new = apply_into(v, loaded[k], into[k])
+            if new is not into[k]:
+                into[k] = new
+        return into
+    if t in ("list", "tuple"):
+        items = [apply_into(v, loaded[i], into[i]) for i, v in enumerate(node["v"])]
+        if isinstance(into, list):
+            for i, new in enumerate(items):
+                if new is not into[i]:
+                    into[i] = new
+            return into
+        return tuple(items)
+    if torch is not None and isinstance(into, torch.Tensor):
+        with torch.no_grad():
+            into.copy_(loaded)
+        return into
+    if isinstance(into, np.ndarray):
+        np.copyto(into, loaded)
+        return into
+    return loaded
