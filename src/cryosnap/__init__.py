@@ -9,12 +9,13 @@ Imports nothing heavy: torch is imported only when a tensor is saved or loaded.
 
 from __future__ import annotations
 
-from .checkpointer import SaveInfo, load, save
+from .checkpointer import Checkpointer, PendingSave, SaveInfo, load, save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     IntegrityError,
     StateMismatchError,
     StorageError,
@@ -25,7 +26,10 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "Checkpointer",
     "IntegrityError",
+    "PendingSave",
     "SaveInfo",
     "StateMismatchError",
     "StorageError",

@@ -1,26 +1,48 @@
-"""The user-facing entry points: ``save`` / ``load`` and the :class:`SaveInfo` they report.
+"""Checkpointer, PendingSave, SaveInfo, and the one-shot ``save`` / ``load`` over them.
 
-``save`` flattens the state on the caller's thread and writes it synchronously: durable on
-return. ``load`` reads the newest (or the given) committed version, verifying every chunk.
-Arguments are validated eagerly here, with messages that name the argument and what is allowed.
+A save has two phases. *Capture* runs on the caller's thread (eager) or a capture thread (lazy):
+the state is flattened and its bytes copied into pooled staging slabs (capture.py). Everything
+after runs on the Checkpointer's single background writer thread, one version after the other
+in the order they were saved: hash, write the packed data file, fsync, manifest, commit record.
+``save`` returns a :class:`PendingSave` as soon as the state is captured (eager) or at once
+(lazy); ``PendingSave.result()`` returns the :class:`SaveInfo` once the version is durable.
+
+Failures in the background are kept: ``result()`` of that version raises them, and the next
+``save()``, ``wait()`` or ``close()`` raises the first one the caller has not received yet. A
+failed version is never visible: its commit record is never written.
+
+One writer per run: opening a Checkpointer takes the run's write lock (lock.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from . import engine
+from .capture import Batch, CaptureTracker, StagingPool, capture_to_slabs, direct_batches
 from .chunks import validate_chunk_bytes
-from .manifest import MAX_STEP
+from .errors import CheckpointError, CheckpointExistsError, CheckpointTimeoutError
+from .lock import acquire_run_lock
+from .manifest import MAX_STEP, commit_key
+from .progress import Progress, human_bytes
 from .storage import Store, open_store
-from .tree import flatten
+from .tree import FlatState, flatten
 
-__all__ = ["SaveInfo", "load", "save"]
+__all__ = ["Checkpointer", "PendingSave", "SaveInfo", "load", "save"]
+
+log = logging.getLogger("cryosnap")
 
 PathLike = str | os.PathLike[str] | Store
+
+_END = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +50,9 @@ class SaveInfo:
     """What one version cost this process (this rank).
 
     ``written_bytes`` counts the data this rank wrote to its first tier; ``stall_seconds`` is how
-    long the caller was blocked; ``seconds`` runs until the version was durable; ``tiers`` names
-    the tiers the version reached.
+    long the program was blocked by the save (the ``save`` call, plus any optimizer step that
+    waited for a lazy capture); ``seconds`` runs from the ``save`` call until the version was
+    durable; ``tiers`` names the tiers the version reached.
     """
 
     step: int
@@ -51,6 +74,399 @@ def validate_step(step: object, name: str = "step") -> int:
     return step
 
 
+def _validate_positive(value: object, name: str, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name}={value!r} is invalid: allowed is {allowed}")
+    return value
+
+
+class PendingSave:
+    """A version being saved: captured first, durable later."""
+
+    def __init__(self, step: int, tracker: CaptureTracker, t0: float) -> None:
+        self.step = step
+        self._tracker = tracker
+        self._t0 = t0
+        self._done = threading.Event()
+        self._info: SaveInfo | None = None
+        self._error: BaseException | None = None
+        self._delivered = False
+        self._stall = 0.0
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "captured" if self.captured() else "capturing"
+        return f"<PendingSave step={self.step} {state}>"
+
+    def captured(self) -> bool:
+        """Whether every byte of the state has been copied out (it may now change)."""
+        return self._tracker.captured()
+
+    def wait_captured(self, timeout: float | None = None) -> None:
+        """Block until the state is captured; mutate non-optimizer leaves only after this."""
+        t0 = time.perf_counter()
+        if not self._tracker.wait_all(timeout):
+            raise CheckpointTimeoutError(f"step {self.step} not captured after {timeout} s")
+        self._stall += time.perf_counter() - t0
+        if self._tracker.error is not None:
+            self._delivered = True
+            raise self._tracker.error
+
+    def done(self) -> bool:
+        """Whether the version is durable or has failed."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> SaveInfo:
+        """The :class:`SaveInfo` once durable; re-raises the failure of this version."""
+        if not self._done.wait(timeout):
+            raise CheckpointTimeoutError(f"step {self.step} not durable after {timeout} s")
+        if self._error is not None:
+            self._delivered = True
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def _undelivered_error(self) -> BaseException | None:
+        if self._done.is_set() and self._error is not None and not self._delivered:
+            self._delivered = True
+            return self._error
+        return None
+
+    def _finish(self, info: SaveInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self._done.set()
+
+
+@dataclass(slots=True)
+class _Job:
+    step: int
+    flat: FlatState
+    pending: PendingSave
+    batches: queue.SimpleQueue[Any]
+    stall_seconds: float = 0.0
+
+
+class Checkpointer:
+    """A managed run: versions by step, saved in the background, restored on demand.
+
+    Parameters
+    ----------
+    path
+        The run: a directory or an fsspec URL.
+    chunk_bytes
+        Chunk size for hashing and verification, 4 KiB to 64 MiB.
+    staging_bytes
+        Host memory budget for captured state (None: as much as the state needs, kept for reuse).
+        With less than the state, capture streams and blocks until the writer frees buffers.
+    max_inflight
+        Versions that may be captured but not yet durable; a further ``save`` waits.
+    allow_pickle
+        Pickle leaves of unsupported types on save, and allow unpickling them on restore.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        chunk_bytes: int = 1 << 20,
+        staging_bytes: int | None = None,
+        max_inflight: int = 1,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
+        budget = _validate_positive(staging_bytes, "staging_bytes", allow_none=True)
+        if budget is not None and budget < self.chunk_bytes:
+            raise ValueError(
+                f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
+            )
+        self.max_inflight = _validate_positive(max_inflight, "max_inflight") or 1
+        self.allow_pickle = bool(allow_pickle)
+        self.store = open_store(path)
+        self._lock = acquire_run_lock(self.store)
+        slab = 64 << 20 if budget is None else max(budget // 4, self.chunk_bytes)
+        slab = max(slab // self.chunk_bytes, 1) * self.chunk_bytes
+        torch = sys.modules.get("torch")
+        pin = bool(torch is not None and torch.cuda.is_available())
+        self._pool = StagingPool(slab_bytes=slab, budget_bytes=budget, pin=pin)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._inflight = threading.BoundedSemaphore(self.max_inflight)
+        self._pending: list[PendingSave] = []
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
+        self._worker.start()
+
+    # context manager ---------------------------------------------------------------------------
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            # Drain and release, but do not mask the exception already propagating.
+            try:
+                self.close()
+            except CheckpointError as err:
+                log.error("background checkpoint failure during exception exit: %s", err)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.store.url!r})"
+
+    # saving --------------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, *, lazy: bool = False) -> PendingSave:
+        """Capture ``state`` as version ``step`` and write it in the background.
+
+        Returns once the state is captured (``lazy=False``) or at once (``lazy=True``: the copy
+        runs in the background; the next ``step()`` of an optimizer in the state waits for the
+        leaves it mutates, and other leaves may be mutated only after ``wait_captured()``).
+        """
+        t0 = time.perf_counter()
+        job = self._start(step, state, t0)
+        tracker = job.pending._tracker
+        if lazy:
+            hooks = self._install_optimizer_hooks(job)
+            thread = threading.Thread(
+                target=self._capture,
+                args=(job, hooks, True),
+                name=f"cryosnap-capture-{step}",
+                daemon=True,
+            )
+            thread.start()
+        else:
+            self._capture(job, [], False)
+            if tracker.error is not None:
+                job.pending._delivered = True
+                raise tracker.error
+        job.stall_seconds = time.perf_counter() - t0
+        return job.pending
+
+    def _save_durable(self, step: int, state: Any) -> SaveInfo:
+        """Save without staging: the writer reads the live memory while the caller waits."""
+        t0 = time.perf_counter()
+        job = self._start(step, state, t0)
+        try:
+            for batch in direct_batches(job.flat, batch_bytes=engine.IO_BATCH_BYTES):
+                job.batches.put(batch)
+        finally:
+            job.batches.put(_END)
+            job.pending._tracker.finish()
+        info = job.pending.result()
+        return info
+
+    def _start(self, step: int, state: Any, t0: float) -> _Job:
+        self._check_open()
+        validate_step(step)
+        self._raise_undelivered()
+        if any(p.step == step and not p.done() for p in self._pending) or self.store.exists(
+            commit_key(step)
+        ):
+            raise CheckpointExistsError(f"step {step} already exists in {self.store.url}")
+        flat = flatten(state, allow_pickle=self.allow_pickle)
+        self._inflight.acquire()
+        self._pending = [p for p in self._pending if not p.done() or p._undelivered_error()]
+        tracker = CaptureTracker(len(flat.blobs))
+        job = _Job(step, flat, PendingSave(step, tracker, t0), queue.SimpleQueue())
+        self._pending.append(job.pending)
+        self._jobs.put(job)
+        return job
+
+    def _capture(self, job: _Job, hooks: list[Any], side_stream: bool) -> None:
+        tracker = job.pending._tracker
+        error: BaseException | None = None
+        try:
+            torch = sys.modules.get("torch")
+            if side_stream and torch is not None and torch.cuda.is_available():
+                # Lazy capture overlaps the program's kernels: copy on a stream of our own.
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    self._copy(job)
+            else:
+                self._copy(job)
+        except BaseException as exc:
+            error = exc
+            job.batches.put(exc)
+        finally:
+            job.batches.put(_END)
+            tracker.finish(error)
+            for h in hooks:
+                h.remove()
+
+    def _copy(self, job: _Job) -> None:
+        def abort() -> BaseException | None:
+            return job.pending._error
+
+        capture_to_slabs(
+            job.flat,
+            self._pool,
+            chunk_bytes=self.chunk_bytes,
+            emit=job.batches.put,
+            tracker=job.pending._tracker,
+            abort=abort,
+        )
+
+    def _install_optimizer_hooks(self, job: _Job) -> list[Any]:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return []
+        hooks: list[Any] = []
+        by_origin: dict[int, list[int]] = {}
+        for i, blob in enumerate(job.flat.blobs):
+            if blob.origin:
+                by_origin.setdefault(blob.origin, []).append(i)
+        tracker, pending = job.pending._tracker, job.pending
+        for _path, obj in job.flat.stateful:
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            ptrs = set()
+            for group in obj.param_groups:
+                for p in group["params"]:
+                    ptrs.add(p.untyped_storage().data_ptr())
+                    for v in obj.state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            ptrs.add(v.untyped_storage().data_ptr())
+            needed = sorted({b for ptr in ptrs for b in by_origin.get(ptr, [])})
+
+            def hook(_opt: Any, _args: Any, _kwargs: Any, needed: list[int] = needed) -> None:
+                if tracker.captured():
+                    return
+                t0 = time.perf_counter()
+                tracker.wait_blobs(needed)
+                pending._stall += time.perf_counter() - t0
+
+            hooks.append(obj.register_step_pre_hook(hook))
+        return hooks
+
+    # background ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                info = self._write(job)
+                error = None
+            except BaseException as exc:
+                info, error = None, exc
+                log.error("checkpoint of step %d failed: %s", job.step, exc)
+            finally:
+                self._inflight.release()
+            job.pending._finish(info, error)
+
+    def _write(self, job: _Job) -> SaveInfo:
+        writer: engine.PartWriter | None = None
+        progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
+        try:
+            writer = engine.PartWriter(self.store, job.step, job.flat, chunk_bytes=self.chunk_bytes)
+            while True:
+                item = job.batches.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                batch: Batch = item
+                try:
+                    writer.add(batch.pieces)
+                    progress.update(batch.nbytes)
+                finally:
+                    batch.release()
+            part = writer.finish()
+            engine.commit_version(self.store, job.step, [part], chunk_bytes=self.chunk_bytes)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            # Give every slab of this version back, so a blocked capture can finish.
+            job.pending._error = job.pending._error or CheckpointError("aborted")
+            self._drain(job)
+            raise
+        finally:
+            progress.close()
+        seconds = time.perf_counter() - job.pending._t0
+        written = human_bytes(part.written_bytes)
+        log.info("step %d durable in %.3f s: %s written", job.step, seconds, written)
+        return SaveInfo(
+            step=job.step,
+            logical_bytes=part.logical_bytes,
+            written_bytes=part.written_bytes,
+            chunks=part.chunks,
+            new_chunks=part.new_chunks,
+            stall_seconds=job.stall_seconds + job.pending._stall,
+            seconds=seconds,
+            incremental=False,
+            tiers=("persistent",),
+        )
+
+    @staticmethod
+    def _drain(job: _Job) -> None:
+        while True:
+            item = job.batches.get()
+            if item is _END:
+                return
+            if isinstance(item, Batch):
+                item.release()
+
+    # waiting and reading -----------------------------------------------------------------------
+    def _raise_undelivered(self) -> None:
+        for p in self._pending:
+            err = p._undelivered_error()
+            if err is not None:
+                raise err
+
+    def wait(self) -> None:
+        """Block until every pending save is durable; raise the first undelivered failure."""
+        for p in list(self._pending):
+            p._done.wait()
+        self._raise_undelivered()
+
+    def steps(self) -> list[int]:
+        """Committed (restorable) versions, ascending."""
+        return engine.list_steps(self.store)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def restore(self, step: int | None = None, *, into: Any = None) -> Any:
+        """The state of ``step`` (default: the newest version that verifies); see :func:`load`."""
+        self._check_open()
+        if step is not None:
+            validate_step(step)
+        return _restore(self.store, step, into=into, rank=0, allow_pickle=self.allow_pickle)
+
+    def close(self) -> None:
+        """Drain every pending save, stop the writer, release the write lock."""
+        if self._closed:
+            return
+        try:
+            for p in list(self._pending):
+                p._done.wait()
+        finally:
+            self._closed = True
+            self._jobs.put(None)
+            self._worker.join()
+            self._pool.clear()
+            self._lock.release()
+        self._raise_undelivered()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
+
+
+def _restore(store: Store, step: int | None, *, into: Any, rank: int, allow_pickle: bool) -> Any:
+    def attempt(s: int) -> Any:
+        return engine.read_part(store, s, rank=rank, into=into, allow_pickle=allow_pickle)
+
+    if step is not None:
+        return attempt(step)
+    return engine.newest_restorable(store, attempt, engine.list_steps(store))
+
+
 def save(
     path: PathLike,
     state: Any,
@@ -62,28 +478,12 @@ def save(
     """Save ``state`` as version ``step`` of the run at ``path``; durable when it returns.
 
     ``path`` is a directory or an fsspec URL. A step that already exists is an error
-    (:class:`~cryosnap.CheckpointExistsError`): versions are never overwritten in place.
+    (:class:`~cryosnap.CheckpointExistsError`): versions are never overwritten in place. No
+    staging copy is made: the caller waits while the bytes go to storage.
     """
-    t0 = time.perf_counter()
     validate_step(step)
-    validate_chunk_bytes(chunk_bytes)
-    store = open_store(path)
-    flat = flatten(state, allow_pickle=allow_pickle)
-    views = [b.host_view() for b in flat.blobs]
-    part = engine.write_part(store, step, flat, views, chunk_bytes=chunk_bytes)
-    engine.commit_version(store, step, [part], chunk_bytes=chunk_bytes)
-    seconds = time.perf_counter() - t0
-    return SaveInfo(
-        step=step,
-        logical_bytes=part.logical_bytes,
-        written_bytes=part.written_bytes,
-        chunks=part.chunks,
-        new_chunks=part.new_chunks,
-        stall_seconds=seconds,
-        seconds=seconds,
-        incremental=False,
-        tiers=("persistent",),
-    )
+    with Checkpointer(path, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle) as ckpt:
+        return ckpt._save_durable(step, state)
 
 
 def load(
@@ -99,16 +499,9 @@ def load(
     Without ``into`` the saved tree comes back (torch tensors on the CPU, numpy arrays, stateful
     objects as their state dicts). With ``into`` tensors and arrays are filled in place and
     ``load_state_dict`` is called; a mismatch or damaged data raises before anything changes.
-    ``rank`` reads another rank's part of a distributed version.
+    ``rank`` reads another rank's part of a distributed version. Takes no lock.
     """
     if step is not None:
         validate_step(step)
     part = 0 if rank is None else validate_step(rank, "rank")
-    store = open_store(path)
-
-    def attempt(s: int) -> Any:
-        return engine.read_part(store, s, rank=part, into=into, allow_pickle=allow_pickle)
-
-    if step is not None:
-        return attempt(step)
-    return engine.newest_restorable(store, attempt, engine.list_steps(store))
+    return _restore(open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle)

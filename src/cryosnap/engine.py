@@ -1,25 +1,23 @@
 """The write and read pipelines of one version on one tier.
 
-Write (``write_part`` then ``commit_version``): hash every blob's chunks while a writer thread
-streams the same bytes into one packed data file per rank and version (``writev``: many buffers,
-few syscalls), fsync it, write the rank's manifest, and finally the commit record. Until the
-commit record exists the version is invisible; a crash at any point leaves only unreferenced
-files that retention removes.
+Write (:class:`PartWriter` then ``commit_version``): hash the chunks of each captured batch and
+append its bytes to one packed data file per rank and version (``writev``: many buffers, few
+syscalls), fsync it, write the rank's manifest, and finally the commit record. Until the commit
+record exists the version is invisible; a crash at any point leaves only unreferenced files that
+retention removes.
 
 Read (``read_part``): read the commit record and the rank's manifest (both checked against their
 hashes), allocate every leaf empty, read each data file in large contiguous runs straight into
 the leaves (``preadv``), verify every chunk's hash, then build the tree. ``into=`` is checked
 before any byte is read and filled only after every chunk verified.
 
-Runs on the caller's thread plus one short-lived writer thread; no collectives here.
+Writes run on the Checkpointer's background thread, reads on the caller's; no collectives here.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from typing import Any
 
 import xxhash
 
+from .capture import Piece
 from .chunks import HASH_BYTES, hash_chunks, merkle_root
 from .errors import (
     CheckpointError,
@@ -48,25 +47,24 @@ from .manifest import (
     step_of_commit_key,
 )
 from .storage import Store
-from .storage.base import TruncatedError
+from .storage.base import BlobWriter, TruncatedError
 from .tree import FlatState, Restorer, apply_into, check_into
 
 __all__ = [
     "PartResult",
+    "PartWriter",
     "commit_version",
     "list_steps",
     "read_commit",
     "read_manifest",
     "read_part",
     "verify_part",
-    "write_part",
 ]
 
 log = logging.getLogger("cryosnap")
 
-# Bytes handed to one writev/preadv call: large enough for sequential bandwidth, small enough
-# that the hashing thread and the I/O thread overlap.
-_IO_BATCH_BYTES = 64 << 20
+# Bytes handed to one writev/preadv call: large enough for sequential bandwidth.
+IO_BATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,102 +81,94 @@ class PartResult:
     root: bytes
 
 
-def _batches(views: Sequence[memoryview]) -> list[list[memoryview]]:
-    out: list[list[memoryview]] = []
-    cur: list[memoryview] = []
-    size = 0
-    for v in views:
-        if not v.nbytes:
-            continue
-        cur.append(v)
-        size += v.nbytes
-        if size >= _IO_BATCH_BYTES:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
+class PartWriter:
+    """Streams one rank's part of a version into one packed data file, then its manifest.
 
+    ``add`` hashes each piece's chunks and appends its bytes to the data file; pieces of a blob
+    arrive in order and start on chunk boundaries. ``finish`` fsyncs the data file and writes the
+    manifest (durable, not yet committed). Runs on the background writer thread.
+    """
 
-def write_part(
-    store: Store,
-    step: int,
-    flat: FlatState,
-    views: Sequence[memoryview],
-    *,
-    chunk_bytes: int,
-    rank: int = 0,
-) -> PartResult:
-    """Write one rank's blobs and manifest for ``step``; not yet committed."""
-    if store.exists(commit_key(step)):
-        raise CheckpointExistsError(f"step {step} already exists in {store.url}")
-    total = sum(v.nbytes for v in views)
-    files: list[str] = []
-    writer = None
-    failure: list[BaseException] = []
-    thread = None
-    if total:
-        key = data_key(step, rank, secrets.token_hex(4))
-        writer = store.open_writer(key)
-        files.append(key)
-        batches = _batches(views)
+    def __init__(
+        self, store: Store, step: int, flat: FlatState, *, chunk_bytes: int, rank: int = 0
+    ) -> None:
+        if store.exists(commit_key(step)):
+            raise CheckpointExistsError(f"step {step} already exists in {store.url}")
+        self.store = store
+        self.step = step
+        self.rank = rank
+        self.flat = flat
+        self.chunk_bytes = chunk_bytes
+        self.key = data_key(step, rank, secrets.token_hex(4))
+        self._writer: BlobWriter | None = None
+        self._offset = 0
+        self._hashes = [bytearray() for _ in flat.blobs]
+        self._extents: list[list[Extent]] = [[] for _ in flat.blobs]
 
-        def write_all() -> None:
-            try:
-                for batch in batches:
-                    writer.write(batch)
-            except BaseException as exc:  # handed to the caller's thread below
-                failure.append(exc)
+    @property
+    def written_bytes(self) -> int:
+        return self._offset
 
-        thread = threading.Thread(target=write_all, name="cryosnap-write", daemon=True)
-        thread.start()
-    try:
-        # Hash while the writer thread streams the same bytes to the data file.
-        blobs: list[BlobEntry] = []
-        offset = 0
+    def add(self, pieces: Sequence[Piece]) -> None:
+        if not pieces:
+            return
+        for p in pieces:
+            self._hashes[p.blob] += hash_chunks(p.view, self.chunk_bytes)
+            ext = self._extents[p.blob]
+            n = p.view.nbytes
+            if ext and ext[-1].offset + ext[-1].nbytes == self._offset:
+                ext[-1] = Extent(0, ext[-1].offset, ext[-1].nbytes + n)
+            else:
+                ext.append(Extent(0, self._offset, n))
+            self._offset += n
+        if self._writer is None:
+            self._writer = self.store.open_writer(self.key)
+        self._writer.write([p.view for p in pieces])
+
+    def finish(self) -> PartResult:
+        if self._writer is not None:
+            self._writer.commit()
+        blobs = []
         nchunks = 0
-        for v in views:
-            hashes = hash_chunks(v, chunk_bytes)
-            nchunks += len(hashes) // HASH_BYTES
-            extents = (Extent(0, offset, v.nbytes),) if v.nbytes else ()
-            blobs.append(BlobEntry(v.nbytes, merkle_root(hashes), hashes, extents))
-            offset += v.nbytes
-        if thread is not None:
-            thread.join()
-        if failure:
-            raise failure[0]
-        if writer is not None:
-            writer.commit()
+        for blob, hashes, extents in zip(self.flat.blobs, self._hashes, self._extents, strict=True):
+            h = bytes(hashes)
+            if sum(e.nbytes for e in extents) != blob.nbytes:
+                raise CheckpointError(
+                    f"step {self.step}: leaf {blob.path} was captured incompletely "
+                    f"({sum(e.nbytes for e in extents)} of {blob.nbytes} bytes)"
+                )
+            nchunks += len(h) // HASH_BYTES
+            blobs.append(BlobEntry(blob.nbytes, merkle_root(h), h, tuple(extents)))
+        files = (self.key,) if self._writer is not None else ()
         manifest = Manifest(
-            step=step,
-            rank=rank,
-            chunk_bytes=chunk_bytes,
-            data_files=tuple(files),
+            step=self.step,
+            rank=self.rank,
+            chunk_bytes=self.chunk_bytes,
+            data_files=files,
             blobs=tuple(blobs),
-            skeleton=flat.skeleton,
-            leaves=flat.leaves,
-            logical_bytes=flat.logical_bytes,
+            skeleton=self.flat.skeleton,
+            leaves=self.flat.leaves,
+            logical_bytes=self.flat.logical_bytes,
             created_unix=now_unix(),
         )
         body = manifest.to_json()
-        mkey = manifest_key(step, rank)
-        store.write(mkey, body)
-    except BaseException:
-        if thread is not None:
-            thread.join()
-        if writer is not None:
-            writer.abort()
-        raise
-    return PartResult(
-        ref=ManifestRef(rank, mkey, xxhash.xxh3_128_hexdigest(body), len(body)),
-        data_files=tuple(files),
-        logical_bytes=flat.logical_bytes,
-        written_bytes=total,
-        chunks=nchunks,
-        new_chunks=nchunks,
-        leaves=flat.leaves,
-        root=merkle_root([b.root for b in blobs]),
-    )
+        mkey = manifest_key(self.step, self.rank)
+        self.store.write(mkey, body)
+        return PartResult(
+            ref=ManifestRef(self.rank, mkey, xxhash.xxh3_128_hexdigest(body), len(body)),
+            data_files=files,
+            logical_bytes=self.flat.logical_bytes,
+            written_bytes=self._offset,
+            chunks=nchunks,
+            new_chunks=nchunks,
+            leaves=self.flat.leaves,
+            root=merkle_root([b.root for b in blobs]),
+        )
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
 
 
 def commit_version(
@@ -264,7 +254,7 @@ def _read_blobs(
         size = 0
         for offset, blob, start, nbytes in plist:
             view = views[blob][start : start + nbytes]
-            if runs and offset == end and size < 4 * _IO_BATCH_BYTES:
+            if runs and offset == end and size < 4 * IO_BATCH_BYTES:
                 runs[-1][1].append(view)
                 size += nbytes
             else:
@@ -359,7 +349,3 @@ def newest_restorable(store: Store, attempt: Any, steps: Sequence[int]) -> Any:
                 stacklevel=3,
             )
     raise IntegrityError(f"every version in {store.url} is damaged; newest error: {errors[0]}")
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0

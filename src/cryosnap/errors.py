@@ -12,6 +12,7 @@ catch one class. Where a builtin already means the same thing, the error derives
     │                                                    the run directory
     ├── IntegrityError                                   content does not match its hash
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
+    ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     └── StorageError (+ OSError)                         the storage backend failed (full disk,
                                                          permissions, unreachable endpoint)
 
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "IntegrityError",
     "StateMismatchError",
     "StorageError",
@@ -70,3 +72,7 @@ class StorageError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """Waiting for a pending save ran out of time; the save itself goes on."""

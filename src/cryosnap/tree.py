@@ -70,6 +70,9 @@ class Blob:
     path: str
     nbytes: int
     source: Any
+    # data_ptr of the torch storage the bytes come from (0: not a tensor, or a private copy);
+    # lazy capture uses it to find the blobs an optimizer step mutates.
+    origin: int = 0
 
     def host_view(self) -> memoryview:
         """A flat byte view of the data in host memory (copies only from a GPU)."""
@@ -296,12 +299,15 @@ class _Flattener:
                 x = t.detach().resolve_conj().resolve_neg()
                 if not x.is_contiguous():
                     x = x.contiguous()
+                shared = x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                 flat = (
                     x.reshape(-1).view(torch.uint8)
                     if x.numel()
                     else x.new_empty(0).view(torch.uint8).reshape(0)
                 )
                 node["b"] = self.add_blob(path, flat, flat.numel())
+                if shared:
+                    self.blobs[-1].origin = t.untyped_storage().data_ptr()
                 continue
             # Shared storage: one blob covering every byte the group uses, aligned so each
             # member's offset stays a multiple of its element size.
@@ -319,6 +325,7 @@ class _Flattener:
             base = torch.empty(0, dtype=torch.uint8, device=first.device)
             base.set_(first.untyped_storage(), lo, (hi - lo,), (1,))
             blob = self.add_blob(first_path, base.detach(), hi - lo)
+            self.blobs[-1].origin = first.untyped_storage().data_ptr()
             for i, (start, _end, _item) in zip(members, spans, strict=True):
                 node, t, _path = self.tensors[i]
                 if t.is_conj() or t.is_neg():

@@ -1,0 +1,274 @@
+"""Capture: leaves -> staging buffers, the only part of a save the program waits for.
+
+Blob bytes are copied into *slabs*: large host buffers taken from a :class:`StagingPool` that is
+reused across versions and bounded by ``staging_bytes``. Small blobs are packed together; a blob
+larger than what is left of a slab is split into *pieces* at chunk boundaries, so the background
+hashes whole chunks. A full slab is *sealed* and handed to the writer as a :class:`Batch`; the
+writer gives the slab back once its bytes are on storage. When the budget is smaller than the
+state, capture therefore streams: it waits for a slab to come back, and the version is still
+exact, because every byte was copied before ``save`` returned.
+
+``direct_batches`` is the zero-copy variant used by the synchronous ``cryosnap.save``: the caller
+blocks until the version is durable, so the writer may read the live memory itself.
+
+:class:`CaptureTracker` records which blobs are captured. Lazy capture (``lazy=True``) runs the
+copy loop on a background thread while the program computes; a one-shot ``step`` pre-hook on each
+optimizer in the state waits until the blobs that optimizer mutates are captured.
+
+Where it runs: ``capture_to_slabs`` on the caller's thread (eager) or the capture thread (lazy);
+slabs are released by the writer thread. Torch copies release the GIL.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .tree import Blob, FlatState
+
+__all__ = [
+    "Batch",
+    "CaptureTracker",
+    "Piece",
+    "StagingPool",
+    "capture_to_slabs",
+    "direct_batches",
+]
+
+# Pieces of this many bytes or more are copied one call each; smaller ones are gathered into one
+# torch.cat per slab, so 20,000 small tensors do not cost 20,000 Python-level copies.
+_SMALL_PIECE_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class Piece:
+    """``view`` holds bytes ``[offset, offset + len(view))`` of blob ``blob``."""
+
+    blob: int
+    offset: int
+    view: memoryview
+
+
+@dataclass(slots=True)
+class Batch:
+    """Pieces to write back to back; ``release`` runs once they are on storage (or dropped)."""
+
+    pieces: list[Piece]
+    release: Callable[[], None] = field(default=lambda: None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.view.nbytes for p in self.pieces)
+
+
+class _Slab:
+    __slots__ = ("array", "nbytes", "tensor")
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        torch = sys.modules.get("torch")
+        self.nbytes = nbytes
+        self.tensor: Any = None
+        if torch is not None:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.array: np.ndarray[Any, np.dtype[np.uint8]] = self.tensor.numpy()
+        else:
+            self.array = np.empty(nbytes, dtype=np.uint8)
+
+
+class StagingPool:
+    """Host slabs reused across versions, at most ``budget_bytes`` of them (None: unbounded)."""
+
+    def __init__(self, *, slab_bytes: int, budget_bytes: int | None, pin: bool = False) -> None:
+        self.slab_bytes = slab_bytes
+        self.budget_bytes = budget_bytes
+        self.pin = pin
+        self._free: list[_Slab] = []
+        self._allocated = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated
+
+    def acquire(self, abort: Callable[[], BaseException | None] = lambda: None) -> _Slab:
+        """A free slab; blocks while the budget is spent until the writer returns one."""
+        with self._cond:
+            while True:
+                if self._free:
+                    return self._free.pop()
+                if self.budget_bytes is None or self._allocated + self.slab_bytes <= max(
+                    self.budget_bytes, self.slab_bytes
+                ):
+                    self._allocated += self.slab_bytes
+                    break
+                error = abort()
+                if error is not None:
+                    raise error
+                self._cond.wait(0.1)
+        return _Slab(self.slab_bytes, self.pin)
+
+    def release(self, slab: _Slab) -> None:
+        with self._cond:
+            self._free.append(slab)
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Drop the idle slabs (memory goes back to the allocator)."""
+        with self._cond:
+            self._allocated -= sum(s.nbytes for s in self._free)
+            self._free.clear()
+
+
+class CaptureTracker:
+    """Which blobs of a version are captured; lets hooks wait for the ones they need."""
+
+    def __init__(self, nblobs: int) -> None:
+        self._done = bytearray(nblobs)
+        self._all = threading.Event()
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        if nblobs == 0:
+            self._all.set()
+
+    def mark(self, blob: int) -> None:
+        with self._cond:
+            self._done[blob] = 1
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.error = error
+            self._all.set()
+            self._cond.notify_all()
+
+    def captured(self) -> bool:
+        return self._all.is_set()
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        return self._all.wait(timeout)
+
+    def wait_blobs(self, blobs: list[int]) -> None:
+        with self._cond:
+            while not self._all.is_set() and not all(self._done[b] for b in blobs):
+                self._cond.wait()
+
+
+def _pieces(blob: Blob, start: int, space: int, chunk_bytes: int) -> int:
+    """How many bytes of ``blob`` from ``start`` fit in ``space``, ending on a chunk boundary."""
+    left = blob.nbytes - start
+    if left <= space:
+        return left
+    return space // chunk_bytes * chunk_bytes
+
+
+def _copy(dst: _Slab, at: int, blob: Blob, start: int, n: int) -> None:
+    src = blob.source
+    if isinstance(src, bytes):
+        dst.array[at : at + n] = np.frombuffer(src, dtype=np.uint8, count=n, offset=start)
+    elif isinstance(src, np.ndarray):
+        dst.array[at : at + n] = src[start : start + n]
+    else:
+        dst.tensor[at : at + n].copy_(src[start : start + n], non_blocking=src.is_cuda)
+
+
+def capture_to_slabs(
+    flat: FlatState,
+    pool: StagingPool,
+    *,
+    chunk_bytes: int,
+    emit: Callable[[Batch], None],
+    tracker: CaptureTracker,
+    abort: Callable[[], BaseException | None] = lambda: None,
+) -> None:
+    """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order."""
+    slab: _Slab | None = None
+    fill = 0
+    pieces: list[Piece] = []
+    small: list[tuple[int, Blob, int, int]] = []  # (slab offset, blob, start, n)
+    pending_marks: list[int] = []
+    gpu = False
+
+    def flush_small() -> None:
+        nonlocal small
+        if not small or slab is None:
+            return
+        # Small pieces are back to back in the slab: one torch.cat copies all torch ones.
+        torch_small = [s for s in small if not isinstance(s[1].source, (bytes, np.ndarray))]
+        if len(torch_small) > 1 and slab.tensor is not None:
+            torch = sys.modules["torch"]
+            lo = torch_small[0][0]
+            hi = torch_small[-1][0] + torch_small[-1][3]
+            if hi - lo == sum(s[3] for s in torch_small) and not any(
+                s[1].source.is_cuda for s in torch_small
+            ):
+                torch.cat(
+                    [s[1].source[s[2] : s[2] + s[3]] for s in torch_small],
+                    out=slab.tensor[lo:hi],
+                )
+                small = [s for s in small if isinstance(s[1].source, (bytes, np.ndarray))]
+        for at, blob, start, n in small:
+            _copy(slab, at, blob, start, n)
+        small = []
+
+    def seal() -> None:
+        nonlocal slab, fill, pieces, pending_marks
+        if slab is None:
+            return
+        flush_small()
+        if gpu:
+            # Device-to-host copies were queued non-blocking on the current stream.
+            sys.modules["torch"].cuda.current_stream().synchronize()
+        for b in pending_marks:
+            tracker.mark(b)
+        done, pieces, pending_marks = pieces, [], []
+        s = slab
+        slab, fill = None, 0
+        emit(Batch(done, lambda: pool.release(s)))
+
+    for index, blob in enumerate(flat.blobs):
+        if blob.nbytes == 0:
+            tracker.mark(index)
+            continue
+        if not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda:
+            gpu = True
+        start = 0
+        while start < blob.nbytes:
+            if slab is None:
+                slab = pool.acquire(abort)
+            n = _pieces(blob, start, slab.nbytes - fill, chunk_bytes)
+            if n == 0:
+                seal()
+                continue
+            if n < _SMALL_PIECE_BYTES:
+                small.append((fill, blob, start, n))
+            else:
+                flush_small()
+                _copy(slab, fill, blob, start, n)
+            pieces.append(Piece(index, start, slab.array[fill : fill + n].data))
+            fill += n
+            start += n
+        pending_marks.append(index)
+    seal()
+
+
+def direct_batches(flat: FlatState, *, batch_bytes: int) -> Iterator[Batch]:
+    """Batches that view the live blob memory: zero copy, for callers that block until durable."""
+    pieces: list[Piece] = []
+    size = 0
+    for index, blob in enumerate(flat.blobs):
+        if blob.nbytes == 0:
+            continue
+        view = blob.host_view()
+        pieces.append(Piece(index, 0, view))
+        size += view.nbytes
+        if size >= batch_bytes:
+            yield Batch(pieces)
+            pieces, size = [], 0
+    if pieces:
+        yield Batch(pieces)
