@@ -360,12 +360,14 @@ class Checkpointer:
 
     def _write(self, job: _Job) -> SaveInfo:
         writer: engine.PartWriter | None = None
+        ended = False
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
         try:
             writer = engine.PartWriter(self.store, job.step, job.flat, chunk_bytes=self.chunk_bytes)
             while True:
                 item = job.batches.get()
                 if item is _END:
+                    ended = True
                     break
                 if isinstance(item, BaseException):
                     raise item
@@ -377,12 +379,14 @@ class Checkpointer:
                     batch.release()
             part = writer.finish()
             engine.commit_version(self.store, job.step, [part], chunk_bytes=self.chunk_bytes)
-        except BaseException:
+        except BaseException as exc:
             if writer is not None:
                 writer.abort()
-            # Give every slab of this version back, so a blocked capture can finish.
-            job.pending._error = job.pending._error or CheckpointError("aborted")
-            self._drain(job)
+            if not ended:
+                # Stop the capture (it polls this) and give every slab of this version back,
+                # so a capture blocked on the staging budget can finish.
+                job.pending._error = exc
+                self._drain(job)
             raise
         finally:
             progress.close()

@@ -1,0 +1,108 @@
+"""Fault injection for tests and benchmarks: a store wrapper that fails, stalls or throttles.
+
+``FaultyStore(inner, fault=...)`` calls ``fault(op, key)`` before every operation (``op`` is one
+of ``read``, ``read_into``, ``write``, ``open_writer``, ``writer.write``, ``writer.commit``,
+``exists``, ``list``, ``size``, ``delete``); the callable may raise (an injected failure), sleep
+(a stall) or kill the process (a crash at an exact phase of a save). ``bytes_per_second``
+throttles data written through writers, as a slow device or a shared file system would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from .storage.base import BlobWriter, BytesLike, Store
+
+__all__ = ["FaultyStore"]
+
+Fault = Callable[[str, str], None]
+
+
+def _no_fault(op: str, key: str) -> None:
+    return None
+
+
+class FaultyStore:
+    """Wraps a store; every primitive first calls ``fault(op, key)``."""
+
+    def __init__(
+        self,
+        inner: Store,
+        *,
+        fault: Fault = _no_fault,
+        bytes_per_second: float | None = None,
+    ) -> None:
+        self.inner = inner
+        self.fault = fault
+        self.bytes_per_second = bytes_per_second
+        self.ops: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def _hit(self, op: str, key: str) -> None:
+        with self._lock:
+            self.ops.append((op, key))
+        self.fault(op, key)
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def read(self, key: str) -> bytes:
+        self._hit("read", key)
+        return self.inner.read(key)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._hit("read_into", key)
+        self.inner.read_into(key, offset, buffers)
+
+    def write(self, key: str, data: bytes) -> None:
+        self._hit("write", key)
+        self.inner.write(key, data)
+
+    def open_writer(self, key: str) -> BlobWriter:
+        self._hit("open_writer", key)
+        return _FaultyWriter(self, self.inner.open_writer(key))
+
+    def exists(self, key: str) -> bool:
+        self._hit("exists", key)
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._hit("list", prefix)
+        return self.inner.list(prefix)
+
+    def size(self, key: str) -> int:
+        self._hit("size", key)
+        return self.inner.size(key)
+
+    def delete(self, key: str) -> None:
+        self._hit("delete", key)
+        self.inner.delete(key)
+
+
+class _FaultyWriter:
+    def __init__(self, store: FaultyStore, inner: BlobWriter) -> None:
+        self._store = store
+        self._inner = inner
+        self.key = inner.key
+
+    def write(self, buffers: Sequence[BytesLike]) -> None:
+        self._store._hit("writer.write", self.key)
+        t0 = time.perf_counter()
+        self._inner.write(buffers)
+        rate = self._store.bytes_per_second
+        if rate:
+            nbytes = sum(memoryview(b).nbytes for b in buffers)
+            time.sleep(max(0.0, nbytes / rate - (time.perf_counter() - t0)))
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def commit(self) -> None:
+        self._store._hit("writer.commit", self.key)
+        self._inner.commit()
+
+    def abort(self) -> None:
+        self._inner.abort()
