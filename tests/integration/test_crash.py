@@ -1,0 +1,85 @@
+"""SIGKILL at every phase of a save: earlier versions stay restorable, nothing partial shows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cryosnap
+
+_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import cryosnap
+    from cryosnap.storage import LocalStore
+    from cryosnap.testing import FaultyStore
+
+    run, phase, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    armed = {"on": False, "seen": 0}
+
+    def fault(op, key):
+        if not armed["on"]:
+            return
+        name = op
+        if op == "write":
+            name = "commit" if key.endswith("COMMIT.json") else "manifest"
+        if name == phase:
+            armed["seen"] += 1
+            if armed["seen"] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    store = FaultyStore(LocalStore(run), fault=fault)
+    with cryosnap.Checkpointer(store, chunk_bytes=64 << 10, staging_bytes=1 << 20) as ckpt:
+        ckpt.save(1, {"a": np.full(300_000, 1.0), "step": 1}).result()
+        armed["on"] = True
+        ckpt.save(2, {"a": np.full(300_000, 2.0), "step": 2}).result()
+    print("finished without crashing")
+    """
+)
+
+PHASES = [
+    ("open_writer", 1),  # before the data file exists
+    ("writer.write", 1),  # first batch of data
+    ("writer.write", 2),  # in the middle of the data
+    ("writer.commit", 1),  # data written, not yet fsynced and renamed
+    ("manifest", 1),  # data durable, manifest not written
+    ("commit", 1),  # manifest durable, commit record not written
+]
+
+
+@pytest.mark.parametrize(("phase", "nth"), PHASES)
+def test_sigkill_during_save_leaves_previous_version(tmp_path: Path, phase: str, nth: int) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(run), phase, str(nth)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    out = cryosnap.load(run)
+    assert out["step"] == 1
+    np.testing.assert_array_equal(out["a"], np.full(300_000, 1.0))
+    # The killed writer's lock is recovered and the same step can be saved again.
+    with cryosnap.Checkpointer(run) as ckpt:
+        assert ckpt.steps() == [1]
+        ckpt.save(2, {"a": np.full(300_000, 2.0), "step": 2}).result()
+    assert cryosnap.load(run)["step"] == 2
+
+
+def test_sigkill_after_commit_keeps_the_version(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code = (
+        "import os, signal, cryosnap\n"
+        f"c = cryosnap.Checkpointer({str(run)!r})\n"
+        "c.save(7, {'x': 7}).result()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -9
+    assert cryosnap.load(run) == {"x": 7}
