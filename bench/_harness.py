@@ -69,6 +69,15 @@ def tree_bytes(root: Path) -> int:
     return sum(path.stat().st_size for path in iter_files(root))
 
 
+def settle_disk() -> None:
+    """Flush every file system (untimed) so that the next peer starts on a quiet disk.
+
+    Removing a checkpoint leaves journal work behind (and, on a file system mounted with
+    ``discard``, TRIMs) that would otherwise land in the next peer's fsync.
+    """
+    os.sync()
+
+
 def warm_page_cache(root: Path) -> int:
     """Read every file under ``root`` once so that later timed loads all start warm.
 

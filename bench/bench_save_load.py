@@ -10,11 +10,13 @@ Peers, each given the same in-memory state dict and its own fresh directory per 
   sync_files=True fsyncs data and metadata); load into a preallocated state.
 - cryosnap.save (durable on return); cryosnap.load.
 
-Repetitions go round-robin over the peers (the starting peer rotates) so that the drift of a
-shared, noisy machine is spread over all of them; the table reports medians. Loads are warm-cache:
-the page cache cannot be dropped here, so each peer's files are read once after its save and before
-its timed load, which makes every peer equally warm. Peak load memory is measured in a fresh child
-process per loader. Checks from the issue are printed, never asserted.
+After an untimed warm-up round, repetitions go round-robin over the peers (the starting peer
+rotates) so that the drift of a shared, noisy machine is spread over all of them, and the file
+systems are synced (untimed) after each peer's files are removed; the table reports medians.
+Loads are warm-cache: the page cache cannot be dropped here, so each peer's files are read once
+after its save and before its timed load, which makes every peer equally warm. Peak load memory
+is measured in a fresh child process per loader. Checks from the issue are printed, never
+asserted.
 
 Run: ``.venv/bin/python bench/bench_save_load.py --state all`` (see bench/README.md).
 """
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -411,44 +413,70 @@ class StateResult:
 
 
 def time_peers(
-    spec: StateSpec, state: StateDict, peers: Sequence[Peer], *, repeat: int, root: Path
+    spec: StateSpec,
+    state: StateDict,
+    peers: Sequence[Peer],
+    *,
+    repeat: int,
+    warmup: int,
+    root: Path,
 ) -> list[PeerResult]:
+    """Time every peer ``repeat`` times after ``warmup`` untimed rounds, round robin.
+
+    The first round (warm-up or not) also checks each peer's round trip leaf by leaf.
+    """
     results = {peer.key: PeerResult(peer.key, peer.label) for peer in peers}
     for peer in peers:
         peer.prepare(state)
     try:
-        for rep in range(repeat):
-            start = rep % len(peers)
+        for round_index in range(warmup + repeat):
+            start = round_index % len(peers)
             for peer in [*peers[start:], *peers[:start]]:
                 result = results[peer.key]
                 if result.error is not None:
                     continue
-                path = root / f"{spec.key}-{peer.key}-{rep}"
+                path = root / f"{spec.key}-{peer.key}-{round_index}"
                 try:
-                    _time_one(peer, state, path, result, verify=rep == 0)
+                    seconds = _save_and_load(peer, state, path, verify=round_index == 0)
+                    result.disk_bytes = h.tree_bytes(path)
                 except Exception as exc:
                     result.error = f"{type(exc).__name__}: {exc}"
                     print(f"  ! {peer.label} failed on state {spec.key}:", file=sys.stderr)
                     traceback.print_exc(file=sys.stderr)
+                    continue
                 finally:
                     shutil.rmtree(path, ignore_errors=True)
-            done = ", ".join(
-                f"{r.key} {r.save_seconds[-1]:.2f}/{r.load_seconds[-1]:.2f}s"
-                for r in results.values()
-                if r.error is None and len(r.load_seconds) == rep + 1
-            )
-            print(f"  rep {rep + 1}/{repeat} (save/load): {done}", flush=True)
+                    h.settle_disk()
+                if round_index >= warmup:
+                    result.save_seconds.append(seconds[0])
+                    result.load_seconds.append(seconds[1])
+            _print_round(results.values(), round_index, warmup=warmup, repeat=repeat)
     finally:
         for peer in peers:
             peer.release()
     return [results[peer.key] for peer in peers]
 
 
-def _time_one(
-    peer: Peer, state: StateDict, path: Path, result: PeerResult, *, verify: bool
+def _print_round(
+    results: Iterable[PeerResult], round_index: int, *, warmup: int, repeat: int
 ) -> None:
+    if round_index < warmup:
+        print(f"  warm-up round {round_index + 1}/{warmup} done (untimed)", flush=True)
+        return
+    rep = round_index - warmup + 1
+    done = ", ".join(
+        f"{r.key} {r.save_seconds[-1]:.2f}/{r.load_seconds[-1]:.2f}s"
+        for r in results
+        if r.error is None and len(r.load_seconds) == rep
+    )
+    print(f"  rep {rep}/{repeat} (save/load): {done}", flush=True)
+
+
+def _save_and_load(
+    peer: Peer, state: StateDict, path: Path, *, verify: bool
+) -> tuple[float, float]:
+    """(save seconds, load seconds) of one round trip through ``path``."""
     save_seconds, _ = h.timed(lambda: peer.save(path, state))
-    result.disk_bytes = h.tree_bytes(path)
     h.warm_page_cache(path)
     load_seconds, loaded = h.timed(lambda: peer.load(path))
     if verify:
@@ -456,8 +484,7 @@ def _time_one(
         if mismatch is not None:
             raise ValueError(f"round trip differs: {mismatch}")
     del loaded
-    result.save_seconds.append(save_seconds)
-    result.load_seconds.append(load_seconds)
+    return save_seconds, load_seconds
 
 
 def measure_load_memory(
@@ -481,6 +508,7 @@ def measure_load_memory(
             continue
         finally:
             shutil.rmtree(path, ignore_errors=True)
+            h.settle_disk()
         measured.append(
             LoadMemory(
                 key=peer.key,
@@ -697,6 +725,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--repeat", type=int, default=3, help="repetitions; the median is shown")
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds of every peer before the timed ones (default 1)",
+    )
+    parser.add_argument(
         "--dir",
         type=Path,
         default=None,
@@ -717,6 +751,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
     if not 0.0 < args.size_scale <= 1.0:
         parser.error(f"--size-scale must be in (0, 1], got {args.size_scale}")
     if args.dir is not None and not args.dir.is_dir():
@@ -760,11 +796,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key in keys:
             spec = spec_of[key](args.size_scale)
             print(f"\nbuilding state {key}: {spec.title} ...", flush=True)
+            load_before = os.getloadavg()[0]
             state = build_state(spec)
-            peer_results = time_peers(spec, state, peers, repeat=args.repeat, root=root)
+            peer_results = time_peers(
+                spec, state, peers, repeat=args.repeat, warmup=args.warmup, root=root
+            )
             memory = measure_load_memory(spec, state, peers, root=root)
             del state
-            notes = [] if cryosnap is not None else [f"cryosnap not importable ({why_not})"]
+            # Other processes on a 2-core machine show up in every figure: say how busy it was.
+            notes = [
+                f"1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
+                f"({os.cpu_count()} CPUs)"
+            ]
+            if cryosnap is None:
+                notes.append(f"cryosnap not importable ({why_not})")
             result = StateResult(
                 key=key,
                 title=spec.title,
@@ -786,6 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "args": {
                 "state": args.state,
                 "repeat": args.repeat,
+                "warmup": args.warmup,
                 "size_scale": args.size_scale,
             },
             "warm_cache": True,

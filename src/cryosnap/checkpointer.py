@@ -155,6 +155,15 @@ class Checkpointer:
     ----------
     path
         The run: a directory or an fsspec URL.
+    keep
+        Versions to keep (None: all). Older ones are deleted after each commit; a data file or
+        manifest goes only when no kept version needs it.
+    incremental
+        Write only chunks whose content is new since the previous version (True), or every
+        version in full (False).
+    full_every
+        With ``incremental``, a full (self-contained) version at least every N versions, which
+        bounds the chain a restore has to resolve.
     chunk_bytes
         Chunk size for hashing and verification, 4 KiB to 64 MiB.
     staging_bytes
@@ -170,6 +179,9 @@ class Checkpointer:
         self,
         path: PathLike,
         *,
+        keep: int | None = None,
+        incremental: bool = True,
+        full_every: int = 16,
         chunk_bytes: int = 1 << 20,
         staging_bytes: int | None = None,
         max_inflight: int = 1,
@@ -182,6 +194,16 @@ class Checkpointer:
                 f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
             )
         self.max_inflight = _validate_positive(max_inflight, "max_inflight") or 1
+        self.keep = _validate_positive(keep, "keep", allow_none=True)
+        self.full_every = _validate_positive(full_every, "full_every") or 1
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, got {type(incremental).__name__}")
+        self.incremental = incremental
+        # The previous version, resolved, and where each chunk of kept content lies: the base
+        # of the next incremental version. Loaded from the run on the first save.
+        self._base: engine.ResolvedPart | None = None
+        self._index: dict[bytes, tuple[str, int]] = {}
+        self._base_loaded = False
         self.allow_pickle = bool(allow_pickle)
         self.store = open_store(path)
         self._lock = acquire_run_lock(self.store)
@@ -358,12 +380,38 @@ class Checkpointer:
                 self._inflight.release()
             job.pending._finish(info, error)
 
+    def _load_base(self) -> None:
+        # First save of this session: continue the run's chain from its newest version.
+        self._base_loaded = True
+        latest = engine.list_steps(self.store)
+        if not latest or not self.incremental:
+            return
+        try:
+            base = engine.resolve_version(self.store, latest[-1])
+        except CheckpointError as exc:
+            log.warning("step %d cannot be a base, next version is full: %s", latest[-1], exc)
+            return
+        if base.manifest.chunk_bytes == self.chunk_bytes:
+            self._base, self._index = base, base.locations()
+
     def _write(self, job: _Job) -> SaveInfo:
         writer: engine.PartWriter | None = None
         ended = False
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
         try:
-            writer = engine.PartWriter(self.store, job.step, job.flat, chunk_bytes=self.chunk_bytes)
+            if not self._base_loaded:
+                self._load_base()
+            base = self._base
+            if not self.incremental or (base is not None and base.depth >= self.full_every):
+                base = None
+            writer = engine.PartWriter(
+                self.store,
+                job.step,
+                job.flat,
+                chunk_bytes=self.chunk_bytes,
+                base=base,
+                index=self._index if base is not None else None,
+            )
             while True:
                 item = job.batches.get()
                 if item is _END:
@@ -379,6 +427,7 @@ class Checkpointer:
                     batch.release()
             part = writer.finish()
             engine.commit_version(self.store, job.step, [part], chunk_bytes=self.chunk_bytes)
+            self._advance(part)
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
@@ -401,9 +450,30 @@ class Checkpointer:
             new_chunks=part.new_chunks,
             stall_seconds=job.stall_seconds + job.pending._stall,
             seconds=seconds,
-            incremental=False,
+            incremental=part.incremental,
             tiers=("persistent",),
         )
+
+    def _advance(self, part: engine.PartResult) -> None:
+        """After a commit: the version is the next base; apply retention."""
+        self._base = part.resolved
+        if part.incremental:
+            self._index.update(part.new_index)
+        else:
+            # A full version starts a new chain; older content stays referenced only by older
+            # versions, so retention can reclaim it.
+            self._index = dict(part.new_index)
+        if self.keep is None:
+            return
+        try:
+            dropped = engine.retire(self.store, keep=self.keep)
+        except CheckpointError as exc:
+            # The version is committed; a failed clean-up is retried after the next one.
+            log.warning("retention after step %d failed: %s", part.resolved.step, exc)
+            return
+        if dropped:
+            live = set(self.store.list("data"))
+            self._index = {h: loc for h, loc in self._index.items() if loc[0] in live}
 
     @staticmethod
     def _drain(job: _Job) -> None:

@@ -1,32 +1,42 @@
-"""The write and read pipelines of one version on one tier.
+"""The write, resolve and read pipelines of one version on one tier.
 
-Write (:class:`PartWriter` then ``commit_version``): hash the chunks of each captured batch and
-append its bytes to one packed data file per rank and version (``writev``: many buffers, few
-syscalls), fsync it, write the rank's manifest, and finally the commit record. Until the commit
-record exists the version is invisible; a crash at any point leaves only unreferenced files that
-retention removes.
+Write (:class:`PartWriter`, then :func:`commit_version`): hash the chunks of each captured
+batch; compare them with the *base* version (the previous one) chunk by chunk: an unchanged run
+becomes one ``Inherited`` reference; a chunk whose content is already stored (earlier in this
+version, or in a kept version) becomes a reference to where it lies; only new content is
+appended to the version's one packed data file (``writev``: many buffers, few syscalls). Then
+fsync, the rank's manifest, and last the commit record. Until the commit record exists the
+version is invisible; a crash at any point leaves only unreferenced files that retention removes.
 
-Read (``read_part``): read the commit record and the rank's manifest (both checked against their
-hashes), allocate every leaf empty, read each data file in large contiguous runs straight into
-the leaves (``preadv``), verify every chunk's hash, then build the tree. ``into=`` is checked
-before any byte is read and filled only after every chunk verified.
+Resolve (:func:`resolve`): follow a manifest's chain of bases back to a full version, checking
+each manifest against the hash its successor recorded, and produce per chunk its data file,
+offset and hash (numpy arrays; no data is read).
+
+Read (:func:`read_part`): resolve, allocate every leaf empty, read each data file in large
+contiguous runs straight into the leaves (``preadv``), verify every chunk's hash, then build the
+tree. ``into=`` is checked before any byte is read and filled only after every chunk verified.
+
+Retire (:func:`retire`): reference-counted retention: a data file or manifest is deleted only
+when no kept version needs it.
 
 Writes run on the Checkpointer's background thread, reads on the caller's; no collectives here.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from .capture import Piece
-from .chunks import HASH_BYTES, hash_chunks, merkle_root
+from .chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -35,11 +45,14 @@ from .errors import (
     IntegrityError,
 )
 from .manifest import (
+    BaseRef,
     BlobEntry,
     CommitRecord,
-    Extent,
+    Inherited,
     Manifest,
     ManifestRef,
+    Segment,
+    Stored,
     commit_key,
     data_key,
     manifest_key,
@@ -48,16 +61,24 @@ from .manifest import (
 )
 from .storage import Store
 from .storage.base import BlobWriter, TruncatedError
-from .tree import FlatState, Restorer, apply_into, check_into
+from .tree import FlatState, Restorer, apply_into, blob_paths, check_into
 
 __all__ = [
+    "IO_BATCH_BYTES",
+    "MAX_CHAIN",
     "PartResult",
     "PartWriter",
+    "ResolvedBlob",
+    "ResolvedPart",
     "commit_version",
     "list_steps",
+    "newest_restorable",
     "read_commit",
     "read_manifest",
     "read_part",
+    "resolve",
+    "resolve_version",
+    "retire",
     "verify_part",
 ]
 
@@ -65,6 +86,160 @@ log = logging.getLogger("cryosnap")
 
 # Bytes handed to one writev/preadv call: large enough for sequential bandwidth.
 IO_BATCH_BYTES = 64 << 20
+# A chain longer than this is refused as malformed (full_every keeps real chains far shorter).
+MAX_CHAIN = 4096
+
+_Loc = tuple[str, int]  # (data file key, byte offset) of one stored chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# resolved versions
+
+
+@dataclass(slots=True)
+class ResolvedBlob:
+    """Where each chunk of one blob lies and what it hashes to."""
+
+    path: str
+    nbytes: int
+    files: np.ndarray[Any, np.dtype[np.int32]]  # per chunk: index into ResolvedPart.files
+    offsets: np.ndarray[Any, np.dtype[np.int64]]  # per chunk: byte offset in that file
+    hashes: np.ndarray[Any, np.dtype[np.uint8]]  # (chunks, 16)
+
+
+@dataclass(slots=True)
+class ResolvedPart:
+    """One rank's part of a version with its chain of bases applied."""
+
+    manifest: Manifest
+    key: str
+    xxh3: str
+    files: list[str]
+    blobs: list[ResolvedBlob]
+    chain: tuple[int, ...]  # steps whose manifests resolution needed, oldest first
+    _by_path: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def depth(self) -> int:
+        return len(self.chain)
+
+    def blob_index(self, path: str) -> int | None:
+        if not self._by_path:
+            self._by_path = {b.path: i for i, b in enumerate(self.blobs)}
+        return self._by_path.get(path)
+
+    def used_files(self) -> list[str]:
+        used: set[int] = set()
+        for b in self.blobs:
+            used.update(np.unique(b.files).tolist())
+        return sorted(self.files[i] for i in used)
+
+    def locations(self) -> dict[bytes, _Loc]:
+        """Content index of this version: chunk hash -> where it is stored."""
+        index: dict[bytes, _Loc] = {}
+        for b in self.blobs:
+            raw = b.hashes.tobytes()
+            for i in range(len(b.offsets)):
+                index.setdefault(
+                    raw[i * HASH_BYTES : (i + 1) * HASH_BYTES],
+                    (self.files[int(b.files[i])], int(b.offsets[i])),
+                )
+        return index
+
+
+def _resolve_one(
+    manifest: Manifest, key: str, xxh3: str, base: ResolvedPart | None, where: str
+) -> ResolvedPart:
+    if (manifest.base is None) != (base is None):
+        raise CheckpointFormatError(f"{where}: base of step {manifest.step} does not match")
+    files = list(base.files) if base is not None else []
+    file_index = {f: i for i, f in enumerate(files)}
+    local = []
+    for f in manifest.data_files:
+        if f not in file_index:
+            file_index[f] = len(files)
+            files.append(f)
+        local.append(file_index[f])
+    cb = manifest.chunk_bytes
+    paths = blob_paths(manifest.skeleton, len(manifest.blobs))
+    blobs = []
+    for i, entry in enumerate(manifest.blobs):
+        n = chunk_count(entry.nbytes, cb)
+        fidx = np.empty(n, np.int32)
+        offs = np.empty(n, np.int64)
+        hashes = np.empty((n, HASH_BYTES), np.uint8)
+        pos = 0
+        for g in entry.segments:
+            if isinstance(g, Stored):
+                k = len(g.hashes) // HASH_BYTES
+                fidx[pos : pos + k] = local[g.file]
+                offs[pos : pos + k] = g.offset + np.arange(k, dtype=np.int64) * cb
+                hashes[pos : pos + k] = np.frombuffer(g.hashes, np.uint8).reshape(k, HASH_BYTES)
+            else:
+                assert base is not None
+                if g.blob >= len(base.blobs) or g.first + g.count > len(base.blobs[g.blob].files):
+                    raise CheckpointFormatError(
+                        f"{where}: blob {i} inherits chunks its base (step {base.step}) lacks"
+                    )
+                src = base.blobs[g.blob]
+                k = g.count
+                fidx[pos : pos + k] = src.files[g.first : g.first + k]
+                offs[pos : pos + k] = src.offsets[g.first : g.first + k]
+                hashes[pos : pos + k] = src.hashes[g.first : g.first + k]
+            pos += k
+        blobs.append(ResolvedBlob(paths[i], entry.nbytes, fidx, offs, hashes))
+    chain = (*base.chain, manifest.step) if base is not None else (manifest.step,)
+    return ResolvedPart(manifest, key, xxh3, files, blobs, chain)
+
+
+def _load_manifest(store: Store, key: str, xxh3: str, nbytes: int | None, step: int) -> Manifest:
+    try:
+        data = store.read(key)
+    except CheckpointNotFoundError:
+        # The commit record (or a successor's base reference) names it: it is damage.
+        raise IntegrityError(f"step {step}, tier {store.url}: manifest {key} is missing") from None
+    if (nbytes is not None and len(data) != nbytes) or xxhash.xxh3_128_hexdigest(data) != xxh3:
+        raise IntegrityError(
+            f"step {step}, tier {store.url}: manifest {key} does not match its recorded hash"
+        )
+    return Manifest.from_json(data, f"{store.url}: {key}")
+
+
+def resolve(store: Store, manifest: Manifest, key: str, xxh3: str) -> ResolvedPart:
+    """Apply ``manifest``'s chain of bases; reads manifests only, verified hash by hash."""
+    chain: list[tuple[Manifest, str, str]] = [(manifest, key, xxh3)]
+    while chain[-1][0].base is not None:
+        ref: BaseRef = chain[-1][0].base
+        if len(chain) > MAX_CHAIN or ref.step == chain[-1][0].step:
+            raise CheckpointFormatError(
+                f"{store.url}: chain of step {manifest.step} is malformed at step {ref.step}"
+            )
+        base = _load_manifest(store, ref.key, ref.xxh3, None, manifest.step)
+        if base.step != ref.step or base.rank != manifest.rank:
+            raise CheckpointFormatError(f"{store.url}: {ref.key} is not step {ref.step}")
+        if base.chunk_bytes != manifest.chunk_bytes:
+            raise CheckpointFormatError(f"{store.url}: {ref.key} has another chunk size")
+        chain.append((base, ref.key, ref.xxh3))
+    resolved: ResolvedPart | None = None
+    for m, k, h in reversed(chain):
+        resolved = _resolve_one(m, k, h, resolved, f"{store.url}: {k}")
+    assert resolved is not None
+    return resolved
+
+
+def resolve_version(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
+    """Read the commit record of ``step`` and resolve one rank's part."""
+    record = read_commit(store, step)
+    manifest, ref = read_manifest(store, record, rank)
+    return resolve(store, manifest, ref.key, ref.xxh3)
+
+
+# ---------------------------------------------------------------------------------------------
+# write
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,25 +247,78 @@ class PartResult:
     """What one rank wrote for a version."""
 
     ref: ManifestRef
-    data_files: tuple[str, ...]
+    resolved: ResolvedPart
+    new_index: dict[bytes, _Loc]
     logical_bytes: int
     written_bytes: int
     chunks: int
     new_chunks: int
     leaves: int
     root: bytes
+    incremental: bool
+
+
+class _BlobBuilder:
+    """Segments of one blob as its pieces arrive."""
+
+    __slots__ = ("hashes", "segments")
+
+    def __init__(self) -> None:
+        self.segments: list[list[Any]] = []  # [0, file, offset, nbytes, [hashes]] | [1, b, f, n]
+        self.hashes: list[bytes] = []
+
+    def inherit(self, blob: int, first: int, count: int) -> None:
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last[0] == 1 and last[1] == blob and last[2] + last[3] == first:
+            last[3] += count
+        else:
+            self.segments.append([1, blob, first, count])
+
+    def store(self, file: int, offset: int, nbytes: int, digest: bytes, chunk_bytes: int) -> None:
+        last = self.segments[-1] if self.segments else None
+        if (
+            last is not None
+            and last[0] == 0
+            and last[1] == file
+            and last[2] + last[3] == offset
+            and last[3] % chunk_bytes == 0
+        ):
+            last[3] += nbytes
+            last[4].append(digest)
+        else:
+            self.segments.append([0, file, offset, nbytes, [digest]])
+
+    def entry(self, nbytes: int) -> BlobEntry:
+        segs: list[Segment] = []
+        for g in self.segments:
+            if g[0] == 0:
+                segs.append(Stored(g[1], g[2], g[3], b"".join(g[4])))
+            else:
+                segs.append(Inherited(g[1], g[2], g[3]))
+        return BlobEntry(nbytes, merkle_root(b"".join(self.hashes)), tuple(segs))
 
 
 class PartWriter:
-    """Streams one rank's part of a version into one packed data file, then its manifest.
+    """Streams one rank's part of a version: new chunks into one packed data file, then the
+    manifest (durable, not yet committed).
 
-    ``add`` hashes each piece's chunks and appends its bytes to the data file; pieces of a blob
-    arrive in order and start on chunk boundaries. ``finish`` fsyncs the data file and writes the
-    manifest (durable, not yet committed). Runs on the background writer thread.
+    With a ``base`` the version is incremental: chunks equal to the base's at the same place
+    are inherited, and ``index`` (hash -> location of content in kept versions) turns content
+    seen before into references. Without one, the version is full: self-contained, with
+    duplicate chunks inside it stored once. Pieces of a blob arrive in order and start on chunk
+    boundaries. Runs on the background writer thread.
     """
 
     def __init__(
-        self, store: Store, step: int, flat: FlatState, *, chunk_bytes: int, rank: int = 0
+        self,
+        store: Store,
+        step: int,
+        flat: FlatState,
+        *,
+        chunk_bytes: int,
+        rank: int = 0,
+        base: ResolvedPart | None = None,
+        index: dict[bytes, _Loc] | None = None,
     ) -> None:
         if store.exists(commit_key(step)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
@@ -99,70 +327,149 @@ class PartWriter:
         self.rank = rank
         self.flat = flat
         self.chunk_bytes = chunk_bytes
+        self.base = base if base is not None and base.manifest.chunk_bytes == chunk_bytes else None
+        self.index = index if self.base is not None and index is not None else {}
         self.key = data_key(step, rank, secrets.token_hex(4))
+        self.files: list[str] = [self.key]
+        self._file_index = {self.key: 0}
+        self.new_index: dict[bytes, _Loc] = {}
         self._writer: BlobWriter | None = None
         self._offset = 0
-        self._hashes = [bytearray() for _ in flat.blobs]
-        self._extents: list[list[Extent]] = [[] for _ in flat.blobs]
+        self._builders = [_BlobBuilder() for _ in flat.blobs]
+        self._base_blob = [
+            self._match(i) if self.base is not None else None for i in range(len(flat.blobs))
+        ]
+        self.chunks = 0
+        self.new_chunks = 0
+
+    def _match(self, i: int) -> int | None:
+        assert self.base is not None
+        blob = self.flat.blobs[i]
+        j = self.base.blob_index(blob.path)
+        if j is None or self.base.blobs[j].nbytes != blob.nbytes:
+            return None
+        return j
 
     @property
     def written_bytes(self) -> int:
         return self._offset
 
+    def _file(self, key: str) -> int:
+        idx = self._file_index.get(key)
+        if idx is None:
+            idx = self._file_index[key] = len(self.files)
+            self.files.append(key)
+        return idx
+
     def add(self, pieces: Sequence[Piece]) -> None:
-        if not pieces:
-            return
+        cb = self.chunk_bytes
+        out: list[memoryview] = []
         for p in pieces:
-            self._hashes[p.blob] += hash_chunks(p.view, self.chunk_bytes)
-            ext = self._extents[p.blob]
-            n = p.view.nbytes
-            if ext and ext[-1].offset + ext[-1].nbytes == self._offset:
-                ext[-1] = Extent(0, ext[-1].offset, ext[-1].nbytes + n)
-            else:
-                ext.append(Extent(0, self._offset, n))
-            self._offset += n
-        if self._writer is None:
-            self._writer = self.store.open_writer(self.key)
-        self._writer.write([p.view for p in pieces])
+            view = p.view
+            digests = hash_chunks(view, cb)
+            n = len(digests) // HASH_BYTES
+            self.chunks += n
+            first = p.offset // cb
+            builder = self._builders[p.blob]
+            builder.hashes.append(digests)
+            same = np.zeros(n, bool)
+            j = self._base_blob[p.blob]
+            if j is not None:
+                assert self.base is not None
+                old = self.base.blobs[j].hashes[first : first + n]
+                same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
+            # Walk runs of unchanged / changed chunks: one reference per unchanged run.
+            edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
+            bounds = [0, *edges.tolist(), n]
+            for a, b in itertools.pairwise(bounds):
+                if a == b:
+                    continue
+                if same[a]:
+                    assert j is not None
+                    builder.inherit(j, first + a, b - a)
+                    continue
+                run_start = -1  # start (in this piece) of the current run of new bytes
+                for k in range(a, b):
+                    digest = digests[k * HASH_BYTES : (k + 1) * HASH_BYTES]
+                    lo = k * cb
+                    size = min(cb, view.nbytes - lo)
+                    loc = self.new_index.get(digest) or self.index.get(digest)
+                    if loc is not None:
+                        if run_start >= 0:
+                            out.append(view[run_start:lo])
+                            run_start = -1
+                        builder.store(self._file(loc[0]), loc[1], size, digest, cb)
+                        continue
+                    if run_start < 0:
+                        run_start = lo
+                    self.new_index[digest] = (self.key, self._offset)
+                    builder.store(0, self._offset, size, digest, cb)
+                    self._offset += size
+                    self.new_chunks += 1
+                if run_start >= 0:
+                    out.append(view[run_start : min(b * cb, view.nbytes)])
+        if out:
+            if self._writer is None:
+                self._writer = self.store.open_writer(self.key)
+            self._writer.write(out)
 
     def finish(self) -> PartResult:
         if self._writer is not None:
             self._writer.commit()
-        blobs = []
-        nchunks = 0
-        for blob, hashes, extents in zip(self.flat.blobs, self._hashes, self._extents, strict=True):
-            h = bytes(hashes)
-            if sum(e.nbytes for e in extents) != blob.nbytes:
+        entries = []
+        for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
+            entry = builder.entry(blob.nbytes)
+            got = sum(len(h) for h in builder.hashes) // HASH_BYTES
+            if got != chunk_count(blob.nbytes, self.chunk_bytes):
                 raise CheckpointError(
-                    f"step {self.step}: leaf {blob.path} was captured incompletely "
-                    f"({sum(e.nbytes for e in extents)} of {blob.nbytes} bytes)"
+                    f"step {self.step}: leaf {blob.path} was captured incompletely"
                 )
-            nchunks += len(h) // HASH_BYTES
-            blobs.append(BlobEntry(blob.nbytes, merkle_root(h), h, tuple(extents)))
-        files = (self.key,) if self._writer is not None else ()
+            entries.append(entry)
+        # data_files: files this manifest's stored segments point to (ours first if written).
+        used = sorted({g.file for e in entries for g in e.segments if isinstance(g, Stored)})
+        remap = {old: new for new, old in enumerate(used)}
+        entries = [
+            BlobEntry(
+                e.nbytes,
+                e.root,
+                tuple(
+                    Stored(remap[g.file], g.offset, g.nbytes, g.hashes)
+                    if isinstance(g, Stored)
+                    else g
+                    for g in e.segments
+                ),
+            )
+            for e in entries
+        ]
+        base = self.base
         manifest = Manifest(
             step=self.step,
             rank=self.rank,
             chunk_bytes=self.chunk_bytes,
-            data_files=files,
-            blobs=tuple(blobs),
+            data_files=tuple(self.files[i] for i in used),
+            blobs=tuple(entries),
             skeleton=self.flat.skeleton,
             leaves=self.flat.leaves,
             logical_bytes=self.flat.logical_bytes,
             created_unix=now_unix(),
+            base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
         )
         body = manifest.to_json()
         mkey = manifest_key(self.step, self.rank)
         self.store.write(mkey, body)
+        xxh3 = xxhash.xxh3_128_hexdigest(body)
+        resolved = _resolve_one(manifest, mkey, xxh3, base, f"{self.store.url}: {mkey}")
         return PartResult(
-            ref=ManifestRef(self.rank, mkey, xxhash.xxh3_128_hexdigest(body), len(body)),
-            data_files=files,
+            ref=ManifestRef(self.rank, mkey, xxh3, len(body)),
+            resolved=resolved,
+            new_index=self.new_index,
             logical_bytes=self.flat.logical_bytes,
             written_bytes=self._offset,
-            chunks=nchunks,
-            new_chunks=nchunks,
+            chunks=self.chunks,
+            new_chunks=self.new_chunks,
             leaves=self.flat.leaves,
-            root=merkle_root([b.root for b in blobs]),
+            root=merkle_root([e.root for e in entries]),
+            incremental=base is not None,
         )
 
     def abort(self) -> None:
@@ -180,17 +487,47 @@ def commit_version(
         step=step,
         world_size=len(parts),
         manifests=tuple(p.ref for p in parts),
-        data_files=tuple(sorted({f for p in parts for f in p.data_files})),
+        data_files=tuple(sorted({f for p in parts for f in p.resolved.used_files()})),
         logical_bytes=sum(p.logical_bytes for p in parts),
         written_bytes=sum(p.written_bytes for p in parts),
         leaves=sum(p.leaves for p in parts),
         chunk_bytes=chunk_bytes,
         root=merkle_root([p.root for p in parts]).hex(),
         created_unix=now_unix(),
+        incremental=any(p.incremental for p in parts),
+        chain=tuple(sorted({s for p in parts for s in p.resolved.chain})),
     )
     store.write(commit_key(step), record.to_json())
     log.debug("committed step %d in %s", step, store.url)
     return record
+
+
+def retire(store: Store, *, keep: int | None = None, drop: Sequence[int] = ()) -> list[int]:
+    """Delete the versions ``drop`` and all but the newest ``keep`` (None: no limit), then
+    everything no remaining version needs.
+
+    Commit records go first, so a crash midway leaves fewer versions, never a broken one; then
+    manifests outside every kept chain and data files no kept version references (including
+    leftovers of crashed saves). Returns the steps deleted. Only the run's writer may call it.
+    """
+    steps = list_steps(store)
+    doomed = set(drop) & set(steps)
+    if keep is not None and len(steps) > keep:
+        doomed.update(steps[:-keep])
+    dropped = sorted(doomed)
+    for s in dropped:
+        store.delete(commit_key(s))
+    kept = [read_commit(store, s) for s in steps if s not in set(dropped)]
+    needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
+    needed_files = {f for r in kept for f in r.data_files}
+    for key in store.list("versions"):
+        parts = key.split("/")
+        if len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) not in needed_steps:
+            store.delete(key)
+    for key in store.list("data"):
+        if key not in needed_files:
+            store.delete(key)
+    return dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,48 +549,56 @@ def read_commit(store: Store, step: int) -> CommitRecord:
     return CommitRecord.from_json(data, f"{store.url}: {key}")
 
 
-def read_manifest(store: Store, record: CommitRecord, rank: int) -> Manifest:
+def read_manifest(store: Store, record: CommitRecord, rank: int) -> tuple[Manifest, ManifestRef]:
     refs = [m for m in record.manifests if m.rank == rank]
     if not refs:
         raise CheckpointNotFoundError(
             f"step {record.step} in {store.url} has no rank {rank} (world size {record.world_size})"
         )
     ref = refs[0]
-    data = store.read(ref.key)
-    if len(data) != ref.nbytes or xxhash.xxh3_128_hexdigest(data) != ref.xxh3:
-        raise IntegrityError(
-            f"step {record.step}, tier {store.url}: manifest {ref.key} does not match the hash "
-            "in its commit record"
-        )
-    manifest = Manifest.from_json(data, f"{store.url}: {ref.key}")
+    manifest = _load_manifest(store, ref.key, ref.xxh3, ref.nbytes, record.step)
     if manifest.step != record.step or manifest.rank != rank:
         raise CheckpointFormatError(
             f"{store.url}: {ref.key} describes step {manifest.step} rank {manifest.rank}"
         )
-    return manifest
+    return manifest, ref
 
 
 def _read_blobs(
-    store: Store, manifest: Manifest, views: Sequence[memoryview], paths: Sequence[str]
+    store: Store,
+    part: ResolvedPart,
+    views: Sequence[memoryview],
+    *,
+    on_bytes: Callable[[int], None] = lambda n: None,
 ) -> None:
     """Fill ``views`` from the data files in large runs, then verify every chunk."""
-    # (file, offset, blob, start-in-blob, nbytes), grouped per file in file order, so adjacent
-    # extents become one preadv of many buffers.
+    cb = part.manifest.chunk_bytes
+    step = part.step
+    # Per data file: (offset, blob, start in blob, nbytes), from runs of chunks that lie back
+    # to back, so adjacent pieces become one preadv of many buffers.
     pieces: dict[int, list[tuple[int, int, int, int]]] = {}
-    for i, entry in enumerate(manifest.blobs):
-        start = 0
-        for e in entry.extents:
-            pieces.setdefault(e.file, []).append((e.offset, i, start, e.nbytes))
-            start += e.nbytes
+    for i, b in enumerate(part.blobs):
+        n = len(b.files)
+        if not n:
+            continue
+        breaks = np.flatnonzero(
+            (b.files[1:] != b.files[:-1]) | (b.offsets[1:] != b.offsets[:-1] + cb)
+        )
+        starts = [0, *(breaks + 1).tolist()]
+        ends = [*(breaks + 1).tolist(), n]
+        for s, e in zip(starts, ends, strict=True):
+            lo, hi = s * cb, min(e * cb, b.nbytes)
+            pieces.setdefault(int(b.files[s]), []).append((int(b.offsets[s]), i, lo, hi - lo))
     for f, plist in pieces.items():
-        key = manifest.data_files[f]
+        key = part.files[f]
         plist.sort()
-        # Merge pieces that follow each other in the file into runs of at most a few batches.
         runs: list[tuple[int, list[memoryview], int]] = []  # (offset, buffers, first blob)
         end = -1
         size = 0
         for offset, blob, start, nbytes in plist:
             view = views[blob][start : start + nbytes]
+            # ``end`` is where the current run stops in the file: only a piece starting exactly
+            # there extends it (a de-duplicated chunk used twice starts a run of its own).
             if runs and offset == end and size < 4 * IO_BATCH_BYTES:
                 runs[-1][1].append(view)
                 size += nbytes
@@ -267,31 +612,31 @@ def _read_blobs(
             except (TruncatedError, CheckpointNotFoundError) as exc:
                 what = "truncated" if isinstance(exc, TruncatedError) else "missing"
                 raise IntegrityError(
-                    f"step {manifest.step}, tier {store.url}: data file {key} is {what}; "
-                    f"leaf {paths[first_blob]} cannot be read"
+                    f"step {step}, tier {store.url}: data file {key} is {what}; "
+                    f"leaf {part.blobs[first_blob].path} cannot be read"
                 ) from exc
-    for i, entry in enumerate(manifest.blobs):
-        _verify_blob(store, manifest, i, entry, views[i], paths[i])
+            on_bytes(sum(v.nbytes for v in bufs))
+    for b, view in zip(part.blobs, views, strict=True):
+        _verify_blob(store, step, cb, b, view)
 
 
 def _verify_blob(
-    store: Store, manifest: Manifest, i: int, entry: BlobEntry, view: memoryview, path: str
+    store: Store, step: int, chunk_bytes: int, b: ResolvedBlob, view: memoryview
 ) -> None:
-    hashes = hash_chunks(view, manifest.chunk_bytes)
-    if hashes == entry.hashes and merkle_root(hashes) == entry.root:
+    hashes = hash_chunks(view, chunk_bytes)
+    expected = b.hashes.tobytes()
+    if hashes == expected:
         return
     for c in range(0, len(hashes), HASH_BYTES):
-        if hashes[c : c + HASH_BYTES] != entry.hashes[c : c + HASH_BYTES]:
+        if hashes[c : c + HASH_BYTES] != expected[c : c + HASH_BYTES]:
             chunk = c // HASH_BYTES
-            lo = chunk * manifest.chunk_bytes
-            hi = min(lo + manifest.chunk_bytes, entry.nbytes)
+            lo = chunk * chunk_bytes
+            hi = min(lo + chunk_bytes, b.nbytes)
             raise IntegrityError(
-                f"step {manifest.step}, tier {store.url}: leaf {path}: chunk {chunk} "
+                f"step {step}, tier {store.url}: leaf {b.path}: chunk {chunk} "
                 f"(bytes {lo}-{hi}) does not match its hash"
             )
-    raise IntegrityError(
-        f"step {manifest.step}, tier {store.url}: leaf {path}: Merkle root does not match"
-    )
+    raise IntegrityError(f"step {step}, tier {store.url}: leaf {b.path}: wrong chunk count")
 
 
 def read_part(
@@ -301,17 +646,18 @@ def read_part(
     rank: int = 0,
     into: Any = None,
     allow_pickle: bool = False,
+    on_bytes: Callable[[int], None] = lambda n: None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``)."""
-    record = read_commit(store, step)
-    manifest = read_manifest(store, record, rank)
+    part = resolve_version(store, step, rank=rank)
+    manifest = part.manifest
     if into is not None:
         check_into(manifest.skeleton, into)
     restorer = Restorer(
         manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
     )
     views = restorer.allocate()
-    _read_blobs(store, manifest, views, restorer.blob_paths)
+    _read_blobs(store, part, views, on_bytes=on_bytes)
     tree = restorer.build()
     if into is None:
         return tree
@@ -323,17 +669,23 @@ def read_part(
         raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
 
 
-def verify_part(store: Store, step: int, *, rank: int = 0) -> Manifest:
-    """Read and verify every chunk of one rank's part; raise on the first damage found."""
-    record = read_commit(store, step)
-    manifest = read_manifest(store, record, rank)
+def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
+    """Read every chunk of one rank's part (through its whole chain) and check every hash and
+    every Merkle root; raise on the first damage found."""
+    part = resolve_version(store, step, rank=rank)
+    manifest = part.manifest
     restorer = Restorer(manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=True)
     views = restorer.allocate()
-    _read_blobs(store, manifest, views, restorer.blob_paths)
-    return manifest
+    _read_blobs(store, part, views)
+    for b, entry in zip(part.blobs, manifest.blobs, strict=True):
+        if merkle_root(b.hashes.tobytes()) != entry.root:
+            raise IntegrityError(
+                f"step {step}, tier {store.url}: leaf {b.path}: Merkle root does not match"
+            )
+    return part
 
 
-def newest_restorable(store: Store, attempt: Any, steps: Sequence[int]) -> Any:
+def newest_restorable(store: Store, attempt: Callable[[int], Any], steps: Sequence[int]) -> Any:
     """Run ``attempt(step)`` from the newest step down; warn and fall back past damage."""
     if not steps:
         raise CheckpointNotFoundError(f"no committed version in {store.url}")

@@ -11,9 +11,12 @@ Layout of one tier (a run directory or URL prefix)::
     versions/<step:012d>/COMMIT.json           commit record: the version exists iff this does
 
 A manifest lists its rank's blobs. Each blob is cut into chunks of ``chunk_bytes``; its entry
-holds the chunk hashes, the Merkle root and *extents*: runs of consecutive chunks stored
-contiguously at an offset of a data file. Extents may point into data files written by earlier
-versions (incremental versions) and ``data_files`` lists every file a manifest references, which
+holds the Merkle root and *segments* covering its chunks in order: ``Stored`` runs (chunks back
+to back in a data file, with their hashes; the file may belong to an earlier version when the
+content was seen before) and, in an incremental manifest, ``Inherited`` runs (chunks unchanged
+since the *base* version, whose manifest this one names with its hash). Resolving a version
+walks its chain of bases back to a full version; ``full_every`` bounds the chain. The commit
+record lists every data file and every manifest step the version needs after resolution, which
 is what reference-counted retention counts.
 
 Pure: (de)serialization and validation only; no I/O.
@@ -36,11 +39,14 @@ from .storage.base import validate_key
 __all__ = [
     "FORMAT_VERSION",
     "MAX_STEP",
+    "BaseRef",
     "BlobEntry",
     "CommitRecord",
-    "Extent",
+    "Inherited",
     "Manifest",
     "ManifestRef",
+    "Segment",
+    "Stored",
     "commit_key",
     "data_key",
     "manifest_key",
@@ -121,30 +127,58 @@ def _parse_json(data: bytes, where: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class Extent:
-    """``nbytes`` consecutive bytes of a blob, stored at ``offset`` of data file ``file``."""
+class Stored:
+    """Consecutive chunks of a blob stored back to back at ``offset`` of data file ``file``.
+
+    ``hashes`` holds their 16-byte digests. The file is an index into the manifest's
+    ``data_files``, which may name files of earlier versions (de-duplicated content).
+    """
 
     file: int
     offset: int
     nbytes: int
+    hashes: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Inherited:
+    """``count`` chunks, from chunk ``first`` on, identical to the same chunks of blob ``blob``
+    of the base version: same place, same hashes. One entry per unchanged run, so an incremental
+    version's metadata grows with the changed regions, not with the state."""
+
+    blob: int
+    first: int
+    count: int
+
+
+Segment = Stored | Inherited
 
 
 @dataclass(frozen=True, slots=True)
 class BlobEntry:
-    """One stored buffer: its size, chunk hashes, Merkle root and where its chunks lie."""
+    """One stored buffer: its size, Merkle root and its chunks as segments, in order."""
 
     nbytes: int
     root: bytes
-    hashes: bytes
-    extents: tuple[Extent, ...]
+    segments: tuple[Segment, ...]
 
     def to_json(self) -> list[Any]:
-        return [
-            self.nbytes,
-            self.root.hex(),
-            base64.b64encode(self.hashes).decode(),
-            [[e.file, e.offset, e.nbytes] for e in self.extents],
-        ]
+        segs: list[list[Any]] = []
+        for g in self.segments:
+            if isinstance(g, Stored):
+                segs.append([0, g.file, g.offset, g.nbytes, base64.b64encode(g.hashes).decode()])
+            else:
+                segs.append([1, g.blob, g.first, g.count])
+        return [self.nbytes, self.root.hex(), segs]
+
+
+@dataclass(frozen=True, slots=True)
+class BaseRef:
+    """The version an incremental manifest builds on: its step and manifest hash."""
+
+    step: int
+    key: str
+    xxh3: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +194,7 @@ class Manifest:
     leaves: int
     logical_bytes: int
     created_unix: float
+    base: BaseRef | None = None
 
     def to_json(self) -> bytes:
         doc = {
@@ -172,6 +207,9 @@ class Manifest:
             "created_unix": self.created_unix,
             "leaves": self.leaves,
             "logical_bytes": self.logical_bytes,
+            "base": None
+            if self.base is None
+            else {"step": self.base.step, "key": self.base.key, "xxh3_128": self.base.xxh3},
             "data_files": list(self.data_files),
             "blobs": [b.to_json() for b in self.blobs],
             "tree": self.skeleton,
@@ -190,11 +228,22 @@ class Manifest:
         if not isinstance(files, list):
             raise _fail(where, "field 'data_files' must be a list")
         data_files = tuple(_data_file(f, where) for f in files)
+        raw_base = doc.get("base")
+        base = None
+        if raw_base is not None:
+            if not isinstance(raw_base, dict) or not isinstance(raw_base.get("xxh3_128"), str):
+                raise _fail(where, f"malformed base reference {raw_base!r:.120}")
+            base = BaseRef(
+                _int(raw_base, "step", where, hi=MAX_STEP),
+                _version_file(raw_base.get("key"), where),
+                raw_base["xxh3_128"],
+            )
         raw_blobs = doc.get("blobs")
         if not isinstance(raw_blobs, list):
             raise _fail(where, "field 'blobs' must be a list")
         blobs = tuple(
-            _parse_blob(b, i, len(data_files), chunk_bytes, where) for i, b in enumerate(raw_blobs)
+            _parse_blob(b, i, len(data_files), chunk_bytes, base is not None, where)
+            for i, b in enumerate(raw_blobs)
         )
         created = doc.get("created_unix")
         if not isinstance(created, (int, float)):
@@ -211,31 +260,67 @@ class Manifest:
             leaves=_int(doc, "leaves", where),
             logical_bytes=_int(doc, "logical_bytes", where),
             created_unix=float(created),
+            base=base,
         )
 
 
-def _parse_blob(raw: Any, index: int, nfiles: int, chunk_bytes: int, where: str) -> BlobEntry:
+def _parse_blob(
+    raw: Any, index: int, nfiles: int, chunk_bytes: int, has_base: bool, where: str
+) -> BlobEntry:
     here = f"{where}, blob {index}"
     try:
-        nbytes, root_hex, hashes_b64, raw_extents = raw
+        nbytes, root_hex, raw_segments = raw
         if type(nbytes) is not int or nbytes < 0:
             raise ValueError("size")
         root = bytes.fromhex(root_hex)
-        hashes = base64.b64decode(hashes_b64, validate=True)
-        extents = tuple(Extent(int(f), int(o), int(n)) for f, o, n in raw_extents)
+        segments: list[Segment] = []
+        for g in raw_segments:
+            if g[0] == 0:
+                _, f, o, n, h = g
+                segments.append(Stored(int(f), int(o), int(n), base64.b64decode(h, validate=True)))
+            elif g[0] == 1:
+                _, b, first, count = g
+                segments.append(Inherited(int(b), int(first), int(count)))
+            else:
+                raise ValueError("segment kind")
     except (TypeError, ValueError) as exc:
         raise _fail(here, f"malformed blob entry {raw!r:.120}") from exc
-    if len(root) != HASH_BYTES or len(hashes) != chunk_count(nbytes, chunk_bytes) * HASH_BYTES:
-        raise _fail(here, "hash list does not match the blob's size")
-    covered = 0
-    for e in extents:
-        # Extents start on chunk boundaries so each chunk is verified from one contiguous read.
-        if not 0 <= e.file < nfiles or e.offset < 0 or e.nbytes <= 0 or covered % chunk_bytes:
-            raise _fail(here, f"invalid extent {e}")
-        covered += e.nbytes
-    if covered != nbytes:
-        raise _fail(here, f"extents cover {covered} bytes, the blob has {nbytes}")
-    return BlobEntry(nbytes, root, hashes, extents)
+    if len(root) != HASH_BYTES:
+        raise _fail(here, "malformed Merkle root")
+    # Segments cover the blob's chunks in order; all but the blob's last chunk are full, so a
+    # stored run that is not the last segment ends on a chunk boundary.
+    pos = 0
+    for i, g in enumerate(segments):
+        last = i == len(segments) - 1
+        if isinstance(g, Stored):
+            if not 0 <= g.file < nfiles or g.offset < 0 or g.nbytes <= 0:
+                raise _fail(here, f"invalid segment {g}")
+            if len(g.hashes) != chunk_count(g.nbytes, chunk_bytes) * HASH_BYTES:
+                raise _fail(here, "hash list does not match the segment's size")
+            if (g.nbytes % chunk_bytes and not last) or (
+                last and pos * chunk_bytes + g.nbytes != nbytes
+            ):
+                raise _fail(here, f"segment {g} does not end on a chunk boundary")
+            pos += chunk_count(g.nbytes, chunk_bytes)
+        else:
+            if not has_base or g.blob < 0 or g.first < 0 or g.count <= 0:
+                raise _fail(here, f"invalid inherited segment {g}")
+            pos += g.count
+    if pos != chunk_count(nbytes, chunk_bytes):
+        raise _fail(
+            here, f"segments cover {pos} chunks, the blob has {chunk_count(nbytes, chunk_bytes)}"
+        )
+    return BlobEntry(nbytes, root, tuple(segments))
+
+
+def _version_file(key: Any, where: str) -> str:
+    try:
+        validate_key(key)
+    except ValueError as exc:
+        raise _fail(where, f"unsafe key {key!r:.80}") from exc
+    if not str(key).startswith("versions/"):
+        raise _fail(where, f"key {key!r:.80} is not under versions/")
+    return str(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +352,8 @@ class CommitRecord:
     chunk_bytes: int
     root: str
     created_unix: float
+    incremental: bool = False
+    chain: tuple[int, ...] = ()
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {
@@ -285,6 +372,8 @@ class CommitRecord:
             "chunk_bytes": self.chunk_bytes,
             "root": self.root,
             "created_unix": self.created_unix,
+            "incremental": self.incremental,
+            "chain": list(self.chain),
         }
         doc["checksum"] = _checksum(doc)
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -303,15 +392,9 @@ class CommitRecord:
             raise _fail(where, "field 'manifests' must list one manifest per rank")
         refs = []
         for m in raw:
-            if not isinstance(m, dict):
-                raise _fail(where, "malformed manifest reference")
-            key = m.get("key")
-            try:
-                validate_key(key)  # type: ignore[arg-type]
-            except ValueError as exc:
-                raise _fail(where, f"unsafe manifest key {key!r:.80}") from exc
-            if not str(key).startswith("versions/") or not isinstance(m.get("xxh3_128"), str):
+            if not isinstance(m, dict) or not isinstance(m.get("xxh3_128"), str):
                 raise _fail(where, f"malformed manifest reference {m!r:.120}")
+            key = _version_file(m.get("key"), where)
             refs.append(
                 ManifestRef(
                     _int(m, "rank", where), str(key), m["xxh3_128"], _int(m, "bytes", where)
@@ -334,7 +417,15 @@ class CommitRecord:
             chunk_bytes=_int(doc, "chunk_bytes", where, lo=MIN_CHUNK_BYTES, hi=MAX_CHUNK_BYTES),
             root=doc["root"],
             created_unix=float(created),
+            incremental=bool(doc.get("incremental", False)),
+            chain=tuple(_steps(doc.get("chain", []), where)),
         )
+
+
+def _steps(raw: Any, where: str) -> list[int]:
+    if not isinstance(raw, list) or not all(type(s) is int and 0 <= s <= MAX_STEP for s in raw):
+        raise _fail(where, f"malformed chain {raw!r:.120}")
+    return list(raw)
 
 
 def now_unix() -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import struct
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -31,13 +32,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .errors import CheckpointFormatError, StateMismatchError
+from .errors import CheckpointError, CheckpointFormatError, StateMismatchError
 
 __all__ = [
     "Blob",
     "FlatState",
     "Restorer",
     "apply_into",
+    "blob_paths",
     "check_into",
     "flatten",
     "format_path",
@@ -125,6 +127,15 @@ class _Flattener:
         logical = sum(b.nbytes for b in self.blobs)
         return FlatState(skeleton, self.blobs, self.leaves, logical, self.stateful)
 
+    def pickled(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: pickling failed: {exc}"
+            ) from exc
+        return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+
     def add_blob(self, path: tuple[str | int, ...], source: Any, nbytes: int) -> int:
         self.blobs.append(Blob(format_path(path), nbytes, source))
         return len(self.blobs) - 1
@@ -138,7 +149,7 @@ class _Flattener:
         if torch is not None and isinstance(obj, torch.Tensor):
             self.leaves += 1
             return self.tensor(obj, path)
-        if isinstance(obj, np.ndarray):
+        if type(obj) is np.ndarray:
             self.leaves += 1
             return self.ndarray(obj, path)
         if isinstance(obj, np.generic):
@@ -163,8 +174,7 @@ class _Flattener:
             }
         if self.allow_pickle:
             self.leaves += 1
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+            return self.pickled(obj, path)
         raise TypeError(
             f"cannot checkpoint {format_path(path)}: unsupported type "
             f"{tp.__module__}.{tp.__qualname__} (supported: tensors, numpy arrays and scalars, "
@@ -193,8 +203,7 @@ class _Flattener:
             return {"t": "size", "v": list(obj)}
         if self.allow_pickle:
             self.leaves += 1
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+            return self.pickled(obj, path)
         tp = type(obj)
         raise TypeError(
             f"cannot checkpoint {format_path(path)}: {tp.__module__}.{tp.__qualname__} is a "
@@ -209,6 +218,8 @@ class _Flattener:
         if isinstance(obj, int):
             return {"t": "int", "v": obj}
         if isinstance(obj, float):
+            if math.isnan(obj):  # float.hex() says 'nan' for every NaN: keep sign and payload
+                return {"t": "float", "bits": struct.pack("<d", obj).hex()}
             return {"t": "float", "v": obj.hex()}
         if isinstance(obj, complex):
             return {"t": "complex", "v": [obj.real.hex(), obj.imag.hex()]}
@@ -221,8 +232,7 @@ class _Flattener:
     def ndarray(self, arr: np.ndarray, path: tuple[str | int, ...]) -> Json:
         if arr.dtype.hasobject:
             if self.allow_pickle:
-                data = pickle.dumps(arr, protocol=pickle.HIGHEST_PROTOCOL)
-                return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+                return self.pickled(arr, path)
             raise TypeError(
                 f"cannot checkpoint {format_path(path)}: numpy array of dtype {arr.dtype} holds "
                 "Python objects (pass allow_pickle=True to pickle it)"
@@ -252,8 +262,7 @@ class _Flattener:
 
     def _refuse_object(self, obj: Any, path: tuple[str | int, ...]) -> Json:
         if self.allow_pickle:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+            return self.pickled(obj, path)
         raise TypeError(
             f"cannot checkpoint {format_path(path)}: numpy object scalar "
             "(pass allow_pickle=True to pickle it)"
@@ -263,8 +272,7 @@ class _Flattener:
         torch = sys.modules["torch"]
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             if self.allow_pickle and t.device.type != "meta":
-                data = pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL)
-                return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+                return self.pickled(t, path)
             raise TypeError(
                 f"cannot checkpoint {format_path(path)}: {t.layout} / quantized / meta tensors "
                 "are not supported (dense strided tensors only)"
@@ -286,13 +294,16 @@ class _Flattener:
         torch = sys.modules.get("torch")
         if torch is None or not self.tensors:
             return
-        groups: dict[tuple[str, int], list[int]] = {}
+        groups: dict[tuple[str, int, int], list[int]] = {}
         for i, (_node, t, _path) in enumerate(self.tensors):
             storage = t.untyped_storage()
             if storage.nbytes() == 0 or t.numel() == 0:
-                groups[("empty", i)] = [i]
+                groups[("empty", i, 0)] = [i]
             else:
-                groups.setdefault((str(t.device), storage.data_ptr()), []).append(i)
+                # Two storages may start at one address (views of one numpy buffer): the size
+                # is part of the key, so only the very same storage is shared.
+                key = (str(t.device), storage.data_ptr(), storage.nbytes())
+                groups.setdefault(key, []).append(i)
         for members in groups.values():
             if len(members) == 1:
                 node, t, path = self.tensors[members[0]]
@@ -339,6 +350,31 @@ class _Flattener:
 
 # ---------------------------------------------------------------------------------------------
 # restore
+
+
+def blob_paths(skeleton: Json, nblobs: int) -> list[str]:
+    """The leaf path that first refers to each blob (what messages and diffs name)."""
+    paths = [""] * nblobs
+
+    def walk(node: Any, path: tuple[str | int, ...]) -> None:
+        if not isinstance(node, dict):
+            return
+        t = node.get("t")
+        if t in ("dict", "odict") and isinstance(node.get("k"), list):
+            for k, v in zip(node["k"], node.get("v") or [], strict=False):
+                walk(v, (*path, k))
+        elif t in ("list", "tuple") and isinstance(node.get("v"), list):
+            for i, v in enumerate(node["v"]):
+                walk(v, (*path, i))
+        elif t == "stateful":
+            walk(node.get("v"), path)
+        else:
+            b = node.get("b")
+            if type(b) is int and 0 <= b < nblobs and not paths[b]:
+                paths[b] = format_path(path)
+
+    walk(skeleton, ())
+    return paths
 
 
 def _torch() -> Any:
@@ -460,7 +496,8 @@ class Restorer:
         elif t in ("bytes", "bytearray", "pickle"):
             p = format_path(path)
             if t == "pickle" and not self.allow_pickle:
-                raise CheckpointFormatError(
+                # Not damage: the version is fine, the caller has to opt in.
+                raise CheckpointError(
                     f"leaf {p} is pickled; loading it could run code from the checkpoint, "
                     "so it needs allow_pickle=True"
                 )
@@ -549,6 +586,9 @@ def _scalar(node: dict[str, Any], path: str) -> Any:
         if t == "int" and type(v) is int:
             return v
         if t == "float":
+            bits = node.get("bits")
+            if bits is not None:
+                return float(struct.unpack("<d", bytes.fromhex(bits))[0])
             return float.fromhex(v)
         if t == "complex":
             return complex(float.fromhex(v[0]), float.fromhex(v[1]))
@@ -558,7 +598,14 @@ def _scalar(node: dict[str, Any], path: str) -> Any:
             return _torch().Size(v)
         if t == "npscalar":
             dtype = _np_dtype(node.get("dtype"), path)
-            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=dtype)[0]
+            raw = bytes.fromhex(node["hex"])
+            # Indexing an array strips trailing NULs of fixed-width strings: rebuild those.
+            if dtype.kind == "S":
+                return np.bytes_(raw)
+            if dtype.kind == "U":
+                big = dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder == "big")
+                return np.str_(raw.decode("utf-32-be" if big else "utf-32-le"))
+            return np.frombuffer(raw, dtype=dtype)[0]
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}") from exc
     raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}")
@@ -581,17 +628,46 @@ def _mismatch(path: tuple[str | int, ...], what: str) -> StateMismatchError:
     return StateMismatchError(f"into= does not match the checkpoint at {format_path(path)}: {what}")
 
 
+def _fillable(into: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return isinstance(into, np.ndarray) or (torch is not None and isinstance(into, torch.Tensor))
+
+
+def _is_object(into: Any) -> bool:
+    return is_stateful(into) and not isinstance(into, (dict, list, tuple))
+
+
+def _check_optimizer(inner: Json, into: Any, path: tuple[str | int, ...]) -> None:
+    # Optimizer.load_state_dict refuses other group/parameter counts; find out before any
+    # leaf is filled.
+    saved = dict(zip(inner.get("k", []), inner.get("v", []), strict=False))
+    groups = saved.get("param_groups", {}).get("v", [])
+    sizes = []
+    for g in groups:
+        params = dict(zip(g.get("k", []), g.get("v", []), strict=False)).get("params", {})
+        sizes.append(len(params.get("v", [])))
+    have = [len(g["params"]) for g in into.param_groups]
+    if sizes != have:
+        raise _mismatch(
+            path, f"saved optimizer has parameter groups of sizes {sizes}, into= has {have}"
+        )
+
+
 def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     t = node["t"]
     torch = sys.modules.get("torch")
-    if t == "stateful" or (is_stateful(into) and not isinstance(into, (dict, list, tuple))):
-        if not is_stateful(into):
+    if t == "stateful" or _is_object(into):
+        if not _is_object(into):
             raise _mismatch(path, f"saved a stateful object, into= has {type(into).__name__}")
         inner = node["v"] if t == "stateful" else node
+        if inner.get("t") not in ("dict", "odict"):
+            raise _mismatch(path, f"saved a {inner.get('t')} leaf, into= has a stateful object")
         if torch is not None and isinstance(into, torch.nn.Module):
             # Module.load_state_dict copies parameter by parameter and reports mismatches only
             # at the end: check keys and shapes up front so a mismatch changes nothing.
             _check(inner, into.state_dict(), path)
+        elif torch is not None and isinstance(into, torch.optim.Optimizer):
+            _check_optimizer(inner, into, path)
         return
     if t in ("dict", "odict"):
         if not isinstance(into, dict):
@@ -612,6 +688,8 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
         for i, v in enumerate(node["v"]):
             _check(v, into[i], (*path, i))
         return
+    if isinstance(into, (dict, list, tuple)):
+        raise _mismatch(path, f"saved a {t} leaf, into= has a {type(into).__name__}")
     if t == "torch" and torch is not None and isinstance(into, torch.Tensor):
         dtype = str(into.dtype).removeprefix("torch.")
         if list(into.shape) != node["shape"] or dtype != node["dtype"]:
@@ -630,7 +708,7 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
         if not into.flags.writeable:
             raise _mismatch(path, "into= array is read-only")
         return
-    if (torch is not None and isinstance(into, torch.Tensor)) or isinstance(into, np.ndarray):
+    if _fillable(into):
         raise _mismatch(path, f"saved a {t} leaf, into= has {type(into).__name__}")
     # Scalars, strings, bytes, None: nothing to fill in place; the loaded value replaces them.
 
@@ -638,33 +716,63 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
 def apply_into(node: Json, loaded: Any, into: Any) -> Any:
     """Fill ``into`` from the verified ``loaded`` tree; return the tree as restored.
 
-    Tensors and arrays are copied in place, stateful objects get ``load_state_dict``, and mutable
-    containers (dict, list) get the new values of their non-fillable leaves.
+    Stateful objects get ``load_state_dict`` first (the only step that can still refuse), then
+    tensors and arrays are copied in place and mutable containers (dict, list) get the new
+    values of their non-fillable leaves.
     """
+    loads: list[tuple[tuple[str | int, ...], Any, Any]] = []
+    fills: list[tuple[Any, Any]] = []
+    sets: list[tuple[Any, Any, Any]] = []
+    result = _plan(node, loaded, into, (), loads, fills, sets)
+    for path, obj, state in loads:
+        try:
+            obj.load_state_dict(state)
+        except Exception as exc:
+            raise StateMismatchError(
+                f"into= does not match the checkpoint at {format_path(path)}: "
+                f"{type(obj).__name__}.load_state_dict refused it: {exc}"
+            ) from exc
     torch = sys.modules.get("torch")
+    for dst, src in fills:
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, src)
+        else:
+            with torch.no_grad():  # type: ignore[union-attr]
+                dst.copy_(src)
+    for container, key, value in sets:
+        container[key] = value
+    return result
+
+
+def _plan(
+    node: Json,
+    loaded: Any,
+    into: Any,
+    path: tuple[str | int, ...],
+    loads: list[tuple[tuple[str | int, ...], Any, Any]],
+    fills: list[tuple[Any, Any]],
+    sets: list[tuple[Any, Any, Any]],
+) -> Any:
     t = node["t"]
-    if is_stateful(into) and not isinstance(into, (dict, list, tuple)):
-        into.load_state_dict(loaded)
+    if _is_object(into):
+        loads.append((path, into, loaded))
         return into
     if t in ("dict", "odict"):
         for k, v in zip(node["k"], node["v"], strict=True):
-            new = apply_into(v, loaded[k], into[k])
+            new = _plan(v, loaded[k], into[k], (*path, k), loads, fills, sets)
             if new is not into[k]:
-                into[k] = new
+                sets.append((into, k, new))
         return into
     if t in ("list", "tuple"):
-        items = [apply_into(v, loaded[i], into[i]) for i, v in enumerate(node["v"])]
+        items = [
+            _plan(v, loaded[i], into[i], (*path, i), loads, fills, sets)
+            for i, v in enumerate(node["v"])
+        ]
         if isinstance(into, list):
-            for i, new in enumerate(items):
-                if new is not into[i]:
-                    into[i] = new
+            sets.extend((into, i, new) for i, new in enumerate(items) if new is not into[i])
             return into
         return tuple(items)
-    if torch is not None and isinstance(into, torch.Tensor):
-        with torch.no_grad():
-            into.copy_(loaded)
-        return into
-    if isinstance(into, np.ndarray):
-        np.copyto(into, loaded)
+    if _fillable(into):
+        fills.append((into, loaded))
         return into
     return loaded

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cryosnap
+from cryosnap import engine
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 
@@ -128,28 +129,28 @@ def test_background_failure_surfaces_in_result_and_next_save(tmp_path: Path) -> 
     store = FaultyStore(LocalStore(tmp_path / "run"), fault=fault)
     ckpt = cryosnap.Checkpointer(store)
     try:
-        ckpt.save(1, {"w": torch.ones(1000)}).result(timeout=30)
+        ckpt.save(1, {"w": torch.full((1000,), 1.0)}).result(timeout=30)
         fail.set()
-        bad = ckpt.save(2, {"w": torch.ones(1000)})
+        bad = ckpt.save(2, {"w": torch.full((1000,), 2.0)})
         with pytest.raises(cryosnap.StorageError, match="disk full"):
             bad.result(timeout=30)
         # Received already through result(): the next save does not raise it again.
         fail.clear()
-        ckpt.save(3, {"w": torch.ones(1000)}).result(timeout=30)
+        ckpt.save(3, {"w": torch.full((1000,), 3.0)}).result(timeout=30)
         # Not received by the caller: the next save() raises it.
         fail.set()
-        failing = ckpt.save(4, {"w": torch.ones(1000)})
+        failing = ckpt.save(4, {"w": torch.full((1000,), 4.0)})
         deadline = time.monotonic() + 30
         while not failing.done() and time.monotonic() < deadline:
             time.sleep(0.01)
         fail.clear()
         with pytest.raises(cryosnap.StorageError):
-            ckpt.save(5, {"w": torch.ones(1000)})
+            ckpt.save(5, {"w": torch.full((1000,), 5.0)})
         ckpt.wait()  # delivered: wait() is quiet now
     finally:
         ckpt.close()
     # The failed versions are not visible and nothing of them remains but unreferenced files.
-    assert cryosnap.Checkpointer(tmp_path / "run").steps() == [1, 3]
+    assert engine.list_steps(LocalStore(tmp_path / "run")) == [1, 3]
 
 
 def test_failure_raised_by_wait_and_close(tmp_path: Path) -> None:
@@ -164,7 +165,7 @@ def test_failure_raised_by_wait_and_close(tmp_path: Path) -> None:
     ckpt.save(2, {"x": 2})
     with pytest.raises(PermissionError):
         ckpt.close()
-    assert cryosnap.Checkpointer(tmp_path / "run").steps() == []
+    assert engine.list_steps(LocalStore(tmp_path / "run")) == []
 
 
 def test_existing_step_and_bad_arguments(tmp_path: Path) -> None:

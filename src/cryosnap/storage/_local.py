@@ -125,8 +125,17 @@ class LocalStore:
             return self._path(key).stat().st_size
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         with self._errors(key, "deleting"):
-            self._path(key).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        # Drop directories the deletion left empty (a retired version's folder), never the root.
+        parent = path.parent
+        while parent != self.root and self.root in parent.parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
 
 
 class _LocalWriter:

@@ -1,0 +1,1174 @@
+"""The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``.
+
+Owns argument parsing (typer), rendering (rich tables when stdout is a terminal, plain aligned
+text otherwise, JSON with ``--json``), exit codes, and the export formats (``.pt``,
+``.safetensors``, ``.npz``). Every command but ``gc`` only reads a run, through
+:mod:`cryosnap.engine` and :func:`cryosnap.load`, and takes no lock; ``gc`` deletes versions
+and takes the run's write lock, as a writer does. It knows nothing of the on-disk layout beyond
+the manifest and commit record types and the skeleton's node types (:mod:`cryosnap.tree`),
+which ``inspect`` and ``diff`` walk without reading any data.
+
+Exit codes::
+
+    0  success
+    1  corruption found: verify found damage, or any IntegrityError
+    2  usage errors, missing checkpoints and every other CheckpointError
+    3  an unexpected internal error (a bug: please report it)
+    130  interrupted (Ctrl-C)
+
+Every error is one line on stderr, ``cryosnap: error: ...``, never a traceback
+(``CRYOSNAP_TRACEBACK=1`` shows the traceback of an internal error).
+
+typer and rich (the ``cli`` extra) are imported here only, when the command line runs, so
+``import cryosnap`` never pulls them in. Runs on the caller's thread; no collectives.
+"""
+
+# No ``from __future__ import annotations`` here: typer reads the annotations of the command
+# functions at runtime, and they are defined inside _build_app() where typer is a local name.
+
+import importlib
+import importlib.util
+import json
+import os
+import secrets
+import sys
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import numpy as np
+
+from . import engine
+from .checkpointer import load
+from .chunks import chunk_count
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+)
+from .lock import acquire_run_lock
+from .manifest import MAX_STEP, Manifest
+from .storage import Store, open_store
+from .tree import format_path
+
+if TYPE_CHECKING:
+    import typer
+
+__all__ = ["main"]
+
+PROG = "cryosnap"
+EXPORT_FORMATS = (".pt", ".safetensors", ".npz")
+
+EXIT_OK = 0
+EXIT_DAMAGED = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+
+
+class CliUsageError(Exception):
+    """A usage error found by a command itself (bad OUT, a leaf the format cannot hold)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line and return its exit code.
+
+    With ``argv`` given (tests, embedding) the exit code is returned. With ``argv`` None the
+    arguments come from ``sys.argv`` and the process exits with the code: that is what the
+    ``cryosnap`` console script (``cryosnap.cli:main``) does.
+    """
+    code = _run(sys.argv[1:] if argv is None else list(argv))
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+def _run(args: list[str]) -> int:
+    try:
+        import typer
+    except ImportError:
+        _error("the command line needs the 'cli' extra: pip install 'cryosnap[cli]'")
+        return EXIT_USAGE
+    click_exc = _click_exceptions()
+    command = typer.main.get_command(_build_app())
+    try:
+        # standalone_mode=False: click raises instead of printing a multi-line usage block and
+        # calling sys.exit, so every error is rendered here as one line.
+        if not args:  # a bare `cryosnap`: the help is the answer, but it is still a usage error
+            command.main(args=["--help"], prog_name=PROG, standalone_mode=False)
+            return EXIT_USAGE
+        rv = command.main(args=args, prog_name=PROG, standalone_mode=False)
+    except CliUsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except IntegrityError as exc:
+        _error(str(exc))
+        return EXIT_DAMAGED
+    except CheckpointError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except click_exc.UsageError as exc:
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        _error(exc.format_message() + hint)
+        return EXIT_USAGE
+    except click_exc.ClickException as exc:
+        _error(exc.format_message())
+        return int(exc.exit_code)
+    except typer.Abort:
+        _error("aborted")
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # typer exits itself on a broken stdout pipe
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except Exception as exc:
+        if os.environ.get("CRYOSNAP_TRACEBACK"):
+            raise
+        _error(
+            f"internal error: {type(exc).__name__}: {exc} "
+            "(run with CRYOSNAP_TRACEBACK=1 to see the traceback)"
+        )
+        return EXIT_INTERNAL
+    # typer returns the code of a typer.Exit (verify's 1, --help's 0, Ctrl-C's 130) or the
+    # command's None.
+    return rv if isinstance(rv, int) else EXIT_OK
+
+
+def _click_exceptions() -> Any:
+    """The click exception module: vendored as ``typer._click`` by recent typer releases."""
+    try:
+        return importlib.import_module("typer._click.exceptions")
+    except ImportError:  # older typer depends on click itself
+        return importlib.import_module("click.exceptions")
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"{PROG}: error: {_one_line(message)}\n")
+
+
+def _note(message: str) -> None:
+    sys.stderr.write(f"{PROG}: note: {_one_line(message)}\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# the typer app: thin wrappers that parse, then call the commands below
+
+
+def _build_app() -> "typer.Typer":
+    import typer
+
+    app = typer.Typer(
+        name=PROG,
+        help="List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints.",
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    path_arg = typer.Argument(help="The run: a directory or an fsspec URL (memory://, s3://...).")
+    json_opt = typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
+    rank_opt = typer.Option("--rank", min=0, help="Which rank's part of the version.")
+
+    @app.command("ls")
+    def ls_command(
+        path: Annotated[str, path_arg],
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """List the committed versions of a run."""
+        cmd_ls(path, as_json=json_output)
+
+    @app.command("inspect")
+    def inspect_command(
+        path: Annotated[str, path_arg],
+        step: Annotated[
+            int | None,
+            typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
+        ] = None,
+        rank: Annotated[int, rank_opt] = 0,
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Show the leaves of a version (paths, dtypes, shapes, sizes) without reading data."""
+        cmd_inspect(path, step=step, rank=rank, as_json=json_output)
+
+    @app.command("verify")
+    def verify_command(
+        path: Annotated[str, path_arg],
+        step: Annotated[
+            int | None,
+            typer.Option(
+                "--step", min=0, max=MAX_STEP, help="The version (default: every version)."
+            ),
+        ] = None,
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Read every chunk of every rank and check its hash; exit 1 if anything is damaged."""
+        code = cmd_verify(path, step=step, as_json=json_output)
+        if code:
+            raise typer.Exit(code)
+
+    @app.command("export")
+    def export_command(
+        path: Annotated[str, path_arg],
+        out: Annotated[str, typer.Argument(help="Output file: .pt, .safetensors or .npz.")],
+        step: Annotated[
+            int, typer.Option("--step", min=0, max=MAX_STEP, help="The version to export.")
+        ],
+        rank: Annotated[int, rank_opt] = 0,
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Write one version as a .pt, .safetensors or .npz file."""
+        cmd_export(path, out, step=step, rank=rank, as_json=json_output)
+
+    @app.command("diff")
+    def diff_command(
+        path: Annotated[str, path_arg],
+        a: Annotated[int, typer.Argument(min=0, max=MAX_STEP, help="The older step.")],
+        b: Annotated[int, typer.Argument(min=0, max=MAX_STEP, help="The newer step.")],
+        rank: Annotated[int, rank_opt] = 0,
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Which leaves changed between two versions, and how many bytes (reads no data)."""
+        cmd_diff(path, a, b, rank=rank, as_json=json_output)
+
+    @app.command("gc")
+    def gc_command(
+        path: Annotated[str, path_arg],
+        keep: Annotated[
+            int, typer.Option("--keep", min=1, help="How many of the newest versions to keep.")
+        ],
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Delete all but the newest K versions and every file no kept version needs."""
+        cmd_gc(path, keep=keep, as_json=json_output)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+
+@dataclass(frozen=True, slots=True)
+class _Column:
+    title: str
+    right: bool = False
+
+
+@dataclass(slots=True)
+class _Table:
+    """Rows of text cells. A *message row* has two cells: the first column and a message that
+    spans the rest (a damaged version), and takes no part in the column widths."""
+
+    columns: list[_Column]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells: str) -> None:
+        self.rows.append(list(cells))
+
+    def render(self) -> None:
+        if sys.stdout.isatty() and importlib.util.find_spec("rich") is not None:
+            self._render_rich()
+        else:
+            self._render_plain()
+
+    def _render_plain(self) -> None:
+        n = len(self.columns)
+        widths = [len(c.title) for c in self.columns]
+        for row in self.rows:
+            if len(row) == n:
+                widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+        out = sys.stdout
+        out.write(self._plain_line([c.title for c in self.columns], widths) + "\n")
+        for row in self.rows:
+            if len(row) == n:
+                out.write(self._plain_line(row, widths) + "\n")
+            else:
+                first = self._pad(row[0], widths[0], self.columns[0].right)
+                out.write(f"{first}  {row[1]}".rstrip() + "\n")
+
+    def _pad(self, cell: str, width: int, right: bool) -> str:
+        return cell.rjust(width) if right else cell.ljust(width)
+
+    def _plain_line(self, cells: Sequence[str], widths: Sequence[int]) -> str:
+        parts = [
+            self._pad(cell, w, col.right)
+            for cell, w, col in zip(cells, widths, self.columns, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    def _render_rich(self) -> None:
+        from rich import box
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for c in self.columns:
+            table.add_column(c.title, justify="right" if c.right else "left")
+        n = len(self.columns)
+        messages: list[str] = []
+        for row in self.rows:
+            if len(row) == n:
+                table.add_row(*(escape(cell) for cell in row))
+            else:
+                # rich has no column spans: a short marker in the table, the message below it.
+                status, _, detail = row[1].partition(": ")
+                table.add_row(escape(row[0]), f"[red]{escape(status)}[/red]", *[""] * (n - 2))
+                if detail:
+                    messages.append(f"[red]step {escape(row[0])}: {escape(detail)}[/red]")
+        console = Console(file=sys.stdout)
+        console.print(table)
+        for message in messages:
+            console.print(message, highlight=False)
+
+
+def _print(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+
+
+def _print_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def human_bytes(n: int) -> str:
+    """Bytes in binary units with one decimal: ``48 B``, ``1.5 KiB``, ``1.0 GiB``."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "PiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def iso_time(unix: float) -> str:
+    """A Unix time as ISO 8601 in UTC, to the second."""
+    return datetime.fromtimestamp(unix, timezone.utc).isoformat(timespec="seconds")
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _truncate(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def _open(location: str) -> Store:
+    if not location:
+        raise CliUsageError("PATH must not be empty")
+    return open_store(location)
+
+
+def _steps(store: Store) -> list[int]:
+    """The committed steps, ascending; CheckpointNotFoundError when there are none."""
+    steps = engine.list_steps(store)
+    if not steps:
+        if store.list(""):
+            raise CheckpointNotFoundError(f"no committed version in {store.url}")
+        raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------
+# ls
+
+
+def cmd_ls(location: str, *, as_json: bool) -> None:
+    """One row per committed version; a damaged commit record is a row, not an abort."""
+    store = _open(location)
+    versions: list[dict[str, Any]] = []
+    for step in _steps(store):
+        try:
+            record = engine.read_commit(store, step)
+        except CheckpointNotFoundError:
+            continue  # removed by retention while we were listing
+        except (CheckpointFormatError, IntegrityError) as exc:
+            versions.append({"step": step, "damaged": True, "error": _one_line(str(exc))})
+            continue
+        versions.append(
+            {
+                "step": step,
+                "damaged": False,
+                "created": iso_time(record.created_unix),
+                "created_unix": record.created_unix,
+                "world_size": record.world_size,
+                "leaves": record.leaves,
+                "logical_bytes": record.logical_bytes,
+                "written_bytes": record.written_bytes,
+                "data_files": len(record.data_files),
+                "chunk_bytes": record.chunk_bytes,
+            }
+        )
+    if as_json:
+        _print_json({"path": store.url, "versions": versions})
+        return
+    table = _Table(
+        [
+            _Column("step", right=True),
+            _Column("created"),
+            _Column("world", right=True),
+            _Column("leaves", right=True),
+            _Column("logical", right=True),
+            _Column("written", right=True),
+            _Column("files", right=True),
+        ]
+    )
+    for v in versions:
+        if v["damaged"]:
+            table.add(str(v["step"]), f"DAMAGED: {v['error']}")
+            continue
+        table.add(
+            str(v["step"]),
+            v["created"],
+            str(v["world_size"]),
+            str(v["leaves"]),
+            human_bytes(v["logical_bytes"]),
+            human_bytes(v["written_bytes"]),
+            str(v["data_files"]),
+        )
+    table.render()
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+@dataclass(frozen=True, slots=True)
+class LeafInfo:
+    """One leaf of a manifest skeleton, as ``inspect`` shows it."""
+
+    path: str
+    kind: str
+    dtype: str | None
+    shape: list[int] | None
+    nbytes: int
+    chunks: int
+    blob: int | None
+    shared_with: str | None
+    value: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "bytes": self.nbytes,
+            "chunks": self.chunks,
+            "blob": self.blob,
+            "shared_with": self.shared_with,
+            "value": self.value,
+        }
+
+
+def _skeleton_leaves(node: Any, path: tuple[str | int, ...], out: list[tuple[str, Any]]) -> None:
+    """Collect ``(path, node)`` of every leaf of a manifest skeleton, in tree order."""
+    where = format_path(path)
+    if not isinstance(node, dict):
+        raise CheckpointFormatError(f"leaf {where}: malformed node {node!r:.80}")
+    t = node.get("t")
+    if t in ("dict", "odict"):
+        keys, vals = node.get("k"), node.get("v")
+        if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
+            raise CheckpointFormatError(f"{where}: malformed dict node")
+        for k, v in zip(keys, vals, strict=True):
+            if type(k) not in (str, int):
+                raise CheckpointFormatError(f"{where}: invalid key {k!r:.80}")
+            _skeleton_leaves(v, (*path, k), out)
+    elif t in ("list", "tuple"):
+        vals = node.get("v")
+        if not isinstance(vals, list):
+            raise CheckpointFormatError(f"{where}: malformed {t} node")
+        for i, v in enumerate(vals):
+            _skeleton_leaves(v, (*path, i), out)
+    elif t == "stateful":
+        _skeleton_leaves(node.get("v"), path, out)
+    else:
+        out.append((where, node))
+
+
+# Element sizes of torch dtypes, so inspect never imports torch (slow) for the common ones.
+_TORCH_ITEMSIZE = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "complex32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def _torch_itemsize(name: str) -> int | None:
+    if name in _TORCH_ITEMSIZE:
+        return _TORCH_ITEMSIZE[name]
+    if name.startswith("float8"):
+        return 1
+    try:
+        import torch
+    except ImportError:
+        return None
+    dtype = getattr(torch, name, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else None
+
+
+def _numpy_dtype(descr: Any) -> np.dtype[Any] | None:
+    """The numpy dtype of a manifest ``dtype`` descr; None if it is not one.
+
+    JSON turned the tuples of a structured descr into lists: ``[name, type, shape?]`` per field,
+    where ``type`` may itself be a structured descr.
+    """
+
+    def as_descr(d: Any) -> Any:
+        return [as_field(f) for f in d] if isinstance(d, list) else d
+
+    def as_field(f: Any) -> Any:
+        if not isinstance(f, list) or len(f) < 2:
+            return f
+        name, kind, *shape = f
+        name = tuple(name) if isinstance(name, list) else name
+        return (name, as_descr(kind), *(tuple(x) if isinstance(x, list) else x for x in shape))
+
+    try:
+        dtype: np.dtype[Any] = np.lib.format.descr_to_dtype(as_descr(descr))
+    except (TypeError, ValueError, KeyError):
+        return None
+    return dtype
+
+
+def _dtype_name(descr: Any) -> str:
+    dtype = _numpy_dtype(descr)
+    return str(dtype) if dtype is not None else repr(descr)
+
+
+def _inline_value(node: dict[str, Any]) -> str | None:
+    """The display text of a value held in the skeleton itself (no blob)."""
+    t = node.get("t")
+    v: Any = node.get("v")
+    try:
+        if t == "none":
+            return "None"
+        if t in ("int", "bool"):
+            return str(v)
+        if t == "str":
+            return repr(v)
+        if t == "float":
+            return repr(float.fromhex(v))
+        if t == "complex":
+            return repr(complex(float.fromhex(v[0]), float.fromhex(v[1])))
+        if t == "size":
+            return f"torch.Size({list(v)})"
+        if t == "npscalar":
+            dtype = _numpy_dtype(node.get("dtype"))
+            if dtype is None:
+                return None
+            return str(np.frombuffer(bytes.fromhex(node["hex"]), dtype=dtype)[0])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return "<malformed>"
+    return None
+
+
+def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
+    """Every leaf of one rank's manifest, from its skeleton alone: no data is read."""
+    found: list[tuple[str, Any]] = []
+    _skeleton_leaves(manifest.skeleton, (), found)
+    owner: dict[int, str] = {}  # blob -> the first leaf that uses it
+    leaves: list[LeafInfo] = []
+    for path, node in found:
+        t = str(node.get("t"))
+        blob: int | None = None
+        nbytes = 0
+        chunks = 0
+        shared_with: str | None = None
+        if "b" in node:
+            b = node["b"]
+            if type(b) is not int or not 0 <= b < len(manifest.blobs):
+                raise CheckpointFormatError(f"leaf {path}: invalid blob reference {b!r:.40}")
+            blob = b
+            nbytes = manifest.blobs[b].nbytes
+            if b in owner:
+                shared_with = owner[b]
+            else:
+                owner[b] = path
+                chunks = chunk_count(nbytes, manifest.chunk_bytes)
+        shape = node.get("shape")
+        shape = list(shape) if isinstance(shape, list) else None
+        dtype: str | None = None
+        if t == "torch":
+            dtype = str(node.get("dtype"))
+            if "view" in node and shape is not None:
+                # A view into a storage shared with other tensors: its own elements only.
+                item = _torch_itemsize(dtype)
+                if item is not None:
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * item
+        elif t in ("numpy", "npscalar"):
+            dtype = _dtype_name(node.get("dtype"))
+            if t == "npscalar":
+                shape = []
+                hex_value = node.get("hex")
+                nbytes = len(hex_value) // 2 if isinstance(hex_value, str) else 0
+        elif t in ("bytes", "bytearray"):
+            shape = [nbytes]
+        leaves.append(
+            LeafInfo(path, t, dtype, shape, nbytes, chunks, blob, shared_with, _inline_value(node))
+        )
+    return leaves
+
+
+def _shape_text(shape: list[int] | None) -> str:
+    return "" if shape is None else str(tuple(shape))
+
+
+def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) -> None:
+    """The leaves of one version (default: the latest), read from its manifest."""
+    store = _open(location)
+    if step is None:
+        step = _steps(store)[-1]
+    record = engine.read_commit(store, step)
+    manifest, _ref = engine.read_manifest(store, record, rank)
+    leaves = describe_leaves(manifest)
+    totals = {
+        "leaves": len(leaves),
+        "blobs": len(manifest.blobs),
+        "chunks": sum(leaf.chunks for leaf in leaves),
+        "logical_bytes": manifest.logical_bytes,
+    }
+    if as_json:
+        _print_json(
+            {
+                "path": store.url,
+                "step": step,
+                "rank": rank,
+                "world_size": record.world_size,
+                "created": iso_time(manifest.created_unix),
+                "chunk_bytes": manifest.chunk_bytes,
+                "leaves": [leaf.to_json() for leaf in leaves],
+                "totals": totals,
+            }
+        )
+        return
+    _print(
+        f"step {step} of {store.url}, rank {rank} of {record.world_size}, created "
+        f"{iso_time(manifest.created_unix)}, chunks of {human_bytes(manifest.chunk_bytes)}"
+    )
+    table = _Table(
+        [
+            _Column("path"),
+            _Column("kind"),
+            _Column("dtype"),
+            _Column("shape"),
+            _Column("bytes", right=True),
+            _Column("chunks", right=True),
+            _Column("value / note"),
+        ]
+    )
+    for leaf in leaves:
+        note = f"shares storage with {leaf.shared_with}" if leaf.shared_with else ""
+        if leaf.value is not None:
+            note = _truncate(leaf.value)
+        table.add(
+            leaf.path,
+            leaf.kind,
+            leaf.dtype or "",
+            _shape_text(leaf.shape),
+            human_bytes(leaf.nbytes) if leaf.blob is not None or leaf.nbytes else "",
+            str(leaf.chunks) if leaf.blob is not None else "",
+            note,
+        )
+    table.render()
+    _print(
+        f"{_plural(totals['leaves'], 'leaf', 'leaves')}, {_plural(totals['blobs'], 'blob')}, "
+        f"{_plural(totals['chunks'], 'chunk')}, {human_bytes(totals['logical_bytes'])} stored"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCheck:
+    """The outcome of verifying every rank of one version."""
+
+    step: int
+    errors: tuple[str, ...]
+    world_size: int | None = None
+    leaves: int | None = None
+    logical_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ok": self.ok,
+            "world_size": self.world_size,
+            "leaves": self.leaves,
+            "logical_bytes": self.logical_bytes,
+            "errors": list(self.errors),
+        }
+
+
+_DAMAGE = (IntegrityError, CheckpointFormatError)
+
+
+def verify_version(store: Store, step: int) -> VersionCheck:
+    """Read and hash every chunk of every rank of ``step``.
+
+    A missing commit record raises CheckpointNotFoundError (the version does not exist); any
+    other failure to read it back is damage, reported rather than raised.
+    """
+    try:
+        record = engine.read_commit(store, step)
+    except _DAMAGE as exc:
+        return VersionCheck(step, (_one_line(str(exc)),))
+    errors: list[str] = []
+    for ref in record.manifests:
+        try:
+            engine.verify_part(store, step, rank=ref.rank)
+        except (*_DAMAGE, CheckpointNotFoundError) as exc:
+            # Inside a committed version, a missing manifest or data file is damage too.
+            errors.append(_one_line(str(exc)))
+    return VersionCheck(step, tuple(errors), record.world_size, record.leaves, record.logical_bytes)
+
+
+def cmd_verify(location: str, *, step: int | None, as_json: bool) -> int:
+    """Verify one version or every version; return 1 if any is damaged, else 0."""
+    store = _open(location)
+    checks: list[VersionCheck] = []
+    if step is not None:
+        checks.append(verify_version(store, step))
+    else:
+        for s in _steps(store):
+            try:
+                checks.append(verify_version(store, s))
+            except CheckpointNotFoundError:
+                continue  # removed by retention while we were verifying
+    damaged = [c for c in checks if not c.ok]
+    if as_json:
+        _print_json(
+            {"path": store.url, "ok": not damaged, "versions": [c.to_json() for c in checks]}
+        )
+    else:
+        table = _Table([_Column("step", right=True), _Column("status"), _Column("detail")])
+        for c in checks:
+            if c.ok:
+                ranks = "1 rank" if c.world_size == 1 else f"{c.world_size} ranks"
+                detail = f"{ranks}, {c.leaves} leaves, {human_bytes(c.logical_bytes or 0)}"
+                table.add(str(c.step), "OK", detail)
+            else:
+                table.add(str(c.step), "DAMAGED", "; ".join(c.errors))
+        table.render()
+        if damaged:
+            _print(f"{len(damaged)} of {_plural(len(checks), 'version')} damaged")
+        else:
+            _print(f"{_plural(len(checks), 'version')} OK")
+    return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def export_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of a loaded tree; paths joined by ``/``, unique."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(obj: Any, path: tuple[str | int, ...]) -> None:
+        if type(obj) in (dict, OrderedDict):
+            for k, v in obj.items():
+                walk(v, (*path, k))
+        elif type(obj) in (list, tuple):  # torch.Size, a tuple subclass, is a leaf
+            for i, v in enumerate(obj):
+                walk(v, (*path, i))
+        else:
+            out.append((format_path(path), obj))
+
+    walk(tree, ())
+    seen: set[str] = set()
+    for path, _ in out:
+        if path in seen:
+            raise CliUsageError(
+                f"two leaves have the path {path!r} (a key holds '/' or int and str keys "
+                "collide); export to .pt instead"
+            )
+        seen.add(path)
+    return out
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _to_numpy(path: str, value: Any) -> np.ndarray | None:
+    """The array .npz stores for a leaf; None for a leaf it cannot hold at all (None)."""
+    if _is_tensor(value):
+        t = value.detach().cpu().resolve_conj().resolve_neg()
+        try:
+            arr: np.ndarray = t.numpy()
+        except TypeError as exc:
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise CliUsageError(
+                f"leaf {path} is a torch {dtype} tensor, which numpy has no dtype for; "
+                "export to .pt or .safetensors instead"
+            ) from exc
+        return arr
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return np.frombuffer(bytes(value), dtype=np.uint8)
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)  # Python and numpy scalars, torch.Size: 0-d or 1-d arrays
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise CliUsageError(f"leaf {path}: .npz cannot hold {value!r:.60}: {exc}") from exc
+    if arr.dtype.hasobject:
+        raise CliUsageError(f"leaf {path}: .npz cannot hold {type(value).__name__} values")
+    return arr
+
+
+def _write_npz(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
+    arrays: list[tuple[str, np.ndarray]] = []
+    skipped: list[str] = []
+    for path, value in leaves:
+        arr = _to_numpy(path, value)
+        if arr is None:
+            skipped.append(path)
+        else:
+            arrays.append((path, arr))
+    # What numpy.savez writes, without its keyword arguments: a leaf named "file" or
+    # "allow_pickle" would collide with savez's own parameters.
+    with zipfile.ZipFile(tmp, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, arr in arrays:
+            with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, arr, allow_pickle=False)
+    return len(arrays), skipped
+
+
+def _import_torch(fmt: str) -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise CliUsageError(f"export to {fmt} needs torch: pip install 'cryosnap[torch]'") from exc
+    return torch
+
+
+def _to_tensor(path: str, value: Any, torch: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        arr = value if value.flags.c_contiguous else value.copy(order="C")
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        try:
+            return torch.from_numpy(arr)
+        except TypeError as exc:
+            raise CliUsageError(
+                f"leaf {path} is a numpy {value.dtype} array, which torch has no dtype for; "
+                "export to .npz or .pt instead"
+            ) from exc
+    if isinstance(value, (bytes, bytearray)):
+        return torch.from_numpy(np.frombuffer(bytearray(value), dtype=np.uint8))
+    return value.detach().cpu().resolve_conj().resolve_neg()
+
+
+def _json_leaf(value: Any) -> str:
+    if isinstance(value, complex):
+        return json.dumps({"real": value.real, "imag": value.imag})
+    if isinstance(value, tuple):  # torch.Size
+        return json.dumps(list(value))
+    return json.dumps(value)
+
+
+def _write_safetensors(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
+    torch = _import_torch(".safetensors")
+    from safetensors.torch import save, save_file
+
+    tensors: dict[str, Any] = {}
+    metadata: dict[str, str] = {}
+    storages: set[int] = set()
+    for path, value in leaves:
+        if _is_tensor(value) or isinstance(value, (np.ndarray, np.generic, bytes, bytearray)):
+            t = _to_tensor(path, value, torch).contiguous()
+            # safetensors refuses tensors that share memory (tied weights): copy all but one.
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            if ptr and ptr in storages:
+                t = t.clone()
+            storages.add(ptr)
+            tensors[path] = t
+        else:
+            metadata[path] = _json_leaf(value)
+    written = len(tensors) + len(metadata)
+    if "format" not in metadata:
+        metadata["format"] = "pt"  # what transformers and others expect of a torch file
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+    except Exception as exc:
+        # Name the leaf: try the tensors one at a time (this is the failure path only).
+        for path, t in tensors.items():
+            try:
+                save({path: t})
+            except Exception:
+                dtype = str(t.dtype).removeprefix("torch.")
+                raise CliUsageError(
+                    f"leaf {path}: .safetensors cannot hold a {dtype} tensor ({exc}); "
+                    "export to .pt instead"
+                ) from exc
+        raise CliUsageError(f"cannot write .safetensors: {exc}") from exc
+    return written, []
+
+
+def _write_pt(tree: Any, tmp: Path) -> tuple[int, list[str]]:
+    torch = _import_torch(".pt")
+    torch.save(tree, tmp)
+    return len(export_leaves(tree)), []
+
+
+@contextmanager
+def _atomic_output(out: Path) -> Iterator[Path]:
+    """A temporary file beside ``out``, renamed over it once written and fsynced."""
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        # O_EXCL reserves the name; mode 0o666 lets the umask decide, as for any new file.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = tmp.stat().st_mode & 0o777
+    except OSError as exc:
+        raise CliUsageError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        # Some writers replace the file rather than fill it (safetensors makes it 0o600).
+        os.chmod(tmp, mode)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out)
+        dir_fd = os.open(out.absolute().parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise CliUsageError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_out(out: str) -> tuple[Path, str]:
+    if "://" in out:
+        raise CliUsageError(f"OUT must be a local file path, got {out!r}")
+    path = Path(out).expanduser()
+    fmt = path.suffix.lower()
+    if fmt not in EXPORT_FORMATS:
+        raise CliUsageError(f"cannot export to {out!r}: OUT must end in .pt, .safetensors or .npz")
+    if path.is_dir():
+        raise CliUsageError(f"OUT {out!r} is a directory")
+    if not path.absolute().parent.is_dir():
+        raise CliUsageError(f"cannot write {out!r}: directory {str(path.parent)!r} does not exist")
+    return path, fmt
+
+
+def cmd_export(location: str, out: str, *, step: int, rank: int, as_json: bool) -> None:
+    """Load one version and write it as .pt, .safetensors or .npz, atomically."""
+    out_path, fmt = _check_out(out)
+    if not location:
+        raise CliUsageError("PATH must not be empty")
+    url = open_store(location).url
+    tree = load(location, step=step, rank=rank)
+    leaves = export_leaves(tree)
+    # Every conversion a format needs happens before its file is complete: a leaf it cannot
+    # hold is an error and OUT is left as it was.
+    writers: dict[str, Callable[[Path], tuple[int, list[str]]]] = {
+        ".pt": lambda tmp: _write_pt(tree, tmp),
+        ".safetensors": lambda tmp: _write_safetensors(leaves, tmp),
+        ".npz": lambda tmp: _write_npz(leaves, tmp),
+    }
+    with _atomic_output(out_path) as tmp:
+        written, skipped = writers[fmt](tmp)
+    if skipped:
+        _note(
+            f"{_plural(len(skipped), 'None leaf', 'None leaves')} left out of {out_path.name} "
+            "(.npz has no None): " + ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        )
+    numpy_leaves = [p for p, v in leaves if isinstance(v, (np.ndarray, np.generic))]
+    if fmt == ".pt" and numpy_leaves:
+        _note(
+            f"{_plural(len(numpy_leaves), 'leaf', 'leaves')} with numpy values "
+            f"(first: {numpy_leaves[0]}), which torch.load(weights_only=True) refuses: load "
+            "with weights_only=False or allow them with torch.serialization.add_safe_globals"
+        )
+    size = out_path.stat().st_size
+    if as_json:
+        _print_json(
+            {
+                "path": url,
+                "step": step,
+                "rank": rank,
+                "out": str(out_path),
+                "format": fmt.lstrip("."),
+                "leaves": written,
+                "skipped": skipped,
+                "bytes": size,
+            }
+        )
+        return
+    _print(
+        f"exported step {step} of {url} to {out_path} "
+        f"({_plural(written, 'leaf', 'leaves')}, {human_bytes(size)})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# diff
+
+
+def _leaf_nodes(manifest: Manifest) -> dict[str, Any]:
+    out: list[tuple[str, Any]] = []
+    _skeleton_leaves(manifest.skeleton, (), out)
+    return dict(out)
+
+
+def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None:
+    """Per leaf: added, removed or changed between steps ``a`` and ``b``, with changed bytes.
+
+    Compares chunk hashes from the two manifests (resolved through their chains): no data is
+    read, and the changed bytes are those of the chunks whose content differs.
+    """
+    store = _open(location)
+    old = engine.resolve_version(store, a, rank=rank)
+    new = engine.resolve_version(store, b, rank=rank)
+    cb = new.manifest.chunk_bytes
+    old_nodes, new_nodes = _leaf_nodes(old.manifest), _leaf_nodes(new.manifest)
+    rows: list[dict[str, Any]] = []
+    changed_total = 0
+    for path, node in new_nodes.items():
+        before = old_nodes.get(path)
+        if before is None:
+            rows.append({"path": path, "status": "added", "changed_bytes": None})
+            continue
+        blob_new, blob_old = node.get("b"), before.get("b")
+        if blob_new is None or blob_old is None:
+            if {k: v for k, v in node.items() if k != "b"} != {
+                k: v for k, v in before.items() if k != "b"
+            }:
+                rows.append({"path": path, "status": "changed", "changed_bytes": 0})
+            continue
+        x, y = new.blobs[blob_new], old.blobs[blob_old]
+        meta_same = {k: v for k, v in node.items() if k != "b"} == {
+            k: v for k, v in before.items() if k != "b"
+        }
+        if x.nbytes != y.nbytes or old.manifest.chunk_bytes != cb:
+            rows.append({"path": path, "status": "changed", "changed_bytes": x.nbytes})
+            changed_total += x.nbytes
+            continue
+        differ = np.flatnonzero((x.hashes != y.hashes).any(axis=1))
+        if differ.size == 0 and meta_same:
+            continue
+        sizes = np.minimum(cb, x.nbytes - differ.astype(np.int64) * cb)
+        nbytes = int(sizes.sum())
+        changed_total += nbytes
+        rows.append(
+            {
+                "path": path,
+                "status": "changed",
+                "changed_bytes": nbytes,
+                "changed_chunks": int(differ.size),
+                "chunks": len(x.hashes),
+            }
+        )
+    rows.extend(
+        {"path": p, "status": "removed", "changed_bytes": None}
+        for p in old_nodes
+        if p not in new_nodes
+    )
+    logical = new.manifest.logical_bytes
+    if as_json:
+        _print_json(
+            {
+                "path": store.url,
+                "a": a,
+                "b": b,
+                "changed_bytes": changed_total,
+                "logical_bytes": logical,
+                "leaves": rows,
+            }
+        )
+        return
+    table = _Table([_Column("leaf"), _Column("status"), _Column("changed", right=True)])
+    for r in rows:
+        nbytes = r["changed_bytes"]
+        detail = "" if nbytes is None else human_bytes(nbytes)
+        if "changed_chunks" in r:
+            detail += f" ({r['changed_chunks']}/{r['chunks']} chunks)"
+        table.add(r["path"], r["status"], detail)
+    table.render()
+    share = 100.0 * changed_total / logical if logical else 0.0
+    _print(
+        f"{_plural(len(rows), 'leaf', 'leaves')} differ; {human_bytes(changed_total)} of "
+        f"{human_bytes(logical)} changed ({share:.2f}%)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# gc
+
+
+def cmd_gc(location: str, *, keep: int, as_json: bool) -> None:
+    """Keep the newest ``keep`` versions; delete the rest and every file none of them needs."""
+    store = _open(location)
+    _steps(store)  # a missing run is a usage error, not an empty success
+    lock = acquire_run_lock(store)
+    try:
+        before = {k: store.size(k) for k in store.list("data")}
+        deleted = engine.retire(store, keep=keep)
+        after = set(store.list("data"))
+    finally:
+        lock.release()
+    freed = sum(n for k, n in before.items() if k not in after)
+    kept = engine.list_steps(store)
+    if as_json:
+        _print_json(
+            {
+                "path": store.url,
+                "deleted_steps": deleted,
+                "kept_steps": kept,
+                "freed_bytes": freed,
+                "data_files_deleted": len(before) - len(after & set(before)),
+            }
+        )
+        return
+    _print(
+        f"deleted {_plural(len(deleted), 'version')}, kept {_plural(len(kept), 'version')}; "
+        f"freed {human_bytes(freed)}"
+    )

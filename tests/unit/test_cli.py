@@ -1,0 +1,678 @@
+"""The ``cryosnap`` command line: ls, inspect, verify, export; exit codes and error lines.
+
+A few cases run the CLI as a user types it (``python -m cryosnap ...`` in a subprocess); the rest
+call ``cryosnap.cli.main(argv)`` in process to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import cryosnap
+import cryosnap.storage
+from cryosnap.cli import human_bytes, main
+
+
+def torch_state() -> dict[str, Any]:
+    emb = torch.arange(12.0).reshape(4, 3)
+    return {
+        "model": {"emb": emb, "head": emb, "bias": torch.ones(3, dtype=torch.float64)},
+        "optim": {"step": 7, "lr": 1e-3, "name": "adamw", 0: torch.arange(4)},
+        "pair": (1, 2.5),
+    }
+
+
+def mixed_state() -> dict[str, Any]:
+    state = torch_state()
+    state["arr"] = np.arange(5.0)
+    state["scale"] = np.float32(2.5)
+    state["raw"] = b"\x00ab\x00"
+    state["none"] = None
+    return state
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """A run with steps 1 and 2 of a mixed torch/numpy/scalar state."""
+    path = tmp_path / "run"
+    state = mixed_state()
+    cryosnap.save(path, state, step=1)
+    state["arr"] = np.arange(6.0)
+    cryosnap.save(path, state, step=2)
+    return path
+
+
+@pytest.fixture
+def torch_run(tmp_path: Path) -> Path:
+    path = tmp_path / "torch-run"
+    cryosnap.save(path, torch_state(), step=3)
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def shell(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m cryosnap ARGS`` as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "cryosnap", *(str(a) for a in args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def assert_one_error_line(err: str, *fragments: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("cryosnap: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], err
+
+
+def flip_byte(run: Path, content: bytes) -> None:
+    """Damage the first byte of ``content`` (a leaf's bytes) where the run's data files hold it.
+
+    Content is stored once per run (de-duplicated), so damage reaches every version that holds
+    it: tests pick content that only one version has.
+    """
+    for data in sorted((run / "data").glob("*.dat")):
+        raw = bytearray(data.read_bytes())
+        at = raw.find(content)
+        if at >= 0:
+            raw[at] ^= 0xFF
+            data.write_bytes(bytes(raw))
+            return
+    raise AssertionError(f"no data file holds {content!r:.40}")
+
+
+ARR_1 = np.arange(5.0).tobytes()  # the leaf "arr" of step 1 only
+ARR_2 = np.arange(6.0).tobytes()  # the leaf "arr" of step 2 only
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(1 << 30) == "1.0 GiB"
+    assert human_bytes(5 << 50) == "5.0 PiB"
+
+
+def test_import_cryosnap_does_not_import_typer_or_rich() -> None:
+    code = "import sys, cryosnap; assert not {'typer', 'rich'} & set(sys.modules), sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# as a user types it
+
+
+def test_shell_help_and_commands(run: Path) -> None:
+    res = shell("--help")
+    assert res.returncode == 0, res.stderr
+    for command in ("ls", "inspect", "verify", "export", "diff", "gc"):
+        assert command in res.stdout
+    for command in ("bench", "demo"):
+        assert f" {command} " not in res.stdout
+
+    res = shell("ls", run)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert [line.split()[0] for line in res.stdout.splitlines()[1:]] == ["1", "2"]
+
+
+def test_shell_verify_damaged_exits_1_naming_the_leaf(run: Path) -> None:
+    flip_byte(run, ARR_2)
+    res = shell("verify", run)
+    assert res.returncode == 1, res.stderr
+    assert "DAMAGED" in res.stdout
+    assert "leaf arr" in res.stdout
+    assert "1 of 2 versions damaged" in res.stdout
+    assert "Traceback" not in res.stderr
+
+
+def test_shell_missing_path_exits_2_with_one_line(tmp_path: Path) -> None:
+    res = shell("inspect", tmp_path / "nope")
+    assert res.returncode == 2
+    assert res.stdout == ""
+    assert_one_error_line(res.stderr, "no checkpoint at", "nope")
+
+
+def test_shell_bad_option_exits_2_with_one_line(run: Path) -> None:
+    res = shell("ls", run, "--bogus")
+    assert res.returncode == 2
+    assert_one_error_line(res.stderr, "--bogus", "cryosnap ls --help")
+
+
+def test_shell_export_round_trip(torch_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "state.pt"
+    res = shell("export", torch_run, "--step", "3", out)
+    assert res.returncode == 0, res.stderr
+    assert out.exists()
+    loaded = torch.load(out, weights_only=True)
+    expected = torch_state()
+    assert torch.equal(loaded["model"]["emb"], expected["model"]["emb"])
+    assert loaded["optim"]["step"] == 7
+
+
+def test_shell_export_bfloat16_to_npz_exits_2(tmp_path: Path) -> None:
+    cryosnap.save(tmp_path / "run", {"w": torch.ones(2, dtype=torch.bfloat16)}, step=0)
+    out = tmp_path / "w.npz"
+    res = shell("export", tmp_path / "run", "--step", "0", out)
+    assert res.returncode == 2
+    assert_one_error_line(res.stderr, "leaf w", "bfloat16", ".pt", ".safetensors")
+    assert not out.exists()
+    assert list(tmp_path.glob(".w.npz.*")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# ls
+
+
+def test_ls_text(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    code, out, err = cli(capsys, "ls", run)
+    assert (code, err) == (0, "")
+    header, *rows = out.splitlines()
+    assert header.split() == ["step", "created", "world", "leaves", "logical", "written", "files"]
+    assert len(rows) == 2
+    cells = rows[1].split()
+    assert cells[0] == "2"
+    datetime.fromisoformat(cells[1])
+    assert cells[2:4] == ["1", "13"]
+    assert "\x1b[" not in out  # plain text when stdout is not a terminal
+
+
+def test_ls_json(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    info = cryosnap.save(run, {"x": torch.zeros(1000)}, step=9)
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["path"] == str(run)
+    assert [v["step"] for v in doc["versions"]] == [1, 2, 9]
+    last = doc["versions"][-1]
+    assert last["damaged"] is False
+    assert last["logical_bytes"] == info.logical_bytes == 4000
+    assert last["written_bytes"] == info.written_bytes
+    assert last["world_size"] == 1
+    assert last["leaves"] == 1
+    assert last["data_files"] == 1
+    assert datetime.fromisoformat(last["created"]).timestamp() == pytest.approx(
+        last["created_unix"], abs=1
+    )
+
+
+def test_ls_shows_a_damaged_commit_record_as_a_row(
+    capsys: pytest.CaptureFixture[str], run: Path
+) -> None:
+    (run / "versions" / f"{1:012d}" / "COMMIT.json").write_bytes(b"garbage")
+    code, out, err = cli(capsys, "ls", run)
+    assert (code, err) == (0, "")
+    rows = out.splitlines()[1:]
+    assert rows[0].split()[:2] == ["1", "DAMAGED:"]
+    assert "not valid JSON" in rows[0]
+    assert rows[1].split()[0] == "2"
+
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    assert code == 0
+    first, second = json.loads(out)["versions"]
+    assert first["damaged"] is True and "COMMIT.json" in first["error"]
+    assert second["damaged"] is False
+
+
+def test_ls_rich_table_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (run / "versions" / f"{1:012d}" / "COMMIT.json").write_bytes(b"garbage")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, out, err = cli(capsys, "ls", run)
+    assert (code, err) == (0, "")
+    assert "created" in out and "DAMAGED" in out and "not valid JSON" in out
+
+
+def test_ls_memory_url(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"memory://cli-{uuid.uuid4().hex}/run"
+    cryosnap.save(url, {"w": np.ones(4)}, step=5)
+    code, out, _ = cli(capsys, "ls", url, "--json")
+    assert code == 0
+    assert [v["step"] for v in json.loads(out)["versions"]] == [5]
+
+
+def test_ls_dir_without_versions(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.dat").write_bytes(b"x")
+    code, out, err = cli(capsys, "ls", tmp_path, "--json")
+    assert (code, out) == (2, "")
+    assert_one_error_line(err, "no committed version in")
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_json_latest(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    code, out, _ = cli(capsys, "inspect", run, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert (doc["step"], doc["rank"], doc["world_size"]) == (2, 0, 1)
+    leaves = {leaf["path"]: leaf for leaf in doc["leaves"]}
+    assert list(leaves) == [
+        "model/emb",
+        "model/head",
+        "model/bias",
+        "optim/step",
+        "optim/lr",
+        "optim/name",
+        "optim/0",
+        "pair/0",
+        "pair/1",
+        "arr",
+        "scale",
+        "raw",
+        "none",
+    ]
+    emb = leaves["model/emb"]
+    assert (emb["kind"], emb["dtype"], emb["shape"], emb["bytes"], emb["chunks"]) == (
+        "torch",
+        "float32",
+        [4, 3],
+        48,
+        1,
+    )
+    assert leaves["model/head"]["shared_with"] == "model/emb"
+    assert leaves["model/head"]["chunks"] == 0
+    assert (leaves["arr"]["kind"], leaves["arr"]["dtype"], leaves["arr"]["shape"]) == (
+        "numpy",
+        "float64",
+        [6],
+    )
+    assert leaves["optim/step"]["kind"] == "int"
+    assert leaves["optim/step"]["value"] == "7"
+    assert leaves["optim/name"]["value"] == "'adamw'"
+    assert (leaves["scale"]["kind"], leaves["scale"]["dtype"]) == ("npscalar", "float32")
+    assert leaves["raw"]["bytes"] == 4
+    assert leaves["none"]["kind"] == "none"
+    assert doc["totals"] == {"leaves": 13, "blobs": 5, "chunks": 5, "logical_bytes": 156}
+
+
+def test_inspect_text_step(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    code, out, err = cli(capsys, "inspect", run, "--step", "1")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith(f"step 1 of {run}, rank 0 of 1")
+    assert lines[1].split() == [
+        "path",
+        "kind",
+        "dtype",
+        "shape",
+        "bytes",
+        "chunks",
+        "value",
+        "/",
+        "note",
+    ]
+    rows = {line.split()[0]: line for line in lines[2:-1]}
+    assert rows["arr"].split()[:4] == ["arr", "numpy", "float64", "(5,)"]
+    assert "shares storage with model/emb" in rows["model/head"]
+    assert lines[-1] == "13 leaves, 5 blobs, 5 chunks, 148 B stored"
+
+
+def test_inspect_missing_step_exits_2(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    code, out, err = cli(capsys, "inspect", run, "--step", "7", "--json")
+    assert (code, out) == (2, "")
+    assert_one_error_line(err, "step 7 not found")
+
+
+def test_inspect_damaged_manifest_exits_1(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    manifest = run / "versions" / f"{2:012d}" / "rank-00000.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"float32"', b'"float64"'))
+    code, _, err = cli(capsys, "inspect", run)
+    assert code == 1
+    assert_one_error_line(err, "rank-00000.json", "does not match")
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def test_verify_ok_text_and_json(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    code, out, err = cli(capsys, "verify", run)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["1", "OK"]
+    assert lines[2].split()[:2] == ["2", "OK"]
+    assert lines[-1] == "2 versions OK"
+
+    code, out, _ = cli(capsys, "verify", run, "--step", "2", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["ok"] is True
+    assert doc["versions"] == [
+        {
+            "step": 2,
+            "ok": True,
+            "world_size": 1,
+            "leaves": 13,
+            "logical_bytes": 156,
+            "errors": [],
+        }
+    ]
+
+
+def test_verify_damage_json(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    flip_byte(run, ARR_1)
+    code, out, _ = cli(capsys, "verify", run, "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False
+    first, second = doc["versions"]
+    assert first["ok"] is False and second["ok"] is True
+    (error,) = first["errors"]
+    assert "step 1" in error and "leaf arr" in error and "does not match its hash" in error
+
+    code, out, _ = cli(capsys, "verify", run, "--step", "2")
+    assert code == 0
+
+
+def test_verify_missing_data_file_is_damage(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    for data in (run / "data").glob(f"{2:012d}-*.dat"):
+        data.unlink()
+    code, out, err = cli(capsys, "verify", run, "--step", "2")
+    assert (code, err) == (1, "")
+    assert "DAMAGED" in out and "missing" in out
+
+
+def test_verify_missing_step_exits_2(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    code, out, err = cli(capsys, "verify", run, "--step", "3")
+    assert (code, out) == (2, "")
+    assert_one_error_line(err, "step 3 not found")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def test_export_pt(capsys: pytest.CaptureFixture[str], torch_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.pt"
+    code, stdout, err = cli(capsys, "export", torch_run, "--step", "3", out, "--json")
+    assert (code, err) == (0, "")
+    doc = json.loads(stdout)
+    assert (doc["step"], doc["format"], doc["out"]) == (3, "pt", str(out))
+    assert doc["bytes"] == out.stat().st_size
+    loaded = torch.load(out, weights_only=True)
+    expected = torch_state()
+    assert torch.equal(loaded["model"]["emb"], expected["model"]["emb"])
+    assert torch.equal(loaded["model"]["bias"], expected["model"]["bias"])
+    assert torch.equal(loaded["optim"][0], expected["optim"][0])
+    assert loaded["model"]["head"].untyped_storage().data_ptr() == (
+        loaded["model"]["emb"].untyped_storage().data_ptr()
+    )
+    assert {k: v for k, v in loaded["optim"].items() if k != 0} == {
+        "step": 7,
+        "lr": 1e-3,
+        "name": "adamw",
+    }
+    assert loaded["pair"] == (1, 2.5)
+
+
+def test_export_pt_with_numpy_leaves_notes_weights_only(
+    capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.pt"
+    code, stdout, err = cli(capsys, "export", run, "--step", "1", out)
+    assert code == 0
+    assert stdout.startswith(f"exported step 1 of {run} to {out}")
+    assert err.startswith("cryosnap: note: ") and "weights_only" in err
+    loaded = torch.load(out, weights_only=False)
+    np.testing.assert_array_equal(loaded["arr"], np.arange(5.0))
+    assert loaded["raw"] == b"\x00ab\x00"
+    assert loaded["none"] is None
+
+
+def test_export_safetensors(capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    code, _, err = cli(capsys, "export", run, "--step", "2", out)
+    assert (code, err) == (0, "")
+    tensors = load_file(out)
+    assert set(tensors) == {
+        "model/emb",
+        "model/head",
+        "model/bias",
+        "optim/0",
+        "arr",
+        "scale",
+        "raw",
+    }
+    assert torch.equal(tensors["model/emb"], torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(tensors["model/head"], tensors["model/emb"])  # tied: cloned, equal
+    assert torch.equal(tensors["arr"], torch.arange(6.0, dtype=torch.float64))
+    assert tensors["scale"].shape == () and tensors["scale"].item() == 2.5
+    assert tensors["raw"].tolist() == [0, 97, 98, 0]
+    with safe_open(out, "pt") as f:
+        metadata = f.metadata()
+    assert json.loads(metadata["optim/step"]) == 7
+    assert json.loads(metadata["optim/name"]) == "adamw"
+    assert json.loads(metadata["pair/1"]) == 2.5
+    assert json.loads(metadata["none"]) is None
+    assert metadata["format"] == "pt"
+    assert out.stat().st_mode & 0o777 == (tmp_path / "run" / "data").stat().st_mode & 0o666
+
+
+def test_export_safetensors_keeps_bfloat16(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    w = torch.randn(3, 2).to(torch.bfloat16)
+    cryosnap.save(tmp_path / "run", {"w": w, "wt": w.t()}, step=0)
+    out = tmp_path / "w.safetensors"
+    code, _, err = cli(capsys, "export", tmp_path / "run", "--step", "0", out)
+    assert (code, err) == (0, "")
+    tensors = load_file(out)
+    assert torch.equal(tensors["w"], w)
+    assert torch.equal(tensors["wt"], w.t())
+
+
+def test_export_npz(capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.npz"
+    code, _, err = cli(capsys, "export", run, "--step", "2", out)
+    assert code == 0
+    assert_one_error_line(err.replace("cryosnap: note:", "cryosnap: error:"), "none")
+    with np.load(out) as npz:
+        assert set(npz.files) == {
+            "model/emb",
+            "model/head",
+            "model/bias",
+            "optim/step",
+            "optim/lr",
+            "optim/name",
+            "optim/0",
+            "pair/0",
+            "pair/1",
+            "arr",
+            "scale",
+            "raw",
+        }
+        np.testing.assert_array_equal(
+            npz["model/emb"], np.arange(12.0, dtype=np.float32).reshape(4, 3)
+        )
+        np.testing.assert_array_equal(npz["arr"], np.arange(6.0))
+        assert npz["optim/step"].shape == () and npz["optim/step"].item() == 7
+        assert npz["optim/name"].item() == "adamw"
+        assert npz["scale"].dtype == np.float32 and npz["scale"].item() == 2.5
+        assert npz["raw"].tobytes() == b"\x00ab\x00"
+
+
+def test_export_npz_leaf_named_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cryosnap.save(tmp_path / "run", {"file": np.ones(2), "allow_pickle": 1}, step=0)
+    out = tmp_path / "x.npz"
+    assert cli(capsys, "export", tmp_path / "run", "--step", "0", out)[0] == 0
+    with np.load(out) as npz:
+        assert set(npz.files) == {"file", "allow_pickle"}
+
+
+@pytest.mark.parametrize(
+    ("out", "fragment"),
+    [("state.txt", "must end in .pt, .safetensors or .npz"), ("nodir/state.pt", "does not exist")],
+)
+def test_export_bad_out_exits_2(
+    capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path, out: str, fragment: str
+) -> None:
+    code, stdout, err = cli(capsys, "export", run, "--step", "1", tmp_path / out)
+    assert (code, stdout) == (2, "")
+    assert_one_error_line(err, fragment)
+
+
+def test_export_usage_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path
+) -> None:
+    code, _, err = cli(capsys, "export", run, tmp_path / "x.pt")
+    assert code == 2
+    assert_one_error_line(err, "Missing option '--step'")
+    code, _, err = cli(capsys, "export", run, "--step", "8", tmp_path / "x.pt")
+    assert code == 2
+    assert_one_error_line(err, "step 8 not found")
+    code, _, err = cli(capsys, "export", run, "--step", "-1", tmp_path / "x.pt")
+    assert code == 2
+    assert_one_error_line(err, "--step")
+    assert list(tmp_path.glob("*.pt")) == []
+
+
+def test_export_damaged_exits_1_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path
+) -> None:
+    flip_byte(run, ARR_2)
+    out = tmp_path / "x.npz"
+    code, stdout, err = cli(capsys, "export", run, "--step", "2", out)
+    assert (code, stdout) == (1, "")
+    assert_one_error_line(err, "leaf arr", "does not match its hash")
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing and exit codes
+
+
+def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    for args, fragment in [
+        (["frobnicate"], "No such command"),
+        (["inspect"], "Missing argument"),
+        (["verify", str(run), "--step", "x"], "--step"),
+        (["ls", ""], "must not be empty"),
+        (["ls", "nosuchprotocol://bucket/run"], "nosuchprotocol"),
+    ]:
+        code, out, err = cli(capsys, *args)
+        assert (code, out) == (2, ""), args
+        assert_one_error_line(err, fragment)
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "verify", "--help")
+    assert code == 0
+    assert "--step" in out and "--json" in out
+
+
+def test_no_arguments_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys)
+    assert (code, err) == (2, "")
+    assert "Usage" in out and "inspect" in out
+
+
+def test_main_without_argv_exits_the_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["cryosnap", "ls", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "no checkpoint")
+
+
+def test_internal_error_is_one_line_exit_3(
+    capsys: pytest.CaptureFixture[str], run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*_args: object, **_kwargs: object) -> list[int]:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr("cryosnap.engine.list_steps", boom)
+    code, out, err = cli(capsys, "ls", run)
+    assert (code, out) == (3, "")
+    assert_one_error_line(err, "internal error: ZeroDivisionError: boom", "CRYOSNAP_TRACEBACK")
+
+    monkeypatch.setenv("CRYOSNAP_TRACEBACK", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(["ls", str(run)])
+
+
+def test_inspect_and_export_unusual_numpy_dtypes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    struct = np.dtype([("id", "<i4"), ("xy", "<f8", (2,)), ("inner", [("a", "u1"), ("b", ">i2")])])
+    state = {
+        "rec": np.zeros(3, dtype=struct),
+        "big": np.arange(4, dtype=">f8"),
+        "when": np.array(["2024-01-01"], dtype="<M8[D]"),
+    }
+    cryosnap.save(tmp_path / "run", state, step=0)
+    code, out, _ = cli(capsys, "inspect", tmp_path / "run", "--json")
+    assert code == 0
+    dtypes = {leaf["path"]: leaf["dtype"] for leaf in json.loads(out)["leaves"]}
+    assert dtypes == {"rec": str(struct), "big": ">f8", "when": "datetime64[D]"}
+
+    out_npz = tmp_path / "x.npz"
+    assert cli(capsys, "export", tmp_path / "run", "--step", "0", out_npz)[0] == 0
+    with np.load(out_npz) as npz:
+        for key, value in state.items():
+            np.testing.assert_array_equal(npz[key], value)
+            assert npz[key].dtype == value.dtype
+
+    out_st = tmp_path / "x.safetensors"
+    code, _, err = cli(capsys, "export", tmp_path / "run", "--step", "0", out_st)
+    assert code == 2
+    assert_one_error_line(err, "leaf rec", "numpy", ".npz")
+    assert not out_st.exists()
+
+
+def test_diff_and_gc_as_typed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "inc"
+    arr = np.zeros(100_000)
+    with cryosnap.Checkpointer(run_dir, chunk_bytes=4096) as ckpt:
+        for step in range(4):
+            arr[step * 2000 : step * 2000 + 10] = step + 1
+            ckpt.save(step, {"a": arr, "lr": 0.1 * step, "same": np.ones(10)}).result()
+    res = shell("diff", run_dir, "0", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    leaves = {r["path"]: r for r in doc["leaves"]}
+    assert set(leaves) == {"a", "lr"}
+    assert leaves["a"]["changed_chunks"] == 3
+    assert leaves["a"]["changed_bytes"] == 3 * 4096
+    res = shell("diff", run_dir, "1", "2")
+    assert res.returncode == 0 and "1/196 chunks" in res.stdout, res.stdout
+    res = shell("gc", run_dir, "--keep", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["deleted_steps"] == [0, 1]
+    assert cryosnap.engine.list_steps(cryosnap.storage.LocalStore(run_dir)) == [2, 3]
+    np.testing.assert_array_equal(cryosnap.load(run_dir)["a"], arr)
+    res = shell("gc", run_dir, "--keep", "0")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    res = shell("diff", run_dir, "0", "3")
+    assert res.returncode == 2 and "step 0 not found" in res.stderr

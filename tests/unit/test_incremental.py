@@ -1,0 +1,176 @@
+"""Incremental versions: only new content is written, chains restore exactly, gc is safe."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cryosnap
+from cryosnap import engine
+from cryosnap.chunks import hash_chunks
+from cryosnap.storage import LocalStore
+
+CHUNK = 4096
+
+
+def _chunk_digests(state: dict[str, np.ndarray]) -> list[bytes]:
+    out = []
+    for arr in state.values():
+        raw = hash_chunks(memoryview(arr.reshape(-1).view(np.uint8)), CHUNK)
+        out.extend(raw[i : i + 16] for i in range(0, len(raw), 16))
+    return out
+
+
+updates = st.lists(
+    st.tuples(
+        st.sampled_from(["a", "b", "c"]),
+        st.integers(0, 49_999),
+        st.integers(1, 3000),
+        st.floats(-5, 5, allow_nan=False, width=32),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=25)
+@given(st.integers(0, 2**32 - 1), st.lists(updates, min_size=1, max_size=7))
+def test_written_chunks_are_exactly_the_new_content(seed: int, steps: list) -> None:
+    rng = np.random.default_rng(seed)
+    state = {
+        "a": rng.standard_normal(50_000).astype(np.float32),
+        "b": np.zeros(50_000, np.float32),  # many identical chunks: stored once
+        "c": rng.integers(0, 3, 50_000).astype(np.float32),
+    }
+    snaps = []
+    with tempfile.TemporaryDirectory() as d:
+        seen: set[bytes] = set()
+        with cryosnap.Checkpointer(d, chunk_bytes=CHUNK, full_every=100) as ckpt:
+            for step, changes in enumerate([[], *steps]):
+                for name, start, length, value in changes:
+                    state[name][start : start + length] = value
+                digests = _chunk_digests(state)
+                new = set(digests) - seen
+                info = ckpt.save(step, state).result()
+                assert info.new_chunks == len(new)
+                sizes = {}
+                for arr in state.values():
+                    raw = memoryview(arr.reshape(-1).view(np.uint8))
+                    for lo in range(0, raw.nbytes, CHUNK):
+                        sizes[hash_chunks(raw[lo : lo + CHUNK], CHUNK)] = len(raw[lo : lo + CHUNK])
+                assert info.written_bytes == sum(sizes[h] for h in new)
+                assert info.incremental == (step > 0)
+                seen |= new
+                snaps.append({k: v.copy() for k, v in state.items()})
+        for step, snap in enumerate(snaps):
+            out = cryosnap.load(d, step=step)
+            for k, v in snap.items():
+                np.testing.assert_array_equal(out[k], v)
+
+
+@settings(max_examples=20)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 12), st.integers(1, 5), st.data())
+def test_gc_of_any_subset_keeps_the_rest_restorable(
+    seed: int, nversions: int, full_every: int, data: st.DataObject
+) -> None:
+    rng = np.random.default_rng(seed)
+    arr = rng.standard_normal(40_000).astype(np.float32)
+    snaps = {}
+    with tempfile.TemporaryDirectory() as d:
+        with cryosnap.Checkpointer(d, chunk_bytes=CHUNK, full_every=full_every) as ckpt:
+            for step in range(nversions):
+                idx = rng.integers(0, arr.size, 50)
+                arr[idx] += 1
+                ckpt.save(step, {"x": arr, "step": step}).result()
+                snaps[step] = arr.copy()
+        drop = data.draw(st.sets(st.sampled_from(sorted(snaps))))
+        store = LocalStore(d)
+        assert engine.retire(store, drop=sorted(drop)) == sorted(drop)
+        assert engine.list_steps(store) == sorted(set(snaps) - drop)
+        for step in sorted(set(snaps) - drop):
+            out = cryosnap.load(d, step=step)
+            np.testing.assert_array_equal(out["x"], snaps[step])
+            engine.verify_part(store, step)
+        # Nothing unreferenced remains.
+        referenced = {
+            f for s in engine.list_steps(store) for f in engine.read_commit(store, s).data_files
+        }
+        assert set(store.list("data")) == referenced
+
+
+def test_chain_is_bounded_by_full_every(tmp_path: Path) -> None:
+    arr = np.arange(100_000, dtype=np.float64)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, full_every=3) as ckpt:
+        kinds = []
+        for step in range(8):
+            arr[step * 10] = -1
+            kinds.append(ckpt.save(step, {"x": arr}).result().incremental)
+    assert kinds == [False, True, True, False, True, True, False, True]
+    store = LocalStore(tmp_path)
+    assert engine.read_commit(store, 5).chain == (3, 4, 5)
+
+
+def test_incremental_false_writes_every_version_in_full(tmp_path: Path) -> None:
+    arr = np.ones(10_000)
+    with cryosnap.Checkpointer(tmp_path, incremental=False, chunk_bytes=CHUNK) as ckpt:
+        infos = [ckpt.save(s, {"x": arr}).result() for s in range(3)]
+    assert [i.incremental for i in infos] == [False] * 3
+    # Identical chunks inside one version are still stored once.
+    assert all(i.written_bytes == CHUNK + arr.nbytes % CHUNK for i in infos)
+
+
+def test_compact_metadata_grows_with_changes_not_state(tmp_path: Path) -> None:
+    table = np.random.default_rng(0).standard_normal((16_384, 64)).astype(np.float32)  # 4 MiB
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(0, {"emb": table}).result()
+        table[100:104] += 1  # one region
+        info = ckpt.save(1, {"emb": table}).result()
+    manifest = (tmp_path / "versions" / f"{1:012d}" / "rank-00000.json").read_bytes()
+    doc = json.loads(manifest)
+    (blob,) = doc["blobs"]
+    assert len(blob[2]) == 3  # inherited run, the changed chunk, inherited run
+    assert info.new_chunks == 1
+    full = (tmp_path / "versions" / f"{0:012d}" / "rank-00000.json").stat().st_size
+    assert len(manifest) < full / 20
+
+
+def test_resume_continues_the_chain(tmp_path: Path) -> None:
+    arr = np.arange(50_000, dtype=np.float32)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(0, {"x": arr}).result()
+    arr[7] = -7
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        info = ckpt.save(1, {"x": arr}).result()
+    assert info.incremental and info.new_chunks == 1
+    np.testing.assert_array_equal(cryosnap.load(tmp_path)["x"], arr)
+
+
+def test_keep_reclaims_space(tmp_path: Path) -> None:
+    arr = np.zeros(200_000, np.float32)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, keep=2, full_every=2) as ckpt:
+        for step in range(6):
+            arr[:] = step  # everything changes
+            ckpt.save(step, {"x": arr}).result()
+        assert ckpt.steps() == [4, 5]
+    store = LocalStore(tmp_path)
+    assert len(store.list("data")) == 2
+    assert {k.split("/")[1] for k in store.list("versions")} == {f"{4:012d}", f"{5:012d}"}
+
+
+def test_damaged_base_manifest_is_detected(tmp_path: Path) -> None:
+    arr = np.arange(30_000, dtype=np.float32)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(0, {"x": arr}).result()
+        arr[0] = 5
+        ckpt.save(1, {"x": arr}).result()
+    path = tmp_path / "versions" / f"{0:012d}" / "rank-00000.json"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(cryosnap.IntegrityError, match="step 1"):
+        cryosnap.load(tmp_path, step=1)
