@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from . import engine
+from ._gc import paused_gc
 from .capture import Batch, CaptureTracker, StagingPool, capture_to_slabs, direct_batches
 from .chunks import validate_chunk_bytes
 from .errors import CheckpointError, CheckpointExistsError, CheckpointTimeoutError
@@ -201,7 +202,7 @@ class Checkpointer:
         self.incremental = incremental
         # The previous version, resolved, and where each chunk of kept content lies: the base
         # of the next incremental version. Loaded from the run on the first save.
-        self._base: engine.ResolvedPart | None = None
+        self._base: engine.ResolvedPart | engine.PartResult | None = None
         self._index: dict[bytes, tuple[str, int]] = {}
         self._base_loaded = False
         self.allow_pickle = bool(allow_pickle)
@@ -274,8 +275,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         job = self._start(step, state, t0)
         try:
-            for batch in direct_batches(job.flat, batch_bytes=engine.IO_BATCH_BYTES):
-                job.batches.put(batch)
+            with paused_gc():
+                for batch in direct_batches(job.flat, batch_bytes=engine.IO_BATCH_BYTES):
+                    job.batches.put(batch)
         finally:
             job.batches.put(_END)
             job.pending._tracker.finish()
@@ -402,6 +404,9 @@ class Checkpointer:
             if not self._base_loaded:
                 self._load_base()
             base = self._base
+            if isinstance(base, engine.PartResult):
+                # Resolved only now: a run that saves once never pays for it.
+                base = self._base = base.resolved()
             if not self.incremental or (base is not None and base.depth >= self.full_every):
                 base = None
             writer = engine.PartWriter(
@@ -420,11 +425,8 @@ class Checkpointer:
                 if isinstance(item, BaseException):
                     raise item
                 batch: Batch = item
-                try:
-                    writer.add(batch.pieces)
-                    progress.update(batch.nbytes)
-                finally:
-                    batch.release()
+                writer.add(batch.pieces, batch.release)
+                progress.update(batch.nbytes)
             part = writer.finish()
             engine.commit_version(self.store, job.step, [part], chunk_bytes=self.chunk_bytes)
             self._advance(part)
@@ -456,7 +458,7 @@ class Checkpointer:
 
     def _advance(self, part: engine.PartResult) -> None:
         """After a commit: the version is the next base; apply retention."""
-        self._base = part.resolved
+        self._base = part
         if part.incremental:
             self._index.update(part.new_index)
         else:
@@ -469,7 +471,7 @@ class Checkpointer:
             dropped = engine.retire(self.store, keep=self.keep)
         except CheckpointError as exc:
             # The version is committed; a failed clean-up is retried after the next one.
-            log.warning("retention after step %d failed: %s", part.resolved.step, exc)
+            log.warning("retention after step %d failed: %s", part.manifest.step, exc)
             return
         if dropped:
             live = set(self.store.list("data"))

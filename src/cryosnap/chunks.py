@@ -87,6 +87,8 @@ def _split(hashes: bytes) -> list[bytes]:
 
 def merkle_levels(chunk_hashes: bytes | Sequence[bytes]) -> list[list[bytes]]:
     """Every level of the Merkle tree, leaves first, root level (one node) last."""
+    if isinstance(chunk_hashes, bytes) and len(chunk_hashes) == HASH_BYTES:
+        return [[chunk_hashes]]  # one chunk: the chunk's hash is the root
     level = _split(chunk_hashes) if isinstance(chunk_hashes, bytes) else list(chunk_hashes)
     if not level:
         return [[_digest(b"", _CHUNK_SEED)]]

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import secrets
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ._gc import paused_gc
 from .capture import Piece
 from .chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
 from .errors import (
@@ -242,12 +245,15 @@ def resolve_version(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
 # write
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PartResult:
-    """What one rank wrote for a version."""
+    """What one rank wrote for a version. ``resolved()`` (the version as the next one's base)
+    is computed on first use: a one-shot save never needs it."""
 
     ref: ManifestRef
-    resolved: ResolvedPart
+    manifest: Manifest
+    base: ResolvedPart | None
+    where: str
     new_index: dict[bytes, _Loc]
     logical_bytes: int
     written_bytes: int
@@ -256,6 +262,26 @@ class PartResult:
     leaves: int
     root: bytes
     incremental: bool
+    _resolved: ResolvedPart | None = None
+
+    def resolved(self) -> ResolvedPart:
+        if self._resolved is None:
+            with paused_gc():
+                self._resolved = _resolve_one(
+                    self.manifest, self.ref.key, self.ref.xxh3, self.base, self.where
+                )
+        return self._resolved
+
+    def used_files(self) -> set[str]:
+        """Data files this version may read: its own plus, if incremental, its base's (a
+        superset of what it inherits; the chain is bounded, so retention still reclaims)."""
+        own = set(self.manifest.data_files)
+        return own if self.base is None else own | set(self.base.used_files())
+
+    def chain(self) -> tuple[int, ...]:
+        return (
+            (self.manifest.step,) if self.base is None else (*self.base.chain, self.manifest.step)
+        )
 
 
 class _BlobBuilder:
@@ -298,6 +324,68 @@ class _BlobBuilder:
         return BlobEntry(nbytes, merkle_root(b"".join(self.hashes)), tuple(segs))
 
 
+class _Appender:
+    """Appends buffers to one data file on a thread of its own, so hashing and diffing the
+    next batch (Python, holds the GIL) overlaps writing this one (syscalls, release it)."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store = store
+        self.key = key
+        self._queue: queue.SimpleQueue[tuple[list[memoryview], Callable[[], None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._writer: BlobWriter | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def append(self, views: list[memoryview], release: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cryosnap-io", daemon=True)
+            self._thread.start()
+        self._queue.put((views, release))
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            views, release = item
+            try:
+                if views and self._error is None:
+                    if self._writer is None:
+                        self._writer = self.store.open_writer(self.key)
+                    self._writer.write(views)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                release()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def written(self) -> bool:
+        return self._writer is not None
+
+    def commit(self) -> None:
+        self._join()
+        if self._error is not None:
+            raise self._error
+        if self._writer is not None:
+            self._writer.commit()
+
+    def abort(self) -> None:
+        self._join()
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+
 class PartWriter:
     """Streams one rank's part of a version: new chunks into one packed data file, then the
     manifest (durable, not yet committed).
@@ -333,7 +421,7 @@ class PartWriter:
         self.files: list[str] = [self.key]
         self._file_index = {self.key: 0}
         self.new_index: dict[bytes, _Loc] = {}
-        self._writer: BlobWriter | None = None
+        self._io = _Appender(store, self.key)
         self._offset = 0
         self._builders = [_BlobBuilder() for _ in flat.blobs]
         self._base_blob = [
@@ -361,7 +449,17 @@ class PartWriter:
             self.files.append(key)
         return idx
 
-    def add(self, pieces: Sequence[Piece]) -> None:
+    def add(self, pieces: Sequence[Piece], release: Callable[[], None] = lambda: None) -> None:
+        """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
+        calls ``release`` once it no longer needs the pieces' memory (also on failure)."""
+        try:
+            out = self._diff(pieces)
+        except BaseException:
+            release()
+            raise
+        self._io.append(out, release)
+
+    def _diff(self, pieces: Sequence[Piece]) -> list[memoryview]:
         cb = self.chunk_bytes
         out: list[memoryview] = []
         for p in pieces:
@@ -372,19 +470,22 @@ class PartWriter:
             first = p.offset // cb
             builder = self._builders[p.blob]
             builder.hashes.append(digests)
-            same = np.zeros(n, bool)
             j = self._base_blob[p.blob]
-            if j is not None:
+            if j is None:
+                runs: list[tuple[int, int, bool]] = [(0, n, False)]
+            else:
                 assert self.base is not None
                 old = self.base.blobs[j].hashes[first : first + n]
-                same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
-            # Walk runs of unchanged / changed chunks: one reference per unchanged run.
-            edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
-            bounds = [0, *edges.tolist(), n]
-            for a, b in itertools.pairwise(bounds):
-                if a == b:
-                    continue
-                if same[a]:
+                if n == 1:
+                    runs = [(0, 1, digests == old.tobytes())]
+                else:
+                    # Runs of unchanged / changed chunks: one reference per unchanged run.
+                    same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
+                    edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
+                    bounds = [0, *edges.tolist(), n]
+                    runs = [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
+            for a, b, unchanged in runs:
+                if unchanged:
                     assert j is not None
                     builder.inherit(j, first + a, b - a)
                     continue
@@ -408,14 +509,14 @@ class PartWriter:
                     self.new_chunks += 1
                 if run_start >= 0:
                     out.append(view[run_start : min(b * cb, view.nbytes)])
-        if out:
-            if self._writer is None:
-                self._writer = self.store.open_writer(self.key)
-            self._writer.write(out)
+        return out
 
     def finish(self) -> PartResult:
-        if self._writer is not None:
-            self._writer.commit()
+        self._io.commit()
+        with paused_gc():
+            return self._finish()
+
+    def _finish(self) -> PartResult:
         entries = []
         for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
             entry = builder.entry(blob.nbytes)
@@ -458,10 +559,11 @@ class PartWriter:
         mkey = manifest_key(self.step, self.rank)
         self.store.write(mkey, body)
         xxh3 = xxhash.xxh3_128_hexdigest(body)
-        resolved = _resolve_one(manifest, mkey, xxh3, base, f"{self.store.url}: {mkey}")
         return PartResult(
             ref=ManifestRef(self.rank, mkey, xxh3, len(body)),
-            resolved=resolved,
+            manifest=manifest,
+            base=base,
+            where=f"{self.store.url}: {mkey}",
             new_index=self.new_index,
             logical_bytes=self.flat.logical_bytes,
             written_bytes=self._offset,
@@ -473,9 +575,7 @@ class PartWriter:
         )
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
+        self._io.abort()
 
 
 def commit_version(
@@ -487,7 +587,7 @@ def commit_version(
         step=step,
         world_size=len(parts),
         manifests=tuple(p.ref for p in parts),
-        data_files=tuple(sorted({f for p in parts for f in p.resolved.used_files()})),
+        data_files=tuple(sorted({f for p in parts for f in p.used_files()})),
         logical_bytes=sum(p.logical_bytes for p in parts),
         written_bytes=sum(p.written_bytes for p in parts),
         leaves=sum(p.leaves for p in parts),
@@ -495,7 +595,7 @@ def commit_version(
         root=merkle_root([p.root for p in parts]).hex(),
         created_unix=now_unix(),
         incremental=any(p.incremental for p in parts),
-        chain=tuple(sorted({s for p in parts for s in p.resolved.chain})),
+        chain=tuple(sorted({s for p in parts for s in p.chain()})),
     )
     store.write(commit_key(step), record.to_json())
     log.debug("committed step %d in %s", step, store.url)
@@ -649,14 +749,15 @@ def read_part(
     on_bytes: Callable[[int], None] = lambda n: None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``)."""
-    part = resolve_version(store, step, rank=rank)
-    manifest = part.manifest
-    if into is not None:
-        check_into(manifest.skeleton, into)
-    restorer = Restorer(
-        manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
-    )
-    views = restorer.allocate()
+    with paused_gc():
+        part = resolve_version(store, step, rank=rank)
+        manifest = part.manifest
+        if into is not None:
+            check_into(manifest.skeleton, into)
+        restorer = Restorer(
+            manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
+        )
+        views = restorer.allocate()
     _read_blobs(store, part, views, on_bytes=on_bytes)
     tree = restorer.build()
     if into is None:

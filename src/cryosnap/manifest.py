@@ -162,11 +162,14 @@ class BlobEntry:
     root: bytes
     segments: tuple[Segment, ...]
 
-    def to_json(self) -> list[Any]:
+    def to_json(self, hashes: list[bytes]) -> list[Any]:
+        """The JSON form; the stored segments' hashes are appended to ``hashes`` in order (the
+        manifest keeps them all in one table instead of one string per segment)."""
         segs: list[list[Any]] = []
         for g in self.segments:
             if isinstance(g, Stored):
-                segs.append([0, g.file, g.offset, g.nbytes, base64.b64encode(g.hashes).decode()])
+                segs.append([0, g.file, g.offset, g.nbytes])
+                hashes.append(g.hashes)
             else:
                 segs.append([1, g.blob, g.first, g.count])
         return [self.nbytes, self.root.hex(), segs]
@@ -197,6 +200,8 @@ class Manifest:
     base: BaseRef | None = None
 
     def to_json(self) -> bytes:
+        hashes: list[bytes] = []
+        blobs = [b.to_json(hashes) for b in self.blobs]
         doc = {
             "format_version": FORMAT_VERSION,
             "kind": "cryosnap.manifest",
@@ -211,7 +216,8 @@ class Manifest:
             if self.base is None
             else {"step": self.base.step, "key": self.base.key, "xxh3_128": self.base.xxh3},
             "data_files": list(self.data_files),
-            "blobs": [b.to_json() for b in self.blobs],
+            "blobs": blobs,
+            "hashes": base64.b64encode(b"".join(hashes)).decode(),
             "tree": self.skeleton,
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -241,10 +247,17 @@ class Manifest:
         raw_blobs = doc.get("blobs")
         if not isinstance(raw_blobs, list):
             raise _fail(where, "field 'blobs' must be a list")
+        try:
+            table = base64.b64decode(doc.get("hashes", ""), validate=True)
+        except (TypeError, ValueError) as exc:
+            raise _fail(where, "field 'hashes' is not base64") from exc
+        cursor = [0]
         blobs = tuple(
-            _parse_blob(b, i, len(data_files), chunk_bytes, base is not None, where)
+            _parse_blob(b, i, len(data_files), chunk_bytes, base is not None, table, cursor, where)
             for i, b in enumerate(raw_blobs)
         )
+        if cursor[0] != len(table):
+            raise _fail(where, "hash table does not match the stored segments")
         created = doc.get("created_unix")
         if not isinstance(created, (int, float)):
             raise _fail(where, "field 'created_unix' must be a number")
@@ -265,7 +278,14 @@ class Manifest:
 
 
 def _parse_blob(
-    raw: Any, index: int, nfiles: int, chunk_bytes: int, has_base: bool, where: str
+    raw: Any,
+    index: int,
+    nfiles: int,
+    chunk_bytes: int,
+    has_base: bool,
+    table: bytes,
+    cursor: list[int],
+    where: str,
 ) -> BlobEntry:
     here = f"{where}, blob {index}"
     try:
@@ -276,8 +296,11 @@ def _parse_blob(
         segments: list[Segment] = []
         for g in raw_segments:
             if g[0] == 0:
-                _, f, o, n, h = g
-                segments.append(Stored(int(f), int(o), int(n), base64.b64decode(h, validate=True)))
+                _, f, o, n = g
+                k = chunk_count(int(n), chunk_bytes) * HASH_BYTES
+                h = table[cursor[0] : cursor[0] + k]
+                cursor[0] += k
+                segments.append(Stored(int(f), int(o), int(n), h))
             elif g[0] == 1:
                 _, b, first, count = g
                 segments.append(Inherited(int(b), int(first), int(count)))

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._gc import paused_gc
 from .errors import CheckpointError, CheckpointFormatError, StateMismatchError
 
 __all__ = [
@@ -108,7 +109,8 @@ _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
     """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf."""
-    return _Flattener(allow_pickle).run(state)
+    with paused_gc():
+        return _Flattener(allow_pickle).run(state)
 
 
 class _Flattener:
@@ -283,7 +285,8 @@ class _Flattener:
             "shape": list(t.shape),
             "device": str(t.device),
         }
-        if isinstance(t, torch.nn.Parameter):
+        # Parameter's metaclass makes isinstance slow; plain tensors skip it.
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
             node["param"] = True
         if t.requires_grad:
             node["grad"] = True

@@ -216,7 +216,7 @@ def test_ls_json(capsys: pytest.CaptureFixture[str], run: Path) -> None:
     assert last["written_bytes"] == info.written_bytes
     assert last["world_size"] == 1
     assert last["leaves"] == 1
-    assert last["data_files"] == 1
+    assert last["data_files"] == 3  # incremental: its own file and those of its chain
     assert datetime.fromisoformat(last["created"]).timestamp() == pytest.approx(
         last["created_unix"], abs=1
     )
