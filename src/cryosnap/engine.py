@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import secrets
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +91,7 @@ log = logging.getLogger("cryosnap")
 
 # Bytes handed to one writev/preadv call: large enough for sequential bandwidth.
 IO_BATCH_BYTES = 64 << 20
+_READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 # A chain longer than this is refused as malformed (full_every keeps real chains far shorter).
 MAX_CHAIN = 4096
 
@@ -689,33 +692,45 @@ def _read_blobs(
         for s, e in zip(starts, ends, strict=True):
             lo, hi = s * cb, min(e * cb, b.nbytes)
             pieces.setdefault(int(b.files[s]), []).append((int(b.offsets[s]), i, lo, hi - lo))
+    runs: list[tuple[str, int, list[memoryview], int]] = []  # (file, offset, buffers, blob)
     for f, plist in pieces.items():
         key = part.files[f]
         plist.sort()
-        runs: list[tuple[int, list[memoryview], int]] = []  # (offset, buffers, first blob)
         end = -1
         size = 0
         for offset, blob, start, nbytes in plist:
             view = views[blob][start : start + nbytes]
             # ``end`` is where the current run stops in the file: only a piece starting exactly
             # there extends it (a de-duplicated chunk used twice starts a run of its own).
-            if runs and offset == end and size < 4 * IO_BATCH_BYTES:
-                runs[-1][1].append(view)
+            if runs and offset == end and size < IO_BATCH_BYTES:
+                runs[-1][2].append(view)
                 size += nbytes
             else:
-                runs.append((offset, [view], blob))
+                runs.append((key, offset, [view], blob))
                 size = nbytes
             end = offset + nbytes
-        for offset, bufs, first_blob in runs:
-            try:
-                store.read_into(key, offset, bufs)
-            except (TruncatedError, CheckpointNotFoundError) as exc:
-                what = "truncated" if isinstance(exc, TruncatedError) else "missing"
-                raise IntegrityError(
-                    f"step {step}, tier {store.url}: data file {key} is {what}; "
-                    f"leaf {part.blobs[first_blob].path} cannot be read"
-                ) from exc
-            on_bytes(sum(v.nbytes for v in bufs))
+
+    def read(run: tuple[str, int, list[memoryview], int]) -> None:
+        key, offset, bufs, first_blob = run
+        try:
+            store.read_into(key, offset, bufs)
+        except (TruncatedError, CheckpointNotFoundError) as exc:
+            what = "truncated" if isinstance(exc, TruncatedError) else "missing"
+            raise IntegrityError(
+                f"step {step}, tier {store.url}: data file {key} is {what}; "
+                f"leaf {part.blobs[first_blob].path} cannot be read"
+            ) from exc
+        on_bytes(sum(v.nbytes for v in bufs))
+
+    # Several reads in flight: copying out of the page cache and faulting in fresh pages run
+    # on every core, and a remote store overlaps its latencies.
+    if len(runs) > 1:
+        with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cryosnap-read") as pool:
+            for _ in pool.map(read, runs):
+                pass
+    else:
+        for run in runs:
+            read(run)
     for b, view in zip(part.blobs, views, strict=True):
         _verify_blob(store, step, cb, b, view)
 
