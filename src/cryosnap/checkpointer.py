@@ -216,6 +216,8 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._inflight = threading.BoundedSemaphore(self.max_inflight)
         self._pending: list[PendingSave] = []
+        self._spent_hooks: list[Any] = []
+        self._hooks_lock = threading.Lock()
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
         self._worker.start()
@@ -284,8 +286,15 @@ class Checkpointer:
         info = job.pending.result()
         return info
 
+    def _remove_spent_hooks(self) -> None:
+        with self._hooks_lock:
+            spent, self._spent_hooks = self._spent_hooks, []
+        for h in spent:
+            h.remove()
+
     def _start(self, step: int, state: Any, t0: float) -> _Job:
         self._check_open()
+        self._remove_spent_hooks()
         validate_step(step)
         self._raise_undelivered()
         if any(p.step == step and not p.done() for p in self._pending) or self.store.exists(
@@ -294,7 +303,10 @@ class Checkpointer:
             raise CheckpointExistsError(f"step {step} already exists in {self.store.url}")
         flat = flatten(state, allow_pickle=self.allow_pickle)
         self._inflight.acquire()
-        self._pending = [p for p in self._pending if not p.done() or p._undelivered_error()]
+        # Forget finished versions, but keep failed ones the caller has not received yet.
+        self._pending = [
+            p for p in self._pending if not p.done() or (p._error is not None and not p._delivered)
+        ]
         tracker = CaptureTracker(len(flat.blobs))
         job = _Job(step, flat, PendingSave(step, tracker, t0), queue.SimpleQueue())
         self._pending.append(job.pending)
@@ -318,8 +330,11 @@ class Checkpointer:
         finally:
             job.batches.put(_END)
             tracker.finish(error)
-            for h in hooks:
-                h.remove()
+            # The hooks are not removed here: optimizer.step() may be iterating over them on
+            # another thread. Once capture is done they return at once; the caller's next
+            # save() or close() removes them.
+            with self._hooks_lock:
+                self._spent_hooks.extend(hooks)
 
     def _copy(self, job: _Job) -> None:
         def abort() -> BaseException | None:
@@ -523,6 +538,7 @@ class Checkpointer:
                 p._done.wait()
         finally:
             self._closed = True
+            self._remove_spent_hooks()
             self._jobs.put(None)
             self._worker.join()
             self._pool.clear()

@@ -104,6 +104,7 @@ def test_lazy_capture_optimizer_waits_for_capture(tmp_path: Path) -> None:
             assert pending.captured()
         infos = [p.result(timeout=120) for p in pendings]
     assert all(i.stall_seconds > 0 for i in infos)
+    assert not opt._optimizer_step_pre_hooks  # one-shot hooks are gone after close()
     for step, snap in snaps.items():
         _assert_matches(cryosnap.load(tmp_path / "run", step=step), snap)
 
