@@ -55,7 +55,7 @@ from .errors import (
 from .lock import acquire_run_lock
 from .manifest import MAX_STEP, Manifest
 from .storage import Store, open_store
-from .tree import format_path
+from .tree import dict_items, format_path
 
 if TYPE_CHECKING:
     import typer
@@ -485,12 +485,7 @@ def _skeleton_leaves(node: Any, path: tuple[str | int, ...], out: list[tuple[str
         raise CheckpointFormatError(f"leaf {where}: malformed node {node!r:.80}")
     t = node.get("t")
     if t in ("dict", "odict"):
-        keys, vals = node.get("k"), node.get("v")
-        if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
-            raise CheckpointFormatError(f"{where}: malformed dict node")
-        for k, v in zip(keys, vals, strict=True):
-            if type(k) not in (str, int):
-                raise CheckpointFormatError(f"{where}: invalid key {k!r:.80}")
+        for k, v in dict_items(node, where):
             _skeleton_leaves(v, (*path, k), out)
     elif t in ("list", "tuple"):
         vals = node.get("v")

@@ -24,6 +24,7 @@ Writes run on the Checkpointer's background thread, reads on the caller's; no co
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -649,7 +650,12 @@ def read_commit(store: Store, step: int) -> CommitRecord:
         data = store.read(key)
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(f"step {step} not found in {store.url}") from None
-    return CommitRecord.from_json(data, f"{store.url}: {key}")
+    record = CommitRecord.from_json(data, f"{store.url}: {key}")
+    if record.step != step:
+        raise CheckpointFormatError(
+            f"{store.url}: {key} is the commit record of step {record.step}"
+        )
+    return record
 
 
 def read_manifest(store: Store, record: CommitRecord, rank: int) -> tuple[Manifest, ManifestRef]:
@@ -692,7 +698,8 @@ def _read_blobs(
         for s, e in zip(starts, ends, strict=True):
             lo, hi = s * cb, min(e * cb, b.nbytes)
             pieces.setdefault(int(b.files[s]), []).append((int(b.offsets[s]), i, lo, hi - lo))
-    runs: list[tuple[str, int, list[memoryview], int]] = []  # (file, offset, buffers, blob)
+    # (file, offset, buffers, the blob of each buffer)
+    runs: list[tuple[str, int, list[memoryview], list[int]]] = []
     for f, plist in pieces.items():
         key = part.files[f]
         plist.sort()
@@ -704,21 +711,33 @@ def _read_blobs(
             # there extends it (a de-duplicated chunk used twice starts a run of its own).
             if runs and offset == end and size < IO_BATCH_BYTES:
                 runs[-1][2].append(view)
+                runs[-1][3].append(blob)
                 size += nbytes
             else:
-                runs.append((key, offset, [view], blob))
+                runs.append((key, offset, [view], [blob]))
                 size = nbytes
             end = offset + nbytes
 
-    def read(run: tuple[str, int, list[memoryview], int]) -> None:
-        key, offset, bufs, first_blob = run
+    def read(run: tuple[str, int, list[memoryview], list[int]]) -> None:
+        key, offset, bufs, blobs = run
         try:
             store.read_into(key, offset, bufs)
         except (TruncatedError, CheckpointNotFoundError) as exc:
             what = "truncated" if isinstance(exc, TruncatedError) else "missing"
+            victim = blobs[0]
+            if isinstance(exc, TruncatedError):
+                # Name the leaf whose bytes are cut off, not the first one of the read.
+                with contextlib.suppress(CheckpointError):
+                    size = store.size(key)
+                    at = offset
+                    for buf, blob in zip(bufs, blobs, strict=True):
+                        if at + buf.nbytes > size:
+                            victim = blob
+                            break
+                        at += buf.nbytes
             raise IntegrityError(
                 f"step {step}, tier {store.url}: data file {key} is {what}; "
-                f"leaf {part.blobs[first_blob].path} cannot be read"
+                f"leaf {part.blobs[victim].path} cannot be read"
             ) from exc
         on_bytes(sum(v.nbytes for v in bufs))
 

@@ -295,15 +295,17 @@ def _parse_blob(
         root = bytes.fromhex(root_hex)
         segments: list[Segment] = []
         for g in raw_segments:
+            if not isinstance(g, list) or not all(type(x) is int for x in g):
+                raise ValueError("segment fields must be ints")
             if g[0] == 0:
                 _, f, o, n = g
-                k = chunk_count(int(n), chunk_bytes) * HASH_BYTES
+                k = chunk_count(n, chunk_bytes) * HASH_BYTES
                 h = table[cursor[0] : cursor[0] + k]
                 cursor[0] += k
-                segments.append(Stored(int(f), int(o), int(n), h))
+                segments.append(Stored(f, o, n, h))
             elif g[0] == 1:
                 _, b, first, count = g
-                segments.append(Inherited(int(b), int(first), int(count)))
+                segments.append(Inherited(b, first, count))
             else:
                 raise ValueError("segment kind")
     except (TypeError, ValueError) as exc:
@@ -423,6 +425,8 @@ class CommitRecord:
                     _int(m, "rank", where), str(key), m["xxh3_128"], _int(m, "bytes", where)
                 )
             )
+        if sorted(r.rank for r in refs) != list(range(world_size)):
+            raise _fail(where, "field 'manifests' must name each rank 0..world_size-1 once")
         files = doc.get("data_files")
         if not isinstance(files, list):
             raise _fail(where, "field 'data_files' must be a list")

@@ -42,6 +42,9 @@ __all__ = [
     "apply_into",
     "blob_paths",
     "check_into",
+    "decode_key",
+    "dict_items",
+    "encode_key",
     "flatten",
     "format_path",
     "is_stateful",
@@ -50,9 +53,46 @@ __all__ = [
 Json = Any  # a JSON-compatible value (dict / list / str / int / float / bool / None)
 
 
+# Python ints beyond this many bits are written as hex strings: JSON readers (Python's included)
+# refuse numbers of more than a few thousand digits.
+_BIG_INT_BITS = 63
+
+
+def encode_key(key: str | int) -> Json:
+    """A dict key as stored: a string, an int, or ``{"int": hex}`` for a huge int."""
+    if type(key) is int and key.bit_length() > _BIG_INT_BITS:
+        return {"int": hex(key)}
+    return key
+
+
+def decode_key(key: Json, where: str) -> str | int:
+    """The dict key ``encode_key`` stored; ``CheckpointFormatError`` for anything else."""
+    if type(key) in (str, int):
+        return key  # type: ignore[no-any-return]
+    if isinstance(key, dict) and isinstance(key.get("int"), str) and len(key) == 1:
+        try:
+            return int(key["int"], 16)
+        except ValueError:
+            pass
+    raise CheckpointFormatError(f"{where}: invalid key {key!r:.80}")
+
+
+def dict_items(node: Json, where: str) -> list[tuple[str | int, Json]]:
+    """The decoded ``(key, child)`` pairs of a dict node, validated."""
+    keys, vals = node.get("k"), node.get("v")
+    if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
+        raise CheckpointFormatError(f"{where}: malformed dict node")
+    return [(decode_key(k, where), v) for k, v in zip(keys, vals, strict=True)]
+
+
 def format_path(path: tuple[str | int, ...]) -> str:
     """Human form of a leaf path: keys joined by ``/``; the root itself is ``<root>``."""
-    return "/".join(str(p) for p in path) if path else "<root>"
+    return "/".join(_key_text(p) for p in path) if path else "<root>"
+
+
+def _key_text(key: str | int) -> str:
+    # str() of an int of thousands of digits is refused (and useless in a message).
+    return hex(key) if type(key) is int and key.bit_length() > _BIG_INT_BITS else str(key)
 
 
 def is_stateful(obj: object) -> bool:
@@ -195,7 +235,11 @@ class _Flattener:
                     )
                 keys.append(k)
             kind = "odict" if isinstance(obj, OrderedDict) else "dict"
-            return {"t": kind, "k": keys, "v": [self.visit(obj[k], (*path, k)) for k in keys]}
+            return {
+                "t": kind,
+                "k": [encode_key(k) for k in keys],
+                "v": [self.visit(obj[k], (*path, k)) for k in keys],
+            }
         if type(obj) is list:
             return {"t": "list", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
         if type(obj) is tuple:
@@ -218,12 +262,16 @@ class _Flattener:
         if isinstance(obj, bool):
             return {"t": "bool", "v": obj}
         if isinstance(obj, int):
+            if obj.bit_length() > _BIG_INT_BITS:
+                return {"t": "int", "hex": hex(obj)}
             return {"t": "int", "v": obj}
         if isinstance(obj, float):
             if math.isnan(obj):  # float.hex() says 'nan' for every NaN: keep sign and payload
                 return {"t": "float", "bits": struct.pack("<d", obj).hex()}
             return {"t": "float", "v": obj.hex()}
         if isinstance(obj, complex):
+            if math.isnan(obj.real) or math.isnan(obj.imag):  # keep NaN sign and payload
+                return {"t": "complex", "bits": struct.pack("<dd", obj.real, obj.imag).hex()}
             return {"t": "complex", "v": [obj.real.hex(), obj.imag.hex()]}
         if isinstance(obj, str):
             return {"t": "str", "v": obj}
@@ -313,6 +361,10 @@ class _Flattener:
                 x = t.detach().resolve_conj().resolve_neg()
                 if not x.is_contiguous():
                     x = x.contiguous()
+                if x.numel() == 1 and x.dim() and x.stride()[-1] != 1:
+                    # torch calls a one-element view of any stride contiguous, but a byte view
+                    # needs stride 1.
+                    x = x.as_strided((1,), (1,))
                 shared = x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                 flat = (
                     x.reshape(-1).view(torch.uint8)
@@ -363,8 +415,8 @@ def blob_paths(skeleton: Json, nblobs: int) -> list[str]:
         if not isinstance(node, dict):
             return
         t = node.get("t")
-        if t in ("dict", "odict") and isinstance(node.get("k"), list):
-            for k, v in zip(node["k"], node.get("v") or [], strict=False):
+        if t in ("dict", "odict"):
+            for k, v in dict_items(node, format_path(path)):
                 walk(v, (*path, k))
         elif t in ("list", "tuple") and isinstance(node.get("v"), list):
             for i, v in enumerate(node["v"]):
@@ -470,12 +522,7 @@ class Restorer:
             raise CheckpointFormatError(f"leaf {format_path(path)}: malformed node {node!r:.80}")
         t = node.get("t")
         if t in ("dict", "odict"):
-            keys, vals = node.get("k"), node.get("v")
-            if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
-                raise CheckpointFormatError(f"{format_path(path)}: malformed dict node")
-            for k, v in zip(keys, vals, strict=True):
-                if type(k) not in (str, int):
-                    raise CheckpointFormatError(f"{format_path(path)}: invalid key {k!r}")
+            for k, v in dict_items(node, format_path(path)):
                 self._alloc(v, (*path, k))
         elif t in ("list", "tuple"):
             vals = node.get("v")
@@ -560,7 +607,7 @@ class Restorer:
     def _build(self, node: dict[str, Any], path: tuple[str | int, ...]) -> Any:
         t = node["t"]
         if t in ("dict", "odict"):
-            items = zip(node["k"], node["v"], strict=True)
+            items = dict_items(node, format_path(path))
             built = {k: self._build(v, (*path, k)) for k, v in items}
             return OrderedDict(built) if t == "odict" else built
         if t == "list":
@@ -588,11 +635,16 @@ def _scalar(node: dict[str, Any], path: str) -> Any:
             return v
         if t == "int" and type(v) is int:
             return v
+        if t == "int" and isinstance(node.get("hex"), str):
+            return int(node["hex"], 16)
         if t == "float":
             bits = node.get("bits")
             if bits is not None:
                 return float(struct.unpack("<d", bytes.fromhex(bits))[0])
             return float.fromhex(v)
+        if t == "complex" and "bits" in node:
+            real, imag = struct.unpack("<dd", bytes.fromhex(node["bits"]))
+            return complex(real, imag)
         if t == "complex":
             return complex(float.fromhex(v[0]), float.fromhex(v[1]))
         if t == "str" and type(v) is str:
@@ -643,11 +695,11 @@ def _is_object(into: Any) -> bool:
 def _check_optimizer(inner: Json, into: Any, path: tuple[str | int, ...]) -> None:
     # Optimizer.load_state_dict refuses other group/parameter counts; find out before any
     # leaf is filled.
-    saved = dict(zip(inner.get("k", []), inner.get("v", []), strict=False))
+    saved = dict(dict_items(inner, format_path(path)))
     groups = saved.get("param_groups", {}).get("v", [])
     sizes = []
     for g in groups:
-        params = dict(zip(g.get("k", []), g.get("v", []), strict=False)).get("params", {})
+        params = dict(dict_items(g, format_path(path))).get("params", {})
         sizes.append(len(params.get("v", [])))
     have = [len(g["params"]) for g in into.param_groups]
     if sizes != have:
@@ -675,12 +727,13 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     if t in ("dict", "odict"):
         if not isinstance(into, dict):
             raise _mismatch(path, f"saved a dict, into= has {type(into).__name__}")
-        saved = list(node["k"])
+        items = dict_items(node, format_path(path))
+        saved = [k for k, _v in items]
         missing = [k for k in saved if k not in into]
         extra = [k for k in into if k not in set(saved)]
         if missing or extra:
             raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
-        for k, v in zip(node["k"], node["v"], strict=True):
+        for k, v in items:
             _check(v, into[k], (*path, k))
         return
     if t in ("list", "tuple"):
@@ -761,7 +814,7 @@ def _plan(
         loads.append((path, into, loaded))
         return into
     if t in ("dict", "odict"):
-        for k, v in zip(node["k"], node["v"], strict=True):
+        for k, v in dict_items(node, format_path(path)):
             new = _plan(v, loaded[k], into[k], (*path, k), loads, fills, sets)
             if new is not into[k]:
                 sets.append((into, k, new))

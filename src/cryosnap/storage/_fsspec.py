@@ -8,8 +8,9 @@ Durability is whatever the backend guarantees when ``close`` returns (S3: the ob
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import fsspec
@@ -55,13 +56,15 @@ class FsspecStore:
             raise StorageError(f"{action} {key} in {self.url} failed: {exc}") from exc
 
     def read(self, key: str) -> bytes:
+        path = self._path(key)  # an invalid key is a ValueError, not a storage failure
         with self._errors(key, "reading"):
-            data: bytes = self.fs.cat_file(self._path(key))
+            data: bytes = self.fs.cat_file(path)
             return data
 
     def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
-        with self._errors(key, "reading"), self.fs.open(self._path(key), "rb") as f:
+        path = self._path(key)
+        with self._errors(key, "reading"), self.fs.open(path, "rb") as f:
             f.seek(offset)
             for v in views:
                 got = 0
@@ -93,23 +96,31 @@ class FsspecStore:
             self.fs.makedirs(parent, exist_ok=True)
 
     def exists(self, key: str) -> bool:
+        path = self._path(key)
         with self._errors(key, "checking"):
-            return bool(self.fs.isfile(self._path(key)))
+            return bool(self.fs.isfile(path))
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._path(prefix) if prefix else self.root
         with self._errors(prefix or ".", "listing"):
-            if not self.fs.exists(base):
+            if not self.fs.isdir(base):
                 return []
             found = self.fs.find(base)
         # Backends differ on a leading "/" (memory:// has one, s3:// none): compare without it.
         root = self.root.lstrip("/") + "/"
         keys = (p.lstrip("/") for p in found)
-        return sorted(k[len(root) :] for k in keys if k.startswith(root))
+        found_keys = (k[len(root) :] for k in keys if k.startswith(root))
+        # Hide writes in progress (reserved names, see validate_key).
+        return sorted(
+            k
+            for k in found_keys
+            if not (k.rsplit("/", 1)[-1].startswith(".") and k.endswith(".tmp"))
+        )
 
     def size(self, key: str) -> int:
+        path = self._path(key)
         with self._errors(key, "stat of"):
-            return int(self.fs.size(self._path(key)))
+            return int(self.fs.size(path))
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -118,12 +129,28 @@ class FsspecStore:
                 self.fs.rm_file(path)
 
 
+# Object stores whose fsspec files complete an upload only on commit() with autocommit=False.
+_UPLOAD_ON_COMMIT = {"s3", "s3a", "gs", "gcs", "abfs", "az", "adl"}
+
+
 class _FsspecWriter:
+    """A file that appears under its key only on ``commit()``; ``abort()`` leaves an existing
+    key alone. Object stores: ``autocommit=False`` (the upload completes on commit, is aborted
+    on discard). Other file systems: a temporary ``.<name>.<hex>.tmp`` moved into place."""
+
     def __init__(self, store: FsspecStore, key: str, path: str) -> None:
         self.key = key
         self._store = store
         self._path = path
-        self._file: Any = store.fs.open(path, "wb")
+        protocols = store.fs.protocol
+        protocols = {protocols} if isinstance(protocols, str) else set(protocols)
+        self._tmp: str | None = None
+        if protocols & _UPLOAD_ON_COMMIT:
+            self._file: Any = store.fs.open(path, "wb", autocommit=False)
+        else:
+            head, _, name = path.rpartition("/")
+            self._tmp = f"{head}/.{name}.{secrets.token_hex(4)}.tmp"
+            self._file = store.fs.open(self._tmp, "wb")
         self._written = 0
 
     def write(self, buffers: Sequence[BytesLike]) -> None:
@@ -142,16 +169,24 @@ class _FsspecWriter:
         f, self._file = self._file, None
         with self._store._errors(self.key, "committing"):
             f.close()
+            if self._tmp is None:
+                f.commit()
+            else:
+                self._store.fs.mv(self._tmp, self._path)
 
     def abort(self) -> None:
         f, self._file = self._file, None
-        if f is not None:
-            # Discard an unfinished upload rather than completing it.
-            discard = getattr(f, "discard", None)
-            try:
-                if callable(discard):
-                    discard()
-                else:
-                    f.close()
-            finally:
-                self._store.delete(self.key)
+        if f is None:
+            return
+        # Nothing was committed: the upload or temporary file is abandoned.
+        with suppress(Exception):
+            if self._tmp is None:
+                try:
+                    f.discard()
+                finally:
+                    # s3fs's discard() leaves the file open: its __del__ would then close() it,
+                    # which (autocommit=False) starts a new multipart upload of a dropped buffer.
+                    f.closed = True
+            else:
+                f.close()
+                self._store.fs.rm_file(self._tmp)

@@ -115,8 +115,8 @@ class LocalStore:
             for dirpath, _dirs, files in os.walk(base):
                 rel = Path(dirpath).relative_to(self.root).as_posix()
                 for name in files:
-                    if name.endswith((_PARTIAL, ".tmp")):
-                        continue
+                    if name.endswith(_PARTIAL) or (name.startswith(".") and name.endswith(".tmp")):
+                        continue  # a write in progress (reserved names, see validate_key)
                     out.append(name if rel == "." else f"{rel}/{name}")
         return sorted(out)
 

@@ -54,6 +54,10 @@ def validate_key(key: str) -> str:
                 f"invalid storage key {key!r}: segments must be non-empty, not '.' or '..', "
                 "and made of letters, digits, '_', '.', '-'"
             )
+    name = key.rsplit("/", 1)[-1]
+    if name.endswith(".partial") or (name.startswith(".") and name.endswith(".tmp")):
+        # These names are the stores' own files in progress (see _local.py).
+        raise ValueError(f"invalid storage key {key!r}: '.partial' and '.*.tmp' are reserved")
     return key
 
 
