@@ -31,6 +31,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,7 @@ from .manifest import (
     now_unix,
     step_of_commit_key,
 )
+from .progress import Progress, human_bytes
 from .storage import Store
 from .storage.base import BlobWriter, TruncatedError
 from .tree import FlatState, Restorer, apply_into, blob_paths, check_into
@@ -780,9 +782,9 @@ def read_part(
     rank: int = 0,
     into: Any = None,
     allow_pickle: bool = False,
-    on_bytes: Callable[[int], None] = lambda n: None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``)."""
+    t0 = time.perf_counter()
     with paused_gc():
         part = resolve_version(store, step, rank=rank)
         manifest = part.manifest
@@ -792,8 +794,19 @@ def read_part(
             manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
         )
         views = restorer.allocate()
-    _read_blobs(store, part, views, on_bytes=on_bytes)
+    progress = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+    try:
+        _read_blobs(store, part, views, on_bytes=progress.update)
+    finally:
+        progress.close()
     tree = restorer.build()
+    log.info(
+        "restored step %d from %s in %.3f s (%s)",
+        step,
+        store.url,
+        time.perf_counter() - t0,
+        human_bytes(manifest.logical_bytes),
+    )
     if into is None:
         return tree
     try:
