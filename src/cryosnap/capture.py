@@ -96,10 +96,16 @@ class StagingPool:
     def allocated_bytes(self) -> int:
         return self._allocated
 
-    def acquire(self, abort: Callable[[], BaseException | None] = lambda: None) -> _Slab:
-        """A free slab; blocks while the budget is spent until the writer returns one."""
-        with self._cond:
-            while True:
+    def acquire(
+        self,
+        abort: Callable[[], BaseException | None] = lambda: None,
+        before_wait: Callable[[], None] = lambda: None,
+    ) -> _Slab:
+        """A free slab; blocks while the budget is spent until the writer returns one.
+        ``before_wait`` runs (outside the pool's lock) before the first wait."""
+        waited = False
+        while True:
+            with self._cond:
                 if self._free:
                     return self._free.pop()
                 if self.budget_bytes is None or self._allocated + self.slab_bytes <= max(
@@ -110,7 +116,11 @@ class StagingPool:
                 error = abort()
                 if error is not None:
                     raise error
-                self._cond.wait(0.1)
+                if waited:
+                    self._cond.wait(0.1)
+                    continue
+            waited = True
+            before_wait()
         return _Slab(self.slab_bytes, self.pin)
 
     def release(self, slab: _Slab) -> None:
@@ -185,8 +195,24 @@ def capture_to_slabs(
     emit: Callable[[Batch], None],
     tracker: CaptureTracker,
     abort: Callable[[], BaseException | None] = lambda: None,
+    hold: bool = False,
 ) -> None:
-    """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order."""
+    """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order.
+
+    With ``hold`` the batches are emitted only once everything is copied, or when the staging
+    budget runs out: the writer's hashing and I/O then do not compete with the copy for cores
+    and memory bandwidth (the copy is what the program waits for).
+    """
+    held: list[Batch] = []
+    sink = emit
+    if hold:
+        emit = held.append
+
+    def flush_held() -> None:
+        # The budget is spent: the writer must get the held slabs to give them back.
+        while held:
+            sink(held.pop(0))
+
     slab: _Slab | None = None
     fill = 0
     pieces: list[Piece] = []
@@ -240,7 +266,7 @@ def capture_to_slabs(
         start = 0
         while start < blob.nbytes:
             if slab is None:
-                slab = pool.acquire(abort)
+                slab = pool.acquire(abort, flush_held)
             n = _pieces(blob, start, slab.nbytes - fill, chunk_bytes)
             if n == 0:
                 seal()
@@ -255,6 +281,7 @@ def capture_to_slabs(
             start += n
         pending_marks.append(index)
     seal()
+    flush_held()
 
 
 def direct_batches(flat: FlatState, *, batch_bytes: int) -> Iterator[Batch]:

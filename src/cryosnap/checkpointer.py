@@ -347,6 +347,7 @@ class Checkpointer:
             emit=job.batches.put,
             tracker=job.pending._tracker,
             abort=abort,
+            hold=True,
         )
 
     def _install_optimizer_hooks(self, job: _Job) -> list[Any]:
