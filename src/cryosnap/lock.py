@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from .errors import CheckpointError, StorageError
+from .errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .storage import LocalStore, Store
 
 __all__ = ["LOCK_KEY", "RunLock", "acquire_run_lock"]
@@ -128,10 +128,10 @@ def _acquire_flock(lock: RunLock, store: LocalStore) -> None:
 def _acquire_object_lock(lock: RunLock, store: Store, stale_seconds: float) -> None:
     try:
         current = json.loads(store.read(LOCK_KEY))
-    except CheckpointError:
+    except CheckpointNotFoundError:
         current = None
     except ValueError:
-        current = None
+        current = None  # a torn or foreign lock object: nobody can be holding it
     if isinstance(current, dict):
         dead_here = current.get("host") == socket.gethostname() and not _pid_alive(
             int(current.get("pid", -1))

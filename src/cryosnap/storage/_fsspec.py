@@ -31,6 +31,10 @@ class FsspecStore:
         except (ImportError, ValueError) as exc:
             raise StorageError(f"cannot open {url}: {exc}") from exc
         self.root = root.rstrip("/")
+        protocols = self.fs.protocol
+        protocols = {protocols} if isinstance(protocols, str) else set(protocols)
+        # Object stores: atomic PUTs, uploads completed on commit, no directories.
+        self.object_store = bool(protocols & _UPLOAD_ON_COMMIT)
 
     def __repr__(self) -> str:
         return f"FsspecStore({self._url!r})"
@@ -49,7 +53,10 @@ class FsspecStore:
         except CheckpointError:
             raise
         except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{key} not found in {self.url}") from exc
+            if action in ("reading", "stat of", "checking", "listing", "deleting"):
+                raise CheckpointNotFoundError(f"{key} not found in {self.url}") from exc
+            # Writing where the bucket or directory does not exist is a storage failure.
+            raise StorageError(f"{action} {key} in {self.url} failed: {exc}") from exc
         except Exception as exc:
             # Backends raise their own exception types (botocore, aiohttp...): any failure
             # inside the backend is a storage failure, named with the store and the key.
@@ -91,14 +98,26 @@ class FsspecStore:
             return _FsspecWriter(self, key, path)
 
     def _makedirs(self, path: str) -> None:
+        # Object stores have no directories; makedirs there would try to create the bucket
+        # (a typo in the URL would quietly make a new one).
         parent = path.rsplit("/", 1)[0]
-        if parent:
+        if parent and not self.object_store:
             self.fs.makedirs(parent, exist_ok=True)
+
+    def _info(self, path: str) -> dict[str, Any] | None:
+        """Fresh metadata of ``path`` (None if absent); other failures raise."""
+        self.fs.invalidate_cache(path)  # another process may have changed it
+        try:
+            info: dict[str, Any] = self.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return info
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
         with self._errors(key, "checking"):
-            return bool(self.fs.isfile(path))
+            info = self._info(path)
+            return info is not None and info.get("type") == "file"
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._path(prefix) if prefix else self.root
@@ -120,7 +139,10 @@ class FsspecStore:
     def size(self, key: str) -> int:
         path = self._path(key)
         with self._errors(key, "stat of"):
-            return int(self.fs.size(path))
+            info = self._info(path)
+            if info is None or info.get("type") != "file":
+                raise FileNotFoundError(path)
+            return int(info["size"])
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -142,11 +164,13 @@ class _FsspecWriter:
         self.key = key
         self._store = store
         self._path = path
-        protocols = store.fs.protocol
-        protocols = {protocols} if isinstance(protocols, str) else set(protocols)
         self._tmp: str | None = None
-        if protocols & _UPLOAD_ON_COMMIT:
+        if store.object_store:
             self._file: Any = store.fs.open(path, "wb", autocommit=False)
+            # fsspec queues non-autocommit files on the filesystem's transaction for ever; we
+            # commit or discard ourselves, so do not let the (cached) filesystem keep them.
+            with suppress(AttributeError, ValueError):
+                store.fs.transaction.files.remove(self._file)
         else:
             head, _, name = path.rpartition("/")
             self._tmp = f"{head}/.{name}.{secrets.token_hex(4)}.tmp"
