@@ -52,14 +52,12 @@ from .errors import (
     IntegrityError,
 )
 from .manifest import (
+    STORED,
     BaseRef,
     BlobEntry,
     CommitRecord,
-    Inherited,
     Manifest,
     ManifestRef,
-    Segment,
-    Stored,
     commit_key,
     data_key,
     manifest_key,
@@ -95,6 +93,8 @@ log = logging.getLogger("cryosnap")
 # Bytes handed to one writev/preadv call: large enough for sequential bandwidth.
 IO_BATCH_BYTES = 64 << 20
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+# Pieces of a data file at most this far apart are read in one go, the gap thrown away.
+_GAP_BYTES = 64 << 10
 # A chain longer than this is refused as malformed (full_every keeps real chains far shorter).
 MAX_CHAIN = 4096
 
@@ -175,31 +175,48 @@ def _resolve_one(
         local.append(file_index[f])
     cb = manifest.chunk_bytes
     paths = blob_paths(manifest.skeleton, len(manifest.blobs))
+    local_files = np.array(local, dtype=np.int32)
     blobs = []
     for i, entry in enumerate(manifest.blobs):
         n = chunk_count(entry.nbytes, cb)
+        t = entry.table
+        if not n:
+            empty = np.empty(0, np.int32), np.empty(0, np.int64)
+            blobs.append(ResolvedBlob(paths[i], entry.nbytes, *empty, np.empty((0, 16), np.uint8)))
+            continue
+        # Expand the segments to one row per chunk, vectorized: a fragmented incremental
+        # version has tens of thousands of segments.
+        stored_seg = t[:, 0] == STORED
+        counts = np.where(stored_seg, -(-t[:, 3] // cb), t[:, 3])
+        seg = np.repeat(np.arange(len(t)), counts)
+        within = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        stored = stored_seg[seg]
         fidx = np.empty(n, np.int32)
         offs = np.empty(n, np.int64)
         hashes = np.empty((n, HASH_BYTES), np.uint8)
-        pos = 0
-        for g in entry.segments:
-            if isinstance(g, Stored):
-                k = len(g.hashes) // HASH_BYTES
-                fidx[pos : pos + k] = local[g.file]
-                offs[pos : pos + k] = g.offset + np.arange(k, dtype=np.int64) * cb
-                hashes[pos : pos + k] = np.frombuffer(g.hashes, np.uint8).reshape(k, HASH_BYTES)
-            else:
-                assert base is not None
-                if g.blob >= len(base.blobs) or g.first + g.count > len(base.blobs[g.blob].files):
+        if stored.any():
+            s_seg = seg[stored]
+            fidx[stored] = local_files[t[s_seg, 1]]
+            offs[stored] = t[s_seg, 2] + within[stored] * cb
+            hashes[stored] = np.frombuffer(entry.hashes, np.uint8).reshape(-1, HASH_BYTES)
+        if not stored.all():
+            assert base is not None
+            inh = ~stored
+            src_blob = t[seg[inh], 1]
+            src_chunk = t[seg[inh], 2] + within[inh]
+            positions = np.flatnonzero(inh)
+            for b in np.unique(src_blob).tolist():
+                pick = src_blob == b
+                idx = src_chunk[pick]
+                if b >= len(base.blobs) or (len(idx) and idx.max() >= len(base.blobs[b].files)):
                     raise CheckpointFormatError(
                         f"{where}: blob {i} inherits chunks its base (step {base.step}) lacks"
                     )
-                src = base.blobs[g.blob]
-                k = g.count
-                fidx[pos : pos + k] = src.files[g.first : g.first + k]
-                offs[pos : pos + k] = src.offsets[g.first : g.first + k]
-                hashes[pos : pos + k] = src.hashes[g.first : g.first + k]
-            pos += k
+                src = base.blobs[b]
+                at = positions[pick]
+                fidx[at] = src.files[idx]
+                offs[at] = src.offsets[idx]
+                hashes[at] = src.hashes[idx]
         blobs.append(ResolvedBlob(paths[i], entry.nbytes, fidx, offs, hashes))
     chain = (*base.chain, manifest.step) if base is not None else (manifest.step,)
     return ResolvedPart(manifest, key, xxh3, files, blobs, chain)
@@ -320,14 +337,10 @@ class _BlobBuilder:
         else:
             self.segments.append([0, file, offset, nbytes, [digest]])
 
-    def entry(self, nbytes: int) -> BlobEntry:
-        segs: list[Segment] = []
-        for g in self.segments:
-            if g[0] == 0:
-                segs.append(Stored(g[1], g[2], g[3], b"".join(g[4])))
-            else:
-                segs.append(Inherited(g[1], g[2], g[3]))
-        return BlobEntry(nbytes, merkle_root(b"".join(self.hashes)), tuple(segs))
+    def entry(self, nbytes: int, chunk_bytes: int) -> BlobEntry:
+        table = np.array([g[:4] for g in self.segments], dtype=np.int64).reshape(-1, 4)
+        stored = b"".join(b"".join(g[4]) for g in self.segments if g[0] == STORED)
+        return BlobEntry(nbytes, merkle_root(b"".join(self.hashes)), table, stored, chunk_bytes)
 
 
 class _Appender:
@@ -525,29 +538,22 @@ class PartWriter:
     def _finish(self) -> PartResult:
         entries = []
         for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
-            entry = builder.entry(blob.nbytes)
+            entry = builder.entry(blob.nbytes, self.chunk_bytes)
             got = sum(len(h) for h in builder.hashes) // HASH_BYTES
             if got != chunk_count(blob.nbytes, self.chunk_bytes):
                 raise CheckpointError(
                     f"step {self.step}: leaf {blob.path} was captured incompletely"
                 )
             entries.append(entry)
-        # data_files: files this manifest's stored segments point to (ours first if written).
-        used = sorted({g.file for e in entries for g in e.segments if isinstance(g, Stored)})
-        remap = {old: new for new, old in enumerate(used)}
-        entries = [
-            BlobEntry(
-                e.nbytes,
-                e.root,
-                tuple(
-                    Stored(remap[g.file], g.offset, g.nbytes, g.hashes)
-                    if isinstance(g, Stored)
-                    else g
-                    for g in e.segments
-                ),
-            )
-            for e in entries
-        ]
+        # data_files: the files this manifest's stored segments point to, renumbered densely.
+        used = sorted(
+            {int(f) for e in entries for f in e.table[e.table[:, 0] == STORED, 1].tolist()}
+        )
+        remap = np.zeros(len(self.files), np.int64)
+        remap[used] = np.arange(len(used))
+        for e in entries:
+            rows = e.table[:, 0] == STORED
+            e.table[rows, 1] = remap[e.table[rows, 1]]
         base = self.base
         manifest = Manifest(
             step=self.step,
@@ -700,58 +706,79 @@ def _read_blobs(
         for s, e in zip(starts, ends, strict=True):
             lo, hi = s * cb, min(e * cb, b.nbytes)
             pieces.setdefault(int(b.files[s]), []).append((int(b.offsets[s]), i, lo, hi - lo))
-    # (file, offset, buffers, the blob of each buffer)
-    runs: list[tuple[str, int, list[memoryview], list[int]]] = []
+    # Runs: (offset, buffers, the blob of each buffer or -1 for a skipped gap). Pieces that
+    # follow each other in the file join one run; so do pieces a small gap apart (the gap is
+    # read into a scratch buffer): a fragmented incremental chain reads its old data files in
+    # a few large reads instead of one per changed region. Runs of one file are read in
+    # groups of about IO_BATCH_BYTES, each group one task that opens the file once.
+    scratch = memoryview(bytearray(_GAP_BYTES))
+    groups: list[tuple[str, list[tuple[int, list[memoryview], list[int]]]]] = []
     for f, plist in pieces.items():
         key = part.files[f]
         plist.sort()
+        runs: list[tuple[int, list[memoryview], list[int]]] = []
         end = -1
         size = 0
+        group_bytes = 0
         for offset, blob, start, nbytes in plist:
             view = views[blob][start : start + nbytes]
-            # ``end`` is where the current run stops in the file: only a piece starting exactly
-            # there extends it (a de-duplicated chunk used twice starts a run of its own).
-            if runs and offset == end and size < IO_BATCH_BYTES:
-                runs[-1][2].append(view)
-                runs[-1][3].append(blob)
-                size += nbytes
+            gap = offset - end
+            if runs and 0 <= gap <= _GAP_BYTES and size < IO_BATCH_BYTES:
+                if gap:
+                    runs[-1][1].append(scratch[:gap])
+                    runs[-1][2].append(-1)
+                runs[-1][1].append(view)
+                runs[-1][2].append(blob)
+                size += gap + nbytes
             else:
-                runs.append((key, offset, [view], [blob]))
+                # A new run: a far piece, or content stored once and used twice
+                # (de-duplicated: the piece starts before the run's end).
+                if group_bytes >= IO_BATCH_BYTES:
+                    groups.append((key, runs))
+                    runs, group_bytes = [], 0
+                runs.append((offset, [view], [blob]))
                 size = nbytes
+            group_bytes += nbytes
             end = offset + nbytes
+        if runs:
+            groups.append((key, runs))
 
-    def read(run: tuple[str, int, list[memoryview], list[int]]) -> None:
-        key, offset, bufs, blobs = run
+    def read(group: tuple[str, list[tuple[int, list[memoryview], list[int]]]]) -> None:
+        key, runs = group
         try:
-            store.read_into(key, offset, bufs)
+            store.read_ranges(key, [(offset, bufs) for offset, bufs, _ in runs])
         except (TruncatedError, CheckpointNotFoundError) as exc:
             what = "truncated" if isinstance(exc, TruncatedError) else "missing"
-            victim = blobs[0]
+            victim = runs[0][2][0]
             if isinstance(exc, TruncatedError):
                 # Name the leaf whose bytes are cut off, not the first one of the read.
                 with contextlib.suppress(CheckpointError):
                     size = store.size(key)
-                    at = offset
-                    for buf, blob in zip(bufs, blobs, strict=True):
-                        if at + buf.nbytes > size:
-                            victim = blob
-                            break
-                        at += buf.nbytes
+                    for offset, bufs, owners in runs:
+                        at = offset
+                        for buf, blob in zip(bufs, owners, strict=True):
+                            if blob >= 0 and at + buf.nbytes > size:
+                                victim = blob
+                                break
+                            at += buf.nbytes
+                        else:
+                            continue
+                        break
             raise IntegrityError(
                 f"step {step}, tier {store.url}: data file {key} is {what}; "
                 f"leaf {part.blobs[victim].path} cannot be read"
             ) from exc
-        on_bytes(sum(v.nbytes for v in bufs))
+        on_bytes(sum(v.nbytes for _, bufs, _owners in runs for v in bufs))
 
     # Several reads in flight: copying out of the page cache and faulting in fresh pages run
     # on every core, and a remote store overlaps its latencies.
-    if len(runs) > 1:
+    if len(groups) > 1:
         with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cryosnap-read") as pool:
-            for _ in pool.map(read, runs):
+            for _ in pool.map(read, groups):
                 pass
     else:
-        for run in runs:
-            read(run)
+        for group in groups:
+            read(group)
     for b, view in zip(part.blobs, views, strict=True):
         _verify_blob(store, step, cb, b, view)
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from .chunks import HASH_BYTES, HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_count
@@ -45,6 +47,8 @@ __all__ = [
     "Inherited",
     "Manifest",
     "ManifestRef",
+    "INHERITED",
+    "STORED",
     "Segment",
     "Stored",
     "commit_key",
@@ -154,25 +158,70 @@ class Inherited:
 Segment = Stored | Inherited
 
 
-@dataclass(frozen=True, slots=True)
+STORED, INHERITED = 0, 1
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class BlobEntry:
-    """One stored buffer: its size, Merkle root and its chunks as segments, in order."""
+    """One stored buffer: its size, Merkle root and its chunks as segments, in order.
+
+    ``table`` holds one row per segment, ``[0, file, offset, nbytes]`` (stored) or
+    ``[1, blob, first, count]`` (inherited), as an int64 array: a manifest of an incremental
+    version over a fragmented state has tens of thousands of them. ``hashes`` holds the hashes
+    of the stored segments' chunks, in order.
+    """
 
     nbytes: int
     root: bytes
-    segments: tuple[Segment, ...]
+    table: np.ndarray[Any, np.dtype[np.int64]]
+    hashes: bytes
+    chunk_bytes: int
+
+    @classmethod
+    def from_segments(
+        cls, nbytes: int, root: bytes, segments: Sequence[Segment], chunk_bytes: int
+    ) -> BlobEntry:
+        rows = [
+            [STORED, g.file, g.offset, g.nbytes]
+            if isinstance(g, Stored)
+            else [INHERITED, g.blob, g.first, g.count]
+            for g in segments
+        ]
+        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        hashes = b"".join(g.hashes for g in segments if isinstance(g, Stored))
+        return cls(nbytes, root, table, hashes, chunk_bytes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlobEntry):
+            return NotImplemented
+        return (
+            (self.nbytes, self.root, self.hashes, self.chunk_bytes)
+            == (other.nbytes, other.root, other.hashes, other.chunk_bytes)
+            and self.table.shape == other.table.shape
+            and bool((self.table == other.table).all())
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The segments as objects (for inspection; the engine works on ``table``)."""
+        out: list[Segment] = []
+        at = 0
+        for kind, a, b, c in self.table.tolist():
+            if kind == STORED:
+                k = chunk_count(c, self.chunk_bytes) * HASH_BYTES
+                out.append(Stored(a, b, c, self.hashes[at : at + k]))
+                at += k
+            else:
+                out.append(Inherited(a, b, c))
+        return tuple(out)
 
     def to_json(self, hashes: list[bytes]) -> list[Any]:
         """The JSON form; the stored segments' hashes are appended to ``hashes`` in order (the
         manifest keeps them all in one table instead of one string per segment)."""
-        segs: list[list[Any]] = []
-        for g in self.segments:
-            if isinstance(g, Stored):
-                segs.append([0, g.file, g.offset, g.nbytes])
-                hashes.append(g.hashes)
-            else:
-                segs.append([1, g.blob, g.first, g.count])
-        return [self.nbytes, self.root.hex(), segs]
+        hashes.append(self.hashes)
+        return [self.nbytes, self.root.hex(), self.table.tolist()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,52 +339,59 @@ def _parse_blob(
     here = f"{where}, blob {index}"
     try:
         nbytes, root_hex, raw_segments = raw
-        if type(nbytes) is not int or nbytes < 0:
+        if type(nbytes) is not int or nbytes < 0 or not isinstance(raw_segments, list):
             raise ValueError("size")
         root = bytes.fromhex(root_hex)
-        segments: list[Segment] = []
-        for g in raw_segments:
-            if not isinstance(g, list) or not all(type(x) is int for x in g):
-                raise ValueError("segment fields must be ints")
-            if g[0] == 0:
-                _, f, o, n = g
-                k = chunk_count(n, chunk_bytes) * HASH_BYTES
-                h = table[cursor[0] : cursor[0] + k]
-                cursor[0] += k
-                segments.append(Stored(f, o, n, h))
-            elif g[0] == 1:
-                _, b, first, count = g
-                segments.append(Inherited(b, first, count))
-            else:
-                raise ValueError("segment kind")
+        segs = np.array(raw_segments, dtype=object).reshape(-1, 4) if raw_segments else None
     except (TypeError, ValueError) as exc:
         raise _fail(here, f"malformed blob entry {raw!r:.120}") from exc
     if len(root) != HASH_BYTES:
         raise _fail(here, "malformed Merkle root")
-    # Segments cover the blob's chunks in order; all but the blob's last chunk are full, so a
-    # stored run that is not the last segment ends on a chunk boundary.
-    pos = 0
-    for i, g in enumerate(segments):
-        last = i == len(segments) - 1
-        if isinstance(g, Stored):
-            if not 0 <= g.file < nfiles or g.offset < 0 or g.nbytes <= 0:
-                raise _fail(here, f"invalid segment {g}")
-            if len(g.hashes) != chunk_count(g.nbytes, chunk_bytes) * HASH_BYTES:
-                raise _fail(here, "hash list does not match the segment's size")
-            if (g.nbytes % chunk_bytes and not last) or (
-                last and pos * chunk_bytes + g.nbytes != nbytes
-            ):
-                raise _fail(here, f"segment {g} does not end on a chunk boundary")
-            pos += chunk_count(g.nbytes, chunk_bytes)
-        else:
-            if not has_base or g.blob < 0 or g.first < 0 or g.count <= 0:
-                raise _fail(here, f"invalid inherited segment {g}")
-            pos += g.count
-    if pos != chunk_count(nbytes, chunk_bytes):
+    if segs is None:
+        if nbytes:
+            raise _fail(here, f"no segments for a blob of {nbytes} bytes")
+        return BlobEntry(nbytes, root, np.empty((0, 4), np.int64), b"", chunk_bytes)
+    # Strict ints (not floats, strings or booleans), checked on the object array at C speed.
+    if not all(type(x) is int for x in segs.flat):
+        raise _fail(here, "segment fields must be ints")
+    t = segs.astype(np.int64)
+    kind, a, b, c = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+    stored = kind == STORED
+    inherited = kind == INHERITED
+    if not (stored | inherited).all():
+        raise _fail(here, "unknown segment kind")
+    if stored.any() and (
+        (a[stored] < 0).any()
+        or (a[stored] >= nfiles).any()
+        or (b[stored] < 0).any()
+        or (c[stored] <= 0).any()
+    ):
+        raise _fail(here, "invalid stored segment")
+    if inherited.any() and (
+        not has_base
+        or (a[inherited] < 0).any()
+        or (b[inherited] < 0).any()
+        or (c[inherited] <= 0).any()
+    ):
+        raise _fail(here, "invalid inherited segment")
+    # Chunks per segment; a stored run that is not the blob's last segment is whole chunks,
+    # and the last one ends exactly at the blob's end.
+    counts = np.where(stored, -(-c // chunk_bytes), c)
+    if stored[:-1].any() and (c[:-1][stored[:-1]] % chunk_bytes).any():
+        raise _fail(here, "a stored segment does not end on a chunk boundary")
+    total = int(counts.sum())
+    if total != chunk_count(nbytes, chunk_bytes):
         raise _fail(
-            here, f"segments cover {pos} chunks, the blob has {chunk_count(nbytes, chunk_bytes)}"
+            here, f"segments cover {total} chunks, the blob has {chunk_count(nbytes, chunk_bytes)}"
         )
-    return BlobEntry(nbytes, root, tuple(segments))
+    if stored[-1] and (total - int(counts[-1])) * chunk_bytes + int(c[-1]) != nbytes:
+        raise _fail(here, "the last stored segment does not end at the blob's end")
+    k = int(counts[stored].sum()) * HASH_BYTES
+    hashes = table[cursor[0] : cursor[0] + k]
+    if len(hashes) != k:
+        raise _fail(here, "the hash table is too short")
+    cursor[0] += k
+    return BlobEntry(nbytes, root, t, hashes, chunk_bytes)
 
 
 def _version_file(key: Any, where: str) -> str:

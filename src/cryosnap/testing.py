@@ -57,6 +57,10 @@ class FaultyStore:
         self._hit("read_into", key)
         self.inner.read_into(key, offset, buffers)
 
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        self._hit("read_into", key)
+        self.inner.read_ranges(key, ranges)
+
     def write(self, key: str, data: bytes) -> None:
         self._hit("write", key)
         self.inner.write(key, data)

@@ -69,21 +69,24 @@ class FsspecStore:
             return data
 
     def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
+        self.read_ranges(key, [(offset, buffers)])
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
         path = self._path(key)
         with self._errors(key, "reading"), self.fs.open(path, "rb") as f:
-            f.seek(offset)
-            for v in views:
-                got = 0
-                while got < v.nbytes:
-                    n = f.readinto(v[got:])
-                    if not n:
-                        raise TruncatedError(
-                            f"{key} ends before byte {offset + v.nbytes}, "
-                            "before the data it should hold"
-                        )
-                    got += n
-                offset += v.nbytes
+            for offset, buffers in ranges:
+                f.seek(offset)
+                for v in (memoryview(b).cast("B") for b in buffers):
+                    got = 0
+                    while got < v.nbytes:
+                        n = f.readinto(v[got:])
+                        if not n:
+                            raise TruncatedError(
+                                f"{key} ends before byte {offset + v.nbytes}, "
+                                "before the data it should hold"
+                            )
+                        got += n
+                    offset += v.nbytes
 
     def write(self, key: str, data: bytes) -> None:
         path = self._path(key)

@@ -72,10 +72,15 @@ class LocalStore:
             return self._path(key).read_bytes()
 
     def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        self.read_ranges(key, [(offset, buffers)])
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        path = self._path(key)
         with self._errors(key, "reading"):
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
             try:
-                _preadv_all(fd, offset, list(buffers), key)
+                for offset, buffers in ranges:
+                    _preadv_all(fd, offset, list(buffers), key)
             finally:
                 os.close(fd)
 

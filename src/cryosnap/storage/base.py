@@ -100,6 +100,10 @@ class Store(Protocol):
         """Fill ``buffers`` (writable, in order) from ``key`` starting at byte ``offset``."""
         ...
 
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        """``read_into`` for several ``(offset, buffers)`` ranges of one file, opened once."""
+        ...
+
     def write(self, key: str, data: bytes) -> None:
         """Atomically replace ``key`` with ``data``; durable on return."""
         ...

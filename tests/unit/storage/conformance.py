@@ -92,6 +92,15 @@ class StoreTests:
         store.read_into("p", 1000, bufs)
         assert b"".join(bytes(b) for b in bufs) == PAYLOAD[1000 : 1000 + 1 + 300 + 4096 + 7]
 
+    def test_read_ranges_of_one_file(self, store: Store) -> None:
+        data = bytes(range(256)) * 4
+        store.write("r", data)
+        a, b, c = bytearray(3), bytearray(5), bytearray(2)
+        store.read_ranges("r", [(10, [memoryview(a), memoryview(b)]), (1000, [memoryview(c)])])
+        assert bytes(a) + bytes(b) == data[10:18] and bytes(c) == data[1000:1002]
+        with pytest.raises(TruncatedError):
+            store.read_ranges("r", [(0, [memoryview(a)]), (1023, [memoryview(bytearray(2))])])
+
     def test_read_into_up_to_the_last_byte(self, store: Store) -> None:
         store.write("p", PAYLOAD)
         bufs = _buffers([10, 6])
