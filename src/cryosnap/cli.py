@@ -55,7 +55,7 @@ from .errors import (
 from .lock import acquire_run_lock
 from .manifest import MAX_STEP, Manifest
 from .storage import Store, open_store
-from .tree import dict_items, format_path
+from .tree import format_path, iter_leaves
 
 if TYPE_CHECKING:
     import typer
@@ -478,27 +478,6 @@ class LeafInfo:
         }
 
 
-def _skeleton_leaves(node: Any, path: tuple[str | int, ...], out: list[tuple[str, Any]]) -> None:
-    """Collect ``(path, node)`` of every leaf of a manifest skeleton, in tree order."""
-    where = format_path(path)
-    if not isinstance(node, dict):
-        raise CheckpointFormatError(f"leaf {where}: malformed node {node!r:.80}")
-    t = node.get("t")
-    if t in ("dict", "odict"):
-        for k, v in dict_items(node, where):
-            _skeleton_leaves(v, (*path, k), out)
-    elif t in ("list", "tuple"):
-        vals = node.get("v")
-        if not isinstance(vals, list):
-            raise CheckpointFormatError(f"{where}: malformed {t} node")
-        for i, v in enumerate(vals):
-            _skeleton_leaves(v, (*path, i), out)
-    elif t == "stateful":
-        _skeleton_leaves(node.get("v"), path, out)
-    else:
-        out.append((where, node))
-
-
 # Element sizes of torch dtypes, so inspect never imports torch (slow) for the common ones.
 _TORCH_ITEMSIZE = {
     "bool": 1,
@@ -591,8 +570,7 @@ def _inline_value(node: dict[str, Any]) -> str | None:
 
 def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
     """Every leaf of one rank's manifest, from its skeleton alone: no data is read."""
-    found: list[tuple[str, Any]] = []
-    _skeleton_leaves(manifest.skeleton, (), found)
+    found = list(iter_leaves(manifest.skeleton))
     owner: dict[int, str] = {}  # blob -> the first leaf that uses it
     leaves: list[LeafInfo] = []
     for path, node in found:
@@ -1049,9 +1027,7 @@ def cmd_export(location: str, out: str, *, step: int, rank: int, as_json: bool) 
 
 
 def _leaf_nodes(manifest: Manifest) -> dict[str, Any]:
-    out: list[tuple[str, Any]] = []
-    _skeleton_leaves(manifest.skeleton, (), out)
-    return dict(out)
+    return dict(iter_leaves(manifest.skeleton))
 
 
 def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None:

@@ -27,6 +27,7 @@ import pickle
 import struct
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +48,7 @@ __all__ = [
     "encode_key",
     "flatten",
     "format_path",
+    "iter_leaves",
     "is_stateful",
 ]
 
@@ -407,28 +409,38 @@ class _Flattener:
 # restore
 
 
+def iter_leaves(node: Json, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Json]]:
+    """``(path, node)`` of every leaf of a skeleton, in tree order (reads no data).
+
+    Containers and stateful nodes are walked, everything else is a leaf; a malformed container
+    raises :class:`CheckpointFormatError` naming where.
+    """
+    where = format_path(path)
+    if not isinstance(node, dict):
+        raise CheckpointFormatError(f"leaf {where}: malformed node {node!r:.80}")
+    t = node.get("t")
+    if t in ("dict", "odict"):
+        for k, v in dict_items(node, where):
+            yield from iter_leaves(v, (*path, k))
+    elif t in ("list", "tuple"):
+        vals = node.get("v")
+        if not isinstance(vals, list):
+            raise CheckpointFormatError(f"{where}: malformed {t} node")
+        for i, v in enumerate(vals):
+            yield from iter_leaves(v, (*path, i))
+    elif t == "stateful":
+        yield from iter_leaves(node.get("v"), path)
+    else:
+        yield where, node
+
+
 def blob_paths(skeleton: Json, nblobs: int) -> list[str]:
     """The leaf path that first refers to each blob (what messages and diffs name)."""
     paths = [""] * nblobs
-
-    def walk(node: Any, path: tuple[str | int, ...]) -> None:
-        if not isinstance(node, dict):
-            return
-        t = node.get("t")
-        if t in ("dict", "odict"):
-            for k, v in dict_items(node, format_path(path)):
-                walk(v, (*path, k))
-        elif t in ("list", "tuple") and isinstance(node.get("v"), list):
-            for i, v in enumerate(node["v"]):
-                walk(v, (*path, i))
-        elif t == "stateful":
-            walk(node.get("v"), path)
-        else:
-            b = node.get("b")
-            if type(b) is int and 0 <= b < nblobs and not paths[b]:
-                paths[b] = format_path(path)
-
-    walk(skeleton, ())
+    for where, node in iter_leaves(skeleton):
+        b = node.get("b")
+        if type(b) is int and 0 <= b < nblobs and not paths[b]:
+            paths[b] = where
     return paths
 
 
