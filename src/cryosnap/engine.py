@@ -337,11 +337,6 @@ class _BlobBuilder:
         else:
             self.segments.append([0, file, offset, nbytes, [digest]])
 
-    def entry(self, nbytes: int, chunk_bytes: int) -> BlobEntry:
-        table = np.array([g[:4] for g in self.segments], dtype=np.int64).reshape(-1, 4)
-        stored = b"".join(b"".join(g[4]) for g in self.segments if g[0] == STORED)
-        return BlobEntry(nbytes, merkle_root(b"".join(self.hashes)), table, stored, chunk_bytes)
-
 
 class _Appender:
     """Appends buffers to one data file on a thread of its own, so hashing and diffing the
@@ -536,24 +531,38 @@ class PartWriter:
             return self._finish()
 
     def _finish(self) -> PartResult:
-        entries = []
+        cb = self.chunk_bytes
+        # One segment table for the whole part (each blob gets a slice of it): a state of
+        # 20,000 small tensors costs one numpy call here, not 20,000.
+        rows: list[list[Any]] = []
+        bounds = [0]
         for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
-            entry = builder.entry(blob.nbytes, self.chunk_bytes)
             got = sum(len(h) for h in builder.hashes) // HASH_BYTES
-            if got != chunk_count(blob.nbytes, self.chunk_bytes):
+            if got != chunk_count(blob.nbytes, cb):
                 raise CheckpointError(
                     f"step {self.step}: leaf {blob.path} was captured incompletely"
                 )
-            entries.append(entry)
+            rows.extend(g[:4] for g in builder.segments)
+            bounds.append(len(rows))
+        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
         # data_files: the files this manifest's stored segments point to, renumbered densely.
-        used = sorted(
-            {int(f) for e in entries for f in e.table[e.table[:, 0] == STORED, 1].tolist()}
-        )
+        stored = table[:, 0] == STORED
+        used = np.unique(table[stored, 1]).tolist()
         remap = np.zeros(len(self.files), np.int64)
         remap[used] = np.arange(len(used))
-        for e in entries:
-            rows = e.table[:, 0] == STORED
-            e.table[rows, 1] = remap[e.table[rows, 1]]
+        table[stored, 1] = remap[table[stored, 1]]
+        entries = [
+            BlobEntry(
+                blob.nbytes,
+                merkle_root(b"".join(builder.hashes)),
+                table[lo:hi],
+                b"".join(b"".join(g[4]) for g in builder.segments if g[0] == STORED),
+                cb,
+            )
+            for blob, builder, lo, hi in zip(
+                self.flat.blobs, self._builders, bounds, bounds[1:], strict=False
+            )
+        ]
         base = self.base
         manifest = Manifest(
             step=self.step,

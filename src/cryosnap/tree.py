@@ -112,12 +112,18 @@ class Blob:
     array) or an immutable ``bytes``. It is not copied here: the caller captures or writes it.
     """
 
-    path: str
+    key: tuple[str | int, ...]
     nbytes: int
     source: Any
     # data_ptr of the torch storage the bytes come from (0: not a tensor, or a private copy);
     # lazy capture uses it to find the blobs an optimizer step mutates.
     origin: int = 0
+
+    @property
+    def path(self) -> str:
+        """The leaf path of the blob's first owner (formatted when asked: most saves never
+        need it)."""
+        return format_path(self.key)
 
     def host_view(self) -> memoryview:
         """A flat byte view of the data in host memory (copies only from a GPU)."""
@@ -181,7 +187,7 @@ class _Flattener:
         return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
 
     def add_blob(self, path: tuple[str | int, ...], source: Any, nbytes: int) -> int:
-        self.blobs.append(Blob(format_path(path), nbytes, source))
+        self.blobs.append(Blob(path, nbytes, source))
         return len(self.blobs) - 1
 
     def visit(self, obj: Any, path: tuple[str | int, ...]) -> Json:
@@ -347,35 +353,46 @@ class _Flattener:
         torch = sys.modules.get("torch")
         if torch is None or not self.tensors:
             return
+        # No autograd bookkeeping for the views taken below (cheaper than detach() each).
+        with torch.no_grad():
+            self._assign_groups(torch)
+
+    def _assign_groups(self, torch: Any) -> None:
         groups: dict[tuple[str, int, int], list[int]] = {}
+        ptrs: list[int] = []
         for i, (_node, t, _path) in enumerate(self.tensors):
             storage = t.untyped_storage()
-            if storage.nbytes() == 0 or t.numel() == 0:
+            ptr, size = storage.data_ptr(), storage.nbytes()
+            ptrs.append(ptr)
+            if size == 0 or t.numel() == 0:
                 groups[("empty", i, 0)] = [i]
             else:
                 # Two storages may start at one address (views of one numpy buffer): the size
                 # is part of the key, so only the very same storage is shared.
-                key = (str(t.device), storage.data_ptr(), storage.nbytes())
-                groups.setdefault(key, []).append(i)
+                groups.setdefault((t.device.type, ptr, size), []).append(i)
         for members in groups.values():
             if len(members) == 1:
                 node, t, path = self.tensors[members[0]]
-                x = t.detach().resolve_conj().resolve_neg()
+                x = t
+                if x.is_complex():  # only complex tensors carry lazy conj/neg bits
+                    x = x.resolve_conj().resolve_neg()
                 if not x.is_contiguous():
                     x = x.contiguous()
-                if x.numel() == 1 and x.dim() and x.stride()[-1] != 1:
+                n = x.numel()
+                if n == 1 and x.dim() and x.stride()[-1] != 1:
                     # torch calls a one-element view of any stride contiguous, but a byte view
                     # needs stride 1.
                     x = x.as_strided((1,), (1,))
-                shared = x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                 flat = (
                     x.reshape(-1).view(torch.uint8)
-                    if x.numel()
+                    if n
                     else x.new_empty(0).view(torch.uint8).reshape(0)
                 )
+                if flat.requires_grad:  # a view taken before no_grad (never, but be sure)
+                    flat = flat.detach()
                 node["b"] = self.add_blob(path, flat, flat.numel())
-                if shared:
-                    self.blobs[-1].origin = t.untyped_storage().data_ptr()
+                if x is t or x.untyped_storage().data_ptr() == ptrs[members[0]]:
+                    self.blobs[-1].origin = ptrs[members[0]]
                 continue
             # Shared storage: one blob covering every byte the group uses, aligned so each
             # member's offset stays a multiple of its element size.
