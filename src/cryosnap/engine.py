@@ -338,6 +338,9 @@ class _BlobBuilder:
             self.segments.append([0, file, offset, nbytes, [digest]])
 
 
+_COMMIT = ("commit",)
+
+
 class _Appender:
     """Appends buffers to one data file on a thread of its own, so hashing and diffing the
     next batch (Python, holds the GIL) overlaps writing this one (syscalls, release it)."""
@@ -345,9 +348,7 @@ class _Appender:
     def __init__(self, store: Store, key: str) -> None:
         self.store = store
         self.key = key
-        self._queue: queue.SimpleQueue[tuple[list[memoryview], Callable[[], None]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer: BlobWriter | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -365,6 +366,13 @@ class _Appender:
             item = self._queue.get()
             if item is None:
                 return
+            if item is _COMMIT:
+                try:
+                    if self._error is None and self._writer is not None:
+                        self._writer.commit()
+                except BaseException as exc:
+                    self._error = exc
+                continue
             views, release = item
             try:
                 if views and self._error is None:
@@ -386,12 +394,15 @@ class _Appender:
     def written(self) -> bool:
         return self._writer is not None
 
-    def commit(self) -> None:
+    def start_commit(self) -> None:
+        """Queue the fsync and rename behind the last write; ``wait_commit`` waits for it."""
+        if self._thread is not None:
+            self._queue.put(_COMMIT)
+
+    def wait_commit(self) -> None:
         self._join()
         if self._error is not None:
             raise self._error
-        if self._writer is not None:
-            self._writer.commit()
 
     def abort(self) -> None:
         self._join()
@@ -526,11 +537,16 @@ class PartWriter:
         return out
 
     def finish(self) -> PartResult:
-        self._io.commit()
-        with paused_gc():
-            return self._finish()
+        # The manifest is built while the I/O thread fsyncs the data, and written after.
+        self._io.start_commit()
+        try:
+            with paused_gc():
+                manifest, body = self._build()
+        finally:
+            self._io.wait_commit()
+        return self._write_manifest(manifest, body)
 
-    def _finish(self) -> PartResult:
+    def _build(self) -> tuple[Manifest, bytes]:
         cb = self.chunk_bytes
         # One segment table for the whole part (each blob gets a slice of it): a state of
         # 20,000 small tensors costs one numpy call here, not 20,000.
@@ -576,7 +592,10 @@ class PartWriter:
             created_unix=now_unix(),
             base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
         )
-        body = manifest.to_json()
+        return manifest, manifest.to_json()
+
+    def _write_manifest(self, manifest: Manifest, body: bytes) -> PartResult:
+        base = self.base
         mkey = manifest_key(self.step, self.rank)
         self.store.write(mkey, body)
         xxh3 = xxhash.xxh3_128_hexdigest(body)
@@ -591,7 +610,7 @@ class PartWriter:
             chunks=self.chunks,
             new_chunks=self.new_chunks,
             leaves=self.flat.leaves,
-            root=merkle_root([e.root for e in entries]),
+            root=merkle_root([e.root for e in manifest.blobs]),
             incremental=base is not None,
         )
 
