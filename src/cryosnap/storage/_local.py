@@ -181,16 +181,27 @@ class _LocalWriter:
 
 
 def _writev_all(fd: int, buffers: list[BytesLike]) -> int:
-    """Write every buffer, looping over partial writes and the iovec limit."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
+    """Write every buffer, looping over partial writes and the iovec limit.
+
+    The common case (every call writes everything) does no per-buffer Python work: this runs
+    on the I/O thread while another thread holds the GIL for hashing.
+    """
+    views = [
+        v
+        if isinstance(v, memoryview) and v.ndim == 1 and v.format == "B"
+        else memoryview(v).cast("B")
+        for v in buffers
+    ]
     total = 0
     i = 0
     while i < len(views):
         batch = views[i : i + _IOV_MAX]
         n = os.writev(fd, batch)
         total += n
-        # Drop fully written buffers; keep the unwritten tail of a partially written one.
+        if n == sum(map(len, batch)):
+            i += len(batch)
+            continue
+        # A partial write: drop what was written, keep the unwritten tail of a buffer.
         for v in batch:
             if n >= v.nbytes:
                 n -= v.nbytes
