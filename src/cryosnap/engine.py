@@ -95,6 +95,9 @@ IO_BATCH_BYTES = 64 << 20
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 # Pieces of a data file at most this far apart are read in one go, the gap thrown away.
 _GAP_BYTES = 64 << 10
+# A blob whose chunks lie in more runs than this is read by windowed gathers.
+_FRAGMENTED_RUNS = 256
+_GATHER_WINDOW_BYTES = 64 << 20
 # A chain longer than this is refused as malformed (full_every keeps real chains far shorter).
 MAX_CHAIN = 4096
 
@@ -722,6 +725,7 @@ def _read_blobs(
     # Per data file: (offset, blob, start in blob, nbytes), from runs of chunks that lie back
     # to back, so adjacent pieces become one preadv of many buffers.
     pieces: dict[int, list[tuple[int, int, int, int]]] = {}
+    gathers: list[tuple[int, int, np.ndarray[Any, Any]]] = []  # (blob, file, chunk indices)
     for i, b in enumerate(part.blobs):
         n = len(b.files)
         if not n:
@@ -729,6 +733,19 @@ def _read_blobs(
         breaks = np.flatnonzero(
             (b.files[1:] != b.files[:-1]) | (b.offsets[1:] != b.offsets[:-1] + cb)
         )
+        if len(breaks) > _FRAGMENTED_RUNS:
+            # Scattered chunks (the end of an incremental chain over sparse updates): read
+            # windows of each file and copy the chunks out with one vectorized gather each,
+            # instead of one Python-level piece per chunk. A short last chunk goes the usual
+            # way.
+            whole = n if b.nbytes % cb == 0 else n - 1
+            for f in np.unique(b.files[:whole]).tolist():
+                gathers.append((i, f, np.flatnonzero(b.files[:whole] == f)))
+            if whole < n:
+                pieces.setdefault(int(b.files[-1]), []).append(
+                    (int(b.offsets[-1]), i, whole * cb, b.nbytes - whole * cb)
+                )
+            continue
         starts = [0, *(breaks + 1).tolist()]
         ends = [*(breaks + 1).tolist(), n]
         for s, e in zip(starts, ends, strict=True):
@@ -798,15 +815,52 @@ def _read_blobs(
             ) from exc
         on_bytes(sum(v.nbytes for _, bufs, _owners in runs for v in bufs))
 
+    def gather(task: tuple[int, int, np.ndarray[Any, Any]]) -> None:
+        i, f, idx = task
+        b, key = part.blobs[i], part.files[f]
+        offs = b.offsets[idx]
+        order = np.argsort(offs, kind="stable")
+        idx, offs = idx[order], offs[order]
+        whole = b.nbytes // cb
+        dest = np.frombuffer(views[i], np.uint8)[: whole * cb].reshape(whole, cb)
+        lo_i = 0
+        buffer = np.empty(0, np.uint8)  # reused: fresh pages for every window cost faults
+        while lo_i < len(offs):
+            lo = int(offs[lo_i])
+            hi_i = int(np.searchsorted(offs, lo + _GATHER_WINDOW_BYTES - cb, side="right"))
+            hi_i = max(hi_i, lo_i + 1)
+            hi = int(offs[hi_i - 1]) + cb
+            if len(buffer) < hi - lo:
+                buffer = np.empty(hi - lo, np.uint8)
+            window = buffer[: hi - lo]
+            try:
+                store.read_into(key, lo, [window.data])
+            except (TruncatedError, CheckpointNotFoundError) as exc:
+                what = "truncated" if isinstance(exc, TruncatedError) else "missing"
+                raise IntegrityError(
+                    f"step {step}, tier {store.url}: data file {key} is {what}; "
+                    f"leaf {b.path} cannot be read"
+                ) from exc
+            # Every byte offset of the window as the start of a chunk-long row (a view, no
+            # copy): the chunks are a fancy index away.
+            rows = np.lib.stride_tricks.as_strided(
+                window, shape=(len(window) - cb + 1, cb), strides=(1, 1), writeable=False
+            )
+            dest[idx[lo_i:hi_i]] = rows[offs[lo_i:hi_i] - lo]
+            on_bytes((hi_i - lo_i) * cb)
+            lo_i = hi_i
+
     # Several reads in flight: copying out of the page cache and faulting in fresh pages run
     # on every core, and a remote store overlaps its latencies.
-    if len(groups) > 1:
+    tasks: list[Callable[[], None]] = [lambda g=g: read(g) for g in groups]  # type: ignore[misc]
+    tasks += [lambda t=t: gather(t) for t in gathers]  # type: ignore[misc]
+    if len(tasks) > 1:
         with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cryosnap-read") as pool:
-            for _ in pool.map(read, groups):
+            for _ in pool.map(lambda task: task(), tasks):
                 pass
     else:
-        for group in groups:
-            read(group)
+        for task in tasks:
+            task()
     for b, view in zip(part.blobs, views, strict=True):
         _verify_blob(store, step, cb, b, view)
 

@@ -342,7 +342,9 @@ def _parse_blob(
         if type(nbytes) is not int or nbytes < 0 or not isinstance(raw_segments, list):
             raise ValueError("size")
         root = bytes.fromhex(root_hex)
-        segs = np.array(raw_segments, dtype=object).reshape(-1, 4) if raw_segments else None
+        # numpy infers the type: all-int rows give an integer array; a float or a string
+        # anywhere gives another kind, refused below (checked at C speed, not per field).
+        segs = np.array(raw_segments) if raw_segments else None
     except (TypeError, ValueError) as exc:
         raise _fail(here, f"malformed blob entry {raw!r:.120}") from exc
     if len(root) != HASH_BYTES:
@@ -351,9 +353,8 @@ def _parse_blob(
         if nbytes:
             raise _fail(here, f"no segments for a blob of {nbytes} bytes")
         return BlobEntry(nbytes, root, np.empty((0, 4), np.int64), b"", chunk_bytes)
-    # Strict ints (not floats, strings or booleans), checked on the object array at C speed.
-    if not all(type(x) is int for x in segs.flat):
-        raise _fail(here, "segment fields must be ints")
+    if segs.dtype.kind not in "iu" or segs.ndim != 2 or segs.shape[1] != 4:
+        raise _fail(here, "segment fields must be rows of 4 ints")
     t = segs.astype(np.int64)
     kind, a, b, c = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
     stored = kind == STORED
