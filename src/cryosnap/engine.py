@@ -823,32 +823,56 @@ def _read_blobs(
         idx, offs = idx[order], offs[order]
         whole = b.nbytes // cb
         dest = np.frombuffer(views[i], np.uint8)[: whole * cb].reshape(whole, cb)
+        # A window never spans a gap wider than _GAP_BYTES (dead chunks of an old file are
+        # not read) nor more than _GATHER_WINDOW_BYTES.
+        cuts = np.flatnonzero(offs[1:] - offs[:-1] - cb > _GAP_BYTES) + 1
+        cluster_end = np.append(cuts, len(offs))
+        windows: list[tuple[int, int, int, int]] = []  # (first, end) chunks, (lo, hi) bytes
         lo_i = 0
-        buffer = np.empty(0, np.uint8)  # reused: fresh pages for every window cost faults
         while lo_i < len(offs):
             lo = int(offs[lo_i])
+            end_i = int(cluster_end[np.searchsorted(cluster_end, lo_i, side="right")])
             hi_i = int(np.searchsorted(offs, lo + _GATHER_WINDOW_BYTES - cb, side="right"))
-            hi_i = max(hi_i, lo_i + 1)
-            hi = int(offs[hi_i - 1]) + cb
-            if len(buffer) < hi - lo:
-                buffer = np.empty(hi - lo, np.uint8)
-            window = buffer[: hi - lo]
+            hi_i = max(min(hi_i, end_i), lo_i + 1)
+            windows.append((lo_i, hi_i, lo, int(offs[hi_i - 1]) + cb))
+            lo_i = hi_i
+        buffer = np.empty(0, np.uint8)  # reused: fresh pages for every batch cost faults
+        w = 0
+        while w < len(windows):
+            # Several windows per read_ranges call (one open), up to _GATHER_WINDOW_BYTES.
+            batch = [windows[w]]
+            size = windows[w][3] - windows[w][2]
+            w += 1
+            while w < len(windows) and size + windows[w][3] - windows[w][2] <= (
+                _GATHER_WINDOW_BYTES
+            ):
+                size += windows[w][3] - windows[w][2]
+                batch.append(windows[w])
+                w += 1
+            if len(buffer) < size:
+                buffer = np.empty(size, np.uint8)
+            slices, at = [], 0
+            for _a, _b, lo, hi in batch:
+                slices.append(buffer[at : at + hi - lo])
+                at += hi - lo
             try:
-                store.read_into(key, lo, [window.data])
+                store.read_ranges(
+                    key, [(win[2], [sl.data]) for win, sl in zip(batch, slices, strict=True)]
+                )
             except (TruncatedError, CheckpointNotFoundError) as exc:
                 what = "truncated" if isinstance(exc, TruncatedError) else "missing"
                 raise IntegrityError(
                     f"step {step}, tier {store.url}: data file {key} is {what}; "
                     f"leaf {b.path} cannot be read"
                 ) from exc
-            # Every byte offset of the window as the start of a chunk-long row (a view, no
-            # copy): the chunks are a fancy index away.
-            rows = np.lib.stride_tricks.as_strided(
-                window, shape=(len(window) - cb + 1, cb), strides=(1, 1), writeable=False
-            )
-            dest[idx[lo_i:hi_i]] = rows[offs[lo_i:hi_i] - lo]
-            on_bytes((hi_i - lo_i) * cb)
-            lo_i = hi_i
+            for (a, z, lo, _hi), window in zip(batch, slices, strict=True):
+                # Every byte offset of the window as the start of a chunk-long row (a view,
+                # no copy): the chunks are a fancy index away.
+                rows = np.lib.stride_tricks.as_strided(
+                    window, shape=(len(window) - cb + 1, cb), strides=(1, 1), writeable=False
+                )
+                dest[idx[a:z]] = rows[offs[a:z] - lo]
+                on_bytes((z - a) * cb)
 
     # Several reads in flight: copying out of the page cache and faulting in fresh pages run
     # on every core, and a remote store overlaps its latencies.
