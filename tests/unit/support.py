@@ -367,3 +367,12 @@ def commit_checksum(doc: dict[str, Any]) -> str:
     """
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return str(xxhash.xxh3_128_hexdigest(body))
+
+
+def leaves_of(tree: Any) -> list[Any]:
+    """The leaves of a plain tree of dict / list / tuple, in order."""
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in leaves_of(v)]
+    if isinstance(tree, (list, tuple)):
+        return [x for v in tree for x in leaves_of(v)]
+    return [tree]

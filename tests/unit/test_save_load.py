@@ -30,6 +30,7 @@ from .support import (
     assert_same,
     blob_bytes_of,
     count_calls,
+    leaves_of,
     make_array,
     make_tensor,
     snapshot,
@@ -66,14 +67,6 @@ def memory_run() -> Iterator[str]:
         fs.rm(root, recursive=True)
 
 
-def _leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, dict):
-        return [x for v in tree.values() for x in _leaves(v)]
-    if isinstance(tree, (list, tuple)):
-        return [x for v in tree for x in _leaves(v)]
-    return [tree]
-
-
 # ---------------------------------------------------------------------------------------------
 # Hypothesis round trips
 
@@ -96,7 +89,7 @@ def test_round_trip_is_exact(state: Any, chunk_bytes: int, step: int, backend: s
             if backend == "memory" and fs.exists(f"/{Path(d).name}"):
                 fs.rm(f"/{Path(d).name}", recursive=True)
     # The strategy never ties storage: every non-inline leaf is one blob of its own.
-    sizes = [blob_bytes_of(x) for x in _leaves(state)]
+    sizes = [blob_bytes_of(x) for x in leaves_of(state)]
     assert info.step == step
     # Identical chunks may be written once (spatial de-duplication): new <= all.
     assert info.logical_bytes == sum(sizes)

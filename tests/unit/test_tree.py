@@ -14,7 +14,7 @@ from hypothesis import given
 from cryosnap.errors import CheckpointError, CheckpointFormatError, StateMismatchError
 from cryosnap.tree import Restorer, apply_into, check_into, flatten, format_path, is_stateful
 
-from .support import assert_same, blob_bytes_of, state_trees
+from .support import assert_same, blob_bytes_of, leaves_of, state_trees
 
 
 def round_trip(state: Any, *, allow_pickle: bool = False) -> Any:
@@ -30,14 +30,6 @@ def round_trip(state: Any, *, allow_pickle: bool = False) -> Any:
     return restorer.build()
 
 
-def _leaves(tree: Any) -> list[Any]:
-    if isinstance(tree, dict):
-        return [x for v in tree.values() for x in _leaves(v)]
-    if isinstance(tree, (list, tuple)):
-        return [x for v in tree for x in _leaves(v)]
-    return [tree]
-
-
 @given(state_trees())
 def test_flatten_restore_round_trip(state: Any) -> None:
     assert_same(state, round_trip(state))
@@ -49,7 +41,7 @@ def test_skeleton_is_plain_json_and_sizes_add_up(state: Any) -> None:
     # Serializable as strict JSON (no NaN, no bytes, no custom objects) and stable through it.
     text = json.dumps(flat.skeleton, allow_nan=False)
     assert json.dumps(json.loads(text), allow_nan=False) == text
-    leaves = _leaves(state)
+    leaves = leaves_of(state)
     assert flat.leaves == len(leaves)
     # Leaves built by the strategy never share storage: one blob per non-inline leaf.
     assert flat.logical_bytes == sum(b.nbytes for b in flat.blobs)
