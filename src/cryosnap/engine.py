@@ -95,7 +95,8 @@ IO_BATCH_BYTES = 64 << 20
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 # Pieces of a data file at most this far apart are read in one go, the gap thrown away.
 _GAP_BYTES = 64 << 10
-# A blob whose chunks lie in more runs than this is read by windowed gathers.
+# A blob whose chunks lie in more runs than this, averaging less than _GAP_BYTES each, is
+# read by windowed gathers.
 _FRAGMENTED_RUNS = 256
 _GATHER_WINDOW_BYTES = 64 << 20
 # A chain longer than this is refused as malformed (full_every keeps real chains far shorter).
@@ -733,7 +734,7 @@ def _read_blobs(
         breaks = np.flatnonzero(
             (b.files[1:] != b.files[:-1]) | (b.offsets[1:] != b.offsets[:-1] + cb)
         )
-        if len(breaks) > _FRAGMENTED_RUNS:
+        if len(breaks) > _FRAGMENTED_RUNS and b.nbytes < (len(breaks) + 1) * _GAP_BYTES:
             # Scattered chunks (the end of an incremental chain over sparse updates): read
             # windows of each file and copy the chunks out with one vectorized gather each,
             # instead of one Python-level piece per chunk. A short last chunk goes the usual
