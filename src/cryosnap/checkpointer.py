@@ -75,13 +75,14 @@ def validate_step(step: object, name: str = "step") -> int:
     return step
 
 
-def _validate_positive(value: object, name: str, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
+def _positive(value: object, name: str, allowed: str = "a positive int") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        allowed = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{name}={value!r} is invalid: allowed is {allowed}")
     return value
+
+
+def _positive_or_none(value: object, name: str) -> int | None:
+    return None if value is None else _positive(value, name, "a positive int or None")
 
 
 class PendingSave:
@@ -189,14 +190,14 @@ class Checkpointer:
         allow_pickle: bool = False,
     ) -> None:
         self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
-        budget = _validate_positive(staging_bytes, "staging_bytes", allow_none=True)
+        budget = _positive_or_none(staging_bytes, "staging_bytes")
         if budget is not None and budget < self.chunk_bytes:
             raise ValueError(
                 f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
             )
-        self.max_inflight = _validate_positive(max_inflight, "max_inflight") or 1
-        self.keep = _validate_positive(keep, "keep", allow_none=True)
-        self.full_every = _validate_positive(full_every, "full_every") or 1
+        self.max_inflight = _positive(max_inflight, "max_inflight")
+        self.keep = _positive_or_none(keep, "keep")
+        self.full_every = _positive(full_every, "full_every")
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, got {type(incremental).__name__}")
         self.incremental = incremental

@@ -54,6 +54,7 @@ from .errors import (
 )
 from .lock import acquire_run_lock
 from .manifest import MAX_STEP, Manifest
+from .progress import human_bytes
 from .storage import Store, open_store
 from .tree import format_path, iter_leaves
 
@@ -339,18 +340,6 @@ def _print(line: str = "") -> None:
 
 def _print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-
-
-def human_bytes(n: int) -> str:
-    """Bytes in binary units with one decimal: ``48 B``, ``1.5 KiB``, ``1.0 GiB``."""
-    if abs(n) < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "PiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def iso_time(unix: float) -> str:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .progress import human_bytes
+
 __all__ = ["main"]
 
 ROWS, DIM, HIDDEN, BATCH = 200_000, 64, 1024, 4096
@@ -166,14 +168,6 @@ def _spawn(args: list[str]) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cryosnap demo", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="demo-run", help="work directory (default ./demo-run)")
@@ -229,13 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         kind = "incremental" if e["incremental"] else "full"
         print(
             f"{e['step']:>5} {kind:>11} {e['stall_seconds'] * 1e3:>9.1f} "
-            f"{e['stall_seconds'] / torch_save:>12.1%} {_human(e['written_bytes']):>10} "
+            f"{e['stall_seconds'] / torch_save:>12.1%} {human_bytes(e['written_bytes']):>10} "
             f"{e['written_bytes'] / e['logical_bytes']:>9.1%} {e['seconds']:>9.3f}"
         )
     inc = [e for e in saves if e["incremental"]]
     logical = saves[-1]["logical_bytes"]
     print()
-    print(f"state: {_human(logical)}; torch.save + fsync of it: {torch_save * 1e3:.0f} ms")
+    print(f"state: {human_bytes(logical)}; torch.save + fsync of it: {torch_save * 1e3:.0f} ms")
     stalls = sorted(e["stall_seconds"] for e in saves)
     print(
         f"median stall per checkpoint: {stalls[len(stalls) // 2] * 1e3:.1f} ms "
@@ -244,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if inc:
         mean_inc = sum(e["written_bytes"] for e in inc) / len(inc)
         print(
-            f"incremental versions wrote {_human(mean_inc)} on average "
+            f"incremental versions wrote {human_bytes(mean_inc)} on average "
             f"({mean_inc / logical:.1%} of the state)"
         )
     for r in restores:

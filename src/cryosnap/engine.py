@@ -394,10 +394,6 @@ class _Appender:
             self._thread.join()
             self._thread = None
 
-    @property
-    def written(self) -> bool:
-        return self._writer is not None
-
     def start_commit(self) -> None:
         """Queue the fsync and rename behind the last write; ``wait_commit`` waits for it."""
         if self._thread is not None:
@@ -466,10 +462,6 @@ class PartWriter:
         if j is None or self.base.blobs[j].nbytes != blob.nbytes:
             return None
         return j
-
-    @property
-    def written_bytes(self) -> int:
-        return self._offset
 
     def _file(self, key: str) -> int:
         idx = self._file_index.get(key)
@@ -909,6 +901,37 @@ def _verify_blob(
     raise IntegrityError(f"step {step}, tier {store.url}: leaf {b.path}: wrong chunk count")
 
 
+def _read_verified(
+    store: Store,
+    step: int,
+    *,
+    rank: int,
+    allow_pickle: bool,
+    into: Any = None,
+    progress: bool = False,
+) -> tuple[ResolvedPart, Restorer]:
+    """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
+    (with a progress line on a terminal if ``progress``)."""
+    with paused_gc():
+        part = resolve_version(store, step, rank=rank)
+        manifest = part.manifest
+        if into is not None:
+            check_into(manifest.skeleton, into)
+        restorer = Restorer(
+            manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
+        )
+        views = restorer.allocate()
+    if not progress:
+        _read_blobs(store, part, views)
+        return part, restorer
+    line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+    try:
+        _read_blobs(store, part, views, on_bytes=line.update)
+    finally:
+        line.close()
+    return part, restorer
+
+
 def read_part(
     store: Store,
     step: int,
@@ -919,20 +942,10 @@ def read_part(
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``)."""
     t0 = time.perf_counter()
-    with paused_gc():
-        part = resolve_version(store, step, rank=rank)
-        manifest = part.manifest
-        if into is not None:
-            check_into(manifest.skeleton, into)
-        restorer = Restorer(
-            manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
-        )
-        views = restorer.allocate()
-    progress = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
-    try:
-        _read_blobs(store, part, views, on_bytes=progress.update)
-    finally:
-        progress.close()
+    part, restorer = _read_verified(
+        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
+    )
+    manifest = part.manifest
     tree = restorer.build()
     log.info(
         "restored step %d from %s in %.3f s (%s)",
@@ -954,12 +967,8 @@ def read_part(
 def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
     """Read every chunk of one rank's part (through its whole chain) and check every hash and
     every Merkle root; raise on the first damage found."""
-    part = resolve_version(store, step, rank=rank)
-    manifest = part.manifest
-    restorer = Restorer(manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=True)
-    views = restorer.allocate()
-    _read_blobs(store, part, views)
-    for b, entry in zip(part.blobs, manifest.blobs, strict=True):
+    part, _restorer = _read_verified(store, step, rank=rank, allow_pickle=True)
+    for b, entry in zip(part.blobs, part.manifest.blobs, strict=True):
         if merkle_root(b.hashes.tobytes()) != entry.root:
             raise IntegrityError(
                 f"step {step}, tier {store.url}: leaf {b.path}: Merkle root does not match"

@@ -27,7 +27,6 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,20 +175,6 @@ class BlobEntry:
     table: np.ndarray[Any, np.dtype[np.int64]]
     hashes: bytes
     chunk_bytes: int
-
-    @classmethod
-    def from_segments(
-        cls, nbytes: int, root: bytes, segments: Sequence[Segment], chunk_bytes: int
-    ) -> BlobEntry:
-        rows = [
-            [STORED, g.file, g.offset, g.nbytes]
-            if isinstance(g, Stored)
-            else [INHERITED, g.blob, g.first, g.count]
-            for g in segments
-        ]
-        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        hashes = b"".join(g.hashes for g in segments if isinstance(g, Stored))
-        return cls(nbytes, root, table, hashes, chunk_bytes)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, BlobEntry):
