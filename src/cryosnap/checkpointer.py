@@ -420,12 +420,14 @@ class Checkpointer:
         try:
             if not self._base_loaded:
                 self._load_base()
-            base = self._base
-            if isinstance(base, engine.PartResult):
-                # Resolved only now: a run that saves once never pays for it.
-                base = self._base = base.resolved()
-            if not self.incremental or (base is not None and base.depth >= self.full_every):
-                base = None
+            base = self._base if self.incremental else None
+            if base is not None:
+                if base.depth >= self.full_every:
+                    base = None  # the chain is long enough: this version is full
+                elif isinstance(base, engine.PartResult):
+                    # Resolved only when it is a base: a run that saves once, writes only
+                    # full versions or ends a chain here never pays for it.
+                    base = self._base = base.resolved()
             writer = engine.PartWriter(
                 self.store,
                 job.step,

@@ -305,6 +305,11 @@ class PartResult:
         own = set(self.manifest.data_files)
         return own if self.base is None else own | set(self.base.used_files())
 
+    @property
+    def depth(self) -> int:
+        """Versions in this version's chain, itself included (as ResolvedPart.depth)."""
+        return len(self.chain())
+
     def chain(self) -> tuple[int, ...]:
         return (
             (self.manifest.step,) if self.base is None else (*self.base.chain, self.manifest.step)
