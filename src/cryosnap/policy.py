@@ -1,0 +1,568 @@
+"""When to save and which versions to keep: small pure policy objects.
+
+This module owns two kinds of policy, in the style of orbax-checkpoint's:
+
+* **Save policies** (:class:`SavePolicy`) answer "save at this step?" once per training
+  iteration and hear back what each save cost: :class:`EveryNSteps`, :class:`EveryNSeconds`
+  and the CheckFreq-style :class:`Adaptive`, which keeps the checkpoint overhead under a bound.
+* **Retention policies** (:class:`RetentionPolicy`) pick the versions to keep from the committed
+  ones: :class:`KeepLast`, :class:`KeepEvery`, :class:`KeepBest` and the union :class:`KeepAny`.
+  Whatever a retention policy selects, the Checkpointer always keeps the newest version too.
+
+Everything here is pure: no I/O, no threads, no clock. Time comes in as ``now`` (the caller
+passes ``time.monotonic()``), so the policies are deterministic and tested with a fake clock.
+The objects are not thread-safe: the caller (the Checkpointer) serializes the calls, including
+``durable()`` notifications that originate on background threads.
+
+How the Checkpointer drives a save policy::
+
+    should_save(step, now=...)                     once per iteration, on the caller's thread
+    saved(step, now=..., stall_seconds=...)        after save(step) returned (it blocked the
+                                                   caller for stall_seconds)
+    durable(step, now=..., seconds=..., stall_seconds=...)
+                                                   the version is durable, ``seconds`` after
+                                                   save() was called; stall_seconds is the
+                                                   total stall, lazy optimizer waits included
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "Adaptive",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "RetentionPolicy",
+    "SavePolicy",
+    "VersionInfo",
+    "as_retention",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# argument validation (eager, on the caller's thread)
+
+
+def _int_arg(value: object, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def _seconds_arg(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------
+# save policies
+
+
+@runtime_checkable
+class SavePolicy(Protocol):
+    """Decides, once per iteration, whether to save; hears what each save cost."""
+
+    def should_save(self, step: int, *, now: float) -> bool:
+        """Whether to save at ``step``; ``now`` is ``time.monotonic()`` at the call."""
+        ...
+
+    def saved(self, step: int, *, now: float, stall_seconds: float) -> None:
+        """``save(step)`` returned at ``now``, having blocked the caller ``stall_seconds``."""
+        ...
+
+    def durable(self, step: int, *, now: float, seconds: float, stall_seconds: float) -> None:
+        """Version ``step`` became durable at ``now``, ``seconds`` after save() was called."""
+        ...
+
+
+class EveryNSteps:
+    """Save when ``(step - offset) % n == 0``.
+
+    >>> policy = EveryNSteps(100)
+    >>> [s for s in range(301) if policy.should_save(s, now=0.0)]
+    [0, 100, 200, 300]
+    """
+
+    __slots__ = ("n", "offset")
+
+    def __init__(self, n: int, *, offset: int = 0) -> None:
+        self.n = _int_arg(n, "n", minimum=1)
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise TypeError(f"offset must be an int, got {offset!r}")
+        self.offset = offset
+
+    def should_save(self, step: int, *, now: float) -> bool:
+        return (step - self.offset) % self.n == 0
+
+    def saved(self, step: int, *, now: float, stall_seconds: float) -> None:
+        pass
+
+    def durable(self, step: int, *, now: float, seconds: float, stall_seconds: float) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"EveryNSteps({self.n}, offset={self.offset})"
+
+
+class EveryNSeconds:
+    """Save when at least ``seconds`` have passed since the last save started.
+
+    The clock starts at the first ``should_save`` call, which does not save: the first save
+    comes ``seconds`` into the run, not at its first step. The period is measured from the
+    ``should_save`` call that granted the previous save (so the save's own stall does not
+    stretch it). A save the policy did not ask for (a manual ``save()``) restarts the period
+    too. After a long pause (evaluation, a debugger) the policy saves once, not once per
+    missed period.
+    """
+
+    __slots__ = ("_granted_step", "_last_start", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = _seconds_arg(seconds, "seconds")
+        self._last_start: float | None = None
+        self._granted_step: int | None = None
+
+    def should_save(self, step: int, *, now: float) -> bool:
+        if self._last_start is None:
+            self._last_start = now
+            return False
+        if now - self._last_start >= self.seconds:
+            self._last_start = now
+            self._granted_step = step
+            return True
+        return False
+
+    def saved(self, step: int, *, now: float, stall_seconds: float) -> None:
+        if step != self._granted_step:
+            self._last_start = now - stall_seconds
+        self._granted_step = None
+
+    def durable(self, step: int, *, now: float, seconds: float, stall_seconds: float) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"EveryNSeconds({self.seconds})"
+
+
+# EWMA weights. One iteration is one sample and they come often, so a gentle weight. Costs and
+# durations of checkpoints come once per checkpoint: a rise is believed at once (the overhead
+# bound must hold when storage slows down), a fall only gradually (one cheap checkpoint does
+# not mean storage is fast again).
+_ITER_ALPHA = 0.1
+_FALL_ALPHA = 0.3
+# Clean iterations whose median seeds the iteration time: the first iterations (compilation,
+# autotuning, cold caches) are outliers that a plain average would carry for a long time.
+_SEED_SAMPLES = 8
+# A save due while another is still in flight waits; but never more than this many intervals
+# since the last save, so a durable() notification that never comes cannot stop saving.
+_MAX_DEFER_INTERVALS = 10
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else old + alpha * (sample - old)
+
+
+def _rise_fast(old: float | None, sample: float) -> float:
+    if old is None or sample >= old:
+        return sample
+    return old + _FALL_ALPHA * (sample - old)
+
+
+class Adaptive:
+    """CheckFreq-style save frequency: as often as an overhead bound allows.
+
+    The model. Let ``t`` be the time of one training step without a checkpoint in flight,
+    ``c`` the overhead of one checkpoint (the caller's stall plus the extra time of the
+    iterations that run while it is in flight, i.e. interference), and ``d`` the time from
+    ``save()`` to durable. Saving every ``k`` steps costs about ``c / (k * t)`` of the run, so
+
+        k = clamp(max(ceil(c / (max_overhead * t)), ceil(d / t)), min_steps, max_steps)
+
+    The second term keeps a save from starting before the previous one is durable (saves
+    never queue); ``max_steps`` wins over both (a durability requirement beats the bound).
+
+    Profiling is online and needs no extra calls:
+
+    * ``t``: the spacing of consecutive ``should_save`` calls per step, over intervals during
+      which no checkpoint was in flight. Seeded with the median of the first clean intervals
+      (the first iterations are often slow), then an EWMA.
+    * ``c``: for each *episode* (from a save while none was in flight until the first
+      ``should_save`` after the last one in flight became durable), the larger of the reported
+      stalls and the measured extra time ``sum(spacing) - steps * t``, per checkpoint. Taking
+      the larger makes a noisy iteration time unable to hide a known stall.
+    * ``d``: the ``seconds`` of each ``durable()``.
+
+    ``c`` and ``d`` follow their measurements as moving averages: an increase takes effect
+    at once, a decrease with weight 0.3 per checkpoint. So the interval re-tunes when storage
+    slows down or speeds up, and errs towards the bound's side.
+
+    Warm-up: the first save comes ``warmup_steps`` steps after the first ``should_save`` call,
+    before anything about its cost is known; the next one once that first checkpoint has been
+    measured (it is durable and a clean iteration followed). Until then ``interval`` reports
+    ``max(warmup_steps, min_steps)`` and ``overhead`` is None. The first checkpoint's cost
+    is therefore spread over the warm-up only, which can exceed the bound once.
+
+    A save that becomes due while another is in flight waits for it (up to
+    ``10 * interval`` steps since the last save, so a lost notification cannot stop saving,
+    and never beyond ``max_steps``). Call :meth:`failed` when a save fails, so the policy
+    stops waiting for it. Steps are expected to increase; a step lower than the last save's
+    (a restore) restarts the count from there.
+    """
+
+    __slots__ = (
+        "_cost",
+        "_durable_s",
+        "_early",
+        "_ep_extra_s",
+        "_ep_saves",
+        "_ep_stall",
+        "_ep_steps",
+        "_episode",
+        "_first_step",
+        "_in_flight",
+        "_interval_busy",
+        "_iter_s",
+        "_last_now",
+        "_last_save_step",
+        "_last_step",
+        "_seed",
+        "max_overhead",
+        "max_steps",
+        "min_steps",
+        "warmup_steps",
+    )
+
+    def __init__(
+        self,
+        max_overhead: float = 0.05,
+        *,
+        min_steps: int = 1,
+        max_steps: int | None = None,
+        warmup_steps: int = 20,
+    ) -> None:
+        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)):
+            raise TypeError(f"max_overhead must be a fraction in (0, 1), got {max_overhead!r}")
+        if not 0 < max_overhead < 1:
+            raise ValueError(
+                f"max_overhead must be a fraction in (0, 1) (0.05 = 5%), got {max_overhead}"
+            )
+        self.max_overhead = float(max_overhead)
+        self.min_steps = _int_arg(min_steps, "min_steps", minimum=1)
+        if max_steps is not None:
+            _int_arg(max_steps, "max_steps", minimum=1)
+            if max_steps < self.min_steps:
+                raise ValueError(
+                    f"max_steps={max_steps} is smaller than min_steps={self.min_steps}"
+                )
+        self.max_steps = max_steps
+        self.warmup_steps = _int_arg(warmup_steps, "warmup_steps", minimum=0)
+
+        self._iter_s: float | None = None  # seconds per step, clean iterations (EWMA)
+        self._seed: list[float] = []  # first clean samples, before the EWMA starts
+        self._cost: float | None = None  # overhead seconds per checkpoint
+        self._durable_s: float | None = None  # save() to durable, seconds
+        self._first_step: int | None = None
+        self._last_step: int | None = None
+        self._last_now: float | None = None
+        self._last_save_step: int | None = None
+        # step -> eager stall seconds, for checkpoints saved but not yet durable.
+        self._in_flight: dict[int, float] = {}
+        # durable() that arrived before its saved(): step -> (seconds, stall_seconds).
+        self._early: dict[int, tuple[float, float]] = {}
+        self._interval_busy = False
+        self._episode = False
+        self._ep_extra_s = 0.0
+        self._ep_steps = 0
+        self._ep_stall: dict[int, float] = {}
+        self._ep_saves = 0
+
+    # -- read-only estimates -----------------------------------------------------------------
+
+    @property
+    def interval(self) -> int:
+        """The current save interval in steps (before the first measurement: the warm-up)."""
+        k = self._planned_interval()
+        return max(self.warmup_steps, self.min_steps) if k is None else k
+
+    @property
+    def overhead(self) -> float | None:
+        """Predicted fraction of run time spent on checkpoints at :attr:`interval`."""
+        k = self._planned_interval()
+        if k is None or self._cost is None or self._iter_s is None:
+            return None
+        return self._cost / (k * self._iter_s)
+
+    @property
+    def iteration_seconds(self) -> float | None:
+        """Estimated seconds per step without a checkpoint in flight."""
+        return self._t_step()
+
+    @property
+    def cost_seconds(self) -> float | None:
+        """Estimated overhead of one checkpoint: stall plus interference, in seconds."""
+        return self._cost
+
+    @property
+    def durable_seconds(self) -> float | None:
+        """Estimated time from ``save()`` to durable, in seconds."""
+        return self._durable_s
+
+    # -- the SavePolicy protocol -------------------------------------------------------------
+
+    def should_save(self, step: int, *, now: float) -> bool:
+        self._account_interval(step, now)
+        if self._first_step is None:
+            self._first_step = step
+        if self._last_save_step is not None and step < self._last_save_step:
+            self._last_save_step = step  # rolled back (restored): count from here
+        if self._last_save_step is None:
+            return step - self._first_step >= self.warmup_steps
+        since = step - self._last_save_step
+        if self.max_steps is not None and since >= self.max_steps:
+            return True
+        k = self._planned_interval()
+        if k is None:
+            # The first checkpoint is not measured yet: wait for it, within reason.
+            return since >= _MAX_DEFER_INTERVALS * self.interval
+        if since < k:
+            return False
+        return not self._in_flight or since >= _MAX_DEFER_INTERVALS * k
+
+    def saved(self, step: int, *, now: float, stall_seconds: float) -> None:
+        if self._iter_s is None and self._seed:
+            self._iter_s = statistics.median(self._seed)
+        self._last_save_step = step
+        self._interval_busy = True
+        if not self._episode:
+            self._episode = True
+            self._ep_extra_s = 0.0
+            self._ep_steps = 0
+            self._ep_stall = {}
+            self._ep_saves = 0
+        self._ep_saves += 1
+        self._ep_stall[step] = max(stall_seconds, 0.0)
+        early = self._early.pop(step, None)
+        if early is None:
+            self._in_flight[step] = stall_seconds
+        else:
+            self._record_durable(step, *early)
+
+    def durable(self, step: int, *, now: float, seconds: float, stall_seconds: float) -> None:
+        if step in self._in_flight:
+            del self._in_flight[step]
+            self._record_durable(step, seconds, stall_seconds)
+        else:
+            self._early[step] = (seconds, stall_seconds)
+
+    def failed(self, step: int, *, now: float) -> None:
+        """The save of ``step`` failed: stop waiting for it (its cost is still counted)."""
+        self._in_flight.pop(step, None)
+        self._early.pop(step, None)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _record_durable(self, step: int, seconds: float, stall_seconds: float) -> None:
+        self._durable_s = _rise_fast(self._durable_s, max(seconds, 0.0))
+        if step in self._ep_stall:
+            # The durable figure includes lazy waits that the eager one could not see.
+            self._ep_stall[step] = max(self._ep_stall[step], stall_seconds)
+
+    def _t_step(self) -> float | None:
+        if self._iter_s is not None:
+            return self._iter_s
+        return statistics.median(self._seed) if self._seed else None
+
+    def _observe_clean(self, seconds_per_step: float) -> None:
+        if self._iter_s is None:
+            self._seed.append(seconds_per_step)
+            if len(self._seed) >= _SEED_SAMPLES:
+                self._iter_s = statistics.median(self._seed)
+        else:
+            self._iter_s = _ewma(self._iter_s, seconds_per_step, _ITER_ALPHA)
+
+    def _account_interval(self, step: int, now: float) -> None:
+        """Classify the interval since the previous call: clean (profiles ``t``) or busy."""
+        prev_step, prev_now = self._last_step, self._last_now
+        self._last_step, self._last_now = step, now
+        steps = 0 if prev_step is None else step - prev_step
+        if prev_now is not None and steps > 0:
+            spacing = max(now - prev_now, 0.0)
+            if self._interval_busy:
+                self._ep_extra_s += spacing
+                self._ep_steps += steps
+            else:
+                self._observe_clean(spacing / steps)
+        if self._episode and not self._in_flight:
+            self._close_episode()
+        self._interval_busy = bool(self._in_flight)
+
+    def _close_episode(self) -> None:
+        self._episode = False
+        stall = sum(self._ep_stall.values())
+        t = self._t_step()
+        extra = stall if t is None else max(stall, self._ep_extra_s - self._ep_steps * t)
+        self._cost = _rise_fast(self._cost, extra / max(self._ep_saves, 1))
+
+    def _planned_interval(self) -> int | None:
+        t, c = self._t_step(), self._cost
+        if t is None or c is None or t <= 0:
+            return None if t is None or c is None else self.min_steps
+        # The tiny slack keeps float noise (0.05 / (0.05 * 0.1) = 10.000000000000002) from
+        # adding a step.
+        k = math.ceil(c / (self.max_overhead * t) - 1e-9)
+        if self._durable_s is not None:
+            k = max(k, math.ceil(self._durable_s / t - 1e-9))
+        k = max(k, self.min_steps)
+        if self.max_steps is not None:
+            k = min(k, self.max_steps)
+        return k
+
+    def __repr__(self) -> str:
+        return (
+            f"Adaptive(max_overhead={self.max_overhead}, min_steps={self.min_steps}, "
+            f"max_steps={self.max_steps}, warmup_steps={self.warmup_steps})"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# retention policies
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    """What a retention policy sees of one committed version: its step and metrics."""
+
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int):
+            raise TypeError(f"step must be an int, got {self.step!r}")
+        # A read-only copy: the caller's dict may change later, the version's metrics may not.
+        object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics)))
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Picks the versions to keep. The Checkpointer always keeps the newest one as well."""
+
+    def select(self, versions: Sequence[VersionInfo]) -> set[int]:
+        """The steps to keep among ``versions`` (a subset of their steps)."""
+        ...
+
+
+class KeepLast:
+    """Keep the ``n`` newest versions (highest steps)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = _int_arg(n, "n", minimum=1)
+
+    def select(self, versions: Sequence[VersionInfo]) -> set[int]:
+        return set(sorted({v.step for v in versions})[-self.n :])
+
+    def __repr__(self) -> str:
+        return f"KeepLast({self.n})"
+
+
+class KeepEvery:
+    """Keep the versions whose step is a multiple of ``n_steps`` (milestones)."""
+
+    __slots__ = ("n_steps",)
+
+    def __init__(self, n_steps: int) -> None:
+        self.n_steps = _int_arg(n_steps, "n_steps", minimum=1)
+
+    def select(self, versions: Sequence[VersionInfo]) -> set[int]:
+        return {v.step for v in versions if v.step % self.n_steps == 0}
+
+    def __repr__(self) -> str:
+        return f"KeepEvery({self.n_steps})"
+
+
+class KeepBest:
+    """Keep the ``k`` versions with the best ``metric`` (lowest for ``mode="min"``).
+
+    Versions without the metric, or with a NaN value, are not candidates (they are kept only
+    if another policy in a :class:`KeepAny` keeps them). Ties go to the newer version.
+    """
+
+    __slots__ = ("k", "metric", "mode")
+
+    def __init__(self, k: int, metric: str = "loss", mode: Literal["min", "max"] = "min") -> None:
+        self.k = _int_arg(k, "k", minimum=1)
+        if not isinstance(metric, str) or not metric:
+            raise TypeError(f"metric must be a non-empty str, got {metric!r}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.metric = metric
+        self.mode: Literal["min", "max"] = mode
+
+    def select(self, versions: Sequence[VersionInfo]) -> set[int]:
+        sign = 1.0 if self.mode == "min" else -1.0
+        candidates = [
+            (sign * float(value), -v.step)
+            for v in versions
+            if (value := v.metrics.get(self.metric)) is not None and not math.isnan(value)
+        ]
+        candidates.sort()
+        return {-neg_step for _, neg_step in candidates[: self.k]}
+
+    def __repr__(self) -> str:
+        return f"KeepBest({self.k}, metric={self.metric!r}, mode={self.mode!r})"
+
+
+class KeepAny:
+    """Keep a version if any of ``policies`` keeps it (the union of their selections)."""
+
+    __slots__ = ("policies",)
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:
+            raise ValueError("KeepAny needs at least one retention policy")
+        for i, policy in enumerate(policies):
+            if not isinstance(policy, RetentionPolicy):
+                raise TypeError(
+                    f"KeepAny argument {i} must be a retention policy (with select()), "
+                    f"got {policy!r}"
+                )
+        self.policies: tuple[RetentionPolicy, ...] = policies
+
+    def select(self, versions: Sequence[VersionInfo]) -> set[int]:
+        return set[int]().union(*(policy.select(versions) for policy in self.policies))
+
+    def __repr__(self) -> str:
+        return f"KeepAny({', '.join(map(repr, self.policies))})"
+
+
+def as_retention(keep: int | RetentionPolicy | None) -> RetentionPolicy | None:
+    """Normalize ``Checkpointer(keep=...)``: None (keep all), an int n (KeepLast(n)), a policy."""
+    if keep is None:
+        return None
+    if isinstance(keep, bool):
+        raise TypeError("keep must be None, a positive int or a retention policy, got a bool")
+    if isinstance(keep, int):
+        if keep < 1:
+            raise ValueError(f"keep must be None, a positive int or a retention policy, got {keep}")
+        return KeepLast(keep)
+    if isinstance(keep, RetentionPolicy):
+        return keep
+    raise TypeError(
+        f"keep must be None, a positive int or a retention policy (with select()), got {keep!r}"
+    )
