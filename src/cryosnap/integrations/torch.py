@@ -1,0 +1,553 @@
+"""Exact resume for PyTorch training loops: random number generators and data order.
+
+A checkpoint of the model and optimizer is not enough to resume *exactly*: dropout masks,
+augmentations and the shuffled data order come from generators and iterators that live outside
+them. This module makes them checkpointable, as *stateful* objects (``state_dict()`` /
+``load_state_dict()``) whose state dicts hold only what cryosnap saves without pickle:
+
+- :class:`RNGState` captures Python's ``random``, numpy's global generator, torch's CPU
+  generator and the generator of every CUDA device. Without torch installed it covers
+  ``random`` and numpy only.
+- :class:`ResumableSampler` gives an order per epoch that is a pure function of
+  ``(seed, epoch)`` (the same order as ``torch.utils.data.DistributedSampler``, sharded the same
+  way across ``num_replicas``) and starts mid-epoch at the number of samples already consumed.
+- :class:`ResumableLoader` wraps a ``torch.utils.data.DataLoader`` built on such a sampler and
+  counts the batches it hands to the caller. A DataLoader pulls indices from its sampler ahead
+  of the loop (prefetching, worker processes), so only the loader knows what the loop has
+  really consumed: a checkpoint taken after the loop processed batch *i* resumes at batch
+  *i + 1*, whatever was prefetched.
+
+::
+
+    loader = ResumableLoader(dataset, batch_size=32, num_workers=4,
+                             sampler=ResumableSampler(dataset, seed=0))
+    state = {"model": model, "optim": optim, "rng": RNGState(), "loader": loader, "step": 0}
+    with cryosnap.Checkpointer("runs/exp1") as ckpt:
+        if ckpt.latest_step() is not None:
+            ckpt.restore(into=state)
+        step = state["step"]
+        while loader.epoch < epochs:        # the loader moves to the next epoch by itself
+            for batch in loader:            # the rest of the current epoch
+                ...train on batch...
+                step += 1
+                if step % 100 == 0:
+                    state["step"] = step
+                    ckpt.save(step, state)  # after the batch is processed, never before
+
+Randomness drawn inside ``Dataset.__getitem__`` in DataLoader *worker processes* is outside
+any checkpoint (each worker owns its generators, seeded per epoch from ``(seed, epoch, rank)``
+here, not from the global generator): for an exact mid-epoch resume derive such randomness
+from the sample index and the epoch, or use ``num_workers=0`` (then it comes from the main
+process's generators, which :class:`RNGState` covers).
+
+Runs on the caller's thread. Importing this module imports torch if it is installed;
+``import cryosnap`` does not import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from ..errors import StateMismatchError
+
+_T_co = TypeVar("_T_co", covariant=True)
+_Setter = Callable[[], object]
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+    _HAVE_TORCH: bool
+else:
+    try:
+        import torch
+        from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+    except ImportError:  # pragma: no cover - exercised in a subprocess without torch
+        torch = DataLoader = Dataset = IterableDataset = None
+        _HAVE_TORCH = False
+
+        class Sampler(Generic[_T_co]):
+            """Stand-in base class so this module (and RNGState) imports without torch."""
+
+    else:
+        _HAVE_TORCH = True
+
+__all__ = ["RNGState", "ResumableLoader", "ResumableSampler"]
+
+_PY_STATE_WORDS = 625  # random.getstate(): 624 Mersenne Twister words and the position
+
+
+def _require_torch(what: str) -> None:
+    if not _HAVE_TORCH:
+        raise ImportError(f"{what} needs torch (pip install 'cryosnap[torch]')")
+
+
+# ---------------------------------------------------------------------------------------------
+# random number generators
+
+
+class RNGState:
+    """Every global random number generator of this process, as a stateful object.
+
+    Put an instance anywhere in a checkpointed state (``{"rng": RNGState(), ...}``): saving calls
+    :meth:`state_dict`, which reads the generators *at that moment*; ``restore(into=state)``
+    calls :meth:`load_state_dict`, which sets them, so the next draws are those the saved run
+    would have made. The instance itself holds nothing.
+
+    Covered: Python's ``random`` module, numpy's global generator (``np.random.*``), torch's
+    CPU generator and, when CUDA is available, the generator of every CUDA device. Generators
+    you create yourself (``np.random.default_rng()``, ``torch.Generator()``) are not global:
+    checkpoint their state explicitly.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generators' states: only ints, floats, None, str, arrays and tensors."""
+        version, internal, gauss_next = random.getstate()
+        state: dict[str, Any] = {
+            "python": {
+                "version": version,
+                "state": np.array(internal, dtype=np.uint32),
+                "gauss_next": gauss_next,
+            },
+            # A dict of str / int / uint32 array / float (ints beyond 64 bits for PCG64 and
+            # others, which cryosnap stores exactly).
+            "numpy": np.random.get_state(legacy=False),
+        }
+        if _HAVE_TORCH:
+            state["torch"] = torch.get_rng_state()
+            state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set every generator from ``state``; all of them or, on error, none.
+
+        Raises :class:`~cryosnap.StateMismatchError` when ``state`` is malformed, holds torch
+        state and torch is not installed, or holds the generators of N CUDA devices and this
+        process does not see exactly N. A state saved without CUDA leaves CUDA generators as
+        they are; a state saved without torch leaves torch's generators as they are.
+        """
+        setters = _rng_setters(state)
+        before = _rng_setters(self.state_dict())
+        try:
+            for setter in setters:
+                setter()
+        except Exception as exc:
+            for setter in before:  # undo the part already set: all or nothing
+                setter()
+            raise StateMismatchError(f"RNGState: cannot restore the saved state: {exc}") from exc
+
+
+def _rng_setters(state: Mapping[str, Any]) -> list[_Setter]:
+    """Validate ``state`` and return the calls that set each generator from it."""
+    if not isinstance(state, Mapping):
+        raise StateMismatchError(f"RNGState: expected a dict, got {type(state).__name__}")
+    unknown = sorted(set(state) - {"python", "numpy", "torch", "cuda"})
+    missing = sorted({"python", "numpy"} - set(state))
+    if unknown or missing:
+        raise StateMismatchError(f"RNGState: unexpected keys {unknown}, missing keys {missing}")
+    setters = [_python_setter(state["python"]), _numpy_setter(state["numpy"])]
+    if "torch" in state:
+        setters.append(_torch_setter(state["torch"]))
+    if "cuda" in state:
+        setters.extend(_cuda_setters(state["cuda"]))
+    return setters
+
+
+def _python_setter(saved: Any) -> _Setter:
+    if not isinstance(saved, Mapping) or set(saved) != {"version", "state", "gauss_next"}:
+        raise StateMismatchError("RNGState: malformed Python random state")
+    words = np.asarray(saved["state"])
+    gauss_next = saved["gauss_next"]
+    if (
+        words.shape != (_PY_STATE_WORDS,)
+        or words.dtype.kind not in "iu"
+        or type(saved["version"]) is not int
+        or not (gauss_next is None or isinstance(gauss_next, float))
+    ):
+        raise StateMismatchError(
+            f"RNGState: malformed Python random state (expected {_PY_STATE_WORDS} integer "
+            f"words, got shape {words.shape} of {words.dtype})"
+        )
+    value = (saved["version"], tuple(int(w) for w in words.tolist()), gauss_next)
+    return lambda: random.setstate(value)
+
+
+def _numpy_setter(saved: Any) -> _Setter:
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("bit_generator"), str):
+        raise StateMismatchError("RNGState: malformed numpy random state")
+    value = dict(saved)
+    return lambda: np.random.set_state(value)
+
+
+def _tensor_state(saved: Any, what: str) -> Any:
+    if not _HAVE_TORCH:
+        raise StateMismatchError(
+            f"RNGState: the checkpoint holds the {what} generator state but torch is not "
+            "installed (pip install 'cryosnap[torch]')"
+        )
+    if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8 or saved.dim() != 1:
+        raise StateMismatchError(f"RNGState: malformed {what} generator state")
+    return saved.cpu()
+
+
+def _torch_setter(saved: Any) -> _Setter:
+    value = _tensor_state(saved, "torch CPU")
+    return lambda: torch.set_rng_state(value)
+
+
+def _cuda_setters(saved: Any) -> list[_Setter]:
+    if not isinstance(saved, (list, tuple)):
+        raise StateMismatchError("RNGState: malformed CUDA generator states")
+    if not saved:
+        return []  # saved without CUDA: nothing to set
+    values = [_tensor_state(s, "CUDA") for s in saved]
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have != len(values):
+        raise StateMismatchError(
+            f"RNGState: the checkpoint holds the generators of {len(values)} CUDA devices, "
+            f"this process sees {have}; resume with the same devices visible "
+            "(CUDA_VISIBLE_DEVICES), or drop state_dict()['cuda'] to keep the current ones"
+        )
+    return [lambda: torch.cuda.set_rng_state_all(values)]
+
+
+# ---------------------------------------------------------------------------------------------
+# data order
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _seed_words(*words: int) -> int:
+    """A well-mixed 63-bit seed from a few ints (no correlation between nearby inputs)."""
+    seq = np.random.SeedSequence([w % (1 << 64) for w in words])
+    return int(seq.generate_state(1, np.uint64)[0]) >> 1
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of a map-style dataset in an order that is a pure function of (seed, epoch).
+
+    With ``shuffle=True`` the order of epoch *e* is ``torch.randperm(n)`` drawn from a
+    generator seeded with ``seed + e``: the very order of
+    ``torch.utils.data.DistributedSampler``, including its sharding: with ``num_replicas``
+    ranks, rank *r* gets every ``num_replicas``-th index from *r*, the tail padded by repeating
+    indices (or, with ``drop_last=True``, dropped) so every rank gets ``num_samples``.
+    ``num_replicas`` / ``rank`` default to the ``torch.distributed`` world if it is
+    initialized, else 1 / 0.
+
+    The sampler remembers its ``epoch`` and how many of this epoch's indices were *consumed*
+    (``advance``; :class:`ResumableLoader` calls it for each batch it delivers); iterating
+    yields the indices not yet consumed. Both travel in :meth:`state_dict`.
+    """
+
+    def __init__(
+        self,
+        data_source_or_len: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        _require_torch("ResumableSampler")
+        super().__init__()
+        if isinstance(data_source_or_len, int) and not isinstance(data_source_or_len, bool):
+            length = data_source_or_len
+        elif isinstance(data_source_or_len, Sized):
+            length = len(data_source_or_len)
+        else:
+            raise TypeError(
+                "data_source_or_len must be a dataset with len() or an int, got "
+                f"{type(data_source_or_len).__name__}"
+            )
+        self.dataset_len = _check_int("data_source_or_len", length, 0)
+        if type(seed) is not int:
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if num_replicas is None or rank is None:
+            dist = torch.distributed
+            initialized = dist.is_available() and dist.is_initialized()
+            if num_replicas is None:
+                num_replicas = dist.get_world_size() if initialized else 1
+            if rank is None:
+                rank = dist.get_rank() if initialized else 0
+        self.num_replicas = _check_int("num_replicas", num_replicas, 1)
+        self.rank = _check_int("rank", rank, 0)
+        if self.rank >= self.num_replicas:
+            raise ValueError(f"rank must be < num_replicas={num_replicas}, got {rank}")
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        n, replicas = self.dataset_len, self.num_replicas
+        if self.drop_last and n % replicas:
+            self.num_samples = math.ceil((n - replicas) / replicas)
+        else:
+            self.num_samples = math.ceil(n / replicas)
+        self._epoch = 0
+        self._consumed = 0
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (0 first)."""
+        return self._epoch
+
+    @property
+    def consumed(self) -> int:
+        """How many of this epoch's ``num_samples`` indices the training loop has consumed."""
+        return self._consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` from its start; the current epoch itself is kept where it is.
+
+        So the ``DistributedSampler`` habit of calling ``set_epoch(epoch)`` at the top of each
+        epoch is safe after a mid-epoch resume: it does not restart the resumed epoch.
+        """
+        _check_int("epoch", epoch, 0)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._consumed = 0
+
+    def advance(self, num_samples: int) -> None:
+        """Record that the loop consumed the next ``num_samples`` indices of this epoch."""
+        _check_int("num_samples", num_samples, 0)
+        if self._consumed + num_samples > self.num_samples:
+            raise ValueError(
+                f"num_samples={num_samples}: only {self.num_samples - self._consumed} of "
+                f"epoch {self._epoch}'s {self.num_samples} indices are left"
+            )
+        self._consumed += num_samples
+
+    def indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's whole order for ``epoch`` (default: the current one)."""
+        epoch = self._epoch if epoch is None else _check_int("epoch", epoch, 0)
+        n = self.dataset_len
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order: list[int] = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        total = self.num_samples * self.num_replicas
+        if total > n and order:  # pad by repeating from the start, as DistributedSampler
+            order += (order * math.ceil((total - n) / n))[: total - n]
+        return order[self.rank : total : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        # Fixed when iteration starts: the DataLoader draws ahead; advance() moves the start of
+        # the *next* iteration only.
+        return iter(self.indices()[self._consumed :])
+
+    def __len__(self) -> int:
+        """Indices per epoch for this rank (a resumed epoch yields ``len - consumed``)."""
+        return self.num_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, consumed) and the settings it is valid for."""
+        return {
+            "epoch": self._epoch,
+            "consumed": self._consumed,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "dataset_len": self.dataset_len,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved position; the settings must be the saved ones.
+
+        :class:`~cryosnap.StateMismatchError` names every setting that differs (the saved
+        position means nothing for another dataset, seed or sharding).
+        """
+        if not isinstance(state, Mapping):
+            raise StateMismatchError(
+                f"ResumableSampler: expected a dict, got {type(state).__name__}"
+            )
+        mine = self.state_dict()
+        if set(state) != set(mine):
+            raise StateMismatchError(
+                f"ResumableSampler: saved keys {sorted(state)}, expected {sorted(mine)}"
+            )
+        differ = [
+            f"{k}: saved {state[k]!r}, this sampler {mine[k]!r}"
+            for k in mine
+            if k not in ("epoch", "consumed") and state[k] != mine[k]
+        ]
+        if differ:
+            raise StateMismatchError(
+                "ResumableSampler: the checkpoint was taken with other settings ("
+                + "; ".join(differ)
+                + "); build the sampler with the saved ones to resume"
+            )
+        epoch, consumed = state["epoch"], state["consumed"]
+        if type(epoch) is not int or epoch < 0:
+            raise StateMismatchError(f"ResumableSampler: invalid saved epoch {epoch!r}")
+        if type(consumed) is not int or not 0 <= consumed <= self.num_samples:
+            raise StateMismatchError(
+                f"ResumableSampler: invalid saved consumed={consumed!r} (0..{self.num_samples})"
+            )
+        self._epoch, self._consumed = epoch, consumed
+
+
+_REFUSED = {
+    "shuffle": "pass sampler=ResumableSampler(dataset, shuffle=..., seed=...)",
+    "batch_sampler": "ResumableLoader batches the ResumableSampler's indices itself",
+    "generator": (
+        "ResumableLoader seeds the DataLoader's generator itself, from (seed, epoch, rank), so "
+        "that iterating never draws from torch's global generator"
+    ),
+}
+
+
+class ResumableLoader:
+    """A ``torch.utils.data.DataLoader`` over a :class:`ResumableSampler` that counts what the
+    loop consumed.
+
+    ``ResumableLoader(dataset, batch_size=..., sampler=..., **kwargs)`` builds the DataLoader
+    (``kwargs`` are DataLoader's: ``num_workers``, ``collate_fn``, ``pin_memory``,
+    ``prefetch_factor``, ``persistent_workers``...; not ``shuffle``, ``batch_sampler`` or
+    ``generator``); ``sampler`` defaults to ``ResumableSampler(dataset)`` (shuffled, seed 0).
+
+    Iterating yields the batches left in the current epoch; each batch counts as consumed as
+    it is handed out, so checkpoint *after* processing it. When an epoch is exhausted the
+    loader moves to the next one by itself (``epoch`` goes up by one); a loop that stops early
+    (``break``) and iterates again continues where it stopped. Only the newest iterator is
+    live: an older one raises ``RuntimeError``, as does one whose state was loaded meanwhile.
+
+    Iterating never draws from torch's global generator (a plain DataLoader draws its worker
+    base seed from it at every ``iter()``, which would shift dropout masks after a mid-epoch
+    resume): the DataLoader's own generator is seeded from ``(seed, epoch, rank)``.
+    ``state_dict()`` holds the sampler's.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int | None = 1,
+        sampler: ResumableSampler | None = None,
+        drop_last: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        _require_torch("ResumableLoader")
+        for name, why in _REFUSED.items():
+            if name in dataloader_kwargs:
+                raise TypeError(f"ResumableLoader does not take {name}=: {why}")
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "ResumableLoader needs a map-style dataset (an IterableDataset has no sampler)"
+            )
+        if batch_size is not None:
+            _check_int("batch_size", batch_size, 1)
+        if sampler is None:
+            if not isinstance(dataset, Sized):
+                raise TypeError("dataset has no len(): pass sampler=ResumableSampler(length)")
+            sampler = ResumableSampler(dataset)
+        elif not isinstance(sampler, ResumableSampler):
+            raise TypeError(
+                f"sampler must be a ResumableSampler, got {type(sampler).__name__} "
+                "(its position could not be checkpointed)"
+            )
+        if isinstance(dataset, Sized) and len(dataset) != sampler.dataset_len:
+            raise ValueError(
+                f"sampler covers {sampler.dataset_len} samples, the dataset has {len(dataset)}"
+            )
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self._generator = torch.Generator()
+        self.dataloader: DataLoader[Any] = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=self.drop_last,
+            generator=self._generator,
+            **dataloader_kwargs,
+        )
+        # Bumped by every iter() and load_state_dict(): only the newest iterator may count.
+        self._generation = 0
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (the sampler's)."""
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """``sampler.set_epoch(epoch)``: a no-op for the current epoch (see there)."""
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch (a resumed epoch has fewer left)."""
+        return len(self.dataloader)
+
+    def _remaining_batches(self) -> int:
+        left = self.sampler.num_samples - self.sampler.consumed
+        if self.batch_size is None:
+            return left
+        return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
+
+    def _next_batch_samples(self) -> int:
+        left = self.sampler.num_samples - self.sampler.consumed
+        return 1 if self.batch_size is None else min(self.batch_size, left)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _EpochIterator(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sampler": sampler.state_dict()}``."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the sampler's position; iterators made before stop being live."""
+        if not isinstance(state, Mapping) or set(state) != {"sampler"}:
+            raise StateMismatchError("ResumableLoader: expected a dict with the key 'sampler'")
+        self.sampler.load_state_dict(state["sampler"])
+        self._generation += 1
+
+
+class _EpochIterator(Iterator[Any]):
+    """The rest of one epoch of a :class:`ResumableLoader`, counting delivered batches."""
+
+    def __init__(self, loader: ResumableLoader) -> None:
+        loader._generation += 1
+        self._loader = loader
+        self._generation = loader._generation
+        sampler = loader.sampler
+        self._epoch = sampler.epoch
+        self._finished = False
+        self._batches: Iterator[Any] | None = None
+        if loader._remaining_batches() > 0:  # an exhausted epoch starts no workers
+            loader._generator.manual_seed(_seed_words(sampler.seed, self._epoch, sampler.rank))
+            self._batches = iter(loader.dataloader)
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        loader = self._loader
+        sampler = loader.sampler
+        if loader._generation != self._generation or sampler.epoch != self._epoch:
+            raise RuntimeError(
+                "this ResumableLoader iterator is stale: the loader was iterated again, its "
+                "state was loaded or its epoch set since it was created"
+            )
+        if self._batches is not None:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                pass
+            else:
+                sampler.advance(loader._next_batch_samples())
+                return batch
+        self._finished = True
+        self._batches = None
+        sampler.set_epoch(self._epoch + 1)
+        raise StopIteration
