@@ -10,11 +10,14 @@ version is invisible; a crash at any point leaves only unreferenced files that r
 
 Resolve (:func:`resolve`): follow a manifest's chain of bases back to a full version, checking
 each manifest against the hash its successor recorded, and produce per chunk its data file,
-offset and hash (numpy arrays; no data is read).
+offset and hash (numpy arrays; no data is read). The chain is applied in a compact form (per
+chunk an id into the chain's stored chunks); per-blob arrays are built for the last version only.
 
-Read (:func:`read_part`): resolve, allocate every leaf empty, read each data file in large
-contiguous runs straight into the leaves (``preadv``), verify every chunk's hash, then build the
-tree. ``into=`` is checked before any byte is read and filled only after every chunk verified.
+Read (:func:`read_part`): allocate every leaf empty (an incremental version's fresh pages are
+faulted in on another core while its chain resolves), resolve, read each data file in large
+contiguous runs straight into the leaves (``preadv``; scattered chunks by windowed gathers),
+verify every chunk's hash, then build the tree. ``into=`` is checked before any byte is read and
+filled only after every chunk verified.
 
 Retire (:func:`retire`): reference-counted retention: a data file or manifest is deleted only
 when no kept version needs it.
@@ -25,6 +28,7 @@ Writes run on the Checkpointer's background thread, reads on the caller's; no co
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import os
@@ -33,7 +37,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,9 +68,11 @@ from .manifest import (
     now_unix,
     step_of_commit_key,
 )
+from .policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
 from .progress import Progress, human_bytes
 from .storage import Store
 from .storage.base import BlobWriter, TruncatedError
+from .storage.tiers import Placement
 from .tree import FlatState, Restorer, apply_into, blob_paths, check_into
 
 __all__ = [
@@ -98,9 +104,12 @@ _GAP_BYTES = 64 << 10
 # A blob whose chunks lie in more runs than this, averaging less than _GAP_BYTES each, is
 # read by windowed gathers.
 _FRAGMENTED_RUNS = 256
-_GATHER_WINDOW_BYTES = 64 << 20
+_GATHER_WINDOW_BYTES = 4 << 20
 # A chain longer than this is refused as malformed (full_every keeps real chains far shorter).
 MAX_CHAIN = 4096
+
+# New bytes of a version are placed on scratch devices in groups of this size.
+_PLACE_BYTES = 4 << 20
 
 _Loc = tuple[str, int]  # (data file key, byte offset) of one stored chunk
 
@@ -164,66 +173,149 @@ class ResolvedPart:
         return index
 
 
+class _Chain:
+    """A version being resolved, in compact form: per chunk of the part (every blob back to
+    back) an id into tables of every chunk stored along the chain (file, offset, hash).
+
+    Applying a manifest costs a few vectorized passes over its chunks and segments, whatever
+    the number of blobs; the per-blob arrays (three gathers) are built once, at the end, for
+    the version asked for only, not for every version of the chain.
+    """
+
+    __slots__ = ("_fidx", "_hashes", "_offs", "file_index", "files", "ids", "starts", "step")
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self.file_index: dict[str, int] = {}
+        self._fidx: list[np.ndarray[Any, np.dtype[np.int32]]] = []
+        self._offs: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+        self._hashes: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
+        self.ids: np.ndarray[Any, np.dtype[np.int64]] | None = None  # None: nothing applied
+        self.starts = np.zeros(1, np.int64)  # first chunk of each blob in ids, and the end
+        self.step = -1
+
+    @classmethod
+    def of(cls, part: ResolvedPart) -> _Chain:
+        """A resolved part as the starting point (the base of a version being written)."""
+        chain = cls()
+        chain.files = list(part.files)
+        chain.file_index = {f: i for i, f in enumerate(chain.files)}
+        counts = np.fromiter((len(b.files) for b in part.blobs), np.int64, len(part.blobs))
+        chain.starts = np.zeros(len(part.blobs) + 1, np.int64)
+        np.cumsum(counts, out=chain.starts[1:])
+        if part.blobs:
+            chain._fidx.append(np.concatenate([b.files for b in part.blobs]))
+            chain._offs.append(np.concatenate([b.offsets for b in part.blobs]))
+            chain._hashes.append(np.concatenate([b.hashes for b in part.blobs]))
+        chain.ids = np.arange(int(chain.starts[-1]), dtype=np.int64)
+        chain.step = part.step
+        return chain
+
+    @property
+    def stored(self) -> int:
+        return sum(len(h) for h in self._hashes)
+
+    def apply(self, manifest: Manifest, where: str) -> None:
+        """Resolve ``manifest`` on top of this (its base; nothing for a full version)."""
+        if (manifest.base is None) != (self.ids is None):
+            raise CheckpointFormatError(f"{where}: base of step {manifest.step} does not match")
+        cb = manifest.chunk_bytes
+        local = np.array([self._file(f) for f in manifest.data_files] or [0], np.int32)
+        entries = manifest.blobs
+        nb = len(entries)
+        nchunks = np.fromiter((chunk_count(e.nbytes, cb) for e in entries), np.int64, nb)
+        starts = np.zeros(nb + 1, np.int64)
+        np.cumsum(nchunks, out=starts[1:])
+        n = int(starts[-1])
+        rows = np.fromiter((len(e.table) for e in entries), np.int64, nb)
+        table = np.concatenate([e.table for e in entries]) if nb else np.empty((0, 4), np.int64)
+        kind, a, b, c = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+        stored = kind == STORED
+        counts = np.where(stored, -(-c // cb), c)
+        hashes = np.frombuffer(b"".join(e.hashes for e in entries), np.uint8)
+        hashes = hashes.reshape(-1, HASH_BYTES)
+        if int(counts.sum()) != n or int(counts[stored].sum()) != len(hashes):
+            raise CheckpointFormatError(f"{where}: segments do not cover the blobs' chunks")
+        before = 0 if self.ids is None else len(self.ids)
+        # Where each segment's first chunk is in [base ids..., this version's stored ids...].
+        stored_counts = np.where(stored, counts, 0)
+        seg_src = before + np.cumsum(stored_counts) - stored_counts
+        inherited = ~stored
+        if inherited.any():
+            assert self.ids is not None
+            blob, first = a[inherited], b[inherited]
+            nbase = len(self.starts) - 1
+            base_chunks = self.starts[1:] - self.starts[:-1]
+            bad = blob >= nbase
+            bad[~bad] = first[~bad] + c[inherited][~bad] > base_chunks[blob[~bad]]
+            if bad.any():
+                i = int(np.repeat(np.arange(nb), rows)[inherited][np.argmax(bad)])
+                raise CheckpointFormatError(
+                    f"{where}: blob {i} inherits chunks its base (step {self.step}) lacks"
+                )
+            seg_src[inherited] = self.starts[blob] + first
+        seg_start = np.cumsum(counts) - counts
+        within = np.arange(n, dtype=np.int64) - np.repeat(seg_start, counts)
+        pos = np.repeat(seg_src, counts) + within
+        new_ids = np.arange(self.stored, self.stored + len(hashes), dtype=np.int64)
+        ext = new_ids if self.ids is None else np.concatenate([self.ids, new_ids])
+        self.ids = ext[pos]
+        self.starts = starts
+        # The new stored chunks: file and offset of each.
+        s_rows, s_counts = table[stored], counts[stored]
+        s_within = np.arange(len(hashes), dtype=np.int64) - np.repeat(
+            np.cumsum(s_counts) - s_counts, s_counts
+        )
+        self._fidx.append(np.repeat(local[s_rows[:, 1]], s_counts))
+        self._offs.append(np.repeat(s_rows[:, 2], s_counts) + s_within * cb)
+        self._hashes.append(hashes)
+        self.step = manifest.step
+
+    def _file(self, key: str) -> int:
+        i = self.file_index.get(key)
+        if i is None:
+            i = self.file_index[key] = len(self.files)
+            self.files.append(key)
+        return i
+
+    def part(self, manifest: Manifest, key: str, xxh3: str, chain: tuple[int, ...]) -> ResolvedPart:
+        """The per-blob arrays of the version applied last."""
+        assert self.ids is not None
+        ids = self.ids
+        if len(self._hashes) == 1 and len(ids) == len(self._hashes[0]):
+            fidx, offs, hashes = self._fidx[0], self._offs[0], self._hashes[0]
+            if not (ids == np.arange(len(ids))).all():
+                fidx, offs, hashes = fidx[ids], offs[ids], hashes[ids]
+        else:
+            fidx = np.concatenate(self._fidx)[ids]
+            offs = np.concatenate(self._offs)[ids]
+            # 16-byte rows as one opaque item each: one gather instead of a 2-D one.
+            raw = np.concatenate(self._hashes).view(f"V{HASH_BYTES}").reshape(-1)
+            hashes = raw[ids].view(np.uint8).reshape(-1, HASH_BYTES)
+        paths = blob_paths(manifest.skeleton, len(manifest.blobs))
+        s = self.starts.tolist()
+        blobs = [
+            ResolvedBlob(
+                paths[i],
+                e.nbytes,
+                fidx[s[i] : s[i + 1]],
+                offs[s[i] : s[i + 1]],
+                hashes[s[i] : s[i + 1]],
+            )
+            for i, e in enumerate(manifest.blobs)
+        ]
+        return ResolvedPart(manifest, key, xxh3, list(self.files), blobs, chain)
+
+
 def _resolve_one(
     manifest: Manifest, key: str, xxh3: str, base: ResolvedPart | None, where: str
 ) -> ResolvedPart:
     if (manifest.base is None) != (base is None):
         raise CheckpointFormatError(f"{where}: base of step {manifest.step} does not match")
-    files = list(base.files) if base is not None else []
-    file_index = {f: i for i, f in enumerate(files)}
-    local = []
-    for f in manifest.data_files:
-        if f not in file_index:
-            file_index[f] = len(files)
-            files.append(f)
-        local.append(file_index[f])
-    cb = manifest.chunk_bytes
-    paths = blob_paths(manifest.skeleton, len(manifest.blobs))
-    local_files = np.array(local, dtype=np.int32)
-    blobs = []
-    for i, entry in enumerate(manifest.blobs):
-        n = chunk_count(entry.nbytes, cb)
-        t = entry.table
-        if not n:
-            empty = np.empty(0, np.int32), np.empty(0, np.int64)
-            blobs.append(ResolvedBlob(paths[i], entry.nbytes, *empty, np.empty((0, 16), np.uint8)))
-            continue
-        # Expand the segments to one row per chunk, vectorized: a fragmented incremental
-        # version has tens of thousands of segments.
-        stored_seg = t[:, 0] == STORED
-        counts = np.where(stored_seg, -(-t[:, 3] // cb), t[:, 3])
-        seg = np.repeat(np.arange(len(t)), counts)
-        within = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        stored = stored_seg[seg]
-        fidx = np.empty(n, np.int32)
-        offs = np.empty(n, np.int64)
-        hashes = np.empty((n, HASH_BYTES), np.uint8)
-        if stored.any():
-            s_seg = seg[stored]
-            fidx[stored] = local_files[t[s_seg, 1]]
-            offs[stored] = t[s_seg, 2] + within[stored] * cb
-            hashes[stored] = np.frombuffer(entry.hashes, np.uint8).reshape(-1, HASH_BYTES)
-        if not stored.all():
-            assert base is not None
-            inh = ~stored
-            src_blob = t[seg[inh], 1]
-            src_chunk = t[seg[inh], 2] + within[inh]
-            positions = np.flatnonzero(inh)
-            for b in np.unique(src_blob).tolist():
-                pick = src_blob == b
-                idx = src_chunk[pick]
-                if b >= len(base.blobs) or (len(idx) and idx.max() >= len(base.blobs[b].files)):
-                    raise CheckpointFormatError(
-                        f"{where}: blob {i} inherits chunks its base (step {base.step}) lacks"
-                    )
-                src = base.blobs[b]
-                at = positions[pick]
-                fidx[at] = src.files[idx]
-                offs[at] = src.offsets[idx]
-                hashes[at] = src.hashes[idx]
-        blobs.append(ResolvedBlob(paths[i], entry.nbytes, fidx, offs, hashes))
-    chain = (*base.chain, manifest.step) if base is not None else (manifest.step,)
-    return ResolvedPart(manifest, key, xxh3, files, blobs, chain)
+    chain = _Chain() if base is None else _Chain.of(base)
+    chain.apply(manifest, where)
+    steps = (*base.chain, manifest.step) if base is not None else (manifest.step,)
+    return chain.part(manifest, key, xxh3, steps)
 
 
 def _load_manifest(store: Store, key: str, xxh3: str, nbytes: int | None, step: int) -> Manifest:
@@ -254,11 +346,12 @@ def resolve(store: Store, manifest: Manifest, key: str, xxh3: str) -> ResolvedPa
         if base.chunk_bytes != manifest.chunk_bytes:
             raise CheckpointFormatError(f"{store.url}: {ref.key} has another chunk size")
         chain.append((base, ref.key, ref.xxh3))
-    resolved: ResolvedPart | None = None
-    for m, k, h in reversed(chain):
-        resolved = _resolve_one(m, k, h, resolved, f"{store.url}: {k}")
-    assert resolved is not None
-    return resolved
+    # Compact resolution up the chain; the per-blob arrays only for the version asked for.
+    state = _Chain()
+    for m, _k, _h in reversed(chain):
+        state.apply(m, f"{store.url}: {_k}")
+    steps = tuple(m.step for m, _k, _h in reversed(chain))
+    return state.part(manifest, key, xxh3, steps)
 
 
 def resolve_version(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
@@ -352,21 +445,26 @@ _COMMIT = ("commit",)
 
 class _Appender:
     """Appends buffers to one data file on a thread of its own, so hashing and diffing the
-    next batch (Python, holds the GIL) overlaps writing this one (syscalls, release it)."""
+    next batch (Python, holds the GIL) overlaps writing this one (syscalls, release it).
+    With a ``placement`` it reports each write's bytes and busy seconds to it."""
 
-    def __init__(self, store: Store, key: str) -> None:
+    def __init__(
+        self, store: Store, key: str, placement: Placement | None = None, device: int = 0
+    ) -> None:
         self.store = store
         self.key = key
+        self.placement = placement
+        self.device = device
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer: BlobWriter | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def append(self, views: list[memoryview], release: Callable[[], None]) -> None:
+    def append(self, views: list[memoryview], release: Callable[[], None], nbytes: int) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cryosnap-io", daemon=True)
             self._thread.start()
-        self._queue.put((views, release))
+        self._queue.put((views, release, nbytes))
         if self._error is not None:
             raise self._error
 
@@ -378,20 +476,30 @@ class _Appender:
             if item is _COMMIT:
                 try:
                     if self._error is None and self._writer is not None:
+                        t0 = time.perf_counter()
                         self._writer.commit()
+                        self._observe(0, time.perf_counter() - t0)
                 except BaseException as exc:
                     self._error = exc
                 continue
-            views, release = item
+            views, release, nbytes = item
             try:
                 if views and self._error is None:
+                    t0 = time.perf_counter()
                     if self._writer is None:
                         self._writer = self.store.open_writer(self.key)
                     self._writer.write(views)
+                    self._observe(nbytes, time.perf_counter() - t0)
             except BaseException as exc:
                 self._error = exc
             finally:
+                if self.placement is not None:
+                    self.placement.done(self.device, nbytes)
                 release()
+
+    def _observe(self, nbytes: int, seconds: float) -> None:
+        if self.placement is not None:
+            self.placement.observe(self.device, nbytes, seconds)
 
     def _join(self) -> None:
         if self._thread is not None:
@@ -417,8 +525,9 @@ class _Appender:
 
 
 class PartWriter:
-    """Streams one rank's part of a version: new chunks into one packed data file, then the
-    manifest (durable, not yet committed).
+    """Streams one rank's part of a version: new chunks into one packed data file (one per
+    device with a ``placement`` over several scratch devices), then the manifest (durable, not
+    yet committed).
 
     With a ``base`` the version is incremental: chunks equal to the base's at the same place
     are inherited, and ``index`` (hash -> location of content in kept versions) turns content
@@ -437,6 +546,7 @@ class PartWriter:
         rank: int = 0,
         base: ResolvedPart | None = None,
         index: dict[bytes, _Loc] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if store.exists(commit_key(step)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
@@ -447,12 +557,21 @@ class PartWriter:
         self.chunk_bytes = chunk_bytes
         self.base = base if base is not None and base.manifest.chunk_bytes == chunk_bytes else None
         self.index = index if self.base is not None and index is not None else {}
-        self.key = data_key(step, rank, secrets.token_hex(4))
-        self.files: list[str] = [self.key]
-        self._file_index = {self.key: 0}
+        token = secrets.token_hex(4)
+        self.placement = placement
+        if placement is None:
+            keys = [data_key(step, rank, token)]
+        else:
+            # One data file per device; the key names its device (storage/tiers.py).
+            keys = [data_key(step, rank, f"{token}-d{d}") for d in range(placement.devices)]
+        # File index d is device d's data file; references to older files come after.
+        self.files: list[str] = list(keys)
+        self._file_index = {k: i for i, k in enumerate(keys)}
         self.new_index: dict[bytes, _Loc] = {}
-        self._io = _Appender(store, self.key)
-        self._offset = 0
+        self._ios = [_Appender(store, k, placement, d) for d, k in enumerate(keys)]
+        self._offsets = [0] * len(keys)
+        self._device = 0  # the device taking the new bytes of the batch being diffed
+        self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
         self._builders = [_BlobBuilder() for _ in flat.blobs]
         self._base_blob = [
             self._match(i) if self.base is not None else None for i in range(len(flat.blobs))
@@ -475,18 +594,53 @@ class PartWriter:
             self.files.append(key)
         return idx
 
+    @property
+    def written_bytes(self) -> int:
+        return sum(self._offsets)
+
     def add(self, pieces: Sequence[Piece], release: Callable[[], None] = lambda: None) -> None:
         """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
         calls ``release`` once it no longer needs the pieces' memory (also on failure)."""
-        try:
-            out = self._diff(pieces)
-        except BaseException:
-            release()
-            raise
-        self._io.append(out, release)
+        if self.placement is None:
+            try:
+                out = self._diff(pieces)
+            except BaseException:
+                release()
+                raise
+            self._ios[0].append(out, release, sum(v.nbytes for v in out))
+            return
+        groups = _split_pieces(pieces, _PLACE_BYTES, self.chunk_bytes)
+        remaining = [len(groups)]
+        lock = threading.Lock()
+
+        def release_one() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                release()
+
+        for i, group in enumerate(groups):
+            try:
+                logical = sum(p.view.nbytes for p in group)
+                self._device = self.placement.choose(
+                    int(logical * self._new_share), reserve=logical
+                )
+                out = self._diff(group)
+            except BaseException:
+                for _ in range(len(groups) - i):
+                    release_one()
+                raise
+            nbytes = sum(v.nbytes for v in out)
+            if logical:
+                self._new_share = 0.5 * self._new_share + 0.5 * nbytes / logical
+            self.placement.enqueue(self._device, nbytes)
+            self._ios[self._device].append(out, release_one, nbytes)
 
     def _diff(self, pieces: Sequence[Piece]) -> list[memoryview]:
         cb = self.chunk_bytes
+        dev = self._device
+        key, offset = self.files[dev], self._offsets[dev]
         out: list[memoryview] = []
         for p in pieces:
             view = p.view
@@ -529,22 +683,29 @@ class PartWriter:
                         continue
                     if run_start < 0:
                         run_start = lo
-                    self.new_index[digest] = (self.key, self._offset)
-                    builder.store(0, self._offset, size, digest, cb)
-                    self._offset += size
+                    self.new_index[digest] = (key, offset)
+                    builder.store(dev, offset, size, digest, cb)
+                    offset += size
+                    self._offsets[dev] = offset
                     self.new_chunks += 1
                 if run_start >= 0:
                     out.append(view[run_start : min(b * cb, view.nbytes)])
         return out
 
     def finish(self) -> PartResult:
-        # The manifest is built while the I/O thread fsyncs the data, and written after.
-        self._io.start_commit()
+        # The manifest is built while the I/O threads fsync the data, and written after.
+        for io in self._ios:
+            io.start_commit()
         try:
             with paused_gc():
                 manifest, body = self._build()
         finally:
-            self._io.wait_commit()
+            try:
+                for io in self._ios:
+                    io.wait_commit()
+            finally:
+                if self.placement is not None:
+                    self.placement.release()
         return self._write_manifest(manifest, body)
 
     def _build(self) -> tuple[Manifest, bytes]:
@@ -607,7 +768,7 @@ class PartWriter:
             where=f"{self.store.url}: {mkey}",
             new_index=self.new_index,
             logical_bytes=self.flat.logical_bytes,
-            written_bytes=self._offset,
+            written_bytes=self.written_bytes,
             chunks=self.chunks,
             new_chunks=self.new_chunks,
             leaves=self.flat.leaves,
@@ -616,11 +777,40 @@ class PartWriter:
         )
 
     def abort(self) -> None:
-        self._io.abort()
+        try:
+            for io in self._ios:
+                io.abort()
+        finally:
+            if self.placement is not None:
+                self.placement.release()
+
+
+def _split_pieces(pieces: Sequence[Piece], limit: int, chunk_bytes: int) -> list[list[Piece]]:
+    """``pieces`` in groups of about ``limit`` bytes; pieces are cut on chunk boundaries."""
+    step = max(limit // chunk_bytes, 1) * chunk_bytes
+    groups: list[list[Piece]] = [[]]
+    size = 0
+    for p in pieces:
+        lo, n = 0, p.view.nbytes
+        while lo < n:
+            room = max((step - size) // chunk_bytes, 1) * chunk_bytes
+            take = min(n - lo, room)
+            groups[-1].append(Piece(p.blob, p.offset + lo, p.view[lo : lo + take]))
+            lo += take
+            size += take
+            if size >= step:
+                groups.append([])
+                size = 0
+    return [g for g in groups if g]
 
 
 def commit_version(
-    store: Store, step: int, parts: Sequence[PartResult], *, chunk_bytes: int
+    store: Store,
+    step: int,
+    parts: Sequence[PartResult],
+    *,
+    chunk_bytes: int,
+    metrics: dict[str, float] | None = None,
 ) -> CommitRecord:
     """Write the commit record that makes ``step`` visible; every part must be durable."""
     parts = sorted(parts, key=lambda p: p.ref.rank)
@@ -637,15 +827,23 @@ def commit_version(
         created_unix=now_unix(),
         incremental=any(p.incremental for p in parts),
         chain=tuple(sorted({s for p in parts for s in p.chain()})),
+        metrics=metrics or None,
     )
     store.write(commit_key(step), record.to_json())
     log.debug("committed step %d in %s", step, store.url)
     return record
 
 
-def retire(store: Store, *, keep: int | None = None, drop: Sequence[int] = ()) -> list[int]:
-    """Delete the versions ``drop`` and all but the newest ``keep`` (None: no limit), then
-    everything no remaining version needs.
+def retire(
+    store: Store,
+    *,
+    keep: int | RetentionPolicy | None = None,
+    drop: Sequence[int] = (),
+    protect: Collection[int] = (),
+) -> list[int]:
+    """Delete the versions ``drop`` and those the retention policy ``keep`` does not select (an
+    int: the newest ``keep``; None: no limit), except the newest version and those in
+    ``protect``, then everything no remaining version needs.
 
     Commit records go first, so a crash midway leaves fewer versions, never a broken one; then
     manifests outside every kept chain and data files no kept version references (including
@@ -653,12 +851,20 @@ def retire(store: Store, *, keep: int | None = None, drop: Sequence[int] = ()) -
     """
     steps = list_steps(store)
     doomed = set(drop) & set(steps)
-    if keep is not None and len(steps) > keep:
-        doomed.update(steps[:-keep])
-    dropped = sorted(doomed)
+    policy = as_retention(keep)
+    records: dict[int, CommitRecord] = {}
+    if isinstance(policy, KeepLast):
+        if len(steps) > policy.n:
+            doomed.update(steps[: -policy.n])
+    elif policy is not None and steps:
+        records = {s: read_commit(store, s) for s in steps}
+        versions = [VersionInfo(s, records[s].metrics or {}) for s in steps]
+        chosen = policy.select(versions) | {steps[-1]}
+        doomed.update(s for s in steps if s not in chosen)
+    dropped = sorted(doomed - set(protect))
     for s in dropped:
         store.delete(commit_key(s))
-    kept = [read_commit(store, s) for s in steps if s not in set(dropped)]
+    kept = [records.get(s) or read_commit(store, s) for s in steps if s not in set(dropped)]
     needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
     needed_files = {f for r in kept for f in r.data_files}
     for key in store.list("versions"):
@@ -906,6 +1112,38 @@ def _verify_blob(
     raise IntegrityError(f"step {step}, tier {store.url}: leaf {b.path}: wrong chunk count")
 
 
+# Leaves at least this large are pre-faulted while a chain resolves, in steps of this much.
+_PREFAULT_MIN_BYTES = 1 << 20
+_PREFAULT_STEP_BYTES = 8 << 20
+
+
+@contextlib.contextmanager
+def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
+    """Write zeros over freshly allocated ``views`` on a background thread (``memset``
+    releases the GIL) until the block ends; the block must not touch ``views``."""
+    big = [v for v in views if v.nbytes >= _PREFAULT_MIN_BYTES and v.contiguous and not v.readonly]
+    if not big:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        for v in big:
+            addr = np.frombuffer(v, np.uint8).ctypes.data
+            for lo in range(0, v.nbytes, _PREFAULT_STEP_BYTES):
+                if stop.is_set():
+                    return
+                ctypes.memset(addr + lo, 0, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
+
+    thread = threading.Thread(target=run, name="cryosnap-prefault", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _read_verified(
     store: Store,
     step: int,
@@ -918,14 +1156,19 @@ def _read_verified(
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
     (with a progress line on a terminal if ``progress``)."""
     with paused_gc():
-        part = resolve_version(store, step, rank=rank)
-        manifest = part.manifest
+        record = read_commit(store, step)
+        manifest, ref = read_manifest(store, record, rank)
         if into is not None:
             check_into(manifest.skeleton, into)
         restorer = Restorer(
             manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
         )
         views = restorer.allocate()
+        # The leaves are allocated first so that the kernel maps their fresh pages (a cost
+        # as large as reading the data from the page cache) on another core while this one
+        # parses and resolves the chain of manifests.
+        with _prefaulted(views if manifest.base is not None else ()):
+            part = resolve(store, manifest, ref.key, ref.xxh3)
     if not progress:
         _read_blobs(store, part, views)
         return part, restorer

@@ -234,7 +234,35 @@ def _blob_mutations() -> list[tuple[str, Any]]:
     def extended(b: list[Any]) -> list[Any]:
         return [*b, 0]
 
+    # Segment rows of the wrong shape: the parser flattens the rows before converting them.
+    def row_of_3(b: list[Any]) -> list[Any]:
+        return [b[0], b[1], [r[:3] for r in b[2]]]
+
+    def rows_of_3_and_5(b: list[Any]) -> list[Any]:
+        rows = [[*r] for r in b[2]] + [[0, 0, 0, 4096]]
+        rows[0] = rows[0][:3]
+        rows[-1] = [*rows[-1], 1]
+        return [b[0], b[1], rows]
+
+    def nested_row(b: list[Any]) -> list[Any]:
+        return [b[0], b[1], [[[v] for v in r] for r in b[2]]]
+
+    def row_not_a_list(b: list[Any]) -> list[Any]:
+        return [b[0], b[1], [7 for _ in b[2]]]
+
+    def row_a_string(b: list[Any]) -> list[Any]:
+        return [b[0], b[1], ["0123" for _ in b[2]]]
+
+    def row_of_bools(b: list[Any]) -> list[Any]:
+        return [b[0], b[1], [[True, False, False, True] for _ in b[2]]]
+
     return [
+        ("row-of-3", row_of_3),
+        ("rows-of-3-and-5", rows_of_3_and_5),
+        ("nested-row", nested_row),
+        ("row-not-a-list", row_not_a_list),
+        ("row-a-string", row_a_string),
+        ("row-of-bools", row_of_bools),
         ("not-a-list", "blob"),
         ("empty", []),
         ("size+1", size_plus_one),
