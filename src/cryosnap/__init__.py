@@ -9,7 +9,9 @@ Imports nothing heavy: torch is imported only when a tensor is saved or loaded.
 
 from __future__ import annotations
 
-from .checkpointer import Checkpointer, PendingSave, SaveInfo, load, save
+from typing import TYPE_CHECKING, Any
+
+from .checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -20,6 +22,10 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
+from .storage.tiers import Tier
+
+if TYPE_CHECKING:
+    from .integrations.torch import RNGState
 
 __all__ = [
     "CheckpointError",
@@ -30,12 +36,25 @@ __all__ = [
     "Checkpointer",
     "IntegrityError",
     "PendingSave",
+    "RNGState",
     "SaveInfo",
     "StateMismatchError",
+    "Status",
     "StorageError",
+    "Tier",
     "__version__",
     "load",
     "save",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # RNGState lives with the torch integration; imported on first use, so that importing
+    # cryosnap never imports torch.
+    if name == "RNGState":
+        from .integrations.torch import RNGState
+
+        return RNGState
+    raise AttributeError(f"module 'cryosnap' has no attribute {name!r}")

@@ -11,18 +11,26 @@ Failures in the background are kept: ``result()`` of that version raises them, a
 ``save()``, ``wait()`` or ``close()`` raises the first one the caller has not received yet. A
 failed version is never visible: its commit record is never written.
 
-One writer per run: opening a Checkpointer takes the run's write lock (lock.py).
+With ``scratch`` tiers, the writer commits each version on scratch (node-local, fast) and a
+flusher thread (flush.py) copies it to the persistent tier behind it; ``result()`` waits for
+both, ``result(tier="scratch")`` for the first only. Restores read from the fastest tier that
+holds a complete copy.
+
+One writer per run: opening a Checkpointer takes the run's write lock (lock.py) on every tier.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
+import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -30,14 +38,24 @@ from . import engine
 from ._gc import paused_gc
 from .capture import Batch, CaptureTracker, StagingPool, capture_to_slabs, direct_batches
 from .chunks import validate_chunk_bytes
-from .errors import CheckpointError, CheckpointExistsError, CheckpointTimeoutError
-from .lock import acquire_run_lock
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+)
+from .flush import Flusher
+from .lock import RunLock, acquire_run_lock
 from .manifest import MAX_STEP, commit_key
+from .policy import KeepLast, RetentionPolicy, SavePolicy, as_retention
 from .progress import Progress, human_bytes
 from .storage import Store, open_store
+from .storage.tiers import Placement, StripedStore, Tier
 from .tree import FlatState, flatten
 
-__all__ = ["Checkpointer", "PendingSave", "SaveInfo", "load", "save"]
+__all__ = ["Checkpointer", "PendingSave", "SaveInfo", "Status", "load", "save"]
+
+SCRATCH, PERSISTENT = "scratch", "persistent"
 
 log = logging.getLogger("cryosnap")
 
@@ -67,6 +85,20 @@ class SaveInfo:
     tiers: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Where a run's versions are (``Checkpointer.status()``).
+
+    ``steps`` lists the complete versions per tier (``"scratch"``, ``"persistent"``);
+    ``not_persistent`` the versions committed on scratch and not yet flushed, oldest first;
+    ``flush_error`` the last failure of the flush in progress while it is being retried.
+    """
+
+    steps: dict[str, tuple[int, ...]]
+    not_persistent: tuple[int, ...]
+    flush_error: BaseException | None
+
+
 def validate_step(step: object, name: str = "step") -> int:
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"{name} must be an int, got {type(step).__name__}")
@@ -93,6 +125,8 @@ class PendingSave:
         self._tracker = tracker
         self._t0 = t0
         self._done = threading.Event()
+        self._first = threading.Event()  # durable on the first tier (or failed)
+        self._first_info: SaveInfo | None = None
         self._info: SaveInfo | None = None
         self._error: BaseException | None = None
         self._delivered = False
@@ -120,8 +154,16 @@ class PendingSave:
         """Whether the version is durable or has failed."""
         return self._done.is_set()
 
-    def result(self, timeout: float | None = None) -> SaveInfo:
-        """The :class:`SaveInfo` once durable; re-raises the failure of this version."""
+    def result(self, timeout: float | None = None, *, tier: str | None = None) -> SaveInfo:
+        """The :class:`SaveInfo` once durable on every tier; re-raises the failure of this
+        version. ``tier="scratch"`` returns as soon as it is durable on scratch."""
+        if tier == SCRATCH:
+            if not self._first.wait(timeout):
+                raise CheckpointTimeoutError(f"step {self.step} not on scratch after {timeout} s")
+            if self._first_info is not None:
+                return self._first_info
+        elif tier not in (None, PERSISTENT):
+            raise ValueError(f"tier={tier!r} is invalid: allowed are None, 'scratch', 'persistent'")
         if not self._done.wait(timeout):
             raise CheckpointTimeoutError(f"step {self.step} not durable after {timeout} s")
         if self._error is not None:
@@ -136,8 +178,13 @@ class PendingSave:
             return self._error
         return None
 
+    def _finish_first(self, info: SaveInfo) -> None:
+        self._first_info = info
+        self._first.set()
+
     def _finish(self, info: SaveInfo | None, error: BaseException | None) -> None:
         self._info, self._error = info, error
+        self._first.set()
         self._done.set()
 
 
@@ -147,6 +194,7 @@ class _Job:
     flat: FlatState
     pending: PendingSave
     batches: queue.SimpleQueue[Any]
+    metrics: dict[str, float] | None = None
     stall_seconds: float = 0.0
 
 
@@ -156,10 +204,19 @@ class Checkpointer:
     Parameters
     ----------
     path
-        The run: a directory or an fsspec URL.
+        The run's persistent tier: a directory or an fsspec URL (``s3://bucket/run``).
+    scratch
+        Node-local tiers, fastest first: a path, a :class:`~cryosnap.Tier`, or a list of them
+        (several devices: each version's data is split across them by measured throughput).
+        Versions land there first and are flushed to ``path`` in the background.
     keep
-        Versions to keep (None: all). Older ones are deleted after each commit; a data file or
-        manifest goes only when no kept version needs it.
+        Versions to keep on the persistent tier: an int (the newest N), a retention policy from
+        :mod:`cryosnap.policy` (``KeepEvery``, ``KeepBest`` by a metric given to ``save``,
+        ``KeepAny`` of several), or None (all). The newest version is always kept. Others are
+        deleted after each commit; a data file or manifest goes only when no kept version
+        needs it.
+    keep_scratch
+        Versions to keep on scratch; a version leaves scratch only once it is persistent.
     incremental
         Write only chunks whose content is new since the previous version (True), or every
         version in full (False).
@@ -175,19 +232,40 @@ class Checkpointer:
         Versions that may be captured but not yet durable; a further ``save`` waits.
     allow_pickle
         Pickle leaves of unsupported types on save, and allow unpickling them on restore.
+    policy
+        When to save: a save policy from :mod:`cryosnap.policy` (``EveryNSteps``,
+        ``EveryNSeconds``, ``Adaptive``), asked by :meth:`should_save` and told what each save
+        cost.
+    handle_signals
+        Signals (e.g. ``(signal.SIGTERM, signal.SIGUSR1)``) that mark the run as preempted
+        instead of killing it: :attr:`preempted` becomes true, :meth:`should_save` says yes,
+        and the loop saves and exits. Handlers are installed on open and restored on close
+        (main thread only).
+    storage_options
+        Options for fsspec when ``path`` is a URL (endpoint, credentials); the usual
+        ``AWS_*`` environment variables work too.
+    flush_retry_seconds
+        How long a failing flush to the persistent tier is retried (with backoff) before the
+        version's ``result()`` and the next ``wait()`` raise; it stays on scratch meanwhile.
     """
 
     def __init__(
         self,
         path: PathLike,
         *,
-        keep: int | None = None,
+        scratch: PathLike | Tier | Sequence[PathLike | Tier] | None = None,
+        keep: int | RetentionPolicy | None = None,
+        keep_scratch: int = 2,
         incremental: bool = True,
         full_every: int = 16,
         chunk_bytes: int = 1 << 20,
         staging_bytes: int | None = None,
         max_inflight: int = 1,
         allow_pickle: bool = False,
+        policy: SavePolicy | None = None,
+        handle_signals: Sequence[int] = (),
+        storage_options: dict[str, Any] | None = None,
+        flush_retry_seconds: float = 300.0,
     ) -> None:
         self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
         budget = _positive_or_none(staging_bytes, "staging_bytes")
@@ -196,7 +274,25 @@ class Checkpointer:
                 f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
             )
         self.max_inflight = _positive(max_inflight, "max_inflight")
-        self.keep = _positive_or_none(keep, "keep")
+        self.keep = as_retention(keep)
+        if policy is not None and not isinstance(policy, SavePolicy):
+            raise TypeError(
+                f"policy must be a save policy (cryosnap.policy.EveryNSteps, EveryNSeconds, "
+                f"Adaptive or an object with should_save/saved/durable), got {policy!r}"
+            )
+        self.policy = policy
+        self._policy_lock = threading.Lock()
+        signals = _signals(handle_signals)
+        self.keep_scratch = _positive(keep_scratch, "keep_scratch")
+        if isinstance(flush_retry_seconds, bool) or not isinstance(
+            flush_retry_seconds, (int, float)
+        ):
+            raise TypeError("flush_retry_seconds must be a number of seconds")
+        if not flush_retry_seconds >= 0:
+            raise ValueError(f"flush_retry_seconds={flush_retry_seconds!r} must be >= 0")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        devices = _scratch_tiers(scratch)
         self.full_every = _positive(full_every, "full_every")
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, got {type(incremental).__name__}")
@@ -207,8 +303,24 @@ class Checkpointer:
         self._index: dict[bytes, tuple[str, int]] = {}
         self._base_loaded = False
         self.allow_pickle = bool(allow_pickle)
-        self.store = open_store(path)
-        self._lock = acquire_run_lock(self.store)
+        self.persistent = open_store(path, **(storage_options or {}))
+        self.scratch: StripedStore | None = None
+        self._placement: Placement | None = None
+        self._locks: list[RunLock] = []
+        try:
+            self._locks.append(acquire_run_lock(self.persistent))
+            if devices:
+                stores = [open_store(t.path) for t in devices]
+                for dev in stores:
+                    self._locks.append(acquire_run_lock(dev))
+                self.scratch = StripedStore(stores, [t.capacity_bytes for t in devices])
+                self._placement = Placement(self.scratch)
+        except BaseException:
+            for lock in self._locks:
+                lock.release()
+            raise
+        # The store versions are written to first: scratch when there is one.
+        self.store: Store = self.scratch if self.scratch is not None else self.persistent
         slab = 64 << 20 if budget is None else max(budget // 4, self.chunk_bytes)
         slab = max(slab // self.chunk_bytes, 1) * self.chunk_bytes
         torch = sys.modules.get("torch")
@@ -217,9 +329,52 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._inflight = threading.BoundedSemaphore(self.max_inflight)
         self._pending: list[PendingSave] = []
+        # Versions on scratch waiting for their flush: their PendingSave and scratch SaveInfo.
+        self._flush_pending: dict[int, tuple[PendingSave, SaveInfo | None]] = {}
+        self._flush_lock = threading.Lock()
         self._spent_hooks: list[Any] = []
         self._hooks_lock = threading.Lock()
         self._closed = False
+        self._flusher: Flusher | None = None
+        self._flushed_ever: set[int] = set()  # versions that reached the persistent tier
+        self._flush_failed: set[int] = set()  # on scratch only: scratch retention keeps them
+        if self.scratch is not None:
+            self._flusher = Flusher(
+                self.scratch,
+                self.persistent,
+                retry_seconds=float(flush_retry_seconds),
+                on_done=self._flushed,
+            )
+            # A crash between a scratch commit and its flush: flush those versions now (those
+            # that persistent retention would keep).
+            on_persistent = engine.list_steps(self.persistent)
+            self._flushed_ever.update(on_persistent)
+            missing = [s for s in engine.list_steps(self.scratch) if s not in self._flushed_ever]
+            if isinstance(self.keep, KeepLast):
+                wanted = set(sorted({*on_persistent, *missing})[-self.keep.n :])
+                missing = [s for s in missing if s in wanted]
+            for step in missing:
+                tracker = CaptureTracker(0)
+                tracker.finish()
+                pending = PendingSave(step, tracker, time.perf_counter())
+                self._pending.append(pending)
+                self._flush_pending[step] = (pending, None)
+                self._flusher.submit(step)
+            if missing:
+                log.info("flushing %d version(s) left on scratch: %s", len(missing), missing)
+        self.preempted = False
+        self._old_handlers: dict[int, Any] = {}
+        for signum in signals:
+            try:
+                self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+            except ValueError as exc:  # not the main thread
+                self._restore_handlers()
+                if self._flusher is not None:
+                    self._flusher.abandon()
+                    self._flusher.close()
+                for lock in self._locks:
+                    lock.release()
+                raise ValueError(f"handle_signals: {exc}") from exc
         self._worker = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
         self._worker.start()
 
@@ -245,16 +400,59 @@ class Checkpointer:
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r})"
 
+    # policies and preemption ----------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: asks the save policy (call once per iteration); always
+        true once the run is preempted."""
+        validate_step(step)
+        if self.policy is None:
+            if self.preempted:
+                return True
+            raise ValueError(
+                "should_save needs a save policy: Checkpointer(..., policy=cryosnap.policy."
+                "EveryNSteps(n) / EveryNSeconds(s) / Adaptive(max_overhead))"
+            )
+        with self._policy_lock:
+            due = self.policy.should_save(step, now=time.monotonic())
+        return due or self.preempted
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.preempted = True
+        log.warning("received %s: the run is preempted, save and exit", signal.Signals(signum).name)
+
+    def _restore_handlers(self) -> None:
+        for signum, old in self._old_handlers.items():
+            signal.signal(signum, old)
+        self._old_handlers = {}
+
+    def _policy_event(self, event: str, step: int, **figures: float) -> None:
+        policy = self.policy
+        if policy is None:
+            return
+        with self._policy_lock:
+            method = getattr(policy, event, None)
+            if method is not None:
+                method(step, now=time.monotonic(), **figures)
+
     # saving --------------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, *, lazy: bool = False) -> PendingSave:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        lazy: bool = False,
+        metrics: dict[str, float] | None = None,
+    ) -> PendingSave:
         """Capture ``state`` as version ``step`` and write it in the background.
 
         Returns once the state is captured (``lazy=False``) or at once (``lazy=True``: the copy
         runs in the background; the next ``step()`` of an optimizer in the state waits for the
         leaves it mutates, and other leaves may be mutated only after ``wait_captured()``).
+        ``metrics`` (name -> finite number, e.g. ``{"loss": 0.31}``) are stored with the version
+        for retention policies such as ``KeepBest``.
         """
         t0 = time.perf_counter()
-        job = self._start(step, state, t0)
+        job = self._start(step, state, t0, _metrics(metrics))
         tracker = job.pending._tracker
         if lazy:
             hooks = self._install_optimizer_hooks(job)
@@ -271,6 +469,7 @@ class Checkpointer:
                 job.pending._delivered = True
                 raise tracker.error
         job.stall_seconds = time.perf_counter() - t0
+        self._policy_event("saved", step, stall_seconds=job.stall_seconds)
         return job.pending
 
     def _save_durable(self, step: int, state: Any) -> SaveInfo:
@@ -293,15 +492,18 @@ class Checkpointer:
         for h in spent:
             h.remove()
 
-    def _start(self, step: int, state: Any, t0: float) -> _Job:
+    def _start(
+        self, step: int, state: Any, t0: float, metrics: dict[str, float] | None = None
+    ) -> _Job:
         self._check_open()
         self._remove_spent_hooks()
         validate_step(step)
         self._raise_undelivered()
-        if any(p.step == step and not p.done() for p in self._pending) or self.store.exists(
-            commit_key(step)
-        ):
-            raise CheckpointExistsError(f"step {step} already exists in {self.store.url}")
+        if any(p.step == step and not p.done() for p in self._pending):
+            raise CheckpointExistsError(f"step {step} is already being saved in {self!r}")
+        for store in self._tiers():
+            if store.exists(commit_key(step)):
+                raise CheckpointExistsError(f"step {step} already exists in {store.url}")
         flat = flatten(state, allow_pickle=self.allow_pickle)
         self._inflight.acquire()
         # Forget finished versions, but keep failed ones the caller has not received yet.
@@ -309,7 +511,7 @@ class Checkpointer:
             p for p in self._pending if not p.done() or (p._error is not None and not p._delivered)
         ]
         tracker = CaptureTracker(len(flat.blobs))
-        job = _Job(step, flat, PendingSave(step, tracker, t0), queue.SimpleQueue())
+        job = _Job(step, flat, PendingSave(step, tracker, t0), queue.SimpleQueue(), metrics)
         self._pending.append(job.pending)
         self._jobs.put(job)
         return job
@@ -389,15 +591,66 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
+            part: engine.PartResult | None = None
             try:
-                info = self._write(job)
+                info, part = self._write(job)
                 error = None
             except BaseException as exc:
                 info, error = None, exc
                 log.error("checkpoint of step %d failed: %s", job.step, exc)
             finally:
                 self._inflight.release()
-            job.pending._finish(info, error)
+            if part is not None:
+                # Retention before the version is reported, so that a caller sees the run as
+                # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
+                self._advance(part)
+            if info is None:
+                self._policy_event("failed", job.step)
+            else:
+                self._policy_event(
+                    "durable", job.step, seconds=info.seconds, stall_seconds=info.stall_seconds
+                )
+            if info is not None and self._flusher is not None:
+                # Durable on scratch; durable everywhere once the flusher is done with it.
+                with self._flush_lock:
+                    self._flush_pending[job.step] = (job.pending, info)
+                job.pending._finish_first(info)
+                self._flusher.submit(job.step)
+            else:
+                job.pending._finish(info, error)
+
+    def _flushed(self, step: int, error: BaseException | None) -> None:
+        """On the flusher thread: ``step`` is persistent, or its flush failed for good."""
+        with self._flush_lock:
+            pending, info = self._flush_pending.pop(step)
+            if error is not None:
+                self._flush_failed.add(step)
+            else:
+                self._flushed_ever.add(step)
+        if error is not None:
+            pending._finish(None, error)
+            return
+        if self.keep is not None:
+            self._retire(self.persistent, keep=self.keep)
+        if info is not None:
+            seconds = time.perf_counter() - pending._t0
+            info = replace(info, tiers=(SCRATCH, PERSISTENT), seconds=seconds)
+            log.info("step %d persistent after %.3f s", step, seconds)
+        pending._finish(info, None)
+
+    def _tiers(self) -> list[Store]:
+        """The run's tiers, fastest first."""
+        return [self.persistent] if self.scratch is None else [self.scratch, self.persistent]
+
+    def _retire(
+        self, store: Store, *, keep: int | RetentionPolicy, protect: set[int] | None = None
+    ) -> bool:
+        try:
+            return bool(engine.retire(store, keep=keep, protect=protect or ()))
+        except CheckpointError as exc:
+            # Versions are committed; a failed clean-up is retried after the next one.
+            log.warning("retention on %s failed: %s", store.url, exc)
+            return False
 
     def _load_base(self) -> None:
         # First save of this session: continue the run's chain from its newest version.
@@ -413,7 +666,7 @@ class Checkpointer:
         if base.manifest.chunk_bytes == self.chunk_bytes:
             self._base, self._index = base, base.locations()
 
-    def _write(self, job: _Job) -> SaveInfo:
+    def _write(self, job: _Job) -> tuple[SaveInfo, engine.PartResult]:
         writer: engine.PartWriter | None = None
         ended = False
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
@@ -435,6 +688,7 @@ class Checkpointer:
                 chunk_bytes=self.chunk_bytes,
                 base=base,
                 index=self._index if base is not None else None,
+                placement=self._placement,
             )
             while True:
                 item = job.batches.get()
@@ -447,8 +701,9 @@ class Checkpointer:
                 writer.add(batch.pieces, batch.release)
                 progress.update(batch.nbytes)
             part = writer.finish()
-            engine.commit_version(self.store, job.step, [part], chunk_bytes=self.chunk_bytes)
-            self._advance(part)
+            engine.commit_version(
+                self.store, job.step, [part], chunk_bytes=self.chunk_bytes, metrics=job.metrics
+            )
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
@@ -463,7 +718,7 @@ class Checkpointer:
         seconds = time.perf_counter() - job.pending._t0
         written = human_bytes(part.written_bytes)
         log.info("step %d durable in %.3f s: %s written", job.step, seconds, written)
-        return SaveInfo(
+        info = SaveInfo(
             step=job.step,
             logical_bytes=part.logical_bytes,
             written_bytes=part.written_bytes,
@@ -472,8 +727,9 @@ class Checkpointer:
             stall_seconds=job.stall_seconds + job.pending._stall,
             seconds=seconds,
             incremental=part.incremental,
-            tiers=("persistent",),
+            tiers=(PERSISTENT if self.scratch is None else SCRATCH,),
         )
+        return info, part
 
     def _advance(self, part: engine.PartResult) -> None:
         """After a commit: the version is the next base; apply retention."""
@@ -484,13 +740,14 @@ class Checkpointer:
             # A full version starts a new chain; older content stays referenced only by older
             # versions, so retention can reclaim it.
             self._index = dict(part.new_index)
-        if self.keep is None:
-            return
-        try:
-            dropped = engine.retire(self.store, keep=self.keep)
-        except CheckpointError as exc:
-            # The version is committed; a failed clean-up is retried after the next one.
-            log.warning("retention after step %d failed: %s", part.manifest.step, exc)
+        if self.scratch is not None:
+            # Scratch keeps every version that is not yet persistent.
+            with self._flush_lock:
+                protect = set(self._flush_pending) | self._flush_failed
+            dropped = self._retire(self.scratch, keep=self.keep_scratch, protect=protect)
+        elif self.keep is not None:
+            dropped = self._retire(self.persistent, keep=self.keep)
+        else:
             return
         if dropped:
             live = set(self.store.list("data"))
@@ -519,8 +776,23 @@ class Checkpointer:
         self._raise_undelivered()
 
     def steps(self) -> list[int]:
-        """Committed (restorable) versions, ascending."""
-        return engine.list_steps(self.store)
+        """Versions complete on at least one tier, ascending."""
+        return sorted({s for store in self._tiers() for s in engine.list_steps(store)})
+
+    def status(self) -> Status:
+        """Which versions each tier holds, and which are not yet persistent."""
+        steps = {}
+        if self.scratch is not None:
+            steps[SCRATCH] = tuple(engine.list_steps(self.scratch))
+        steps[PERSISTENT] = tuple(engine.list_steps(self.persistent))
+        with self._flush_lock:
+            waiting = set(self._flush_pending) | self._flush_failed
+        flusher = self._flusher
+        return Status(
+            steps=steps,
+            not_persistent=tuple(sorted(waiting)),
+            flush_error=None if flusher is None else flusher.last_error,
+        )
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -531,7 +803,9 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             validate_step(step)
-        return _restore(self.store, step, into=into, rank=0, allow_pickle=self.allow_pickle)
+        return _restore_tiers(
+            self._tiers(), step, into=into, rank=0, allow_pickle=self.allow_pickle
+        )
 
     def close(self) -> None:
         """Drain every pending save, stop the writer, release the write lock."""
@@ -545,13 +819,54 @@ class Checkpointer:
             self._remove_spent_hooks()
             self._jobs.put(None)
             self._worker.join()
+            if self._flusher is not None:
+                self._flusher.close()
+                if self.scratch is not None:
+                    # The last versions are persistent now: scratch retention can apply.
+                    self._retire(self.scratch, keep=self.keep_scratch, protect=self._flush_failed)
             self._pool.clear()
-            self._lock.release()
+            self._restore_handlers()
+            for lock in self._locks:
+                lock.release()
         self._raise_undelivered()
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
+
+
+def _restore_tiers(
+    tiers: Sequence[Store], step: int | None, *, into: Any, rank: int, allow_pickle: bool
+) -> Any:
+    """Restore from the fastest tier holding a complete copy of the version (of the newest
+    one that verifies, without ``step``); a damaged copy falls back to the next tier."""
+    if len(tiers) == 1:
+        return _restore(tiers[0], step, into=into, rank=rank, allow_pickle=allow_pickle)
+    holders: dict[int, list[Store]] = {}
+    for store in tiers:
+        for s in engine.list_steps(store):
+            holders.setdefault(s, []).append(store)
+
+    def attempt(s: int) -> Any:
+        stores = holders.get(s)
+        if not stores:
+            raise CheckpointNotFoundError(
+                f"step {s} not found on any tier ({', '.join(t.url for t in tiers)})"
+            )
+        first: CheckpointError | None = None
+        for store in stores:
+            try:
+                return engine.read_part(store, s, rank=rank, into=into, allow_pickle=allow_pickle)
+            except CheckpointError as exc:
+                if store is not stores[-1]:
+                    log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
+                first = first or exc
+        assert first is not None
+        raise first
+
+    if step is not None:
+        return attempt(step)
+    return engine.newest_restorable(tiers[-1], attempt, sorted(holders))
 
 
 def _restore(store: Store, step: int | None, *, into: Any, rank: int, allow_pickle: bool) -> Any:
@@ -601,3 +916,49 @@ def load(
         validate_step(step)
     part = 0 if rank is None else validate_step(rank, "rank")
     return _restore(open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle)
+
+
+def _scratch_tiers(scratch: object) -> list[Tier]:
+    if scratch is None:
+        return []
+    items = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
+    if not items:
+        raise ValueError("scratch=[] is invalid: give None or at least one path or Tier")
+    return [t if isinstance(t, Tier) else Tier(t) for t in items]  # type: ignore[arg-type]
+
+
+def _signals(handle_signals: object) -> list[int]:
+    if handle_signals is None:
+        return []
+    if not isinstance(handle_signals, (list, tuple, set, frozenset)):
+        raise TypeError(
+            f"handle_signals must be a sequence of signal numbers, got {handle_signals!r}"
+        )
+    valid = set(signal.valid_signals())
+    out = []
+    for sig in handle_signals:
+        if isinstance(sig, bool) or not isinstance(sig, int) or sig not in valid:
+            raise ValueError(f"handle_signals: {sig!r} is not a signal (e.g. signal.SIGTERM)")
+        if sig in (signal.SIGKILL, getattr(signal, "SIGSTOP", -1)):
+            raise ValueError(f"handle_signals: {signal.Signals(sig).name} cannot be handled")
+        out.append(int(sig))
+    return out
+
+
+def _metrics(metrics: object) -> dict[str, float] | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metrics: names must be str, got {name!r}")
+        if hasattr(value, "item") and callable(value.item):
+            value = value.item()  # a 0-d tensor or numpy scalar
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metrics[{name!r}] must be a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ValueError(f"metrics[{name!r}]={value} is invalid: must be finite")
+        out[name] = float(value)
+    return out

@@ -352,7 +352,7 @@ def test_one_writer_per_run(s3_bucket: S3Bucket) -> None:
         # Readers need no lock.
         np.testing.assert_array_equal(cryosnap.load(make_store(s3_bucket))["a"], np.arange(10))
         holder = json.loads(make_store(s3_bucket).read(LOCK_KEY))
-        assert holder["token"] == ckpt._lock.token
+        assert holder["token"] == ckpt._locks[0].token
     assert not make_store(s3_bucket).exists(LOCK_KEY)
     with cryosnap.Checkpointer(make_store(s3_bucket)) as ckpt:  # released on close
         assert ckpt.steps() == [1]
@@ -453,3 +453,23 @@ def test_unreachable_endpoint_through_the_api(dead_store: FsspecStore) -> None:
     with pytest.raises(cryosnap.StorageError, match="s3://cryosnap-unreachable/run"):
         cryosnap.Checkpointer(dead_store)
     assert time.monotonic() - start < 40
+
+
+def test_scratch_then_s3_flush_wipe_restore(s3_bucket: S3Bucket, tmp_path: Any) -> None:
+    """Multi-level with S3 as the persistent tier: versions land on local scratch, are flushed
+    to the bucket (commit object last), and restore from the bucket once scratch is wiped."""
+    import shutil
+
+    scratch = tmp_path / "scratch"
+    url, options = s3_bucket.url("tiered"), s3_bucket.storage_options
+    states = [make_state(seed) for seed in range(3)]
+    with cryosnap.Checkpointer(url, scratch=scratch, storage_options=options) as ckpt:
+        infos = [ckpt.save(s, st).result(timeout=60) for s, st in enumerate(states, start=1)]
+        assert infos[-1].tiers == ("scratch", "persistent")
+        assert ckpt.status().steps["persistent"] == (1, 2, 3)
+    shutil.rmtree(scratch)
+    with cryosnap.Checkpointer(url, scratch=scratch, storage_options=options) as ckpt:
+        assert ckpt.steps() == [1, 2, 3]
+        assert_same(states[2], ckpt.restore())
+        assert_same(states[1], ckpt.restore(step=2))
+    assert_same(states[2], cryosnap.load(open_store(url, **options)))
