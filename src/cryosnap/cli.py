@@ -253,6 +253,29 @@ def _build_app() -> "typer.Typer":
         """Delete all but the newest K versions and every file no kept version needs."""
         cmd_gc(path, keep=keep, as_json=json_output)
 
+    @app.command("demo")
+    def demo_command(
+        directory: Annotated[
+            str, typer.Option("--dir", help="Work directory (wiped first).")
+        ] = "demo-run",
+        steps: Annotated[int, typer.Option("--steps", min=3, help="Training steps.")] = 200,
+        every: Annotated[
+            int, typer.Option("--every", min=1, help="Checkpoint every N steps.")
+        ] = 20,
+        seed: Annotated[
+            int | None, typer.Option("--seed", help="Seed of the random kill step.")
+        ] = None,
+    ) -> None:
+        """Train, SIGKILL, resume, check bit-exact against an uninterrupted run (needs torch)."""
+        from . import demo
+
+        argv = ["--dir", directory, "--steps", str(steps), "--every", str(every)]
+        if seed is not None:
+            argv += ["--seed", str(seed)]
+        code = demo.main(argv)
+        if code:
+            raise typer.Exit(code)
+
     return app
 
 
