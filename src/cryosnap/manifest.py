@@ -28,6 +28,7 @@ import base64
 import itertools
 import json
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+# A blob's segment table of more rows than this is written packed (zlib-compressed
+# little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
+PACK_ROWS = 64
 MAX_STEP = 10**12 - 1
 
 
@@ -207,7 +211,11 @@ class BlobEntry:
         """The JSON form; the stored segments' hashes are appended to ``hashes`` in order (the
         manifest keeps them all in one table instead of one string per segment)."""
         hashes.append(self.hashes)
-        return [self.nbytes, self.root.hex(), self.table.tolist()]
+        if len(self.table) <= PACK_ROWS:
+            return [self.nbytes, self.root.hex(), self.table.tolist()]
+        raw = np.ascontiguousarray(self.table, dtype="<i8").tobytes()
+        packed = base64.b64encode(zlib.compress(raw, 1)).decode()
+        return [self.nbytes, self.root.hex(), {"rows": len(self.table), "zlib_i64": packed}]
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,19 +333,28 @@ def _parse_blob(
     here = f"{where}, blob {index}"
     try:
         nbytes, root_hex, raw_segments = raw
-        if type(nbytes) is not int or nbytes < 0 or not isinstance(raw_segments, list):
+        if isinstance(raw_segments, dict):
+            raw_segments = _unpack_rows(raw_segments)
+        if (
+            type(nbytes) is not int
+            or nbytes < 0
+            or not isinstance(raw_segments, (list, np.ndarray))
+        ):
             raise ValueError("size")
         root = bytes.fromhex(root_hex)
         # numpy infers the type: all-int rows give an integer array; a float or a string
         # anywhere gives another kind, refused below (checked at C speed, not per field).
         # Rows of 4 fields flattened first: a 1-D list converts about twice as fast.
         # A row that is not a list fails here (len) or below (flattened, it is not 1-D ints).
-        rows_ok = not raw_segments or set(map(len, raw_segments)) == {4}
-        flat = (
-            np.array(list(itertools.chain.from_iterable(raw_segments)))
-            if raw_segments and rows_ok
-            else None
-        )
+        if isinstance(raw_segments, np.ndarray):
+            rows_ok, flat = True, raw_segments.reshape(-1) if len(raw_segments) else None
+        else:
+            rows_ok = not raw_segments or set(map(len, raw_segments)) == {4}
+            flat = (
+                np.array(list(itertools.chain.from_iterable(raw_segments)))
+                if raw_segments and rows_ok
+                else None
+            )
     except (TypeError, ValueError) as exc:
         raise _fail(here, f"malformed blob entry {raw!r:.120}") from exc
     if not rows_ok:
@@ -388,6 +405,22 @@ def _parse_blob(
         raise _fail(here, "the hash table is too short")
     cursor[0] += k
     return BlobEntry(nbytes, root, t, hashes, chunk_bytes)
+
+
+def _unpack_rows(doc: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """A packed segment table: ``{"rows": n, "zlib_i64": base64(zlib(int64 LE rows of 4))}``."""
+    rows, packed = doc.get("rows"), doc.get("zlib_i64")
+    if type(rows) is not int or rows < 0 or not isinstance(packed, str) or len(doc) != 2:
+        raise ValueError("packed table")
+    want = rows * 4 * 8
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(base64.b64decode(packed, validate=True), want + 1)
+    except (zlib.error, ValueError) as exc:  # binascii.Error is a ValueError
+        raise ValueError("packed table") from exc
+    if len(raw) != want or not inflate.eof:
+        raise ValueError("packed table size")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64).reshape(rows, 4)
 
 
 def _version_file(key: Any, where: str) -> str:

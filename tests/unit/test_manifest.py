@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import uuid
+import zlib
 from typing import Any
 
 import numpy as np
@@ -458,3 +460,58 @@ def test_commit_ranks_must_be_distinct(commit_doc: dict[str, Any]) -> None:
     refs = commit_doc["manifests"]
     with pytest.raises(CheckpointFormatError, match="rank"):
         CommitRecord.from_json(_resealed(commit_doc, "manifests", [refs[0], refs[0]]), WHERE)
+
+
+def _big_table_manifest_doc() -> tuple[Manifest, dict[str, Any]]:
+    from cryosnap.manifest import PACK_ROWS, BaseRef, BlobEntry
+
+    cb = 4096
+    rows = []
+    for i in range(PACK_ROWS + 10):
+        rows.append([1, 0, 2 * i, 1])
+        rows.append([0, 0, i * cb, cb])
+    table = np.array(rows, dtype=np.int64)
+    n = len(rows)
+    hashes = bytes(range(16)) * (n // 2)
+    blob = BlobEntry(n * cb, bytes(16), table, hashes, cb)
+    m = Manifest(
+        step=3,
+        rank=0,
+        chunk_bytes=cb,
+        data_files=("data/000000000003-r00000-abcd.dat",),
+        blobs=(blob,),
+        skeleton={"t": "array"},
+        leaves=1,
+        logical_bytes=n * cb,
+        created_unix=1.0,
+        base=BaseRef(2, "versions/000000000002/rank-00000.json", "0" * 32),
+    )
+    return m, json.loads(m.to_json())
+
+
+def test_large_segment_tables_are_packed_and_round_trip() -> None:
+    m, doc = _big_table_manifest_doc()
+    packed = doc["blobs"][0][2]
+    assert set(packed) == {"rows", "zlib_i64"}
+    back = Manifest.from_json(m.to_json(), "test")
+    assert back.blobs[0] == m.blobs[0]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: p.update(rows=p["rows"] + 1),
+        lambda p: p.update(rows=-1),
+        lambda p: p.update(zlib_i64="!!not base64!!"),
+        lambda p: p.update(zlib_i64=base64.b64encode(b"not zlib").decode()),
+        lambda p: p.update(extra=1),
+        lambda p: p.update(
+            zlib_i64=base64.b64encode(zlib.compress(b"\0" * (1 << 20))).decode()
+        ),  # inflates far past what rows allows
+    ],
+)
+def test_damaged_packed_tables_are_format_errors(damage: Any) -> None:
+    _m, doc = _big_table_manifest_doc()
+    damage(doc["blobs"][0][2])
+    with pytest.raises(CheckpointFormatError, match="blob 0"):
+        Manifest.from_json(json.dumps(doc).encode(), "test")
