@@ -62,6 +62,8 @@ log = logging.getLogger("cryosnap")
 PathLike = str | os.PathLike[str] | Store
 
 _END = object()
+# The longest a flush pauses for one capture in progress.
+_YIELD_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +334,10 @@ class Checkpointer:
         # Versions on scratch waiting for their flush: their PendingSave and scratch SaveInfo.
         self._flush_pending: dict[int, tuple[PendingSave, SaveInfo | None]] = {}
         self._flush_lock = threading.Lock()
+        # Captures in progress; the flusher pauses between pieces while there is one, so that
+        # copying to the persistent tier never competes with the program's stall.
+        self._captures = 0
+        self._capture_cond = threading.Condition()
         self._spent_hooks: list[Any] = []
         self._hooks_lock = threading.Lock()
         self._closed = False
@@ -344,6 +350,7 @@ class Checkpointer:
                 self.persistent,
                 retry_seconds=float(flush_retry_seconds),
                 on_done=self._flushed,
+                yield_to=self._wait_no_capture,
             )
             # A crash between a scratch commit and its flush: flush those versions now (those
             # that persistent retention would keep).
@@ -516,9 +523,16 @@ class Checkpointer:
         self._jobs.put(job)
         return job
 
+    def _wait_no_capture(self) -> None:
+        with self._capture_cond:
+            # Bounded: a lazy capture may wait on an optimizer step that never comes.
+            self._capture_cond.wait_for(lambda: self._captures == 0, timeout=_YIELD_SECONDS)
+
     def _capture(self, job: _Job, hooks: list[Any], side_stream: bool) -> None:
         tracker = job.pending._tracker
         error: BaseException | None = None
+        with self._capture_cond:
+            self._captures += 1
         try:
             torch = sys.modules.get("torch")
             if side_stream and torch is not None and torch.cuda.is_available():
@@ -531,6 +545,9 @@ class Checkpointer:
             error = exc
             job.batches.put(exc)
         finally:
+            with self._capture_cond:
+                self._captures -= 1
+                self._capture_cond.notify_all()
             job.batches.put(_END)
             tracker.finish(error)
             # The hooks are not removed here: optimizer.step() may be iterating over them on

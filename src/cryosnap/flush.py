@@ -37,13 +37,20 @@ _BACKOFF_FIRST = 0.05
 _BACKOFF_MAX = 5.0
 
 
-def _copy_file(src: Store, dst: Store, key: str, nbytes: int) -> None:
+def _no_wait() -> None:
+    return None
+
+
+def _copy_file(
+    src: Store, dst: Store, key: str, nbytes: int, yield_to: Callable[[], None] = _no_wait
+) -> None:
     writer = dst.open_writer(key)
     try:
         buf = bytearray(min(nbytes, _COPY_BYTES))
         view = memoryview(buf)
         offset = 0
         while offset < nbytes:
+            yield_to()
             n = min(len(buf), nbytes - offset)
             src.read_into(key, offset, [view[:n]])
             writer.write([view[:n]])
@@ -54,11 +61,15 @@ def _copy_file(src: Store, dst: Store, key: str, nbytes: int) -> None:
         raise
 
 
-def flush_version(src: Store, dst: Store, step: int) -> int:
+def flush_version(
+    src: Store, dst: Store, step: int, *, yield_to: Callable[[], None] = _no_wait
+) -> int:
     """Make version ``step`` of ``src`` complete on ``dst``; returns the bytes copied.
 
     Files already on ``dst`` with the right size are kept (an earlier flush of the chain, or a
     flush interrupted after them): stores make a file visible only once it is whole.
+    ``yield_to()`` is called before each piece copied: it may block (the program is capturing
+    a version: its stall comes first).
     """
     record = read_commit(src, step)
     copied = 0
@@ -66,7 +77,7 @@ def flush_version(src: Store, dst: Store, step: int) -> int:
         nbytes = src.size(key)
         if dst.exists(key) and dst.size(key) == nbytes:
             continue
-        _copy_file(src, dst, key, nbytes)
+        _copy_file(src, dst, key, nbytes, yield_to)
         copied += nbytes
     # Manifests of this version and of the versions it inherits from; their commit records
     # are not needed (a base may be gone from scratch's retention; it is not a version here).
@@ -99,8 +110,10 @@ class Flusher:
         *,
         retry_seconds: float,
         on_done: Callable[[int, BaseException | None], None],
+        yield_to: Callable[[], None] = _no_wait,
     ) -> None:
         self.src = src
+        self.yield_to = yield_to
         self.dst = dst
         self.retry_seconds = retry_seconds
         self.on_done = on_done
@@ -152,7 +165,7 @@ class Flusher:
             attempt += 1
             try:
                 t0 = time.perf_counter()
-                nbytes = flush_version(self.src, self.dst, step)
+                nbytes = flush_version(self.src, self.dst, step, yield_to=self.yield_to)
             except (CheckpointError, OSError) as exc:
                 self.last_error = exc
                 if self._stop.is_set() or time.monotonic() + delay > deadline:
