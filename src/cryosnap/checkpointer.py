@@ -44,7 +44,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
 )
-from .flush import Flusher
+from .flush import Flusher, SourceDamagedError
 from .lock import RunLock, acquire_run_lock
 from .manifest import MAX_STEP, commit_key
 from .policy import KeepLast, RetentionPolicy, SavePolicy, as_retention
@@ -334,6 +334,7 @@ class Checkpointer:
         # Versions on scratch waiting for their flush: their PendingSave and scratch SaveInfo.
         self._flush_pending: dict[int, tuple[PendingSave, SaveInfo | None]] = {}
         self._flush_lock = threading.Lock()
+        self._reset_base = False  # set by the flusher: the next version must be full
         # Captures in progress; the flusher pauses between pieces while there is one, so that
         # copying to the persistent tier never competes with the program's stall.
         self._captures = 0
@@ -344,46 +345,55 @@ class Checkpointer:
         self._flusher: Flusher | None = None
         self._flushed_ever: set[int] = set()  # versions that reached the persistent tier
         self._flush_failed: set[int] = set()  # on scratch only: scratch retention keeps them
-        if self.scratch is not None:
-            self._flusher = Flusher(
-                self.scratch,
-                self.persistent,
-                retry_seconds=float(flush_retry_seconds),
-                on_done=self._flushed,
-                yield_to=self._wait_no_capture,
-            )
-            # A crash between a scratch commit and its flush: flush those versions now (those
-            # that persistent retention would keep).
-            on_persistent = engine.list_steps(self.persistent)
-            self._flushed_ever.update(on_persistent)
-            missing = [s for s in engine.list_steps(self.scratch) if s not in self._flushed_ever]
-            if isinstance(self.keep, KeepLast):
-                wanted = set(sorted({*on_persistent, *missing})[-self.keep.n :])
-                missing = [s for s in missing if s in wanted]
-            for step in missing:
-                tracker = CaptureTracker(0)
-                tracker.finish()
-                pending = PendingSave(step, tracker, time.perf_counter())
-                self._pending.append(pending)
-                self._flush_pending[step] = (pending, None)
-                self._flusher.submit(step)
-            if missing:
-                log.info("flushing %d version(s) left on scratch: %s", len(missing), missing)
         self.preempted = False
-        self._old_handlers: dict[int, Any] = {}
-        for signum in signals:
-            try:
-                self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-            except ValueError as exc:  # not the main thread
-                self._restore_handlers()
-                if self._flusher is not None:
-                    self._flusher.abandon()
-                    self._flusher.close()
-                for lock in self._locks:
-                    lock.release()
-                raise ValueError(f"handle_signals: {exc}") from exc
+        self._signals: list[int] = []
+        self._flush_retry_seconds = float(flush_retry_seconds)
+        try:
+            self._start_flusher()
+            for signum in signals:
+                _signal_subscribe(signum, self)
+                self._signals.append(signum)
+        except BaseException:
+            self._abandon_flusher()
+            self._restore_handlers()
+            for lock in self._locks:
+                lock.release()
+            raise
         self._worker = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
         self._worker.start()
+
+    def _abandon_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher.abandon()
+            self._flusher.close()
+
+    def _start_flusher(self) -> None:
+        if self.scratch is None:
+            return
+        self._flusher = Flusher(
+            self.scratch,
+            self.persistent,
+            retry_seconds=self._flush_retry_seconds,
+            on_done=self._flushed,
+            yield_to=self._wait_no_capture,
+        )
+        # A crash between a scratch commit and its flush: flush those versions now (those
+        # that persistent retention would keep).
+        on_persistent = engine.list_steps(self.persistent)
+        self._flushed_ever.update(on_persistent)
+        missing = [s for s in engine.list_steps(self.scratch) if s not in self._flushed_ever]
+        if isinstance(self.keep, KeepLast):
+            wanted = set(sorted({*on_persistent, *missing})[-self.keep.n :])
+            missing = [s for s in missing if s in wanted]
+        for step in missing:
+            tracker = CaptureTracker(0)
+            tracker.finish()
+            pending = PendingSave(step, tracker, time.perf_counter())
+            self._pending.append(pending)
+            self._flush_pending[step] = (pending, None)
+            self._flusher.submit(step)
+        if missing:
+            log.info("flushing %d version(s) left on scratch: %s", len(missing), missing)
 
     # context manager ---------------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -398,7 +408,10 @@ class Checkpointer:
         if exc is None:
             self.close()
         else:
-            # Drain and release, but do not mask the exception already propagating.
+            # Drain and release, but do not mask the exception already propagating, and do
+            # not keep retrying flushes to an unreachable persistent tier meanwhile.
+            if self._flusher is not None:
+                self._flusher.abandon()
             try:
                 self.close()
             except CheckpointError as err:
@@ -428,9 +441,9 @@ class Checkpointer:
         log.warning("received %s: the run is preempted, save and exit", signal.Signals(signum).name)
 
     def _restore_handlers(self) -> None:
-        for signum, old in self._old_handlers.items():
-            signal.signal(signum, old)
-        self._old_handlers = {}
+        signals, self._signals = self._signals, []
+        for signum in signals:
+            _signal_unsubscribe(signum, self)
 
     def _policy_event(self, event: str, step: int, **figures: float) -> None:
         policy = self.policy
@@ -463,6 +476,8 @@ class Checkpointer:
         tracker = job.pending._tracker
         if lazy:
             hooks = self._install_optimizer_hooks(job)
+            # Set before the capture can end: the writer reads it once the batches are done.
+            job.stall_seconds = time.perf_counter() - t0
             thread = threading.Thread(
                 target=self._capture,
                 args=(job, hooks, True),
@@ -475,7 +490,6 @@ class Checkpointer:
             if tracker.error is not None:
                 job.pending._delivered = True
                 raise tracker.error
-        job.stall_seconds = time.perf_counter() - t0
         self._policy_event("saved", step, stall_seconds=job.stall_seconds)
         return job.pending
 
@@ -528,14 +542,14 @@ class Checkpointer:
             # Bounded: a lazy capture may wait on an optimizer step that never comes.
             self._capture_cond.wait_for(lambda: self._captures == 0, timeout=_YIELD_SECONDS)
 
-    def _capture(self, job: _Job, hooks: list[Any], side_stream: bool) -> None:
+    def _capture(self, job: _Job, hooks: list[Any], lazy: bool) -> None:
         tracker = job.pending._tracker
         error: BaseException | None = None
         with self._capture_cond:
             self._captures += 1
         try:
             torch = sys.modules.get("torch")
-            if side_stream and torch is not None and torch.cuda.is_available():
+            if lazy and torch is not None and torch.cuda.is_available():
                 # Lazy capture overlaps the program's kernels: copy on a stream of our own.
                 with torch.cuda.stream(torch.cuda.Stream()):
                     self._copy(job)
@@ -545,6 +559,10 @@ class Checkpointer:
             error = exc
             job.batches.put(exc)
         finally:
+            if not lazy:
+                # Eager: the caller was blocked until here (set before _END: the writer reads
+                # it once the batches are done).
+                job.stall_seconds = time.perf_counter() - job.pending._t0
             with self._capture_cond:
                 self._captures -= 1
                 self._capture_cond.notify_all()
@@ -617,16 +635,22 @@ class Checkpointer:
                 log.error("checkpoint of step %d failed: %s", job.step, exc)
             finally:
                 self._inflight.release()
-            if part is not None:
-                # Retention before the version is reported, so that a caller sees the run as
-                # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
-                self._advance(part)
-            if info is None:
-                self._policy_event("failed", job.step)
-            else:
-                self._policy_event(
-                    "durable", job.step, seconds=info.seconds, stall_seconds=info.stall_seconds
-                )
+            try:
+                if part is not None:
+                    # Retention before the version is reported, so that a caller sees the run
+                    # as ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
+                    self._advance(part)
+                if info is None:
+                    self._policy_event("failed", job.step)
+                else:
+                    self._policy_event(
+                        "durable", job.step, seconds=info.seconds, stall_seconds=info.stall_seconds
+                    )
+            except Exception:
+                # The version is committed; a failing retention or policy must not stop the
+                # writer (the next version is full: the base may be half-retired).
+                log.exception("after committing step %d", job.step)
+                self._forget_base()
             if info is not None and self._flusher is not None:
                 # Durable on scratch; durable everywhere once the flusher is done with it.
                 with self._flush_lock:
@@ -645,15 +669,22 @@ class Checkpointer:
             else:
                 self._flushed_ever.add(step)
         if error is not None:
+            if isinstance(error, SourceDamagedError):
+                # Scratch lost files this chain needs: later versions must not build on it.
+                self._reset_base = True
             pending._finish(None, error)
             return
-        if self.keep is not None:
-            self._retire(self.persistent, keep=self.keep)
-        if info is not None:
-            seconds = time.perf_counter() - pending._t0
-            info = replace(info, tiers=(SCRATCH, PERSISTENT), seconds=seconds)
-            log.info("step %d persistent after %.3f s", step, seconds)
-        pending._finish(info, None)
+        try:
+            if self.keep is not None:
+                self._retire(self.persistent, keep=self.keep, protect={step})
+        except Exception:
+            log.exception("retention on %s after step %d", self.persistent.url, step)
+        finally:
+            if info is not None:
+                seconds = time.perf_counter() - pending._t0
+                info = replace(info, tiers=(SCRATCH, PERSISTENT), seconds=seconds)
+                log.info("step %d persistent after %.3f s", step, seconds)
+            pending._finish(info, None)
 
     def _tiers(self) -> list[Store]:
         """The run's tiers, fastest first."""
@@ -687,6 +718,9 @@ class Checkpointer:
         writer: engine.PartWriter | None = None
         ended = False
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
+        if self._reset_base:
+            self._reset_base = False
+            self._forget_base()
         try:
             if not self._base_loaded:
                 self._load_base()
@@ -757,18 +791,30 @@ class Checkpointer:
             # A full version starts a new chain; older content stays referenced only by older
             # versions, so retention can reclaim it.
             self._index = dict(part.new_index)
+        # The version just saved is kept even when a higher step exists (a run rolled back):
+        # it is the next one's base.
+        step = part.manifest.step
         if self.scratch is not None:
             # Scratch keeps every version that is not yet persistent.
             with self._flush_lock:
-                protect = set(self._flush_pending) | self._flush_failed
+                protect = set(self._flush_pending) | self._flush_failed | {step}
             dropped = self._retire(self.scratch, keep=self.keep_scratch, protect=protect)
         elif self.keep is not None:
-            dropped = self._retire(self.persistent, keep=self.keep)
+            dropped = self._retire(self.persistent, keep=self.keep, protect={step})
         else:
             return
         if dropped:
-            live = set(self.store.list("data"))
+            try:
+                live = set(self.store.list("data"))
+            except CheckpointError as exc:
+                log.warning("listing %s after retention failed: %s", self.store.url, exc)
+                self._forget_base()
+                return
             self._index = {h: loc for h, loc in self._index.items() if loc[0] in live}
+
+    def _forget_base(self) -> None:
+        """The next version is full: what the base points to may be gone."""
+        self._base, self._index = None, {}
 
     @staticmethod
     def _drain(job: _Job) -> None:
@@ -828,23 +874,30 @@ class Checkpointer:
         """Drain every pending save, stop the writer, release the write lock."""
         if self._closed:
             return
+        if self._flusher is not None:
+            # Every flush still queued gets flush_retry_seconds in all, not each.
+            self._flusher.finish_within(self._flush_retry_seconds)
         try:
             for p in list(self._pending):
                 p._done.wait()
         finally:
             self._closed = True
-            self._remove_spent_hooks()
-            self._jobs.put(None)
-            self._worker.join()
-            if self._flusher is not None:
-                self._flusher.close()
-                if self.scratch is not None:
-                    # The last versions are persistent now: scratch retention can apply.
-                    self._retire(self.scratch, keep=self.keep_scratch, protect=self._flush_failed)
-            self._pool.clear()
-            self._restore_handlers()
-            for lock in self._locks:
-                lock.release()
+            try:
+                self._remove_spent_hooks()
+                self._jobs.put(None)
+                self._worker.join()
+                if self._flusher is not None:
+                    self._flusher.close()
+                    if self.scratch is not None:
+                        # The last versions are persistent now: scratch retention can apply.
+                        self._retire(
+                            self.scratch, keep=self.keep_scratch, protect=self._flush_failed
+                        )
+                self._pool.clear()
+            finally:
+                for lock in self._locks:
+                    lock.release()
+                self._restore_handlers()
         self._raise_undelivered()
 
     def _check_open(self) -> None:
@@ -979,3 +1032,48 @@ def _metrics(metrics: object) -> dict[str, float] | None:
             raise ValueError(f"metrics[{name!r}]={value} is invalid: must be finite")
         out[name] = float(value)
     return out
+
+
+# Preemption signals: one module-level handler per signal, shared by every Checkpointer that
+# asked for it (two runs in one process, or one closed while another is open); the program's
+# own handler is put back when the last one closes.
+_signal_lock = threading.Lock()
+_signal_users: dict[int, list[Checkpointer]] = {}
+_signal_original: dict[int, Any] = {}
+
+
+def _dispatch_signal(signum: int, frame: Any) -> None:
+    for ckpt in list(_signal_users.get(signum, ())):
+        ckpt._on_signal(signum, frame)
+
+
+def _signal_subscribe(signum: int, ckpt: Checkpointer) -> None:
+    with _signal_lock:
+        users = _signal_users.get(signum)
+        ours = signum in _signal_original and signal.getsignal(signum) is _dispatch_signal
+        if not users and not ours:
+            try:
+                previous = signal.signal(signum, _dispatch_signal)
+            except ValueError as exc:  # not the main thread
+                raise ValueError(f"handle_signals: {exc}") from exc
+            _signal_original[signum] = signal.SIG_DFL if previous is None else previous
+        users = _signal_users.setdefault(signum, [])
+        users.append(ckpt)
+
+
+def _signal_unsubscribe(signum: int, ckpt: Checkpointer) -> None:
+    with _signal_lock:
+        users = _signal_users.get(signum, [])
+        if ckpt in users:
+            users.remove(ckpt)
+        if users or signum not in _signal_original:
+            return
+        if signal.getsignal(signum) is not _dispatch_signal:
+            _signal_original.pop(signum)  # the program replaced it since: leave theirs
+            return
+        try:
+            signal.signal(signum, _signal_original[signum])
+        except ValueError:  # not the main thread: ours stays installed, handling nobody
+            log.warning("closed off the main thread: %s keeps cryosnap's handler", signum)
+            return
+        _signal_original.pop(signum)

@@ -621,21 +621,26 @@ class PartWriter:
                 release()
 
         for i, group in enumerate(groups):
+            queued = False
             try:
                 logical = sum(p.view.nbytes for p in group)
-                self._device = self.placement.choose(
-                    int(logical * self._new_share), reserve=logical
-                )
+                device = self.placement.choose(int(logical * self._new_share), reserve=logical)
+                self._device = device
                 out = self._diff(group)
+                nbytes = sum(v.nbytes for v in out)
+                # Only what the batch writes keeps its reservation of the device's capacity.
+                self.placement.unreserve(device, logical - nbytes)
+                if logical:
+                    self._new_share = 0.5 * self._new_share + 0.5 * nbytes / logical
+                self.placement.enqueue(device, nbytes)
+                queued = True
+                self._ios[device].append(out, release_one, nbytes)
             except BaseException:
-                for _ in range(len(groups) - i):
+                # Groups not handed to an I/O thread are released here (a queued one is
+                # released by its thread, even when its append reports an earlier failure).
+                for _ in range(len(groups) - i - (1 if queued else 0)):
                     release_one()
                 raise
-            nbytes = sum(v.nbytes for v in out)
-            if logical:
-                self._new_share = 0.5 * self._new_share + 0.5 * nbytes / logical
-            self.placement.enqueue(self._device, nbytes)
-            self._ios[self._device].append(out, release_one, nbytes)
 
     def _diff(self, pieces: Sequence[Piece]) -> list[memoryview]:
         cb = self.chunk_bytes

@@ -21,13 +21,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+import xxhash
 
 from .engine import read_commit
-from .errors import CheckpointError, StorageError
-from .manifest import commit_key, version_prefix
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    StorageError,
+)
+from .manifest import commit_key, manifest_key
 from .storage import Store
 
-__all__ = ["Flusher", "flush_version"]
+__all__ = ["Flusher", "SourceDamagedError", "flush_version"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("cryosnap")
 
@@ -61,38 +72,56 @@ def _copy_file(
         raise
 
 
+class SourceDamagedError(CheckpointError):
+    """The version cannot be flushed because its scratch copy is incomplete or damaged:
+    retrying would not help (the persistent tier is not the problem)."""
+
+
+def _from_src(step: int, src: Store, read: Callable[[], _T]) -> _T:
+    try:
+        return read()
+    except (CheckpointNotFoundError, IntegrityError, CheckpointFormatError) as exc:
+        raise SourceDamagedError(f"step {step} on scratch {src.url} is damaged: {exc}") from exc
+
+
 def flush_version(
     src: Store, dst: Store, step: int, *, yield_to: Callable[[], None] = _no_wait
 ) -> int:
     """Make version ``step`` of ``src`` complete on ``dst``; returns the bytes copied.
 
-    Files already on ``dst`` with the right size are kept (an earlier flush of the chain, or a
-    flush interrupted after them): stores make a file visible only once it is whole.
-    ``yield_to()`` is called before each piece copied: it may block (the program is capturing
-    a version: its stall comes first).
+    Data files already on ``dst`` with the right size are kept (an earlier flush of the chain,
+    or a flush interrupted after them): their names are unique and stores make a file visible
+    only once it is whole. Manifests (whose names are not unique: a step may be saved again
+    after a crash) are kept only when their bytes are the same. ``yield_to()`` is called before
+    each piece copied: it may block (the program is capturing a version: its stall comes
+    first). A damaged or incomplete scratch copy raises :class:`SourceDamagedError`.
     """
-    record = read_commit(src, step)
+    record = _from_src(step, src, lambda: read_commit(src, step))
     copied = 0
     for key in record.data_files:
-        nbytes = src.size(key)
+        nbytes = _from_src(step, src, lambda key=key: src.size(key))  # type: ignore[misc]
         if dst.exists(key) and dst.size(key) == nbytes:
             continue
-        _copy_file(src, dst, key, nbytes, yield_to)
+        _from_src(step, src, lambda key=key, n=nbytes: _copy_file(src, dst, key, n, yield_to))  # type: ignore[misc]
         copied += nbytes
-    # Manifests of this version and of the versions it inherits from; their commit records
-    # are not needed (a base may be gone from scratch's retention; it is not a version here).
-    own = commit_key(step)
-    for s in record.chain or (step,):
-        for key in src.list(version_prefix(s)):
-            if key.endswith("/COMMIT.json"):
-                continue
-            if dst.exists(key):
-                continue
-            data = src.read(key)
-            dst.write(key, data)
-            copied += len(data)
-    body = src.read(own)
-    dst.write(own, body)
+    # The manifests of this version and of every version its chain inherits from, by the keys
+    # they must have; their commit records are not needed (a base may be gone from scratch's
+    # retention: it is not a version here, only a manifest this one resolves through).
+    ranks = sorted(m.rank for m in record.manifests)
+    own = {m.key: m.xxh3 for m in record.manifests}
+    keys = [manifest_key(s, r) for s in (record.chain or (step,)) for r in ranks]
+    for key in dict.fromkeys([*keys, *own]):
+        data = _from_src(step, src, lambda key=key: src.read(key))  # type: ignore[misc]
+        if key in own and xxhash.xxh3_128_hexdigest(data) != own[key]:
+            raise SourceDamagedError(
+                f"step {step} on scratch {src.url}: manifest {key} does not match its hash"
+            )
+        if dst.exists(key) and dst.read(key) == data:
+            continue
+        dst.write(key, data)
+        copied += len(data)
+    body = _from_src(step, src, lambda: src.read(commit_key(step)))
+    dst.write(commit_key(step), body)
     return copied + len(body)
 
 
@@ -122,6 +151,7 @@ class Flusher:
         self._waiting: list[int] = []  # queued or in progress, in order
         self.last_error: BaseException | None = None
         self._stop = threading.Event()
+        self._closing_deadline = float("inf")
         self._thread = threading.Thread(target=self._run, name="cryosnap-flush", daemon=True)
         self._thread.start()
 
@@ -135,8 +165,14 @@ class Flusher:
         with self._lock:
             return tuple(self._waiting)
 
+    def finish_within(self, seconds: float) -> None:
+        """From now on, retries of every queued flush together end after ``seconds``."""
+        self._closing_deadline = min(self._closing_deadline, time.monotonic() + seconds)
+
     def close(self) -> None:
-        """Finish the queued flushes (each retried at most ``retry_seconds``), then stop."""
+        """Finish the queued flushes, all of them retried at most ``retry_seconds`` more in
+        total, then stop."""
+        self.finish_within(self.retry_seconds)
         self._queue.put(None)
         self._thread.join()
 
@@ -168,7 +204,11 @@ class Flusher:
                 nbytes = flush_version(self.src, self.dst, step, yield_to=self.yield_to)
             except (CheckpointError, OSError) as exc:
                 self.last_error = exc
-                if self._stop.is_set() or time.monotonic() + delay > deadline:
+                if isinstance(exc, SourceDamagedError):
+                    log.error("step %d cannot be flushed: %s", step, exc)
+                    return exc
+                give_up = min(deadline, self._closing_deadline)
+                if self._stop.is_set() or time.monotonic() + delay > give_up:
                     log.error("step %d could not be flushed to %s: %s", step, self.dst.url, exc)
                     return StorageError(
                         f"step {step} is on scratch ({self.src.url}) but could not be flushed "

@@ -276,3 +276,90 @@ def test_bad_tier_arguments(tmp_path: Path) -> None:
         cryosnap.Checkpointer(tmp_path / "p", scratch=[])
     with pytest.raises(TypeError, match="storage_options"):
         cryosnap.Checkpointer(tmp_path / "p", storage_options=["x"])  # type: ignore[arg-type]
+
+
+# --- regressions found in review -----------------------------------------------------------
+
+
+def test_stale_manifest_on_persistent_is_not_reused(tmp_path: Path) -> None:
+    """A flush that died after the manifest, scratch wiped, the step saved again: the new
+    manifest replaces the stale one (manifest names are not unique, data file names are)."""
+    from cryosnap.manifest import commit_key
+
+    scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
+    with cryosnap.Checkpointer(persistent, scratch=scratch) as ckpt:
+        ckpt.save(1, state(1)).result()
+        ckpt.save(2, state(2)).result()
+    (persistent / commit_key(2)).unlink()
+    shutil.rmtree(scratch)
+    with cryosnap.Checkpointer(persistent, scratch=scratch) as ckpt:
+        ckpt.save(2, state(7)).result()
+    check(cryosnap.load(persistent, step=2), 7)
+
+
+def test_damaged_scratch_chain_is_not_committed_on_persistent(tmp_path: Path) -> None:
+    from cryosnap.manifest import manifest_key
+
+    scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
+    gate = threading.Event()
+
+    def fault(op: str, key: str) -> None:
+        if key.startswith("versions/000000000002") and op == "write":
+            gate.wait(30)  # hold step 2's flush until its base's manifest is gone
+
+    slow = FaultyStore(LocalStore(persistent), fault=fault)
+    ckpt = cryosnap.Checkpointer(slow, scratch=scratch, flush_retry_seconds=1)
+    ckpt.save(1, state(1)).result()
+    (persistent / manifest_key(1, 0)).unlink()  # persistent lost it too: it must be copied
+    pending = ckpt.save(2, state(2))
+    pending.result(tier="scratch", timeout=30)
+    (scratch / manifest_key(1, 0)).unlink()
+    gate.set()
+    with pytest.raises(cryosnap.CheckpointError, match="damaged"):
+        pending.result(timeout=30)
+    # The next version does not build on the damaged chain: it is full, and flushes.
+    info = ckpt.save(3, state(3)).result(timeout=30)
+    assert not info.incremental and info.tiers == ("scratch", "persistent")
+    ckpt.close()  # the failure was delivered by result(): not raised again
+    assert 2 not in list_steps(LocalStore(persistent))
+    check(cryosnap.load(persistent, step=3), 3)
+
+
+def test_a_lower_step_saved_last_is_kept_and_is_a_good_base(tmp_path: Path) -> None:
+    scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
+    with cryosnap.Checkpointer(persistent, scratch=scratch, keep=1, keep_scratch=1) as ckpt:
+        ckpt.save(10, state(10)).result()
+        assert ckpt.save(5, state(5)).result().tiers == ("scratch", "persistent")
+        ckpt.save(11, state(11)).result()
+    check(cryosnap.load(persistent, step=11), 11)
+    check(cryosnap.load(scratch, step=11), 11)
+
+
+def test_incremental_version_fits_in_scratch_capacity(tmp_path: Path) -> None:
+    big = {"w": np.random.default_rng(0).random(4 << 20)}  # 32 MiB
+    tier = Tier(tmp_path / "scratch", capacity_bytes=48 << 20)
+    with cryosnap.Checkpointer(tmp_path / "p", scratch=tier, keep_scratch=1) as ckpt:
+        ckpt.save(1, big).result()
+        big["w"][:10] += 1
+        info = ckpt.save(2, big).result()
+    assert info.incremental and info.written_bytes <= 1 << 20
+
+
+def test_close_bounds_all_queued_flush_retries_together(tmp_path: Path) -> None:
+    down = threading.Event()
+
+    def fault(op: str, key: str) -> None:
+        if down.is_set() and key != "writer.lock" and op in ("write", "open_writer"):
+            raise StorageError("injected: persistent down")
+
+    persistent = FaultyStore(LocalStore(tmp_path / "p"), fault=fault)
+    ckpt = cryosnap.Checkpointer(persistent, scratch=tmp_path / "s", flush_retry_seconds=1.0)
+    down.set()
+    for s in range(4):
+        ckpt.save(s, {"w": np.full(10, s)}).result(tier="scratch")
+    t0 = time.monotonic()
+    with pytest.raises(StorageError):
+        ckpt.close()
+    # One budget for all four, not one each (no wall-clock bound asserted beyond that shape).
+    assert time.monotonic() - t0 < 4 * 1.0
+    assert list_steps(LocalStore(tmp_path / "s")) == [0, 1, 2, 3]

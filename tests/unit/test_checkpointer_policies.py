@@ -166,3 +166,25 @@ def test_adaptive_interval_follows_the_checkpoint_cost(tmp_path: Path) -> None:
     assert intervals["costly"] > intervals["cheap"], intervals
     # Never saving faster than versions become durable: 0.4 s per version at ~5 ms per step.
     assert intervals["costly"] >= 40, intervals
+
+
+def test_a_failing_retention_policy_does_not_stop_the_writer(tmp_path: Path) -> None:
+    class Broken:
+        def select(self, versions: object) -> set[int]:
+            raise RuntimeError("user policy bug")
+
+    with cryosnap.Checkpointer(tmp_path, keep=Broken()) as ckpt:  # type: ignore[arg-type]
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": np.full(100, step)}).result(timeout=30)
+    assert engine.list_steps(LocalStore(tmp_path)) == [1, 2, 3]
+
+
+def test_signal_handlers_of_two_runs_close_in_any_order(tmp_path: Path) -> None:
+    original = signal.getsignal(signal.SIGUSR2)
+    a = cryosnap.Checkpointer(tmp_path / "a", handle_signals=(signal.SIGUSR2,))
+    b = cryosnap.Checkpointer(tmp_path / "b", handle_signals=(signal.SIGUSR2,))
+    a.close()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert b.preempted and not a.preempted
+    b.close()
+    assert signal.getsignal(signal.SIGUSR2) == original

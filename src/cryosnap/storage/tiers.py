@@ -213,6 +213,11 @@ class Placement:
         with self._lock:
             self.queued[device] -= nbytes
 
+    def unreserve(self, device: int, nbytes: int) -> None:
+        """Give back ``nbytes`` of a reservation that the batch did not need."""
+        with self._lock:
+            self.reserved[device] = max(0, self.reserved[device] - nbytes)
+
     def release(self) -> None:
         """The version ended: its reservations become (accounted) files or nothing."""
         with self._lock:
