@@ -85,7 +85,7 @@ def test_other_strategies(tmp_path: Path) -> None:
     robin = Placement(striped(tmp_path, [None, None]), strategy="round_robin")
     assert _drive(robin, 10, 10) == [50, 50]
     with pytest.raises(ValueError, match="strategy"):
-        Placement(striped(tmp_path, [None]), strategy="random")
+        Placement(striped(tmp_path / "one", [None]), strategy="random")
 
 
 def test_capacity_is_respected_and_exhaustion_names_the_tier(tmp_path: Path) -> None:
@@ -122,3 +122,14 @@ def test_split_pieces_keeps_bytes_and_chunk_boundaries(
         assert offsets == sorted(offsets)
         assert all(o % chunk == 0 for o in offsets)
         assert sum(p.view.nbytes for p in parts) == n
+
+
+def test_the_device_list_of_a_scratch_tier_cannot_change_under_it(tmp_path: Path) -> None:
+    from cryosnap.errors import CheckpointError
+
+    striped(tmp_path, [None, None])
+    striped(tmp_path, [None, None])  # the same list: fine
+    with pytest.raises(CheckpointError, match="same order"):
+        StripedStore([LocalStore(tmp_path / "d0")], [None])
+    with pytest.raises(CheckpointError, match="same order"):
+        StripedStore([LocalStore(tmp_path / "d0"), LocalStore(tmp_path / "other")], [None, None])

@@ -27,6 +27,7 @@ Placement runs on the writer thread; the measurements arrive from the I/O thread
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -34,12 +35,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .base import BlobWriter, Store
 
 __all__ = ["Placement", "StripedStore", "Tier", "device_of"]
 
 _DEVICE_SUFFIX = re.compile(r"-d(\d+)\.dat$")
+# On the first device: the devices a scratch tier was written with, in order (data file keys
+# name their device by its position, so the list must not change under them).
+LAYOUT_KEY = "scratch-devices.json"
 # How fast older throughput samples fade: each new sample scales the old sums by this.
 _DECAY = 0.8
 
@@ -80,6 +84,7 @@ class StripedStore:
             raise ValueError("StripedStore needs one capacity per device and at least one device")
         self.devices = list(devices)
         self.capacities = list(capacities)
+        self._check_layout()
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
         self.used = [0] * len(self.devices)
@@ -90,6 +95,24 @@ class StripedStore:
 
     def __repr__(self) -> str:
         return f"StripedStore({[d.url for d in self.devices]})"
+
+    def _check_layout(self) -> None:
+        urls = [d.url for d in self.devices]
+        first = self.devices[0]
+        try:
+            doc = json.loads(first.read(LAYOUT_KEY))
+        except CheckpointNotFoundError:
+            doc = None
+        except ValueError:
+            doc = None  # torn: rewritten below
+        if isinstance(doc, dict) and doc.get("devices") != urls:
+            raise CheckpointError(
+                f"scratch tier {first.url} was written with the devices {doc.get('devices')}, "
+                f"now given {urls}: give the same list in the same order, or empty the "
+                "scratch directories (the persistent tier keeps every flushed version)"
+            )
+        if not isinstance(doc, dict):
+            first.write(LAYOUT_KEY, json.dumps({"devices": urls}).encode())
 
     @property
     def url(self) -> str:
