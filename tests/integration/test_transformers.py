@@ -129,7 +129,7 @@ def test_callback_saves_and_resume_continues_exactly(tmp_path: Path) -> None:
     assert json.loads(saved["trainer_state"])["global_step"] == CUT
     assert saved["lr_scheduler"]["last_epoch"] == CUT
     _assert_same(saved["model"], first.model.state_dict())
-    assert set(saved["rng"]) >= {"python", "numpy", "cpu"}
+    assert set(saved["rng"]) >= {"python", "numpy", "torch"}  # RNGState().state_dict()
 
     probe = _Probe()
     second = _trainer(tmp_path / "b", CryosnapCallback(run, save_steps=3), probe)

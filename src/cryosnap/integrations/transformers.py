@@ -5,7 +5,7 @@ point where the Trainer saves its own checkpoints: after the optimizer and LR-sc
 ``global_step`` already counted) one version of a cryosnap run holding::
 
     {"model": model.state_dict(), "optimizer": ..., "lr_scheduler": ...,
-     "trainer_state": TrainerState as JSON, "rng": {"python", "numpy", "cpu"[, "cuda"]}}
+     "trainer_state": TrainerState as JSON, "rng": cryosnap.RNGState()}
 
 The save returns once this is captured in host memory; the write runs in the background, and
 ``on_train_end`` waits until every version is durable. No pickle, no ``torch.load``.
@@ -38,18 +38,16 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..checkpointer import Checkpointer, load
 from ..errors import CheckpointNotFoundError
+from .torch import RNGState
 
 __all__ = ["CryosnapCallback", "resume"]
 
@@ -144,7 +142,7 @@ class CryosnapCallback(TrainerCallback):
             "optimizer": kwargs["optimizer"],
             "lr_scheduler": kwargs["lr_scheduler"],
             "trainer_state": _state_json(state, control),
-            "rng": _rng_states(),
+            "rng": RNGState(),
         }
         self._ckpt.save(step, snapshot)
         self._last_saved = step
@@ -158,25 +156,6 @@ def _state_json(state: TrainerState, control: TrainerControl) -> str:
         type(control).__name__: control.state(),
     }
     return json.dumps(fields, sort_keys=True)
-
-
-def _rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cpu": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available():  # as the Trainer's own _save_rng_state
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.random.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def resume(
@@ -242,7 +221,7 @@ def _loading_from(trainer: Trainer, saved: dict[str, Any]) -> Iterator[None]:
         _part(trainer.lr_scheduler, "lr_scheduler").load_state_dict(saved["lr_scheduler"])
 
     def load_rng(_checkpoint: str | None) -> None:
-        _set_rng_states(saved["rng"])
+        RNGState().load_state_dict(saved["rng"])
 
     loaders: dict[str, Callable[..., None]] = {
         "_load_from_checkpoint": load_model,
