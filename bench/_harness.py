@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 _READ_BLOCK_BYTES = 8 << 20
 _KIB = 1024
@@ -201,3 +203,44 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+# -------------------------------------------------------------------- the script's surroundings
+
+
+def import_cryosnap() -> ModuleType:
+    """cryosnap, from the interpreter or else from the checkout's src/ (imported on call only:
+    child processes that measure peak memory do not pay for it)."""
+    try:
+        import cryosnap
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+        import cryosnap
+    return cryosnap
+
+
+def rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def warn_if_busy(*load_averages: float) -> None:
+    cpus = os.cpu_count() or 1
+    busiest = max(load_averages)
+    if busiest > cpus:
+        print(
+            f"warning: the machine was busy (load average up to {busiest:.1f} on {cpus} CPUs): "
+            "these figures carry other programs' load; compare quiet runs only"
+        )
+
+
+@dataclass(slots=True)
+class Check:
+    """One target of a benchmark: passed (True / False) or skipped (None)."""
+
+    name: str
+    passed: bool | None
+    detail: str
+
+    def line(self) -> str:
+        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
+        return f"[{verdict}] {self.name}: {self.detail}"

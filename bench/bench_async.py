@@ -48,7 +48,6 @@ import gc
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,7 +66,6 @@ import torch
 
 import _harness as h
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 StateDict = dict[str, torch.Tensor]
 
 _SEED = 20240611
@@ -79,33 +77,12 @@ _POLL_SECONDS = 0.0002
 # ----------------------------------------------------------------------------------- cryosnap
 
 
-def import_cryosnap() -> ModuleType:
-    """cryosnap, from the interpreter or else from the checkout's src/."""
-    try:
-        import cryosnap
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT / "src"))
-        import cryosnap
-    return cryosnap
-
-
 def quiet_dcp_warnings() -> None:
     # DCP warns on every call that it runs without a process group, which is what we mean.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
 
 
 # ------------------------------------------------------------------------------------ results
-
-
-@dataclass(slots=True)
-class Check:
-    name: str
-    passed: bool | None  # None: skipped
-    detail: str
-
-    def line(self) -> str:
-        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
-        return f"[{verdict}] {self.name}: {self.detail}"
 
 
 @dataclass(slots=True)
@@ -119,7 +96,7 @@ class Report:
     training: dict[str, Any] = field(default_factory=dict)
     checks: list[dict[str, Any]] = field(default_factory=list)
 
-    def add_checks(self, checks: Sequence[Check]) -> None:
+    def add_checks(self, checks: Sequence[h.Check]) -> None:
         for check in checks:
             print(check.line(), flush=True)
             self.checks.append(asdict(check))
@@ -146,27 +123,13 @@ def _x(value: float, reference: float) -> str:
     return f"{value / reference:.2f}x"
 
 
-def _ratio_check(name: str, value: float, limit: float, reference: float, what: str) -> Check:
+def _ratio_check(name: str, value: float, limit: float, reference: float, what: str) -> h.Check:
     """PASS when value <= limit * reference (seconds)."""
     if value != value or reference != reference or reference <= 0:
-        return Check(name, None, "not measured")
+        return h.Check(name, None, "not measured")
     ratio = value / reference
     detail = f"{_ms(value)} = {ratio:.2f}x {what} ({_ms(reference)}); limit {limit}x"
-    return Check(name, ratio <= limit, detail)
-
-
-def warn_if_busy(*load_averages: float) -> None:
-    cpus = os.cpu_count() or 1
-    busiest = max(load_averages)
-    if busiest > cpus:
-        print(
-            f"warning: the machine was busy (load average up to {busiest:.1f} on {cpus} CPUs): "
-            "these figures carry other programs' load; compare quiet runs only"
-        )
-
-
-def rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    return h.Check(name, ratio <= limit, detail)
 
 
 # --------------------------------------------------------------------------- part 1: the state
@@ -338,7 +301,7 @@ class DcpAsyncPeer(StallPeer):
         captured = time.perf_counter() - t0
         upload.result()
         durable = time.perf_counter() - t0
-        rmtree(path)
+        h.rmtree(path)
         return {"stall": stall, "captured": captured, "durable": durable}
 
     def close(self) -> None:
@@ -366,7 +329,7 @@ class DcpSyncPeer(StallPeer):
         t0 = time.perf_counter()
         save(state, checkpoint_id=path)
         seconds = time.perf_counter() - t0
-        rmtree(path)
+        h.rmtree(path)
         return {"stall": seconds, "durable": seconds}
 
 
@@ -453,7 +416,7 @@ def measure_stall(
         for peer in peers:
             with contextlib.suppress(Exception):
                 peer.close()
-        rmtree(part_root)
+        h.rmtree(part_root)
         os.sync()
     load_after = os.getloadavg()[0]
 
@@ -494,7 +457,7 @@ def measure_stall(
         "capture done / DCP staging done); durable: until the version is on disk (fsync'd)"
     )
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after")
-    warn_if_busy(load_before, load_after)
+    h.warn_if_busy(load_before, load_after)
     for key, why in errors.items():
         print(f"  {key}: {why}")
 
@@ -541,7 +504,7 @@ def _rss_sampler(stop: threading.Event, out: list[int]) -> None:
 
 def child_peak_memory(directory: Path, size_scale: float, staging_bytes: int, saves: int) -> None:
     """In a fresh process: peak RSS over ``saves`` saves (eager, lazy, ...) of the state."""
-    cryosnap = import_cryosnap()
+    cryosnap = h.import_cryosnap()
     state = build_state(size_scale)
     gc.collect()
     before = h.current_rss_bytes()
@@ -596,15 +559,15 @@ def measure_memory(root: Path, args: argparse.Namespace, report: Report) -> None
     try:
         completed = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     except subprocess.TimeoutExpired:
-        report.add_checks([Check("peak extra memory", False, "child timed out after 600 s")])
+        report.add_checks([h.Check("peak extra memory", False, "child timed out after 600 s")])
         return
     finally:
-        rmtree(directory)
+        h.rmtree(directory)
         os.sync()
     if completed.returncode != 0:
         print(completed.stderr)
         report.add_checks(
-            [Check("peak extra memory", False, f"child exited {completed.returncode}")]
+            [h.Check("peak extra memory", False, f"child exited {completed.returncode}")]
         )
         return
     fields = json.loads(completed.stdout.strip().splitlines()[-1])
@@ -625,7 +588,7 @@ def measure_memory(root: Path, args: argparse.Namespace, report: Report) -> None
     peak = max(hwm_delta, sampled_delta) if fields["hwm_reset"] else sampled_delta
     report.add_checks(
         [
-            Check(
+            h.Check(
                 "peak extra memory <= staging_bytes + 10%",
                 peak <= limit,
                 f"{h.format_bytes(peak)} vs limit {h.format_bytes(limit)} "
@@ -843,7 +806,7 @@ def run_training(
         stats = saver.stats()
     finally:
         saver.close()
-        rmtree(directory)
+        h.rmtree(directory)
         os.sync()
     return RunResult(saver.key, every, round_index, times, saves, saver.save_seconds, drain, stats)
 
@@ -926,7 +889,7 @@ def measure_training(
                     )
                     report.training.setdefault("runs", []).append(asdict(res))
     finally:
-        rmtree(part_root)
+        h.rmtree(part_root)
     load_after = os.getloadavg()[0]
 
     def iterations(key: str, every: int) -> list[float]:
@@ -1008,7 +971,7 @@ def measure_training(
         "logical bytes (incremental de-duplication)"
     )
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after")
-    warn_if_busy(load_before, load_after)
+    h.warn_if_busy(load_before, load_after)
     report.training.update(
         {
             "batch": batch,
@@ -1029,12 +992,12 @@ def measure_training(
         theirs_ok = {k: v for k, v in theirs.items() if v is not None}
         name = f"cryosnap overhead (best of eager/lazy) is the lowest, every {every}"
         if not ours_ok or not theirs_ok:
-            checks.append(Check(name, None, "not measured"))
+            checks.append(h.Check(name, None, "not measured"))
             continue
         best = min(ours_ok)
         peer_key = min(theirs_ok, key=lambda k: theirs_ok[k])
         checks.append(
-            Check(
+            h.Check(
                 name,
                 best <= theirs_ok[peer_key],
                 f"cryosnap {best:+.1f}% vs best peer {peer_key} {theirs_ok[peer_key]:+.1f}%",
@@ -1134,7 +1097,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child_peak_memory is not None:
         child_peak_memory(args.child_peak_memory, args.size_scale, args.staging_mib * _MIB, saves=4)
         return 0
-    cryosnap = import_cryosnap()
+    cryosnap = h.import_cryosnap()
     env = environment(cryosnap)
     report = Report(env, {k: str(v) for k, v in vars(args).items()})
     print(f"environment: {json.dumps(env)}")
@@ -1153,10 +1116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure_training(cryosnap, root, args, report)
             report.write(args.json)
     finally:
-        rmtree(root)
+        h.rmtree(root)
     print("\n== summary of checks ==")
     for check in report.checks:
-        print(Check(**check).line())
+        print(h.Check(**check).line())
     print(f"total time {time.perf_counter() - t0:.0f} s")
     return 0
 

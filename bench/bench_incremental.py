@@ -61,7 +61,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial, reduce
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -70,7 +69,6 @@ import xxhash
 
 import _harness as h
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -86,17 +84,7 @@ RESTORE_RATIO = 1.5  # end of a 15-version chain <= 1.5x a full version
 HASH_RATIO = 0.7  # hash + diff >= 0.7x single-thread xxh3 at 1 MiB chunks
 
 
-def import_cryosnap() -> ModuleType:
-    """cryosnap, falling back to the checkout's src/ when it is not installed."""
-    try:
-        import cryosnap
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT / "src"))
-        import cryosnap
-    return cryosnap
-
-
-cryosnap = import_cryosnap()
+cryosnap = h.import_cryosnap()
 from cryosnap.capture import Piece  # noqa: E402
 from cryosnap.engine import PartWriter, resolve_version  # noqa: E402
 from cryosnap.storage import FsspecStore, open_store  # noqa: E402

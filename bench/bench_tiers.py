@@ -62,7 +62,6 @@ import numpy as np
 
 import _harness as h
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 State = dict[str, np.ndarray]
 
 _SEED = 20240705
@@ -70,27 +69,6 @@ _MIB = 1 << 20
 _MB = 10**6
 _WRITE_CALL_BYTES = 8 << 20  # the engine's placement batch (engine._PLACE_BYTES)
 _STRATEGIES = ("adaptive", "fastest", "round_robin")
-
-
-def import_cryosnap() -> ModuleType:
-    """cryosnap, from the interpreter or else from the checkout's src/."""
-    try:
-        import cryosnap
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT / "src"))
-        import cryosnap
-    return cryosnap
-
-
-@dataclass(slots=True)
-class Check:
-    name: str
-    passed: bool | None  # None: skipped
-    detail: str
-
-    def line(self) -> str:
-        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
-        return f"[{verdict}] {self.name}: {self.detail}"
 
 
 @dataclass(slots=True)
@@ -104,20 +82,6 @@ class Report:
     def write(self, path: Path | None) -> None:
         if path is not None:
             path.write_text(json.dumps(asdict(self), indent=2, default=str) + "\n")
-
-
-def rmtree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def warn_if_busy(*load_averages: float) -> None:
-    cpus = os.cpu_count() or 1
-    busiest = max(load_averages)
-    if busiest > cpus:
-        print(
-            f"warning: the machine was busy (load average up to {busiest:.1f} on {cpus} CPUs): "
-            "these figures carry other programs' load; compare quiet runs only"
-        )
 
 
 def _ms(seconds: float) -> str:
@@ -229,8 +193,8 @@ def run_segment(
         full = [p.result() for p in pendings]
     finally:
         ckpt.close()
-        rmtree(directory)
-        rmtree(persistent_root / f"{config}-{index}")
+        h.rmtree(directory)
+        h.rmtree(persistent_root / f"{config}-{index}")
         os.sync()
     interval = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else float("nan")
     return Segment(
@@ -247,7 +211,7 @@ def run_segment(
 
 def measure_stall(
     cs: ModuleType, root: Path, shm: Path, args: argparse.Namespace, report: Report
-) -> list[Check]:
+) -> list[h.Check]:
     persistent_root = root if args.persistent_on == "disk" else shm
     state = build_state(args.state_mib, args.tensors)
     nbytes = state_bytes(state)
@@ -343,7 +307,7 @@ def measure_stall(
         f"throttle), the save interval {args.every * args.compute_seconds:g} s"
     )
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after")
-    warn_if_busy(load_before, load_after)
+    h.warn_if_busy(load_before, load_after)
     report.stall = {
         "state_bytes": nbytes,
         "segments": [asdict(s) for s in segments],
@@ -353,7 +317,7 @@ def measure_stall(
     ratio = med[("tiered", "calls")] / base
     ratio_info = med[("tiered", "stalls")] / med[("local", "stalls")]
     return [
-        Check(
+        h.Check(
             f"stall with a {args.persistent_mbps:g} MB/s persistent tier <= 1.1x without",
             ratio <= 1.1,
             f"{ratio:.3f}x on medians ({_ms(med[('tiered', 'calls')])} vs {_ms(base)}; "
@@ -424,7 +388,7 @@ def split_of(cs: ModuleType, ckpt: Any, step: int) -> list[int]:
 
 def measure_placement(
     cs: ModuleType, root: Path, shm: Path, args: argparse.Namespace, report: Report
-) -> list[Check]:
+) -> list[h.Check]:
     rates_set = [args.fast_mbps, args.slow_mbps]
     state = build_state(args.tier_state_mib, args.tensors)
     nbytes = state_bytes(state)
@@ -443,7 +407,7 @@ def measure_placement(
     for _ in range(args.probe_repeat):
         for d, rate in enumerate(rates_set):
             probes[d].append(probe_device(shm / "probe" / f"dev{d}", rate, probe_bytes, buffer))
-    rmtree(shm / "probe")
+    h.rmtree(shm / "probe")
     alone = [h.median(p) for p in probes]
     for d in range(2):
         print(
@@ -484,8 +448,8 @@ def measure_placement(
         for ckpt in ckpts.values():
             ckpt.close()
         for s in _STRATEGIES:
-            rmtree(shm / s)
-            rmtree(root / s)
+            h.rmtree(shm / s)
+            h.rmtree(root / s)
     load_after = os.getloadavg()[0]
 
     written = h.median([x.written for x in versions])
@@ -552,7 +516,7 @@ def measure_placement(
         + ", ".join("-" if r is None else f"{r / _MB:.0f} MB/s" for r in learned)
     )
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after")
-    warn_if_busy(load_before, load_after)
+    h.warn_if_busy(load_before, load_after)
     report.placement = {
         "state_bytes": nbytes,
         "device_rates_alone": alone,
@@ -565,17 +529,17 @@ def measure_placement(
     }
     ad = med["adaptive"]
     return [
-        Check(
+        h.Check(
             "adaptive placement <= 1.2x the optimum split",
             ad <= 1.2 * optimum,
             f"{ad / optimum:.2f}x ({_s(ad)} vs {_s(optimum)})",
         ),
-        Check(
+        h.Check(
             "adaptive faster than fastest-device-only",
             ad < med["fastest"],
             f"{_s(ad)} vs {_s(med['fastest'])} ({med['fastest'] / ad:.2f}x)",
         ),
-        Check(
+        h.Check(
             "adaptive faster than round robin",
             ad < med["round_robin"],
             f"{_s(ad)} vs {_s(med['round_robin'])} ({med['round_robin'] / ad:.2f}x)",
@@ -673,7 +637,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cs = import_cryosnap()
+    cs = h.import_cryosnap()
     env = environment(cs)
     report = Report(env, {k: str(v) for k, v in vars(args).items()})
     print(f"environment: {json.dumps(env)}")
@@ -683,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shm = Path(tempfile.mkdtemp(prefix="cryosnap-bench-tiers-", dir=shm_base))
     print(f"disk dirs under {root}; throttled scratch devices under {shm} ({shm_note})")
     t0 = time.perf_counter()
-    checks: list[Check] = []
+    checks: list[h.Check] = []
     try:
         if args.part in ("stall", "all"):
             checks += measure_stall(cs, root, shm, args, report)
@@ -692,8 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checks += measure_placement(cs, root, shm, args, report)
             report.write(args.json)
     finally:
-        rmtree(root)
-        rmtree(shm)
+        h.rmtree(root)
+        h.rmtree(shm)
     print("\n== summary of checks ==")
     for check in checks:
         report.checks.append(asdict(check))
