@@ -936,7 +936,8 @@ def _restore_tiers(
 
     if step is not None:
         return attempt(step)
-    return engine.newest_restorable(tiers[-1], attempt, sorted(holders))
+    where = " + ".join(t.url for t in tiers)
+    return engine.newest_restorable(where, attempt, sorted(holders))
 
 
 def _restore(store: Store, step: int | None, *, into: Any, rank: int, allow_pickle: bool) -> Any:
@@ -945,7 +946,7 @@ def _restore(store: Store, step: int | None, *, into: Any, rank: int, allow_pick
 
     if step is not None:
         return attempt(step)
-    return engine.newest_restorable(store, attempt, engine.list_steps(store))
+    return engine.newest_restorable(store.url, attempt, engine.list_steps(store))
 
 
 def save(

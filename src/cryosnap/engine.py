@@ -1229,10 +1229,11 @@ def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
     return part
 
 
-def newest_restorable(store: Store, attempt: Callable[[int], Any], steps: Sequence[int]) -> Any:
-    """Run ``attempt(step)`` from the newest step down; warn and fall back past damage."""
+def newest_restorable(where: str, attempt: Callable[[int], Any], steps: Sequence[int]) -> Any:
+    """Run ``attempt(step)`` from the newest step down; warn and fall back past damage.
+    ``where`` names the run (a store's URL, or its tiers) in messages."""
     if not steps:
-        raise CheckpointNotFoundError(f"no committed version in {store.url}")
+        raise CheckpointNotFoundError(f"no committed version in {where}")
     errors: list[str] = []
     for step in reversed(steps):
         try:
@@ -1240,8 +1241,8 @@ def newest_restorable(store: Store, attempt: Callable[[int], Any], steps: Sequen
         except (IntegrityError, CheckpointFormatError) as exc:
             errors.append(str(exc))
             warnings.warn(
-                f"cryosnap: skipping damaged step {step} in {store.url}: {exc}",
+                f"cryosnap: skipping damaged step {step} in {where}: {exc}",
                 RuntimeWarning,
                 stacklevel=3,
             )
-    raise IntegrityError(f"every version in {store.url} is damaged; newest error: {errors[0]}")
+    raise IntegrityError(f"every version in {where} is damaged; newest error: {errors[0]}")
