@@ -23,9 +23,10 @@ Part 2, adaptive placement across two scratch devices: ``scratch=[Tier(FaultySto
 bytes_per_second=400e6)), Tier(FaultyStore(LocalStore(d1), bytes_per_second=100e6))]`` (d0, d1 on
 tmpfs so that the throttle, not a shared disk, sets each device's speed), the persistent tier a
 plain local directory. Each device's speed alone is measured first (``--probe-mib`` written
-through the same FaultyStore writer in 8 MiB calls, the engine's placement batch, then commit
-with fsync); the optimum time for a version is ``new bytes / (r0 + r1)`` (shares proportional to
-the speeds, both devices finishing together). Three Checkpointers, one per ``Placement``
+through the same FaultyStore writer in 8 MiB calls, then commit with fsync; the throttle makes
+the rate independent of the call size); the optimum time for a version is
+``new bytes / (r0 + r1)`` (shares proportional to the speeds, both devices finishing together).
+Three Checkpointers, one per ``Placement``
 strategy (``adaptive``, ``fastest``, ``round_robin``, set through the internal
 ``ckpt._placement`` hook right after opening), save the same ``--tier-state-mib`` state (default
 512 MiB, ``incremental=False``) as ``--versions`` versions, round-robin over the strategies with
@@ -67,7 +68,7 @@ State = dict[str, np.ndarray]
 _SEED = 20240705
 _MIB = 1 << 20
 _MB = 10**6
-_WRITE_CALL_BYTES = 8 << 20  # the engine's placement batch (engine._PLACE_BYTES)
+_WRITE_CALL_BYTES = 8 << 20  # probe write size; the throttle sets the rate, not this
 _STRATEGIES = ("adaptive", "fastest", "round_robin")
 
 
