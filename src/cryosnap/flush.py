@@ -147,8 +147,6 @@ class Flusher:
         self.retry_seconds = retry_seconds
         self.on_done = on_done
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._waiting: list[int] = []  # queued or in progress, in order
         self.last_error: BaseException | None = None
         self._stop = threading.Event()
         self._closing_deadline = float("inf")
@@ -156,14 +154,7 @@ class Flusher:
         self._thread.start()
 
     def submit(self, step: int) -> None:
-        with self._lock:
-            self._waiting.append(step)
         self._queue.put(step)
-
-    def pending(self) -> tuple[int, ...]:
-        """Versions committed on scratch and not yet on the persistent tier."""
-        with self._lock:
-            return tuple(self._waiting)
 
     def finish_within(self, seconds: float) -> None:
         """From now on, retries of every queued flush together end after ``seconds``."""
@@ -186,8 +177,6 @@ class Flusher:
             if step is None:
                 return
             error = self._flush(step)
-            with self._lock:
-                self._waiting.remove(step)
             try:
                 self.on_done(step, error)
             except Exception:  # pragma: no cover - the callback must not stop the flusher
