@@ -1,37 +1,55 @@
 # Quick start: `make demo` runs the main job, `make test` runs lint + types + tests.
-# Both create .venv and install the pinned dependencies (requirements-dev.txt) themselves.
+# Both create .venv themselves. `make demo` installs the runtime and the demo's needs
+# (requirements.txt); `make test` adds the development stack (requirements-dev.txt) on top, so
+# either order installs each package once. constraints.txt pins every transitive version.
+# TORCH_INDEX=URL installs torch from that index first (its CPU or CUDA build; README).
 
-PYTHON ?= python3
-VENV   := .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+PYTHON      ?= python3
+TORCH_INDEX ?=
+VENV        := .venv
+PY          := $(VENV)/bin/python
+CREATED     := $(VENV)/.created
+RUNTIME     := $(VENV)/.runtime-installed
+DEV         := $(VENV)/.dev-installed
 
 .PHONY: test demo lint typecheck pytest bench clean
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(CREATED):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	touch $(CREATED)
 
-lint: $(STAMP)
+$(RUNTIME): $(CREATED) requirements.txt constraints.txt pyproject.toml
+ifneq ($(TORCH_INDEX),)
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt torch --index-url $(TORCH_INDEX)
+endif
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(RUNTIME)
+
+$(DEV): $(RUNTIME) requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $(DEV)
+
+lint: $(DEV)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
 
-typecheck: $(STAMP)
+typecheck: $(DEV)
 	$(PY) -m mypy
 
-pytest: $(STAMP)
+pytest: $(DEV)
 	$(PY) -m pytest -q
 
 test: lint typecheck pytest
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(PY) -m cryosnap.demo
 
-bench: $(STAMP)
+bench: $(DEV)
 	$(PY) bench/bench_save_load.py --state all
 
+# demo-run goes only if the demo made it (its marker file): clean deletes no directory of yours.
 clean:
-	rm -rf $(VENV) demo-run .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	if [ -f demo-run/.cryosnap-demo ]; then rm -rf demo-run; fi

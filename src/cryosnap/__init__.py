@@ -19,8 +19,10 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     IntegrityError,
+    LockLostError,
     StateMismatchError,
     StorageError,
+    StorageTimeoutError,
 )
 from .storage.tiers import Tier
 
@@ -35,12 +37,14 @@ __all__ = [
     "CheckpointTimeoutError",
     "Checkpointer",
     "IntegrityError",
+    "LockLostError",
     "PendingSave",
     "RNGState",
     "SaveInfo",
     "StateMismatchError",
     "Status",
     "StorageError",
+    "StorageTimeoutError",
     "Tier",
     "__version__",
     "load",

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -43,13 +43,15 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    LockLostError,
+    StorageTimeoutError,
 )
-from .flush import Flusher, SourceDamagedError
+from .flush import Flusher, SourceDamagedError, flush_keys
 from .lock import RunLock, acquire_run_lock
-from .manifest import MAX_STEP, commit_key
+from .manifest import MAX_STEP, commit_key, manifest_key
 from .policy import KeepLast, RetentionPolicy, SavePolicy, as_retention
 from .progress import Progress, human_bytes
-from .storage import Store, open_store
+from .storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store, unwrap
 from .storage.tiers import Placement, StripedStore, Tier
 from .tree import FlatState, flatten
 
@@ -198,6 +200,10 @@ class _Job:
     batches: queue.SimpleQueue[Any]
     metrics: dict[str, float] | None = None
     stall_seconds: float = 0.0
+    # The same two figures on the policy's clock (``Checkpointer(clock=)``): the policy is told
+    # time and durations by one clock, so a test's fake clock makes it deterministic.
+    clock0: float = 0.0
+    stall_clock: float = 0.0
 
 
 class Checkpointer:
@@ -218,7 +224,8 @@ class Checkpointer:
         deleted after each commit; a data file or manifest goes only when no kept version
         needs it.
     keep_scratch
-        Versions to keep on scratch; a version leaves scratch only once it is persistent.
+        Versions to keep on scratch (default 2; only with ``scratch``); a version leaves
+        scratch only once it is persistent.
     incremental
         Write only chunks whose content is new since the previous version (True), or every
         version in full (False).
@@ -249,6 +256,14 @@ class Checkpointer:
     flush_retry_seconds
         How long a failing flush to the persistent tier is retried (with backoff) before the
         version's ``result()`` and the next ``wait()`` raise; it stays on scratch meanwhile.
+    storage_timeout_seconds
+        The longest one storage call (a read, a write of one batch, a listing, an fsync) may
+        take before it fails with :class:`~cryosnap.StorageTimeoutError`: a stalled tier (a hung
+        NFS mount, an endpoint that accepts connections and never answers) becomes an error
+        instead of a hang. None: no bound. With it, :meth:`close` returns within about
+        ``flush_retry_seconds`` plus a few storage calls, whatever the tiers do.
+    clock
+        The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     """
 
     def __init__(
@@ -257,7 +272,7 @@ class Checkpointer:
         *,
         scratch: PathLike | Tier | Sequence[PathLike | Tier] | None = None,
         keep: int | RetentionPolicy | None = None,
-        keep_scratch: int = 2,
+        keep_scratch: int | None = None,
         incremental: bool = True,
         full_every: int = 16,
         chunk_bytes: int = 1 << 20,
@@ -268,6 +283,8 @@ class Checkpointer:
         handle_signals: Sequence[int] = (),
         storage_options: dict[str, Any] | None = None,
         flush_retry_seconds: float = 300.0,
+        storage_timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
         budget = _positive_or_none(staging_bytes, "staging_bytes")
@@ -285,7 +302,12 @@ class Checkpointer:
         self.policy = policy
         self._policy_lock = threading.Lock()
         signals = _signals(handle_signals)
-        self.keep_scratch = _positive(keep_scratch, "keep_scratch")
+        if keep_scratch is not None and scratch is None:
+            raise ValueError(
+                f"keep_scratch={keep_scratch!r} needs scratch=: without scratch tiers every "
+                "version goes to the persistent tier, whose retention is keep="
+            )
+        self.keep_scratch = 2 if keep_scratch is None else _positive(keep_scratch, "keep_scratch")
         if isinstance(flush_retry_seconds, bool) or not isinstance(
             flush_retry_seconds, (int, float)
         ):
@@ -294,6 +316,10 @@ class Checkpointer:
             raise ValueError(f"flush_retry_seconds={flush_retry_seconds!r} must be >= 0")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        timeout = _timeout(storage_timeout_seconds)
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+        self._clock = clock
         devices = _scratch_tiers(scratch)
         self.full_every = _positive(full_every, "full_every")
         if not isinstance(incremental, bool):
@@ -305,14 +331,15 @@ class Checkpointer:
         self._index: dict[bytes, tuple[str, int]] = {}
         self._base_loaded = False
         self.allow_pickle = bool(allow_pickle)
-        self.persistent = open_store(path, **(storage_options or {}))
+        self.persistent = open_store(path, timeout_seconds=timeout, **(storage_options or {}))
         self.scratch: StripedStore | None = None
         self._placement: Placement | None = None
         self._locks: list[RunLock] = []
+        stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
+        _check_distinct(self.persistent, stores)
         try:
             self._locks.append(acquire_run_lock(self.persistent))
             if devices:
-                stores = [open_store(t.path) for t in devices]
                 for dev in stores:
                     self._locks.append(acquire_run_lock(dev))
                 self.scratch = StripedStore(stores, [t.capacity_bytes for t in devices])
@@ -345,7 +372,14 @@ class Checkpointer:
         self._flusher: Flusher | None = None
         self._flushed_ever: set[int] = set()  # versions that reached the persistent tier
         self._flush_failed: set[int] = set()  # on scratch only: scratch retention keeps them
+        # Steps whose commit record write timed out on the first tier (it may land late), with
+        # the files it names; and the files of versions whose flush failed (its commit record
+        # may land late on the persistent tier). Retention never deletes these.
+        self._in_doubt: dict[int, set[str]] = {}
+        self._flush_in_doubt: set[str] = set()
         self.preempted = False
+        # Set once a lock check finds this writer no longer holds the run: it stops saving.
+        self._lock_lost: LockLostError | None = None
         self._signals: list[int] = []
         self._flush_retry_seconds = float(flush_retry_seconds)
         try:
@@ -376,6 +410,7 @@ class Checkpointer:
             retry_seconds=self._flush_retry_seconds,
             on_done=self._flushed,
             yield_to=self._wait_no_capture,
+            fence=self._fence,
         )
         # A crash between a scratch commit and its flush: flush those versions now (those
         # that persistent retention would keep).
@@ -433,7 +468,7 @@ class Checkpointer:
                 "EveryNSteps(n) / EveryNSeconds(s) / Adaptive(max_overhead))"
             )
         with self._policy_lock:
-            due = self.policy.should_save(step, now=time.monotonic())
+            due = self.policy.should_save(step, now=self._clock())
         return due or self.preempted
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -452,7 +487,7 @@ class Checkpointer:
         with self._policy_lock:
             method = getattr(policy, event, None)
             if method is not None:
-                method(step, now=time.monotonic(), **figures)
+                method(step, now=self._clock(), **figures)
 
     # saving --------------------------------------------------------------------------------------
     def save(
@@ -473,11 +508,32 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         job = self._start(step, state, t0, _metrics(metrics))
+        try:
+            return self._save_started(job, lazy, t0)
+        except KeyboardInterrupt as exc:
+            # Ctrl-C: say whether this version is lost or will still commit in the background.
+            if job.pending._tracker.captured() and job.pending._tracker.error is None:
+                what = (
+                    f"cryosnap: step {job.step} was captured before the interrupt and is still "
+                    "being written: it commits unless the process exits first (wait() or "
+                    "close() waits for it)"
+                )
+            else:
+                what = f"cryosnap: step {job.step} was interrupted during capture and is not saved"
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(what)
+            else:
+                log.error("%s", what)
+            raise
+
+    def _save_started(self, job: _Job, lazy: bool, t0: float) -> PendingSave:
+        step = job.step
         tracker = job.pending._tracker
         if lazy:
             hooks = self._install_optimizer_hooks(job)
             # Set before the capture can end: the writer reads it once the batches are done.
             job.stall_seconds = time.perf_counter() - t0
+            job.stall_clock = self._clock() - job.clock0
             thread = threading.Thread(
                 target=self._capture,
                 args=(job, hooks, True),
@@ -490,7 +546,7 @@ class Checkpointer:
             if tracker.error is not None:
                 job.pending._delivered = True
                 raise tracker.error
-        self._policy_event("saved", step, stall_seconds=job.stall_seconds)
+        self._policy_event("saved", step, stall_seconds=job.stall_clock)
         return job.pending
 
     def _save_durable(self, step: int, state: Any) -> SaveInfo:
@@ -516,10 +572,18 @@ class Checkpointer:
     def _start(
         self, step: int, state: Any, t0: float, metrics: dict[str, float] | None = None
     ) -> _Job:
+        clock0 = self._clock()
         self._check_open()
         self._remove_spent_hooks()
         validate_step(step)
         self._raise_undelivered()
+        if self._lock_lost is not None:
+            raise LockLostError(f"this writer stopped saving: {self._lock_lost}")
+        if step in self._in_doubt:
+            raise CheckpointExistsError(
+                f"step {step}: the commit record of an earlier save timed out and may still "
+                f"appear in {self.store.url}; save under another step"
+            )
         if any(p.step == step and not p.done() for p in self._pending):
             raise CheckpointExistsError(f"step {step} is already being saved in {self!r}")
         for store in self._tiers():
@@ -533,6 +597,7 @@ class Checkpointer:
         ]
         tracker = CaptureTracker(len(flat.blobs))
         job = _Job(step, flat, PendingSave(step, tracker, t0), queue.SimpleQueue(), metrics)
+        job.clock0 = clock0
         self._pending.append(job.pending)
         self._jobs.put(job)
         return job
@@ -563,6 +628,7 @@ class Checkpointer:
                 # Eager: the caller was blocked until here (set before _END: the writer reads
                 # it once the batches are done).
                 job.stall_seconds = time.perf_counter() - job.pending._t0
+                job.stall_clock = self._clock() - job.clock0
             with self._capture_cond:
                 self._captures -= 1
                 self._capture_cond.notify_all()
@@ -644,7 +710,10 @@ class Checkpointer:
                     self._policy_event("failed", job.step)
                 else:
                     self._policy_event(
-                        "durable", job.step, seconds=info.seconds, stall_seconds=info.stall_seconds
+                        "durable",
+                        job.step,
+                        seconds=self._clock() - job.clock0,
+                        stall_seconds=job.stall_clock + job.pending._stall,
                     )
             except Exception:
                 # The version is committed; a failing retention or policy must not stop the
@@ -672,6 +741,9 @@ class Checkpointer:
             if isinstance(error, SourceDamagedError):
                 # Scratch lost files this chain needs: later versions must not build on it.
                 self._reset_base = True
+            elif self.scratch is not None:
+                # Its persistent commit record may still land (a write that timed out).
+                self._flush_in_doubt.update(flush_keys(self.scratch, step))
             pending._finish(None, error)
             return
         try:
@@ -686,19 +758,53 @@ class Checkpointer:
                 log.info("step %d persistent after %.3f s", step, seconds)
             pending._finish(info, None)
 
+    def _fence(self) -> None:
+        """Raise :class:`LockLostError` unless this writer still holds every tier's lock;
+        runs before each commit record and each retention pass (any thread)."""
+        if self._lock_lost is not None:
+            raise self._lock_lost
+        try:
+            for lock in self._locks:
+                lock.check()
+        except LockLostError as exc:
+            self._lock_lost = exc
+            log.error("%s; this writer stops saving", exc)
+            raise
+
     def _tiers(self) -> list[Store]:
         """The run's tiers, fastest first."""
         return [self.persistent] if self.scratch is None else [self.scratch, self.persistent]
 
     def _retire(
         self, store: Store, *, keep: int | RetentionPolicy, protect: set[int] | None = None
-    ) -> bool:
+    ) -> None:
+        # Data files of the store versions are written to leave the content index before they
+        # are deleted, so a pass that fails midway never leaves it pointing at a deleted file.
+        forget = self._forget_files if store is self.store else engine._ignore_files
+        reserved = set(self._flush_in_doubt) if store is self.persistent else set()
+        if store is self.store:
+            reserved.update(k for keys in self._in_doubt.values() for k in keys)
         try:
-            return bool(engine.retire(store, keep=keep, protect=protect or ()))
+            engine.retire(
+                store,
+                keep=keep,
+                protect=protect or (),
+                reserved=reserved,
+                fence=self._fence,
+                before_delete=forget,
+            )
+        except LockLostError:
+            return  # recorded by the fence; nothing was deleted
         except CheckpointError as exc:
-            # Versions are committed; a failed clean-up is retried after the next one.
+            # Versions are committed; a failed clean-up is finished by the next pass.
             log.warning("retention on %s failed: %s", store.url, exc)
-            return False
+
+    def _forget_files(self, files: Collection[str]) -> None:
+        """On the writer thread: no later version may reference these data files."""
+        # The base (the version just committed) is protected by retention: its files stay.
+        gone = set(files)
+        if self._index:
+            self._index = {h: loc for h, loc in self._index.items() if loc[0] not in gone}
 
     def _load_base(self) -> None:
         # First save of this session: continue the run's chain from its newest version.
@@ -752,9 +858,7 @@ class Checkpointer:
                 writer.add(batch.pieces, batch.release)
                 progress.update(batch.nbytes)
             part = writer.finish()
-            engine.commit_version(
-                self.store, job.step, [part], chunk_bytes=self.chunk_bytes, metrics=job.metrics
-            )
+            self._commit(job, part)
         except BaseException as exc:
             if writer is not None:
                 writer.abort()
@@ -782,6 +886,23 @@ class Checkpointer:
         )
         return info, part
 
+    def _commit(self, job: _Job, part: engine.PartResult) -> None:
+        try:
+            engine.commit_version(
+                self.store,
+                job.step,
+                [part],
+                chunk_bytes=self.chunk_bytes,
+                metrics=job.metrics,
+                fence=self._fence,
+            )
+        except StorageTimeoutError:
+            # The write may still land after we gave up: until then every file it names stays,
+            # so a late commit record never makes a broken version visible.
+            chain = {manifest_key(s, part.ref.rank) for s in part.chain()}
+            self._in_doubt[job.step] = {part.ref.key, *chain, *part.used_files()}
+            raise
+
     def _advance(self, part: engine.PartResult) -> None:
         """After a commit: the version is the next base; apply retention."""
         self._base = part
@@ -798,19 +919,9 @@ class Checkpointer:
             # Scratch keeps every version that is not yet persistent.
             with self._flush_lock:
                 protect = set(self._flush_pending) | self._flush_failed | {step}
-            dropped = self._retire(self.scratch, keep=self.keep_scratch, protect=protect)
+            self._retire(self.scratch, keep=self.keep_scratch, protect=protect)
         elif self.keep is not None:
-            dropped = self._retire(self.persistent, keep=self.keep, protect={step})
-        else:
-            return
-        if dropped:
-            try:
-                live = set(self.store.list("data"))
-            except CheckpointError as exc:
-                log.warning("listing %s after retention failed: %s", self.store.url, exc)
-                self._forget_base()
-                return
-            self._index = {h: loc for h, loc in self._index.items() if loc[0] in live}
+            self._retire(self.persistent, keep=self.keep, protect={step})
 
     def _forget_base(self) -> None:
         """The next version is full: what the base points to may be gone."""
@@ -912,17 +1023,15 @@ def _restore_tiers(
     one that verifies, without ``step``); a damaged copy falls back to the next tier."""
     if len(tiers) == 1:
         return _restore(tiers[0], step, into=into, rank=rank, allow_pickle=allow_pickle)
-    holders: dict[int, list[Store]] = {}
-    for store in tiers:
-        for s in engine.list_steps(store):
-            holders.setdefault(s, []).append(store)
+    where = " + ".join(t.url for t in tiers)
+
+    def listed() -> list[int]:
+        return sorted({s for store in tiers for s in engine.list_steps(store)})
 
     def attempt(s: int) -> Any:
-        stores = holders.get(s)
+        stores = [t for t in tiers if engine.step_exists(t, s)]
         if not stores:
-            raise CheckpointNotFoundError(
-                f"step {s} not found on any tier ({', '.join(t.url for t in tiers)})"
-            )
+            raise CheckpointNotFoundError(f"step {s} not found on any tier ({where})")
         first: CheckpointError | None = None
         for store in stores:
             try:
@@ -935,18 +1044,34 @@ def _restore_tiers(
         raise first
 
     if step is not None:
-        return attempt(step)
-    where = " + ".join(t.url for t in tiers)
-    return engine.newest_restorable(where, attempt, sorted(holders))
+        return _explicit(where, attempt, listed, step)
+    return engine.newest_restorable(where, attempt, listed)
 
 
 def _restore(store: Store, step: int | None, *, into: Any, rank: int, allow_pickle: bool) -> Any:
     def attempt(s: int) -> Any:
         return engine.read_part(store, s, rank=rank, into=into, allow_pickle=allow_pickle)
 
+    def listed() -> list[int]:
+        return engine.list_steps(store)
+
     if step is not None:
+        return _explicit(store.url, attempt, listed, step)
+    return engine.newest_restorable(store.url, attempt, listed)
+
+
+def _explicit(
+    where: str, attempt: Callable[[int], Any], listed: Callable[[], list[int]], step: int
+) -> Any:
+    """``attempt(step)``; a version the writer retired while it was read is reported as such."""
+    try:
         return attempt(step)
-    return engine.newest_restorable(store.url, attempt, engine.list_steps(store))
+    except CheckpointError as exc:
+        if isinstance(exc, CheckpointNotFoundError) or step in listed():
+            raise
+        raise CheckpointNotFoundError(
+            f"step {step} of {where} was deleted by the run's retention while it was read"
+        ) from exc
 
 
 def save(
@@ -987,6 +1112,29 @@ def load(
         validate_step(step)
     part = 0 if rank is None else validate_step(rank, "rank")
     return _restore(open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle)
+
+
+def _check_distinct(persistent: Store, scratch: Sequence[Store]) -> None:
+    """A scratch device that is the persistent directory itself would be one run opened twice
+    (its own lock would report this very process as the other writer)."""
+    for device in scratch:
+        if unwrap(device) == unwrap(persistent):
+            raise ValueError(
+                f"scratch={device.url!r} is the persistent path itself: a scratch tier must be "
+                "another directory (node-local: tmpfs, NVMe)"
+            )
+
+
+def _timeout(seconds: object) -> float | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(
+            f"storage_timeout_seconds must be a number of seconds or None, got {seconds!r}"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"storage_timeout_seconds={seconds!r} is invalid: allowed is > 0 or None")
+    return float(seconds)
 
 
 def _scratch_tiers(scratch: object) -> list[Tier]:

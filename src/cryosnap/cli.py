@@ -55,7 +55,7 @@ from .errors import (
 from .lock import acquire_run_lock
 from .manifest import MAX_STEP, Manifest
 from .progress import human_bytes
-from .storage import Store, open_store
+from .storage import Store, open_store, unwrap
 from .tree import format_path, iter_leaves
 
 if TYPE_CHECKING:
@@ -95,10 +95,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str]) -> int:
+    global _JSON_ERRORS
+    # With --json, an error is also one JSON object on stdout (scripts read stdout only).
+    _JSON_ERRORS = "--json" in args
     try:
         import typer
     except ImportError:
-        _error("the command line needs the 'cli' extra: pip install 'cryosnap[cli]'")
+        _error("the command line needs the 'cli' extra: pip install -e '.[cli]'", EXIT_USAGE)
         return EXIT_USAGE
     click_exc = _click_exceptions()
     command = typer.main.get_command(_build_app())
@@ -110,34 +113,29 @@ def _run(args: list[str]) -> int:
             return EXIT_USAGE
         rv = command.main(args=args, prog_name=PROG, standalone_mode=False)
     except CliUsageError as exc:
-        _error(str(exc))
-        return EXIT_USAGE
+        return _error(str(exc), EXIT_USAGE, "usage")
     except IntegrityError as exc:
-        _error(str(exc))
-        return EXIT_DAMAGED
+        return _error(str(exc), EXIT_DAMAGED, type(exc).__name__)
     except CheckpointError as exc:
-        _error(str(exc))
-        return EXIT_USAGE
+        return _error(str(exc), EXIT_USAGE, type(exc).__name__)
     except click_exc.UsageError as exc:
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-        _error(exc.format_message() + hint)
-        return EXIT_USAGE
+        return _error(exc.format_message() + hint, EXIT_USAGE, "usage")
     except click_exc.ClickException as exc:
-        _error(exc.format_message())
-        return int(exc.exit_code)
+        return _error(exc.format_message(), int(exc.exit_code), "usage")
     except typer.Abort:
-        _error("aborted")
-        return EXIT_INTERRUPTED
+        return _error("aborted", EXIT_INTERRUPTED, "interrupted")
     except SystemExit as exc:  # typer exits itself on a broken stdout pipe
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except Exception as exc:
         if os.environ.get("CRYOSNAP_TRACEBACK"):
             raise
-        _error(
+        return _error(
             f"internal error: {type(exc).__name__}: {exc} "
-            "(run with CRYOSNAP_TRACEBACK=1 to see the traceback)"
+            "(run with CRYOSNAP_TRACEBACK=1 to see the traceback)",
+            EXIT_INTERNAL,
+            "internal",
         )
-        return EXIT_INTERNAL
     # typer returns the code of a typer.Exit (verify's 1, --help's 0, Ctrl-C's 130) or the
     # command's None.
     return rv if isinstance(rv, int) else EXIT_OK
@@ -155,8 +153,16 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def _error(message: str) -> None:
+_JSON_ERRORS = False
+
+
+def _error(message: str, code: int, kind: str = "error") -> int:
+    """One line on stderr (and with ``--json`` one object on stdout); returns ``code``."""
     sys.stderr.write(f"{PROG}: error: {_one_line(message)}\n")
+    if _JSON_ERRORS:
+        doc = {"error": _one_line(message), "type": kind, "exit_code": code}
+        sys.stdout.write(json.dumps(doc) + "\n")
+    return code
 
 
 def _note(message: str) -> None:
@@ -177,6 +183,25 @@ def _build_app() -> "typer.Typer":
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
+
+    def show_version(value: bool) -> None:
+        if value:
+            from . import __version__
+
+            _print(f"{PROG} {__version__}")
+            raise typer.Exit(0)
+
+    @app.callback()
+    def root(
+        version: Annotated[
+            bool,
+            typer.Option(
+                "--version", is_eager=True, callback=show_version, help="Print the version."
+            ),
+        ] = False,
+    ) -> None:
+        """List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints."""
+
     path_arg = typer.Argument(help="The run: a directory or an fsspec URL (memory://, s3://...).")
     json_opt = typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
     rank_opt = typer.Option("--rank", min=0, help="Which rank's part of the version.")
@@ -223,13 +248,15 @@ def _build_app() -> "typer.Typer":
         path: Annotated[str, path_arg],
         out: Annotated[str, typer.Argument(help="Output file: .pt, .safetensors or .npz.")],
         step: Annotated[
-            int, typer.Option("--step", min=0, max=MAX_STEP, help="The version to export.")
-        ],
+            int | None,
+            typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
+        ] = None,
         rank: Annotated[int, rank_opt] = 0,
+        force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
         json_output: Annotated[bool, json_opt] = False,
     ) -> None:
         """Write one version as a .pt, .safetensors or .npz file."""
-        cmd_export(path, out, step=step, rank=rank, as_json=json_output)
+        cmd_export(path, out, step=step, rank=rank, force=force, as_json=json_output)
 
     @app.command("diff")
     def diff_command(
@@ -248,17 +275,27 @@ def _build_app() -> "typer.Typer":
         keep: Annotated[
             int, typer.Option("--keep", min=1, help="How many of the newest versions to keep.")
         ],
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")
+        ] = False,
         json_output: Annotated[bool, json_opt] = False,
     ) -> None:
         """Delete all but the newest K versions and every file no kept version needs."""
-        cmd_gc(path, keep=keep, as_json=json_output)
+        cmd_gc(path, keep=keep, dry_run=dry_run, as_json=json_output)
 
     @app.command("demo")
     def demo_command(
         directory: Annotated[
-            str, typer.Option("--dir", help="Work directory (wiped first).")
+            str,
+            typer.Option(
+                "--dir",
+                help="Work directory: new, empty or an earlier demo run's (another non-empty "
+                "directory is refused, exit 2).",
+            ),
         ] = "demo-run",
-        steps: Annotated[int, typer.Option("--steps", min=3, help="Training steps.")] = 200,
+        steps: Annotated[
+            int, typer.Option("--steps", min=1, help="Training steps (at least 2 * every + 2).")
+        ] = 200,
         every: Annotated[
             int, typer.Option("--every", min=1, help="Checkpoint every N steps.")
         ] = 20,
@@ -392,10 +429,27 @@ def _steps(store: Store) -> list[int]:
     """The committed steps, ascending; CheckpointNotFoundError when there are none."""
     steps = engine.list_steps(store)
     if not steps:
+        inner = _runs_inside(store)
+        if inner:
+            raise CheckpointNotFoundError(
+                f"no committed version in {store.url}; it holds the run(s) "
+                + ", ".join(inner)
+                + " (a run with scratch tiers is one run per tier)"
+            )
         if store.list(""):
             raise CheckpointNotFoundError(f"no committed version in {store.url}")
         raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
     return steps
+
+
+def _runs_inside(store: Store) -> list[str]:
+    """Directories just below a local path that are runs (e.g. a demo's ``persistent``)."""
+    root = getattr(unwrap(store), "root", None)
+    if not isinstance(root, Path) or not root.is_dir():
+        return []
+    return sorted(
+        str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -970,7 +1024,7 @@ def _atomic_output(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _check_out(out: str) -> tuple[Path, str]:
+def _check_out(out: str, *, force: bool = False) -> tuple[Path, str]:
     if "://" in out:
         raise CliUsageError(f"OUT must be a local file path, got {out!r}")
     path = Path(out).expanduser()
@@ -979,18 +1033,30 @@ def _check_out(out: str) -> tuple[Path, str]:
         raise CliUsageError(f"cannot export to {out!r}: OUT must end in .pt, .safetensors or .npz")
     if path.is_dir():
         raise CliUsageError(f"OUT {out!r} is a directory")
+    if path.exists() and not force:
+        raise CliUsageError(f"OUT {out!r} exists; pass --force to replace it")
     if not path.absolute().parent.is_dir():
         raise CliUsageError(f"cannot write {out!r}: directory {str(path.parent)!r} does not exist")
     return path, fmt
 
 
-def cmd_export(location: str, out: str, *, step: int, rank: int, as_json: bool) -> None:
-    """Load one version and write it as .pt, .safetensors or .npz, atomically."""
-    out_path, fmt = _check_out(out)
-    if not location:
-        raise CliUsageError("PATH must not be empty")
-    url = open_store(location).url
-    tree = load(location, step=step, rank=rank)
+def cmd_export(
+    location: str,
+    out: str,
+    *,
+    step: int | None = None,
+    rank: int = 0,
+    force: bool = False,
+    as_json: bool = False,
+) -> None:
+    """Load one version (default: the newest) and write it as .pt, .safetensors or .npz,
+    atomically; an existing OUT is replaced only with ``force``."""
+    out_path, fmt = _check_out(out, force=force)
+    store = _open(location)
+    if step is None:
+        step = _steps(store)[-1]
+    url = store.url
+    tree = load(store, step=step, rank=rank)
     leaves = export_leaves(tree)
     # Every conversion a format needs happens before its file is complete: a leaf it cannot
     # hold is an error and OUT is left as it was.
@@ -1127,31 +1193,41 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
 # gc
 
 
-def cmd_gc(location: str, *, keep: int, as_json: bool) -> None:
-    """Keep the newest ``keep`` versions; delete the rest and every file none of them needs."""
+def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = False) -> None:
+    """Keep the newest ``keep`` versions; delete the rest and every file none of them needs
+    (with ``dry_run``, only say what would go)."""
     store = _open(location)
-    _steps(store)  # a missing run is a usage error, not an empty success
-    lock = acquire_run_lock(store)
-    try:
-        before = {k: store.size(k) for k in store.list("data")}
-        deleted = engine.retire(store, keep=keep)
-        after = set(store.list("data"))
-    finally:
-        lock.release()
-    freed = sum(n for k, n in before.items() if k not in after)
-    kept = engine.list_steps(store)
+    steps = _steps(store)  # a missing run is a usage error, not an empty success
+    if dry_run:
+        plan = engine.plan_retire(store, keep=keep)
+        deleted, gone = plan.dropped, plan.data_files
+        freed = sum(store.size(k) for k in gone)
+        kept = [s for s in steps if s not in set(deleted)]
+    else:
+        lock = acquire_run_lock(store)
+        try:
+            before = {k: store.size(k) for k in store.list("data")}
+            deleted = engine.retire(store, keep=keep, fence=lock.check)
+            after = set(store.list("data"))
+        finally:
+            lock.release()
+        gone = [k for k in before if k not in after]
+        freed = sum(before[k] for k in gone)
+        kept = engine.list_steps(store)
     if as_json:
         _print_json(
             {
                 "path": store.url,
+                "dry_run": dry_run,
                 "deleted_steps": deleted,
                 "kept_steps": kept,
                 "freed_bytes": freed,
-                "data_files_deleted": len(before) - len(after & set(before)),
+                "data_files_deleted": len(gone),
             }
         )
         return
+    verb = ("would delete", "would free") if dry_run else ("deleted", "freed")
     _print(
-        f"deleted {_plural(len(deleted), 'version')}, kept {_plural(len(kept), 'version')}; "
-        f"freed {human_bytes(freed)}"
+        f"{verb[0]} {_plural(len(deleted), 'version')}, kept {_plural(len(kept), 'version')}; "
+        f"{verb[1]} {human_bytes(freed)}"
     )

@@ -19,6 +19,10 @@ durable on each tier, and the restore times; ``summary.png`` plots it (needs mat
 
 Runs as three processes: the parent (this module's ``main``), the killed child and the resumed
 child (``--child``), so the kill is a real SIGKILL of a real process.
+
+The demo deletes only what it created: it takes a missing or empty directory and marks it
+(``.cryosnap-demo``); a rerun into a marked directory replaces the previous run's entries; any
+other non-empty directory is refused with exit code 2 (``--dir .`` in a project is safe).
 """
 
 from __future__ import annotations
@@ -44,6 +48,20 @@ ROWS, DIM, HIDDEN, BATCH = 200_000, 64, 1024, 4096
 SAMPLES = 64 * BATCH  # one epoch: 64 batches
 MODEL_SEED, DATA_SEED = 0, 0
 CHUNK_BYTES, FULL_EVERY, KEEP, KEEP_SCRATCH = 4 << 10, 8, 4, 2
+
+# The work directory's marker: written when the demo takes a directory, required to reuse one.
+MARKER = ".cryosnap-demo"
+MARKER_TEXT = "A cryosnap demo run: the next `cryosnap demo` here replaces what it created.\n"
+TORCH_SAVES = 3  # torch.save runs timed for the comparison, each to work / torch-{i}.pt
+# Everything a run creates in the work directory; a rerun removes these and nothing else.
+OWN = (
+    "scratch",
+    "persistent",
+    "events.jsonl",
+    "final.pt",
+    "summary.png",
+    *(f"torch-{i}.pt" for i in range(TORCH_SAVES)),
+)
 
 
 def _torch() -> Any:
@@ -264,7 +282,7 @@ def _torch_save_seconds(work: Path) -> float:
     train(parts, 0, 3, lambda step: None)  # the optimizers' state exists
     state = final_state(parts)
     times = []
-    for i in range(3):
+    for i in range(TORCH_SAVES):
         path = work / f"torch-{i}.pt"
         t0 = time.perf_counter()
         with path.open("wb") as f:
@@ -273,7 +291,7 @@ def _torch_save_seconds(work: Path) -> float:
             os.fsync(f.fileno())
         times.append(time.perf_counter() - t0)
         path.unlink()
-    return sorted(times)[1]
+    return sorted(times)[len(times) // 2]
 
 
 def plot(
@@ -324,6 +342,38 @@ def plot(
     return None
 
 
+def prepare(work: Path) -> str | None:
+    """Make ``work`` ready for a new run; return why it cannot be, or None.
+
+    The demo deletes only what it created. A missing or empty directory becomes a demo directory
+    (:data:`MARKER` says so); in a demo directory the previous run's entries (:data:`OWN`) are
+    removed and nothing else; any other non-empty directory is refused, untouched.
+    """
+    marker = work / MARKER
+    try:
+        if work.exists() and not work.is_dir():
+            return f"--dir {work} exists and is not a directory"
+        if work.is_dir() and any(work.iterdir()) and not marker.is_file():
+            return (
+                f"--dir {work} is not empty and is not a demo directory (no {MARKER} file): "
+                "the demo deletes only what it created; choose a new or empty directory"
+            )
+        work.mkdir(parents=True, exist_ok=True)
+        for name in OWN:
+            _remove(work / name)
+        marker.write_text(MARKER_TEXT)
+    except OSError as exc:
+        return f"cannot prepare --dir {work}: {exc}"
+    return None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def _spawn(args: list[str]) -> int:
     cmd = [sys.executable, "-m", "cryosnap.demo", "--child", *args]
     return subprocess.run(cmd, check=False).returncode
@@ -335,7 +385,11 @@ def _ms(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cryosnap demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="demo-run", help="work directory (default ./demo-run)")
+    parser.add_argument(
+        "--dir",
+        default="demo-run",
+        help="work directory (default ./demo-run): new, empty or an earlier demo run's",
+    )
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     parser.add_argument("--every", type=int, default=20, help="checkpoint every N (default 20)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random kill step")
@@ -352,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t_start = time.perf_counter()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    refused = prepare(work)
+    if refused is not None:
+        print(f"cryosnap demo: error: {refused}", file=sys.stderr)
+        return 2
     kill_at = random.Random(args.seed).randrange(args.every + 1, args.steps - args.every)
     common = ["--dir", str(work), "--steps", str(args.steps), "--every", str(args.every)]
     print(

@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -82,6 +83,8 @@ __all__ = [
     "PartWriter",
     "ResolvedBlob",
     "ResolvedPart",
+    "RetirePlan",
+    "chain_manifests",
     "commit_version",
     "list_steps",
     "newest_restorable",
@@ -90,7 +93,9 @@ __all__ = [
     "read_part",
     "resolve",
     "resolve_version",
+    "plan_retire",
     "retire",
+    "step_exists",
     "verify_part",
 ]
 
@@ -219,6 +224,7 @@ class _Chain:
         """Resolve ``manifest`` on top of this (its base; nothing for a full version)."""
         if (manifest.base is None) != (self.ids is None):
             raise CheckpointFormatError(f"{where}: base of step {manifest.step} does not match")
+        _check_claimed_bytes(manifest, where)
         cb = manifest.chunk_bytes
         local = np.array([self._file(f) for f in manifest.data_files] or [0], np.int32)
         entries = manifest.blobs
@@ -318,6 +324,116 @@ def _resolve_one(
     return chain.part(manifest, key, xxh3, steps)
 
 
+def memory_limit_bytes() -> int:
+    """The most one restore may allocate for its leaves: this machine's physical memory. A
+    version that claims more cannot be restored here whatever its data files hold, and a
+    manifest that claims it (a few bytes can) must not make the reader try."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):  # no sysconf: assume a large machine
+        return 1 << 40
+
+
+def _check_claimed_bytes(manifest: Manifest, where: str) -> None:
+    claimed = sum(b.nbytes for b in manifest.blobs)
+    limit = memory_limit_bytes()
+    if claimed > limit:
+        raise CheckpointFormatError(
+            f"{where}: step {manifest.step} claims {claimed} bytes of leaves, more than this "
+            f"machine's memory ({limit} bytes)"
+        )
+
+
+def _check_chain_claims(
+    store: Store, chain: list[tuple[Manifest, str, str]], listed: Collection[str]
+) -> set[str]:
+    """Check every claim of ``chain`` (newest first) against reality before anything is
+    allocated or read: each manifest's claimed bytes against memory, each inherited run
+    against the chunks its base has, each stored run against the real size of its data file.
+
+    Sizes are taken once per file, for the files of the version's own manifest and of
+    ``listed`` (the commit record's: all the version may read); an older manifest's other
+    files may be retired (their chunks superseded) and are checked after resolution if used. A
+    file that is missing is left to the read, which names the leaf. Returns the files whose
+    sizes were checked."""
+    sizes: dict[str, int] = {}
+    wanted = set(chain[0][0].data_files) | set(listed)
+    for f in {f for m, _k, _h in chain for f in m.data_files if f in wanted}:
+        try:
+            sizes[f] = store.size(f)
+        except CheckpointNotFoundError:
+            continue
+    for i, (m, key, _h) in enumerate(chain):
+        where = f"{store.url}: {key}"
+        _check_claimed_bytes(m, where)
+        if not m.blobs:
+            continue
+        table = np.concatenate([e.table for e in m.blobs])
+        kind, a, b, c = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+        inherited = kind != STORED
+        if inherited.any():
+            base = chain[i + 1][0]  # a manifest with inherited runs has a base (parsed so)
+            have = np.array(
+                [chunk_count(e.nbytes, base.chunk_bytes) for e in base.blobs] or [0], np.int64
+            )
+            blob, first, count = a[inherited], b[inherited], c[inherited]
+            if (blob >= len(base.blobs)).any() or (
+                first + count > have[np.minimum(blob, len(have) - 1)]
+            ).any():
+                raise CheckpointFormatError(
+                    f"{where}: inherits chunks its base (step {base.step}) does not have"
+                )
+        file_size = np.array([sizes.get(f, -1) for f in m.data_files] or [-1], np.int64)
+        size = np.where(inherited, -1, file_size[np.where(inherited, 0, a)])
+        # Offsets and sizes are below 2**47 (manifest.MAX_FILE_BYTES): the sum cannot wrap.
+        past = (size >= 0) & (b + c > size)
+        if past.any():
+            j = int(np.argmax(past))
+            f, lo, hi = m.data_files[int(a[j])], int(b[j]), int(b[j] + c[j])
+            rows = np.fromiter((len(e.table) for e in m.blobs), np.int64, len(m.blobs))
+            blob = int(np.searchsorted(np.cumsum(rows), j, side="right"))
+            raise IntegrityError(
+                f"step {chain[0][0].step}, tier {store.url}: data file {f} is truncated "
+                f"({int(size[j])} bytes; {key} needs bytes {lo}-{hi}); "
+                f"leaf {_leaf_path(m, blob)} cannot be read"
+            )
+    return set(sizes)
+
+
+def _leaf_path(manifest: Manifest, blob: int) -> str:
+    """The leaf path of ``blob`` for a message (its number if the skeleton does not say)."""
+    try:
+        return blob_paths(manifest.skeleton, len(manifest.blobs))[blob] or f"blob {blob}"
+    except CheckpointError:
+        return f"blob {blob}"
+
+
+def _check_used_files(store: Store, part: ResolvedPart, checked: set[str]) -> None:
+    """The chunks the resolved version reads from files :func:`_check_chain_claims` did not
+    size (files an older manifest names that the commit record does not list) lie inside
+    them too, so no read goes past a file's end or reaches the OS with an absurd offset."""
+    unchecked = [i for i, f in enumerate(part.files) if f not in checked]
+    if not unchecked or not part.blobs:
+        return
+    size = np.full(len(part.files), -1, np.int64)
+    for i in unchecked:
+        with contextlib.suppress(CheckpointNotFoundError):  # missing: the read names it
+            size[i] = store.size(part.files[i])
+    cb = part.manifest.chunk_bytes
+    for b in part.blobs:
+        have = size[b.files]
+        ends = b.offsets + cb
+        if len(ends) and b.nbytes % cb:
+            ends[-1] -= cb - b.nbytes % cb  # the short last chunk
+        past = (have >= 0) & (ends > have)
+        if past.any():
+            f = part.files[int(b.files[int(np.argmax(past))])]
+            raise IntegrityError(
+                f"step {part.step}, tier {store.url}: data file {f} is truncated; "
+                f"leaf {b.path} cannot be read"
+            )
+
+
 def _load_manifest(store: Store, key: str, xxh3: str, nbytes: int | None, step: int) -> Manifest:
     try:
         data = store.read(key)
@@ -331,8 +447,31 @@ def _load_manifest(store: Store, key: str, xxh3: str, nbytes: int | None, step: 
     return Manifest.from_json(data, f"{store.url}: {key}")
 
 
-def resolve(store: Store, manifest: Manifest, key: str, xxh3: str) -> ResolvedPart:
-    """Apply ``manifest``'s chain of bases; reads manifests only, verified hash by hash."""
+def resolve(
+    store: Store,
+    manifest: Manifest,
+    key: str,
+    xxh3: str,
+    *,
+    chain: list[tuple[Manifest, str, str]] | None = None,
+) -> ResolvedPart:
+    """Apply ``manifest``'s chain of bases (``chain``, as :func:`chain_manifests` gives it, or
+    read here); reads manifests only, verified hash by hash."""
+    if chain is None:
+        chain = chain_manifests(store, manifest, key, xxh3)
+    # Compact resolution up the chain; the per-blob arrays only for the version asked for.
+    state = _Chain()
+    for m, _k, _h in reversed(chain):
+        state.apply(m, f"{store.url}: {_k}")
+    steps = tuple(m.step for m, _k, _h in reversed(chain))
+    return state.part(manifest, key, xxh3, steps)
+
+
+def chain_manifests(
+    store: Store, manifest: Manifest, key: str, xxh3: str
+) -> list[tuple[Manifest, str, str]]:
+    """``manifest`` and the manifests of its chain of bases, newest first, as (manifest, key,
+    xxh3); each base is checked against the hash its successor recorded."""
     chain: list[tuple[Manifest, str, str]] = [(manifest, key, xxh3)]
     while chain[-1][0].base is not None:
         ref: BaseRef = chain[-1][0].base
@@ -346,12 +485,7 @@ def resolve(store: Store, manifest: Manifest, key: str, xxh3: str) -> ResolvedPa
         if base.chunk_bytes != manifest.chunk_bytes:
             raise CheckpointFormatError(f"{store.url}: {ref.key} has another chunk size")
         chain.append((base, ref.key, ref.xxh3))
-    # Compact resolution up the chain; the per-blob arrays only for the version asked for.
-    state = _Chain()
-    for m, _k, _h in reversed(chain):
-        state.apply(m, f"{store.url}: {_k}")
-    steps = tuple(m.step for m, _k, _h in reversed(chain))
-    return state.part(manifest, key, xxh3, steps)
+    return chain
 
 
 def resolve_version(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
@@ -809,6 +943,10 @@ def _split_pieces(pieces: Sequence[Piece], limit: int, chunk_bytes: int) -> list
     return [g for g in groups if g]
 
 
+def _no_fence() -> None:
+    return None
+
+
 def commit_version(
     store: Store,
     step: int,
@@ -816,8 +954,13 @@ def commit_version(
     *,
     chunk_bytes: int,
     metrics: dict[str, float] | None = None,
+    fence: Callable[[], None] = _no_fence,
 ) -> CommitRecord:
-    """Write the commit record that makes ``step`` visible; every part must be durable."""
+    """Write the commit record that makes ``step`` visible; every part must be durable.
+
+    ``fence()`` runs just before the record is written: it raises (``LockLostError``) when this
+    writer no longer holds the run's lock, so a writer that lost it makes nothing visible.
+    """
     parts = sorted(parts, key=lambda p: p.ref.rank)
     record = CommitRecord(
         step=step,
@@ -834,26 +977,38 @@ def commit_version(
         chain=tuple(sorted({s for p in parts for s in p.chain()})),
         metrics=metrics or None,
     )
+    fence()
     store.write(commit_key(step), record.to_json())
     log.debug("committed step %d in %s", step, store.url)
     return record
 
 
-def retire(
+def _ignore_files(files: Collection[str]) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RetirePlan:
+    """What a retention pass deletes: commit records of ``dropped`` steps, then the manifests
+    and data files no remaining version needs."""
+
+    dropped: list[int]
+    manifests: list[str]
+    data_files: list[str]
+
+
+def plan_retire(
     store: Store,
     *,
     keep: int | RetentionPolicy | None = None,
     drop: Sequence[int] = (),
     protect: Collection[int] = (),
-) -> list[int]:
-    """Delete the versions ``drop`` and those the retention policy ``keep`` does not select (an
-    int: the newest ``keep``; None: no limit), except the newest version and those in
-    ``protect``, then everything no remaining version needs.
-
-    Commit records go first, so a crash midway leaves fewer versions, never a broken one; then
-    manifests outside every kept chain and data files no kept version references (including
-    leftovers of crashed saves). Returns the steps deleted. Only the run's writer may call it.
-    """
+    reserved: Collection[str] = (),
+) -> RetirePlan:
+    """The versions ``drop`` and those the retention policy ``keep`` does not select (an int:
+    the newest ``keep``; None: no limit), except the newest version and those in ``protect``,
+    and every manifest and data file that no remaining version needs, except the keys in
+    ``reserved`` (files of a version whose commit record may still appear). Deletes nothing."""
     steps = list_steps(store)
     doomed = set(drop) & set(steps)
     policy = as_retention(keep)
@@ -867,19 +1022,64 @@ def retire(
         chosen = policy.select(versions) | {steps[-1]}
         doomed.update(s for s in steps if s not in chosen)
     dropped = sorted(doomed - set(protect))
-    for s in dropped:
-        store.delete(commit_key(s))
     kept = [records.get(s) or read_commit(store, s) for s in steps if s not in set(dropped)]
     needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
     needed_files = {f for r in kept for f in r.data_files}
-    for key in store.list("versions"):
-        parts = key.split("/")
-        if len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) not in needed_steps:
+    manifests = [
+        key
+        for key in store.list("versions")
+        if (step := _step_of_version_key(key)) is not None
+        and step not in needed_steps
+        and step_of_commit_key(key) is None
+        and key not in reserved
+    ]
+    data_files = [k for k in store.list("data") if k not in needed_files and k not in reserved]
+    return RetirePlan(dropped, manifests, data_files)
+
+
+def retire(
+    store: Store,
+    *,
+    keep: int | RetentionPolicy | None = None,
+    drop: Sequence[int] = (),
+    protect: Collection[int] = (),
+    reserved: Collection[str] = (),
+    fence: Callable[[], None] = _no_fence,
+    before_delete: Callable[[Collection[str]], None] = _ignore_files,
+) -> list[int]:
+    """Carry out :func:`plan_retire`, then remove the leftovers of writes that never committed
+    (``Store.remove_incomplete``). Returns the steps deleted.
+
+    Safe to fail at any delete and to be run again: commit records go first, so a failure
+    midway leaves fewer versions, never a broken one; manifests and data files go only when no
+    remaining version needs them, so the next pass finishes what this one started.
+    ``before_delete(files)`` is told which data files are about to go before the first of them
+    is deleted (the writer drops them from its content index, so no new version can reference
+    a file that a failing pass half-deleted). ``fence()`` runs before anything is deleted: a
+    writer that lost the run's lock deletes nothing. Only the run's writer calls this, while
+    none of its own writes on ``store`` is in progress.
+    """
+    plan = plan_retire(store, keep=keep, drop=drop, protect=protect, reserved=reserved)
+    fence()
+    for s in plan.dropped:
+        store.delete(commit_key(s))
+    for key in plan.manifests:
+        store.delete(key)
+    if plan.data_files:
+        before_delete(plan.data_files)
+        for key in plan.data_files:
             store.delete(key)
-    for key in store.list("data"):
-        if key not in needed_files:
-            store.delete(key)
-    return dropped
+    for prefix in ("data", "versions"):
+        for name in store.remove_incomplete(prefix):
+            log.info("removed %s from %s: left by a write that never committed", name, store.url)
+    return plan.dropped
+
+
+def _step_of_version_key(key: str) -> int | None:
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[0] == "versions" and parts[1].isdigit():
+        return int(parts[1])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -890,6 +1090,11 @@ def list_steps(store: Store) -> list[int]:
     """Steps with a commit record on ``store``, ascending."""
     steps = (step_of_commit_key(k) for k in store.list("versions"))
     return sorted(s for s in steps if s is not None)
+
+
+def step_exists(store: Store, step: int) -> bool:
+    """Whether ``step`` is committed on ``store`` (its commit record exists)."""
+    return store.exists(commit_key(step))
 
 
 def read_commit(store: Store, step: int) -> CommitRecord:
@@ -1045,6 +1250,7 @@ def _read_blobs(
             hi_i = max(min(hi_i, end_i), lo_i + 1)
             windows.append((lo_i, hi_i, lo, int(offs[hi_i - 1]) + cb))
             lo_i = hi_i
+        per_copy = max(_GATHER_WINDOW_BYTES // cb, 1)
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every batch cost faults
         w = 0
         while w < len(windows):
@@ -1080,7 +1286,12 @@ def _read_blobs(
                 rows = np.lib.stride_tricks.as_strided(
                     window, shape=(len(window) - cb + 1, cb), strides=(1, 1), writeable=False
                 )
-                dest[idx[a:z]] = rows[offs[a:z] - lo]
+                # The fancy index copies through a temporary: a window's bytes bound its
+                # reads, not its chunks (de-duplicated chunks share one place), so the copy
+                # goes in slices of at most a window's worth.
+                for s in range(a, z, per_copy):
+                    e = min(s + per_copy, z)
+                    dest[idx[s:e]] = rows[offs[s:e] - lo]
                 on_bytes((z - a) * cb)
 
     # Several reads in flight: copying out of the page cache and faulting in fresh pages run
@@ -1163,26 +1374,60 @@ def _read_verified(
     with paused_gc():
         record = read_commit(store, step)
         manifest, ref = read_manifest(store, record, rank)
+        where = f"step {step}, tier {store.url}: {ref.key}"
         if into is not None:
-            check_into(manifest.skeleton, into)
+            _check_into(manifest, into, where)
+        chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
+        # Every size, offset and count the chain claims is checked before any allocation.
+        checked = _check_chain_claims(store, chain, set(record.data_files))
         restorer = Restorer(
             manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
         )
-        views = restorer.allocate()
-        # The leaves are allocated first so that the kernel maps their fresh pages (a cost
-        # as large as reading the data from the page cache) on another core while this one
-        # parses and resolves the chain of manifests.
+        views = _allocate(restorer, where)
+        # The leaves are allocated before the chain is applied so that the kernel maps their
+        # fresh pages (a cost as large as reading the data from the page cache) on another
+        # core while this one resolves the chain.
         with _prefaulted(views if manifest.base is not None else ()):
-            part = resolve(store, manifest, ref.key, ref.xxh3)
-    if not progress:
-        _read_blobs(store, part, views)
-        return part, restorer
-    line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+            part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain)
+        _check_used_files(store, part, checked)
     try:
-        _read_blobs(store, part, views, on_bytes=line.update)
-    finally:
-        line.close()
+        if not progress:
+            _read_blobs(store, part, views)
+            return part, restorer
+        line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+        try:
+            _read_blobs(store, part, views, on_bytes=line.update)
+        finally:
+            line.close()
+    except MemoryError as exc:
+        raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
     return part, restorer
+
+
+def _check_into(manifest: Manifest, into: Any, where: str) -> None:
+    try:
+        check_into(manifest.skeleton, into)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # check_into reads the skeleton as written; a malformed one fails on the way.
+        raise CheckpointFormatError(f"{where}: malformed state tree ({exc!r:.120})") from exc
+
+
+# What allocating a claimed leaf raises when the claim is absurd or memory runs out: Python's
+# MemoryError, torch's RuntimeError, numpy's ValueError ("array is too big"), OverflowError.
+_ALLOC_ERRORS = (MemoryError, RuntimeError, ValueError, OverflowError)
+
+
+def _allocate(restorer: Restorer, where: str) -> list[memoryview]:
+    try:
+        return restorer.allocate()
+    except CheckpointError:
+        raise
+    except _ALLOC_ERRORS as exc:
+        raise CheckpointFormatError(
+            f"{where}: cannot allocate the leaves it claims ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def read_part(
@@ -1199,7 +1444,12 @@ def read_part(
         store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
     )
     manifest = part.manifest
-    tree = restorer.build()
+    try:
+        tree = restorer.build()
+    except (MemoryError, RecursionError) as exc:
+        raise CheckpointFormatError(
+            f"step {step}, tier {store.url}: cannot build the state tree ({exc!r:.120})"
+        ) from exc
     log.info(
         "restored step %d from %s in %.3f s (%s)",
         step,
@@ -1229,20 +1479,60 @@ def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
     return part
 
 
-def newest_restorable(where: str, attempt: Callable[[int], Any], steps: Sequence[int]) -> Any:
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside cryosnap (the
+    user's line that called ``load``/``restore``), however deep the call came from."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+# How often a reader starts over when the writer's retention removed versions under it.
+_RELIST_LIMIT = 16
+
+
+def newest_restorable(
+    where: str, attempt: Callable[[int], Any], list_steps: Callable[[], Sequence[int]]
+) -> Any:
     """Run ``attempt(step)`` from the newest step down; warn and fall back past damage.
-    ``where`` names the run (a store's URL, or its tiers) in messages."""
-    if not steps:
-        raise CheckpointNotFoundError(f"no committed version in {where}")
-    errors: list[str] = []
-    for step in reversed(steps):
-        try:
-            return attempt(step)
-        except (IntegrityError, CheckpointFormatError) as exc:
-            errors.append(str(exc))
-            warnings.warn(
-                f"cryosnap: skipping damaged step {step} in {where}: {exc}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    raise IntegrityError(f"every version in {where} is damaged; newest error: {errors[0]}")
+
+    ``list_steps()`` gives the committed steps; a version that fails because the run's writer
+    retired it meanwhile (its step is no longer listed) is not damage: the reader lists again
+    and starts over from the newest, so a reader asking for the newest version never fails
+    because an older one was deleted under it. ``where`` names the run in messages.
+    """
+    damaged: dict[int, str] = {}
+    for _ in range(_RELIST_LIMIT):
+        steps = [s for s in list_steps() if s not in damaged]
+        if not steps and not damaged:
+            raise CheckpointNotFoundError(f"no committed version in {where}")
+        retired = False
+        for step in reversed(steps):
+            try:
+                return attempt(step)
+            except CheckpointError as exc:
+                if step not in list_steps():
+                    retired = True  # deleted by the writer while we read it: list again
+                    break
+                if not isinstance(exc, (IntegrityError, CheckpointFormatError)):
+                    raise
+                damaged[step] = str(exc)
+                warnings.warn(
+                    f"cryosnap: skipping damaged step {step} in {where}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+        if not retired:
+            break
+    if not damaged:
+        raise CheckpointNotFoundError(
+            f"no version of {where} could be read: the writer kept retiring them while reading"
+        )
+    newest = damaged[max(damaged)]
+    raise IntegrityError(f"every version in {where} is damaged; newest error: {newest}")

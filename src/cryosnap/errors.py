@@ -13,8 +13,13 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── IntegrityError                                   content does not match its hash
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
+    ├── LockLostError                                    this writer no longer holds the run's
+    │                                                    write lock (taken over while paused);
+    │                                                    it stops instead of saving or deleting
     └── StorageError (+ OSError)                         the storage backend failed (full disk,
-                                                         permissions, unreachable endpoint)
+        │                                                permissions, unreachable endpoint)
+        └── StorageTimeoutError (+ TimeoutError)         one storage call did not return within
+                                                         the per-call timeout
 
 ``TypeError`` (a leaf of an unsupported type, with its path) and ``ValueError`` (a bad argument)
 are raised as themselves for programming errors detected eagerly on the caller's thread.
@@ -31,8 +36,10 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
     "IntegrityError",
+    "LockLostError",
     "StateMismatchError",
     "StorageError",
+    "StorageTimeoutError",
 ]
 
 
@@ -76,3 +83,12 @@ class StorageError(CheckpointError, OSError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """Waiting for a pending save ran out of time; the save itself goes on."""
+
+
+class LockLostError(CheckpointError):
+    """This writer's hold on the run's write lock was lost (another writer took it over, or the
+    lock file was replaced); nothing more is committed or deleted by it."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage call did not return within the store's per-call timeout."""

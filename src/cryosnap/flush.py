@@ -7,6 +7,12 @@ that is not durable there, so a crash or an outage mid-flush leaves no torn vers
 that the next flush reuses or retention removes. The copied files keep their keys, so the
 version reads on the persistent tier exactly as on scratch (each tier is self-contained).
 
+A flush certifies only bytes it checked: every chunk is hashed as it passes through the copy
+buffer and compared with the xxh3 its manifest records (the manifests of the chain are checked
+against the hashes their successors record first). Bit rot on scratch is therefore caught before
+the persistent tier claims the version; the flush fails for good (:class:`SourceDamagedError`)
+and scratch keeps its copy, since retention never retires a version that is not persistent.
+
 :class:`Flusher` runs the flushes on a thread of its own, one version after the other in the
 order they were committed on scratch. A failing flush (the persistent tier is down or refuses)
 is retried with exponential backoff for ``retry_seconds``; meanwhile saves keep landing on
@@ -20,23 +26,27 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import numpy as np
 import xxhash
 
-from .engine import read_commit
+from .chunks import HASH_BYTES, hash_chunks
+from .engine import chain_manifests, read_commit, read_manifest
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
+    LockLostError,
     StorageError,
 )
-from .manifest import commit_key, manifest_key
+from .manifest import STORED, CommitRecord, commit_key, manifest_key
 from .storage import Store
 
-__all__ = ["Flusher", "SourceDamagedError", "flush_version"]
+__all__ = ["Flusher", "SourceDamagedError", "flush_keys", "flush_version"]
 
 _T = TypeVar("_T")
 
@@ -52,20 +62,133 @@ def _no_wait() -> None:
     return None
 
 
-def _copy_file(
-    src: Store, dst: Store, key: str, nbytes: int, yield_to: Callable[[], None] = _no_wait
+@dataclass(frozen=True, slots=True)
+class _Chunks:
+    """The chunks a version's chain claims in one data file, sorted by offset, unique:
+    their offsets, lengths and 16-byte digests."""
+
+    offsets: np.ndarray[Any, np.dtype[np.int64]]
+    lengths: np.ndarray[Any, np.dtype[np.int64]]
+    digests: np.ndarray[Any, np.dtype[np.uint8]]  # (chunks, 16)
+
+
+_NO_CHUNKS = _Chunks(
+    np.empty(0, np.int64), np.empty(0, np.int64), np.empty((0, HASH_BYTES), np.uint8)
+)
+
+_Claim = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]
+
+
+def _claims(src: Store, record: CommitRecord) -> dict[str, _Chunks]:
+    """Every stored chunk the version's chain claims, per data file, from manifests verified
+    against the hashes their successors record. A chunk referenced by several versions (or
+    de-duplicated within one) is claimed once per reference; duplicates are merged."""
+    parts: dict[str, list[_Claim]] = {}
+    for ref in record.manifests:
+        manifest, _ = read_manifest(src, record, ref.rank)
+        for m, _key, _h in chain_manifests(src, manifest, ref.key, ref.xxh3):
+            for entry in m.blobs:
+                for key, claim in _entry_claims(
+                    m.data_files, entry.table, entry.hashes, m.chunk_bytes
+                ):
+                    parts.setdefault(key, []).append(claim)
+    return {key: _merge(items) for key, items in parts.items()}
+
+
+def _entry_claims(
+    files: Sequence[str], table: np.ndarray[Any, Any], hashes: bytes, cb: int
+) -> Iterator[tuple[str, _Claim]]:
+    rows = table[table[:, 0] == STORED]
+    if not len(rows):
+        return
+    counts = -(-rows[:, 3] // cb)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    offsets = np.repeat(rows[:, 2], counts) + within * cb
+    lengths = np.minimum(offsets + cb, np.repeat(rows[:, 2] + rows[:, 3], counts)) - offsets
+    digests = np.frombuffer(hashes, np.uint8).reshape(-1, HASH_BYTES)
+    which = np.repeat(rows[:, 1], counts)
+    for f in np.unique(which).tolist():
+        sel = which == f
+        yield files[f], (offsets[sel], lengths[sel], digests[sel])
+
+
+def _merge(items: list[_Claim]) -> _Chunks:
+    offsets = np.concatenate([o for o, _n, _d in items])
+    lengths = np.concatenate([n for _o, n, _d in items])
+    digests = np.concatenate([d for _o, _n, d in items])
+    order = np.lexsort((lengths, offsets))
+    offsets, lengths, digests = offsets[order], lengths[order], digests[order]
+    dup = np.zeros(len(offsets), bool)
+    dup[1:] = (offsets[1:] == offsets[:-1]) & (lengths[1:] == lengths[:-1])
+    dup[1:] &= (digests[1:] == digests[:-1]).all(axis=1)
+    keep = ~dup
+    return _Chunks(offsets[keep], lengths[keep], digests[keep])
+
+
+def _check_claims(key: str, nbytes: int, chunks: _Chunks) -> None:
+    """Claims that cannot all be true: chunks that overlap or lie outside the file."""
+    o, n = chunks.offsets, chunks.lengths
+    if not len(o):
+        return
+    if int(o[0]) < 0 or int((o + n).max()) > nbytes or bool((o[1:] < (o + n)[:-1]).any()):
+        raise IntegrityError(
+            f"data file {key} ({nbytes} bytes) does not hold the chunks its manifests claim"
+        )
+
+
+def _verify_window(
+    key: str, src: Store, view: memoryview, lo: int, chunks: _Chunks, chunk_bytes: int
 ) -> None:
+    """Check the claimed chunks lying in ``view`` (the file's bytes from ``lo``); runs of
+    back-to-back full chunks are hashed in one call."""
+    hi = lo + view.nbytes
+    o, n = chunks.offsets, chunks.lengths
+    a, b = int(np.searchsorted(o, lo)), int(np.searchsorted(o + n, hi, side="right"))
+    if a >= b:
+        return
+    o, n, d = o[a:b], n[a:b], chunks.digests[a:b]
+    # A run ends after a chunk that is short or not followed by its neighbour.
+    ends = (np.flatnonzero((n[:-1] != chunk_bytes) | (o[1:] != o[:-1] + n[:-1])) + 1).tolist()
+    for i, j in zip([0, *ends], [*ends, len(o)], strict=True):
+        start, stop = int(o[i]) - lo, int(o[j - 1] + n[j - 1]) - lo
+        if hash_chunks(view[start:stop], chunk_bytes) != d[i:j].tobytes():
+            raise IntegrityError(
+                f"data file {key} on {src.url}: bytes {start + lo}-{stop + lo} do not match "
+                "the hashes their manifests record"
+            )
+
+
+def _copy_file(
+    src: Store,
+    dst: Store,
+    key: str,
+    nbytes: int,
+    chunks: _Chunks,
+    chunk_bytes: int,
+    yield_to: Callable[[], None] = _no_wait,
+) -> None:
+    """Copy ``key`` in large reads; every claimed chunk is checked before its bytes are
+    written. Windows end on chunk boundaries, so each chunk is hashed whole."""
+    _check_claims(key, nbytes, chunks)
+    ends = chunks.offsets + chunks.lengths
     writer = dst.open_writer(key)
     try:
-        buf = bytearray(min(nbytes, _COPY_BYTES))
-        view = memoryview(buf)
-        offset = 0
-        while offset < nbytes:
+        buf = memoryview(bytearray(min(nbytes, _COPY_BYTES + chunk_bytes)))
+        lo = 0
+        while lo < nbytes:
             yield_to()
-            n = min(len(buf), nbytes - offset)
-            src.read_into(key, offset, [view[:n]])
-            writer.write([view[:n]])
-            offset += n
+            hi = min(lo + _COPY_BYTES, nbytes)
+            # Move the end past a chunk that straddles it (a chunk is at most chunk_bytes).
+            k = int(np.searchsorted(chunks.offsets, hi)) - 1
+            if k >= 0 and int(ends[k]) > hi:
+                hi = int(ends[k])
+            view = buf[: hi - lo]
+            src.read_into(key, lo, [view])
+            _verify_window(key, src, view, lo, chunks, chunk_bytes)
+            writer.write([view])
+            lo = hi
         writer.commit()
     except BaseException:
         writer.abort()
@@ -84,8 +207,29 @@ def _from_src(step: int, src: Store, read: Callable[[], _T]) -> _T:
         raise SourceDamagedError(f"step {step} on scratch {src.url} is damaged: {exc}") from exc
 
 
+def _no_fence() -> None:
+    return None
+
+
+def flush_keys(src: Store, step: int) -> set[str]:
+    """The files a flush of ``step`` writes to the persistent tier (empty if its scratch copy
+    cannot be read)."""
+    try:
+        record = read_commit(src, step)
+    except CheckpointError:
+        return set()
+    ranks = [m.rank for m in record.manifests]
+    chain = record.chain or (step,)
+    return {*record.data_files, *(manifest_key(s, r) for s in chain for r in ranks)}
+
+
 def flush_version(
-    src: Store, dst: Store, step: int, *, yield_to: Callable[[], None] = _no_wait
+    src: Store,
+    dst: Store,
+    step: int,
+    *,
+    yield_to: Callable[[], None] = _no_wait,
+    fence: Callable[[], None] = _no_fence,
 ) -> int:
     """Make version ``step`` of ``src`` complete on ``dst``; returns the bytes copied.
 
@@ -94,15 +238,23 @@ def flush_version(
     only once it is whole. Manifests (whose names are not unique: a step may be saved again
     after a crash) are kept only when their bytes are the same. ``yield_to()`` is called before
     each piece copied: it may block (the program is capturing a version: its stall comes
-    first). A damaged or incomplete scratch copy raises :class:`SourceDamagedError`.
+    first). Every chunk copied is checked against its recorded hash; a damaged or incomplete
+    scratch copy raises :class:`SourceDamagedError`. ``fence()`` runs before the commit record
+    is written (a writer that lost the run's lock makes nothing visible).
     """
     record = _from_src(step, src, lambda: read_commit(src, step))
+    claims = _from_src(step, src, lambda: _claims(src, record))
     copied = 0
     for key in record.data_files:
         nbytes = _from_src(step, src, lambda key=key: src.size(key))  # type: ignore[misc]
         if dst.exists(key) and dst.size(key) == nbytes:
             continue
-        _from_src(step, src, lambda key=key, n=nbytes: _copy_file(src, dst, key, n, yield_to))  # type: ignore[misc]
+        chunks = claims.get(key, _NO_CHUNKS)
+
+        def copy(key: str = key, n: int = nbytes, c: _Chunks = chunks) -> None:
+            _copy_file(src, dst, key, n, c, record.chunk_bytes, yield_to)
+
+        _from_src(step, src, copy)
         copied += nbytes
     # The manifests of this version and of every version its chain inherits from, by the keys
     # they must have; their commit records are not needed (a base may be gone from scratch's
@@ -121,6 +273,7 @@ def flush_version(
         dst.write(key, data)
         copied += len(data)
     body = _from_src(step, src, lambda: src.read(commit_key(step)))
+    fence()
     dst.write(commit_key(step), body)
     return copied + len(body)
 
@@ -140,9 +293,11 @@ class Flusher:
         retry_seconds: float,
         on_done: Callable[[int, BaseException | None], None],
         yield_to: Callable[[], None] = _no_wait,
+        fence: Callable[[], None] = _no_fence,
     ) -> None:
         self.src = src
         self.yield_to = yield_to
+        self.fence = fence
         self.dst = dst
         self.retry_seconds = retry_seconds
         self.on_done = on_done
@@ -190,10 +345,12 @@ class Flusher:
             attempt += 1
             try:
                 t0 = time.perf_counter()
-                nbytes = flush_version(self.src, self.dst, step, yield_to=self.yield_to)
+                nbytes = flush_version(
+                    self.src, self.dst, step, yield_to=self.yield_to, fence=self.fence
+                )
             except (CheckpointError, OSError) as exc:
                 self.last_error = exc
-                if isinstance(exc, SourceDamagedError):
+                if isinstance(exc, (SourceDamagedError, LockLostError)):
                     log.error("step %d cannot be flushed: %s", step, exc)
                     return exc
                 give_up = min(deadline, self._closing_deadline)

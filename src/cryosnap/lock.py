@@ -1,14 +1,57 @@
-"""The run's write lock: one writer per run, recovered when its holder dies.
+"""The run's write lock: one writer per run, recovered when its holder dies, fenced when lost.
 
-On a local file system the lock is ``flock`` on ``<run>/writer.lock``: the kernel drops it when
-the holding process exits in any way, SIGKILL included, so a killed run restarts with no manual
-cleanup. The file also records who holds it, for the error message of a second writer.
+A writer takes the lock when it opens and calls :meth:`RunLock.check` before everything it makes
+visible or deletes (each commit record, each retention pass); ``check`` raises
+:class:`~cryosnap.errors.LockLostError` once the lock is no longer its own, and keeps raising.
 
-On other stores (object stores have no locks) the lock is an object ``writer.lock`` naming its
-holder, refreshed by a heartbeat thread. A lock whose holder is a dead process on this host, or
-whose heartbeat is older than ``stale_seconds``, is taken over.
+**Local file systems** (:class:`LocalStore`): ``flock`` on ``<run>/writer.lock``. The kernel drops
+it when the holder exits in any way, SIGKILL included, so a killed run restarts with no cleanup;
+a paused holder keeps it, so there is nothing to take over. The file is opened with
+``O_NOFOLLOW`` and must be a regular file with one link: a symlink, hard link, FIFO or device
+there is refused, never followed, truncated or written. ``check`` verifies that ``writer.lock``
+is still the very file we hold the ``flock`` on: deleting or replacing it lets a second writer
+lock a new file, and that loses ours.
 
-Runs on the thread that opens the Checkpointer; the heartbeat thread only rewrites the lock.
+**Object stores and other fsspec file systems**: an object ``writer.lock`` names its holder (a
+random token), its ``generation`` (one more on each takeover) and the wall-clock time of its last
+heartbeat, rewritten every ``stale_seconds / 4`` by a thread. A lock whose holder is a dead
+process on this host, or whose heartbeat is older than ``stale_seconds``, is taken over. The
+holder counts itself lost when its token or generation is no longer in the object, or when its
+own last successful heartbeat began more than ``0.75 * stale_seconds`` ago by its monotonic
+clock (it was paused or cut off; a rival may take over at ``stale_seconds``). A lost holder never
+writes the lock again.
+
+- On S3 (s3fs) the lock object is changed only by conditional requests: creating a free lock is
+  a PUT with ``If-None-Match: *``, taking over a stale one and every heartbeat are PUTs with
+  ``If-Match`` of the ETag last read or written, and release is a DELETE with ``If-Match``. Two
+  simultaneous starts cannot both win, and a writer resuming from a pause cannot overwrite its
+  successor's lock: its heartbeat fails its precondition and it stops. (S3-compatible servers
+  that ignore these headers get a read-back check only, which catches all but simultaneous
+  writes.)
+- Elsewhere (memory://, a local directory through fsspec, GCS or Azure through fsspec, a store
+  behind a wrapper that is not a WrapperStore) there are no conditional writes through the
+  Store protocol. Opening is made exclusive by claims: a contender writes
+  ``writer.lock.claims/<ms>-<token>``, lists the claims, and only if it sees no other fresh
+  claim reads and (re)writes ``writer.lock`` before deleting its claim; otherwise it deletes its
+  claim and retries after a random back-off. With atomic, read-after-write consistent writes and
+  listings (every backend named here), two simultaneous starts never both win, whatever the
+  latency. A claim older than ``stale_seconds`` (its opener died) is ignored and removed; an
+  opener that finds itself paused that long inside its claim gives up (and if it overwrote a
+  successor meanwhile, both stop, as below). The heartbeat reads the object first and writes
+  only if token and generation are still its own.
+
+The race that remains, and why it is narrow: a writer paused for more than ``stale_seconds``
+*between* a successful ``check()`` (or, without conditional writes, a heartbeat's read) and the
+write that follows it. Without conditional writes that heartbeat write can overwrite a successor's
+lock; the paused writer then measures the pause and counts itself lost, and the successor's next
+heartbeat or ``check()`` finds a foreign token and stops too: both stop, neither goes on saving.
+A commit or deletion already issued after ``check()`` when the pause struck still lands (no
+store here can fence an individual write by generation). Clocks: takeover compares the object's
+wall-clock heartbeat with the taker's wall clock, so hosts must agree on the time to within
+``stale_seconds / 4``.
+
+Runs on the thread that opens the Checkpointer (``acquire_run_lock``) and on the threads that
+commit and retire (``check``); the heartbeat thread ``cryosnap-lock`` only refreshes the object.
 """
 
 from __future__ import annotations
@@ -17,27 +60,46 @@ import contextlib
 import errno
 import json
 import os
+import random
 import secrets
 import socket
+import stat
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointNotFoundError, StorageError
-from .storage import LocalStore, Store
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LockLostError,
+    StorageError,
+    StorageTimeoutError,
+)
+from .storage import FsspecStore, LocalStore, Store, TimeoutStore, WrapperStore, unwrap
 
-__all__ = ["LOCK_KEY", "RunLock", "acquire_run_lock"]
+__all__ = ["CLAIMS_PREFIX", "LOCK_KEY", "STALE_SECONDS", "RunLock", "acquire_run_lock"]
 
 LOCK_KEY = "writer.lock"
+CLAIMS_PREFIX = "writer.lock.claims"
+# A lock object whose heartbeat is older than this many seconds is taken over. Module-level so a
+# test (or a program) can lower it in a process whose Checkpointer it does not construct itself.
+STALE_SECONDS = 120.0
+# The holder gives up at this fraction of stale_seconds, before any rival may take over.
+_LEASE_FRACTION = 0.75
+_CLAIM_ATTEMPTS = 6
 
 
-def _owner(token: str) -> dict[str, Any]:
+def _owner(token: str, generation: int) -> dict[str, Any]:
+    now = time.time()
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "token": token,
-        "since_unix": time.time(),
-        "heartbeat_unix": time.time(),
+        "generation": generation,
+        "since_unix": now,
+        "heartbeat_unix": now,
     }
 
 
@@ -45,7 +107,10 @@ def _describe(info: Any) -> str:
     if not isinstance(info, dict):
         return "another writer"
     since = info.get("since_unix")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    when = "?"
+    if isinstance(since, (int, float)):
+        with contextlib.suppress(ValueError, OverflowError, OSError):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
     return f"pid {info.get('pid')} on host {info.get('host')} (since {when})"
 
 
@@ -54,20 +119,188 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError, ValueError):
         return True
     return True
 
 
-class RunLock:
-    """A held write lock; :meth:`release` is idempotent."""
+def _generation(info: Any) -> int:
+    gen = info.get("generation") if isinstance(info, dict) else None
+    return gen if isinstance(gen, int) and not isinstance(gen, bool) and gen >= 0 else 0
 
-    def __init__(self, store: Store) -> None:
+
+def _parse(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+class RunLock:
+    """A held write lock: :meth:`check` before every commit or deletion; :meth:`release` is
+    idempotent."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        stale_seconds: float = STALE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.token = secrets.token_hex(8)
+        self.generation = 0
+        self.stale_seconds = float(stale_seconds)
+        self._clock = clock
+        self._lost: str | None = None
+        self._mutex = threading.Lock()  # one of check / heartbeat / release at a time
+        # Local flock:
         self._fd: int | None = None
+        self._path: Path | None = None
+        # Lock object:
+        self._owner: dict[str, Any] | None = None
+        self._s3: _S3Object | None = None
+        self._etag: str | None = None
+        self._beat_ok = 0.0  # clock() when the last successful lock write began
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+
+    @property
+    def lost(self) -> bool:
+        """True once this writer knows it no longer holds the lock (sticky)."""
+        return self._lost is not None
+
+    @property
+    def _lease(self) -> float:
+        return self.stale_seconds * _LEASE_FRACTION
+
+    def _lose(self, reason: str) -> None:
+        if self._lost is None:
+            self._lost = reason
+
+    def _raise_lost(self) -> None:
+        raise LockLostError(
+            f"{self.store.url}: this writer no longer holds the run's write lock "
+            f"({self._lost}); it stops instead of saving or deleting"
+        )
+
+    def check(self) -> None:
+        """Raise :class:`LockLostError` unless this writer still holds the lock (one stat
+        locally, one read of the lock object elsewhere)."""
+        with self._mutex:
+            if self._lost is None:
+                if self._fd is not None:
+                    self._check_file()
+                elif self._owner is not None:
+                    self._check_object()
+            if self._lost is not None:
+                self._raise_lost()
+
+    def _check_file(self) -> None:
+        assert self._fd is not None and self._path is not None
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self._path, follow_symlinks=False)
+        except FileNotFoundError:
+            self._lose(f"{self._path} was deleted; another writer may lock a new one")
+            return
+        except OSError as exc:
+            raise StorageError(f"cannot check the write lock {self._path}: {exc.strerror}") from exc
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            self._lose(f"{self._path} was replaced; another writer may hold the new one")
+
+    def _check_object(self) -> None:
+        if self._clock() - self._beat_ok > self._lease:
+            self._lose(self._silence())
+            return
+        current = self._read_current()
+        if current is not None:
+            self._compare(current[0])
+
+    def _silence(self) -> str:
+        return (
+            f"no successful heartbeat for {self._clock() - self._beat_ok:.1f} s, longer than "
+            f"{self._lease:.1f} s (the process was paused or the store unreachable); another "
+            "writer may have taken the lock over"
+        )
+
+    def _read_current(self) -> tuple[Any, str | None] | None:
+        """The lock object and its ETag; marks the lock lost if it is gone."""
+        if self._s3 is not None:
+            got = self._s3.get()
+            if got is None:
+                self._lose(f"{LOCK_KEY} was deleted")
+                return None
+            return _parse(got[0]), got[1]
+        try:
+            return _read_settled(self.store), None
+        except CheckpointNotFoundError:
+            self._lose(f"{LOCK_KEY} was deleted")
+            return None
+
+    def _compare(self, info: Any) -> None:
+        if not isinstance(info, dict) or info.get("token") != self.token:
+            self._lose(f"taken over by {_describe(info)}, generation {_generation(info)}")
+        elif _generation(info) != self.generation:
+            self._lose(f"generation {_generation(info)} in the lock, ours is {self.generation}")
+
+    def _beat(self) -> None:
+        """One heartbeat: rewrite the lock object only while it is provably still ours."""
+        with self._mutex:
+            if self._lost is not None or self._owner is None:
+                return
+            start = self._clock()
+            if start - self._beat_ok > self._lease:
+                self._lose(self._silence())
+                return
+            try:
+                self._rewrite(start)
+            except CheckpointError:
+                return  # a failed beat is retried; a long silence loses the lock (above)
+            except _Unsupported:
+                self._lose("the store stopped accepting conditional writes")
+                return
+            # (A conditional write that succeeded proves nobody took over meanwhile.)
+            if self._s3 is None and self._clock() - start > self._lease and self._lost is None:
+                # Paused between the read and the write: a successor may have been overwritten;
+                # it will see our token and stop, and so do we.
+                self._lose(f"paused for {self._clock() - start:.1f} s during a heartbeat")
+
+    def _rewrite(self, start: float) -> None:
+        assert self._owner is not None
+        owner = {**self._owner, "heartbeat_unix": time.time()}
+        data = json.dumps(owner).encode()
+        if self._s3 is not None:
+            assert self._etag is not None
+            etag = self._s3.replace(data, self._etag)
+            if etag is None:
+                got = self._s3.get()
+                self._compare(_parse(got[0]) if got else None)
+                self._lose("the lock object changed under its heartbeat")
+                return
+            self._etag = etag
+        else:
+            current = self._read_current()
+            if current is None:
+                return
+            self._compare(current[0])
+            if self._lost is not None:
+                return
+            self.store.write(LOCK_KEY, data)
+        self._owner = owner
+        self._beat_ok = start
+
+    def _start_heartbeat(self) -> None:
+        interval = max(self.stale_seconds / 4, 0.05)
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                self._beat()
+                if self._lost is not None:
+                    return
+
+        self._heartbeat = threading.Thread(target=run, name="cryosnap-lock", daemon=True)
+        self._heartbeat.start()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -81,82 +314,405 @@ class RunLock:
             self._stop.set()
             self._heartbeat.join()
             self._heartbeat = None
-            with contextlib.suppress(CheckpointError):
-                info = json.loads(self.store.read(LOCK_KEY))
-                if info.get("token") == self.token:
-                    self.store.delete(LOCK_KEY)
+        with self._mutex:
+            owner, self._owner = self._owner, None
+            # A lost lock is someone else's now: never delete it.
+            if owner is not None and self._lost is None:
+                with contextlib.suppress(CheckpointError):
+                    self._delete_own()
+            self._lose("released")
+
+    def _delete_own(self) -> None:
+        if self._s3 is not None:
+            assert self._etag is not None
+            self._s3.delete(self._etag)
+            return
+        info = _read_settled(self.store)
+        if isinstance(info, dict) and info.get("token") == self.token:
+            self.store.delete(LOCK_KEY)
 
 
-def acquire_run_lock(store: Store, *, stale_seconds: float = 120.0) -> RunLock:
-    """Take the run's write lock or raise :class:`CheckpointError` naming the holder."""
-    lock = RunLock(store)
-    if isinstance(store, LocalStore):
-        _acquire_flock(lock, store)
-    else:
-        _acquire_object_lock(lock, store, stale_seconds)
+def acquire_run_lock(
+    store: Store,
+    *,
+    stale_seconds: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> RunLock:
+    """Take the run's write lock or raise :class:`CheckpointError` naming the holder.
+
+    ``stale_seconds`` (default :data:`STALE_SECONDS`, read at each call): how old a lock object's
+    heartbeat must be before it is taken over. ``clock``: the monotonic clock the holder measures
+    its own heartbeats with.
+    """
+    stale = STALE_SECONDS if stale_seconds is None else float(stale_seconds)
+    if not stale > 0:
+        raise ValueError(f"stale_seconds must be positive, got {stale_seconds!r}")
+    lock = RunLock(store, stale_seconds=stale, clock=clock)
+    # The backend decides how to lock; the generic protocol goes through the wrappers (timeouts).
+    backend = unwrap(store)
+    if isinstance(backend, LocalStore):
+        _acquire_flock(lock, backend)
+        return lock
+    s3 = _S3Object.of(store, stale)
+    try:
+        if s3 is not None:
+            try:
+                _acquire_conditional(lock, s3)
+            except _Unsupported:
+                _acquire_claimed(lock)
+        else:
+            _acquire_claimed(lock)
+    except BaseException:
+        lock._owner = None
+        raise
+    lock._start_heartbeat()
     return lock
+
+
+def _refuse_if_held(lock: RunLock, current: Any) -> None:
+    if not isinstance(current, dict):
+        return  # a foreign or unreadable object: nobody can be holding it
+    pid = current.get("pid")
+    dead_here = (
+        current.get("host") == socket.gethostname()
+        and isinstance(pid, int)
+        and pid > 0
+        and not _pid_alive(pid)
+    )
+    last_beat = current.get("heartbeat_unix")
+    stale = not isinstance(last_beat, (int, float)) or time.time() - last_beat > lock.stale_seconds
+    if not (dead_here or stale):
+        raise CheckpointError(
+            f"{lock.store.url} is already open for writing by {_describe(current)}; "
+            "one writer per run (readers need no lock)"
+        )
+
+
+def _read_settled(store: Store) -> Any:
+    """The lock object, parsed. A store without atomic writes may show one half-written: read
+    again before calling it unreadable (None). CheckpointNotFoundError if there is none."""
+    info = None
+    for attempt in range(4):
+        if attempt:
+            time.sleep(0.05)
+        info = _parse(store.read(LOCK_KEY))
+        if isinstance(info, dict):
+            return info
+    return info
+
+
+# --- local file system ------------------------------------------------------------------------
 
 
 def _acquire_flock(lock: RunLock, store: LocalStore) -> None:
     import fcntl
 
     path = store.root / LOCK_KEY
+    fd = _open_lock_file(path)
     try:
-        store.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StorageError(f"cannot lock {path}: {exc.strerror}") from exc
+            raise CheckpointError(
+                f"{store.url} is already open for writing by "
+                f"{_describe(_parse(_read_fd(fd)))}; one writer per run (readers need no lock)"
+            ) from None
+        lock.generation = _generation(_parse(_read_fd(fd))) + 1
+        record = json.dumps(_owner(lock.token, lock.generation)).encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+        except OSError as exc:
+            raise StorageError(f"cannot write the write lock {path}: {exc.strerror}") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    lock._fd, lock._path = fd, path
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (creating) ``path`` without following a link; refuse anything but a regular file
+    with a single link, so that nothing outside the run is ever truncated or written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # lstat first: opening a device or FIFO can itself have effects.
+        _refuse_foreign(path, os.lstat(path))
+    except FileNotFoundError:
+        pass
     except OSError as exc:
         raise StorageError(f"cannot create the write lock {path}: {exc.strerror}") from exc
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise StorageError(f"cannot lock {path}: {exc.strerror}") from exc
-        try:
-            holder = json.loads(path.read_text() or "null")
-        except (OSError, ValueError):
-            holder = None
-        raise CheckpointError(
-            f"{store.url} is already open for writing by {_describe(holder)}; "
-            "one writer per run (readers need no lock)"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_owner(lock.token)).encode(), 0)
-    lock._fd = fd
-
-
-def _acquire_object_lock(lock: RunLock, store: Store, stale_seconds: float) -> None:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"the write lock {path} is a symbolic link; cryosnap never follows links "
+                "inside a run (remove it if the run is yours)"
+            ) from None
+        raise StorageError(f"cannot create the write lock {path}: {exc.strerror}") from exc
     try:
-        current = json.loads(store.read(LOCK_KEY))
+        _refuse_foreign(path, os.fstat(fd))  # replaced between the lstat and the open
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _refuse_foreign(path: Path, st: os.stat_result) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(
+            f"the write lock {path} is a symbolic link; cryosnap never follows links inside "
+            "a run (remove it if the run is yours)"
+        )
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else "hard-linked elsewhere"
+        raise CheckpointError(
+            f"the write lock {path} is {what}; cryosnap never writes through it "
+            "(remove it if the run is yours)"
+        )
+
+
+def _read_fd(fd: int) -> bytes:
+    try:
+        return os.pread(fd, 1 << 16, 0)
+    except OSError:
+        return b""
+
+
+# --- lock objects: claims (any store) ---------------------------------------------------------
+
+
+def _acquire_claimed(lock: RunLock) -> None:
+    """Take the lock object inside the claims protocol (module docstring)."""
+    store = lock.store
+    for attempt in range(_CLAIM_ATTEMPTS):
+        start = lock._clock()
+        claim = f"{CLAIMS_PREFIX}/{int(time.time() * 1000):015d}-{lock.token}"
+        store.write(claim, b"")
+        try:
+            if not _rival_claims(lock, claim):
+                _take_object(lock, start)
+                return
+        finally:
+            with contextlib.suppress(CheckpointError):
+                store.delete(claim)
+        # Another writer is opening this run now: let one of us go first.
+        time.sleep(random.uniform(0.0, 0.05 * 2**attempt))
+    raise CheckpointError(
+        f"{store.url} is being opened for writing by other processes at the same time; "
+        "one writer per run (readers need no lock)"
+    )
+
+
+def _rival_claims(lock: RunLock, claim: str) -> bool:
+    """Whether another fresh claim exists; claims older than stale_seconds are removed."""
+    rivals = False
+    now_ms = time.time() * 1000
+    for key in lock.store.list(CLAIMS_PREFIX):
+        if key == claim:
+            continue
+        stamp = key.rsplit("/", 1)[-1].split("-", 1)[0]
+        if stamp.isdigit() and now_ms - int(stamp) > lock.stale_seconds * 1000:
+            with contextlib.suppress(CheckpointError):
+                lock.store.delete(key)  # left by a contender that died while opening
+            continue
+        rivals = True
+    return rivals
+
+
+def _take_object(lock: RunLock, start: float) -> None:
+    store = lock.store
+    try:
+        current = _read_settled(store)
     except CheckpointNotFoundError:
         current = None
-    except ValueError:
-        current = None  # a torn or foreign lock object: nobody can be holding it
-    if isinstance(current, dict):
-        dead_here = current.get("host") == socket.gethostname() and not _pid_alive(
-            int(current.get("pid", -1))
-        )
-        last_beat = current.get("heartbeat_unix")
-        stale = not isinstance(last_beat, (int, float)) or time.time() - last_beat > stale_seconds
-        if not (dead_here or stale):
-            raise CheckpointError(
-                f"{store.url} is already open for writing by {_describe(current)}; "
-                "one writer per run (readers need no lock)"
-            )
-    owner = _owner(lock.token)
+    _refuse_if_held(lock, current)
+    lock.generation = _generation(current) + 1
+    owner = _owner(lock.token, lock.generation)
     store.write(LOCK_KEY, json.dumps(owner).encode())
-    # Two writers racing on an object store: the last PUT wins, the other sees it and backs off.
-    time.sleep(0.05)
-    check = json.loads(store.read(LOCK_KEY))
-    if check.get("token") != lock.token:
+    lock._owner, lock._beat_ok = owner, start
+    if lock._clock() - start > lock._lease:
+        # Paused while opening: a rival may have judged our claim stale and gone ahead.
+        with contextlib.suppress(CheckpointError):
+            lock._delete_own()
+        raise CheckpointError(
+            f"opening {store.url} for writing took longer than {lock._lease:.1f} s; "
+            "another writer may have opened it meanwhile"
+        )
+    check = _read_settled(store)
+    if not isinstance(check, dict) or check.get("token") != lock.token:
         raise CheckpointError(f"{store.url} was locked by {_describe(check)} at the same time")
 
-    def beat() -> None:
-        interval = max(stale_seconds / 4, 0.05)
-        while not lock._stop.wait(interval):
-            owner["heartbeat_unix"] = time.time()
-            with contextlib.suppress(CheckpointError):
-                store.write(LOCK_KEY, json.dumps(owner).encode())
 
-    lock._heartbeat = threading.Thread(target=beat, name="cryosnap-lock", daemon=True)
-    lock._heartbeat.start()
+# --- lock objects: conditional requests (S3) --------------------------------------------------
+
+
+class _Unsupported(Exception):
+    """The server rejects conditional requests: use the claims protocol instead."""
+
+
+def _error_code(exc: BaseException) -> str | None:
+    for e in (exc, exc.__cause__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            return str(code) if code is not None else None
+    return None
+
+
+def _storage_error(what: str, exc: BaseException, timeout: float) -> StorageError:
+    if isinstance(exc, TimeoutError):
+        return StorageTimeoutError(f"{what} did not return within {timeout:g} s")
+    return StorageError(f"{what} failed: {exc}")
+
+
+def _call_timeout(store: Store) -> float | None:
+    """The per-call timeout of the TimeoutStore among ``store``'s wrappers, if any."""
+    while isinstance(store, WrapperStore):
+        if isinstance(store, TimeoutStore):
+            return store.timeout_seconds
+        store = store.inner
+    return None
+
+
+class _S3Object:
+    """``writer.lock`` on S3 through s3fs, written only by conditional requests."""
+
+    def __init__(self, store: FsspecStore, fs: Any, timeout: float) -> None:
+        self.url = store.url
+        self.fs = fs
+        self.bucket, self.key, _ = fs.split_path(store._path(LOCK_KEY))
+        self.timeout = timeout
+
+    @classmethod
+    def of(cls, wrapped: Store, stale_seconds: float) -> _S3Object | None:
+        store = unwrap(wrapped)
+        if not isinstance(store, FsspecStore):
+            return None
+        protocols = store.fs.protocol
+        protocols = {protocols} if isinstance(protocols, str) else set(protocols)
+        if not protocols & {"s3", "s3a"} or not hasattr(store.fs, "_call_s3"):
+            return None
+        # These calls bypass the wrappers: bound them by the store's per-call timeout, and in
+        # any case by half the stale time (a lock call that outlives the lease is of no use).
+        limit = _call_timeout(wrapped)
+        own = max(stale_seconds / 2, 5.0)
+        return cls(store, store.fs, own if limit is None else min(limit, own))
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        import fsspec.asyn
+
+        try:
+            return fsspec.asyn.sync(
+                self.fs.loop,
+                self.fs._call_s3,
+                method,
+                Bucket=self.bucket,
+                Key=self.key,
+                timeout=self.timeout,
+                **kwargs,
+            )
+        except FileExistsError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            code = _error_code(exc)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise FileExistsError(str(exc)) from exc
+            if code == "NotImplemented":
+                raise _Unsupported(str(exc)) from exc
+            raise _storage_error(
+                f"{method} of {LOCK_KEY} in {self.url}", exc, self.timeout
+            ) from exc
+
+    def get(self) -> tuple[bytes, str] | None:
+        import fsspec.asyn
+
+        async def call() -> tuple[bytes, str]:
+            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
+            try:
+                return bytes(await resp["Body"].read()), str(resp["ETag"])
+            finally:
+                resp["Body"].close()
+
+        try:
+            got: tuple[bytes, str] = fsspec.asyn.sync(self.fs.loop, call, timeout=self.timeout)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            raise _storage_error(f"reading {LOCK_KEY} in {self.url}", exc, self.timeout) from exc
+        return got
+
+    def _put(self, data: bytes, **condition: str) -> str | None:
+        """The new ETag, or None when the condition failed. A retried PUT whose first attempt
+        landed fails its own condition: the object then holds exactly ``data``, which is ours."""
+        try:
+            out = self._call("put_object", Body=data, **condition)
+        except (FileExistsError, FileNotFoundError):
+            got = self.get()
+            return got[1] if got is not None and got[0] == data else None
+        return str(out["ETag"])
+
+    def create(self, data: bytes) -> str | None:
+        return self._put(data, IfNoneMatch="*")
+
+    def replace(self, data: bytes, etag: str) -> str | None:
+        return self._put(data, IfMatch=etag)
+
+    def delete(self, etag: str | None) -> None:
+        """Delete the object if its ETag is ``etag`` (None: whatever it holds)."""
+        condition = {} if etag is None else {"IfMatch": etag}
+        try:
+            self._call("delete_object", **condition)
+        except (FileExistsError, FileNotFoundError):
+            pass  # changed meanwhile: someone else's now
+        except _Unsupported:
+            got = self.get()  # no conditional delete here: the narrow check-then-delete
+            if got is not None and got[1] == etag:
+                self._call("delete_object")
+
+
+def _acquire_conditional(lock: RunLock, s3: _S3Object) -> None:
+    for _ in range(3):
+        start = lock._clock()
+        lock.generation = 1
+        owner = _owner(lock.token, lock.generation)
+        data = json.dumps(owner).encode()
+        etag = s3.create(data)
+        if etag is not None:
+            try:
+                # Heartbeats need If-Match: make sure the server takes it before relying on it.
+                etag = s3.replace(data, etag)
+            except _Unsupported:
+                s3.delete(None)
+                raise
+            if etag is None:
+                raise CheckpointError(f"{lock.store.url} was locked by another writer at once")
+        else:
+            got = s3.get()
+            if got is None:
+                continue  # released between our PUT and our GET: try again
+            current = _parse(got[0])
+            _refuse_if_held(lock, current)
+            lock.generation = _generation(current) + 1
+            owner = _owner(lock.token, lock.generation)
+            etag = s3.replace(json.dumps(owner).encode(), got[1])
+            if etag is None:
+                raise CheckpointError(
+                    f"{lock.store.url} was taken over by another writer at the same time"
+                )
+        lock._owner, lock._etag, lock._beat_ok, lock._s3 = owner, etag, start, s3
+        # A server that ignores the conditions would let a rival overwrite us unseen.
+        got = s3.get()
+        check = _parse(got[0]) if got else None
+        if not isinstance(check, dict) or check.get("token") != lock.token:
+            lock._owner = None
+            raise CheckpointError(
+                f"{lock.store.url} was locked by {_describe(check)} at the same time"
+            )
+        return
+    raise CheckpointError(f"{lock.store.url}: the write lock keeps changing; try again")

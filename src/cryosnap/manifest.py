@@ -38,6 +38,7 @@ import xxhash
 from .chunks import HASH_BYTES, HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_count
 from .errors import CheckpointFormatError
 from .storage.base import validate_key
+from .tree import check_depth
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,6 +65,28 @@ FORMAT_VERSION = 1
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
 MAX_STEP = 10**12 - 1
+
+# Limits on what a manifest or commit record may claim. A run directory can come from anyone,
+# so every number is checked before it sizes an allocation, indexes an array or reaches a
+# syscall; these bounds sit far above anything a real run writes and far below where numpy's
+# int64 arithmetic, preadv's off_t or Python's float conversion would overflow.
+# Ranks are C ints in MPI and torch.distributed.
+MAX_RANK = 2**31 - 1
+# Counters that are only reported (leaves, logical and written bytes, metrics): a uint64
+# holds them.
+MAX_COUNT = 2**64 - 1
+# One blob: 128 TiB, more than any single machine's memory. Segment offsets and sizes stay
+# below this, so offset + nbytes and chunk index * chunk_bytes never overflow int64.
+MAX_BLOB_BYTES = 2**47
+MAX_FILE_BYTES = 2**47
+# Chunks of one blob. Each segment covers at least one chunk, so a blob has at most this many
+# segments, and a sum of per-segment chunk counts stays below 2**62: no int64 sum can wrap.
+MAX_BLOB_CHUNKS = 2**31
+# Timestamps: 0 to the end of year 9999, what datetime (and the CLI) can render.
+MAX_UNIX = 253402300799.0
+# JSON nesting of a commit record (flat by design: 3 levels). The state tree of a manifest has
+# its own limit, tree.MAX_DEPTH.
+MAX_JSON_DEPTH = 16
 
 
 def version_prefix(step: int) -> str:
@@ -101,11 +124,38 @@ def _fail(where: str, what: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{where}: {what}")
 
 
-def _int(doc: dict[str, Any], name: str, where: str, *, lo: int = 0, hi: int | None = None) -> int:
+def _int(doc: dict[str, Any], name: str, where: str, *, lo: int = 0, hi: int = MAX_COUNT) -> int:
     v = doc.get(name)
-    if type(v) is not int or v < lo or (hi is not None and v > hi):
-        raise _fail(where, f"field {name!r} must be an int >= {lo}, got {v!r:.60}")
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"field {name!r} must be an int in [{lo}, {hi}], got {_show(v)}")
     return v
+
+
+def _show(v: Any) -> str:
+    """A value for a message: short, and never str() of an int of thousands of digits (which
+    Python refuses)."""
+    if type(v) is int and v.bit_length() > 64:
+        return f"an int of {v.bit_length()} bits"
+    return f"{v!r:.60}"
+
+
+def _unix(doc: dict[str, Any], name: str, where: str) -> float:
+    v = doc.get(name)
+    if not isinstance(v, (int, float)) or type(v) is bool or not 0 <= v <= MAX_UNIX:
+        # NaN fails the comparison; 1e400 is inf; a huge int would overflow float().
+        raise _fail(where, f"field {name!r} must be a time in [0, {MAX_UNIX:.0f}], got {_show(v)}")
+    return float(v)
+
+
+def _check_depth(doc: Any, where: str) -> None:
+    """Refuse a document nested deeper than MAX_JSON_DEPTH (iterative: no recursion here)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _fail(where, f"nested deeper than {MAX_JSON_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _data_file(key: Any, where: str) -> str:
@@ -119,9 +169,12 @@ def _data_file(key: Any, where: str) -> str:
 
 def _parse_json(data: bytes, where: str) -> dict[str, Any]:
     try:
+        # NaN, Infinity and 1e400 (inf) parse; every number is range-checked where it is used.
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail(where, f"not valid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise _fail(where, "not valid JSON (nested too deeply)") from exc
+    except ValueError as exc:  # also UnicodeDecodeError, and ints of over 4,300 digits
+        raise _fail(where, f"not valid JSON ({exc!s:.200})") from exc
     if not isinstance(doc, dict):
         raise _fail(where, "not a JSON object")
     fv = doc.get("format_version")
@@ -301,21 +354,22 @@ class Manifest:
         )
         if cursor[0] != len(table):
             raise _fail(where, "hash table does not match the stored segments")
-        created = doc.get("created_unix")
-        if not isinstance(created, (int, float)):
-            raise _fail(where, "field 'created_unix' must be a number")
+        created = _unix(doc, "created_unix", where)
         if not isinstance(doc.get("tree"), dict):
             raise _fail(where, "field 'tree' must be an object")
+        # The skeleton is walked recursively on restore; the rest of the document is checked
+        # field by field above.
+        check_depth(doc["tree"], where)
         return cls(
             step=_int(doc, "step", where, hi=MAX_STEP),
-            rank=_int(doc, "rank", where),
+            rank=_int(doc, "rank", where, hi=MAX_RANK),
             chunk_bytes=chunk_bytes,
             data_files=data_files,
             blobs=blobs,
             skeleton=doc["tree"],
             leaves=_int(doc, "leaves", where),
             logical_bytes=_int(doc, "logical_bytes", where),
-            created_unix=float(created),
+            created_unix=created,
             base=base,
         )
 
@@ -331,16 +385,26 @@ def _parse_blob(
     where: str,
 ) -> BlobEntry:
     here = f"{where}, blob {index}"
+    if not isinstance(raw, list) or len(raw) != 3:
+        raise _fail(here, f"malformed blob entry {raw!r:.120}")
+    nbytes, root_hex, raw_segments = raw
+    if type(nbytes) is not int or not 0 <= nbytes <= MAX_BLOB_BYTES:
+        raise _fail(here, f"blob size must be an int in [0, {MAX_BLOB_BYTES}], got {_show(nbytes)}")
+    nchunks = chunk_count(nbytes, chunk_bytes)
+    if nchunks > MAX_BLOB_CHUNKS:
+        raise _fail(here, f"blob of {nbytes} bytes has more than {MAX_BLOB_CHUNKS} chunks")
+    # Each segment covers a chunk or more, and each stored one brings a chunk hash or more in
+    # the hash table; in what the writer makes, two inherited segments are never adjacent. So
+    # a blob has at most this many segments: the bound on what a packed table may inflate to.
+    hashes_left = (len(table) - cursor[0]) // HASH_BYTES
+    max_rows = min(nchunks, 2 * hashes_left + 1 if has_base else hashes_left)
     try:
-        nbytes, root_hex, raw_segments = raw
         if isinstance(raw_segments, dict):
-            raw_segments = _unpack_rows(raw_segments)
-        if (
-            type(nbytes) is not int
-            or nbytes < 0
-            or not isinstance(raw_segments, (list, np.ndarray))
-        ):
-            raise ValueError("size")
+            raw_segments = _unpack_rows(raw_segments, max_rows, here)
+        if not isinstance(raw_segments, (list, np.ndarray)):
+            raise ValueError("segments")
+        if len(raw_segments) > max_rows:
+            raise _fail(here, f"{len(raw_segments)} segments, more than the blob can have")
         root = bytes.fromhex(root_hex)
         # numpy infers the type: all-int rows give an integer array; a float or a string
         # anywhere gives another kind, refused below (checked at C speed, not per field).
@@ -355,7 +419,7 @@ def _parse_blob(
                 if raw_segments and rows_ok
                 else None
             )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise _fail(here, f"malformed blob entry {raw!r:.120}") from exc
     if not rows_ok:
         raise _fail(here, "segment fields must be rows of 4 ints")
@@ -373,20 +437,26 @@ def _parse_blob(
     inherited = kind == INHERITED
     if not (stored | inherited).all():
         raise _fail(here, "unknown segment kind")
+    # Bounded fields keep every sum and product below in int64 (see the limits above).
     if stored.any() and (
         (a[stored] < 0).any()
         or (a[stored] >= nfiles).any()
         or (b[stored] < 0).any()
+        or (b[stored] > MAX_FILE_BYTES).any()
         or (c[stored] <= 0).any()
+        or (c[stored] > nbytes).any()
     ):
-        raise _fail(here, "invalid stored segment")
+        raise _fail(here, "invalid stored segment (file, offset or size out of range)")
     if inherited.any() and (
         not has_base
         or (a[inherited] < 0).any()
+        or (a[inherited] > MAX_BLOB_CHUNKS).any()
         or (b[inherited] < 0).any()
+        or (b[inherited] > MAX_BLOB_CHUNKS).any()
         or (c[inherited] <= 0).any()
+        or (c[inherited] > nchunks).any()
     ):
-        raise _fail(here, "invalid inherited segment")
+        raise _fail(here, "invalid inherited segment (blob, first chunk or count out of range)")
     # Chunks per segment; a stored run that is not the blob's last segment is whole chunks,
     # and the last one ends exactly at the blob's end.
     counts = np.where(stored, -(-c // chunk_bytes), c)
@@ -407,19 +477,26 @@ def _parse_blob(
     return BlobEntry(nbytes, root, t, hashes, chunk_bytes)
 
 
-def _unpack_rows(doc: dict[str, Any]) -> np.ndarray[Any, Any]:
-    """A packed segment table: ``{"rows": n, "zlib_i64": base64(zlib(int64 LE rows of 4))}``."""
+def _unpack_rows(doc: dict[str, Any], max_rows: int, where: str) -> np.ndarray[Any, Any]:
+    """A packed segment table: ``{"rows": n, "zlib_i64": base64(zlib(int64 LE rows of 4))}``.
+
+    ``n`` is checked against ``max_rows`` before anything is inflated, and inflation stops at
+    the size ``n`` rows take: a zlib bomb costs no more memory than an honest table."""
     rows, packed = doc.get("rows"), doc.get("zlib_i64")
     if type(rows) is not int or rows < 0 or not isinstance(packed, str) or len(doc) != 2:
-        raise ValueError("packed table")
+        raise _fail(where, f"malformed packed segment table {doc!r:.120}")
+    if rows > max_rows:
+        raise _fail(
+            where, f"packed table claims {_show(rows)} segments, the blob can have {max_rows}"
+        )
     want = rows * 4 * 8
     inflate = zlib.decompressobj()
     try:
         raw = inflate.decompress(base64.b64decode(packed, validate=True), want + 1)
     except (zlib.error, ValueError) as exc:  # binascii.Error is a ValueError
-        raise ValueError("packed table") from exc
+        raise _fail(where, "packed segment table is not base64 zlib data") from exc
     if len(raw) != want or not inflate.eof:
-        raise ValueError("packed table size")
+        raise _fail(where, f"packed segment table does not inflate to its {rows} rows")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64).reshape(rows, 4)
 
 
@@ -496,10 +573,13 @@ class CommitRecord:
         doc = _parse_json(data, where)
         if doc.get("kind") != "cryosnap.commit":
             raise _fail(where, "not a cryosnap commit record")
+        # A commit record is small and flat: its whole document is checked, so the checksum's
+        # own serialization cannot recurse out of the stack.
+        _check_depth(doc, where)
         checksum = doc.pop("checksum", None)
         if checksum != _checksum(doc):
             raise _fail(where, "checksum mismatch: the commit record is damaged")
-        world_size = _int(doc, "world_size", where, lo=1)
+        world_size = _int(doc, "world_size", where, lo=1, hi=MAX_RANK)
         raw = doc.get("manifests")
         if not isinstance(raw, list) or len(raw) != world_size:
             raise _fail(where, "field 'manifests' must list one manifest per rank")
@@ -510,7 +590,10 @@ class CommitRecord:
             key = _version_file(m.get("key"), where)
             refs.append(
                 ManifestRef(
-                    _int(m, "rank", where), str(key), m["xxh3_128"], _int(m, "bytes", where)
+                    _int(m, "rank", where, hi=MAX_RANK),
+                    str(key),
+                    m["xxh3_128"],
+                    _int(m, "bytes", where),
                 )
             )
         if sorted(r.rank for r in refs) != list(range(world_size)):
@@ -518,9 +601,9 @@ class CommitRecord:
         files = doc.get("data_files")
         if not isinstance(files, list):
             raise _fail(where, "field 'data_files' must be a list")
-        created = doc.get("created_unix")
-        if not isinstance(created, (int, float)) or not isinstance(doc.get("root"), str):
-            raise _fail(where, "malformed 'created_unix' or 'root'")
+        created = _unix(doc, "created_unix", where)
+        if not isinstance(doc.get("root"), str):
+            raise _fail(where, "field 'root' must be a string")
         return cls(
             step=_int(doc, "step", where, hi=MAX_STEP),
             world_size=world_size,
@@ -531,7 +614,7 @@ class CommitRecord:
             leaves=_int(doc, "leaves", where),
             chunk_bytes=_int(doc, "chunk_bytes", where, lo=MIN_CHUNK_BYTES, hi=MAX_CHUNK_BYTES),
             root=doc["root"],
-            created_unix=float(created),
+            created_unix=created,
             incremental=bool(doc.get("incremental", False)),
             chain=tuple(_steps(doc.get("chain", []), where)),
             metrics=_metrics(doc.get("metrics"), where),
@@ -542,7 +625,8 @@ def _metrics(raw: Any, where: str) -> dict[str, float] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict) or not all(
-        isinstance(k, str) and type(v) in (int, float) for k, v in raw.items()
+        isinstance(k, str) and type(v) in (int, float) and abs(v) <= MAX_COUNT
+        for k, v in raw.items()
     ):
         raise _fail(where, f"malformed metrics {raw!r:.120}")
     return {k: float(v) for k, v in raw.items()}

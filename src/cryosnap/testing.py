@@ -2,17 +2,20 @@
 
 ``FaultyStore(inner, fault=...)`` calls ``fault(op, key)`` before every operation (``op`` is one
 of ``read``, ``read_into``, ``write``, ``open_writer``, ``writer.write``, ``writer.commit``,
-``exists``, ``list``, ``size``, ``delete``); the callable may raise (an injected failure), sleep
-(a stall) or kill the process (a crash at an exact phase of a save). ``bytes_per_second``
-throttles data written through writers, as a slow device or a shared file system would.
+``exists``, ``list``, ``size``, ``delete``, ``remove_incomplete``); the callable may raise (an
+injected failure), sleep (a stall) or kill the process (a crash at an exact phase of a save).
+``bytes_per_second`` throttles data written through writers, as a slow device or a shared file
+system would.
 """
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+from .storage._wrap import WrapperStore
 from .storage.base import BlobWriter, BytesLike, Store
 
 __all__ = ["FaultyStore"]
@@ -24,7 +27,7 @@ def _no_fault(op: str, key: str) -> None:
     return None
 
 
-class FaultyStore:
+class FaultyStore(WrapperStore):
     """Wraps a store; every primitive first calls ``fault(op, key)``."""
 
     def __init__(
@@ -34,7 +37,7 @@ class FaultyStore:
         fault: Fault = _no_fault,
         bytes_per_second: float | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.fault = fault
         self.bytes_per_second = bytes_per_second
         self.ops: list[tuple[str, str]] = []
@@ -44,10 +47,6 @@ class FaultyStore:
         with self._lock:
             self.ops.append((op, key))
         self.fault(op, key)
-
-    @property
-    def url(self) -> str:
-        return self.inner.url
 
     def read(self, key: str) -> bytes:
         self._hit("read", key)
@@ -73,7 +72,7 @@ class FaultyStore:
         self._hit("exists", key)
         return self.inner.exists(key)
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         self._hit("list", prefix)
         return self.inner.list(prefix)
 
@@ -84,6 +83,10 @@ class FaultyStore:
     def delete(self, key: str) -> None:
         self._hit("delete", key)
         self.inner.delete(key)
+
+    def remove_incomplete(self, prefix: str = "") -> builtins.list[str]:
+        self._hit("remove_incomplete", prefix)
+        return self.inner.remove_incomplete(prefix)
 
 
 class _FaultyWriter:

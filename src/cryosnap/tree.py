@@ -55,6 +55,17 @@ __all__ = [
 Json = Any  # a JSON-compatible value (dict / list / str / int / float / bool / None)
 
 
+# Levels of nesting a restored tree may have. Restoring walks the skeleton recursively (at most
+# two frames per level), so this keeps every walk well inside Python's default recursion limit
+# of 1000 wherever the caller stands; saving itself fails at about 330 levels.
+MAX_DEPTH = 200
+# Dimensions of a tensor or array: numpy's own limit (torch's is the same).
+MAX_NDIM = 64
+# Elements of one leaf, zero-sized dimensions included: shapes and strides stay in int64.
+MAX_ELEMENTS = 2**62
+
+_CONTAINERS = frozenset(("dict", "odict", "list", "tuple"))
+
 # Python ints beyond this many bits are written as hex strings: JSON readers (Python's included)
 # refuse numbers of more than a few thousand digits.
 _BIG_INT_BITS = 63
@@ -170,6 +181,7 @@ class _Flattener:
         # Tensors are grouped by storage after the walk, so tied weights become one blob.
         self.tensors: list[tuple[dict[str, Any], Any, tuple[str | int, ...]]] = []
         self._active: set[int] = set()
+        self._depth = 0
 
     def run(self, state: Any) -> FlatState:
         skeleton = self.visit(state, ())
@@ -191,6 +203,19 @@ class _Flattener:
         return len(self.blobs) - 1
 
     def visit(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if self._depth > MAX_DEPTH:
+            # What load() refuses (check_depth) must not be saved in the first place.
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: the state is nested deeper than "
+                f"{MAX_DEPTH} levels"
+            )
+        self._depth += 1
+        try:
+            return self._visit(obj, path)
+        finally:
+            self._depth -= 1
+
+    def _visit(self, obj: Any, path: tuple[str | int, ...]) -> Json:
         tp = type(obj)
         if tp in _SCALARS:
             self.leaves += 1
@@ -451,6 +476,24 @@ def iter_leaves(node: Json, path: tuple[str | int, ...] = ()) -> Iterator[tuple[
         yield where, node
 
 
+def check_depth(skeleton: Json, where: str) -> None:
+    """Refuse a skeleton nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
+    stack: list[tuple[Json, int]] = [(skeleton, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CheckpointFormatError(f"{where}: state nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict):
+            continue  # malformed: the walk that meets it says so
+        t = node.get("t")
+        if t in _CONTAINERS:
+            vals = node.get("v")
+            if isinstance(vals, list):
+                stack.extend((v, depth + 1) for v in vals if isinstance(v, dict))
+        elif t == "stateful":
+            stack.append((node.get("v"), depth + 1))
+
+
 def blob_paths(skeleton: Json, nblobs: int) -> list[str]:
     """The leaf path that first refers to each blob (what messages and diffs name)."""
     paths = [""] * nblobs
@@ -490,7 +533,7 @@ def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
         if isinstance(descr, list):
             descr = [tuple(tuples(x) if isinstance(x, list) else x for x in f) for f in descr]
         dtype: np.dtype[Any] = np.lib.format.descr_to_dtype(descr)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, RecursionError) as exc:
         raise CheckpointFormatError(f"leaf {path}: invalid numpy dtype {descr!r}") from exc
     if dtype.hasobject:
         raise CheckpointFormatError(f"leaf {path}: numpy dtype {descr!r} holds Python objects")
@@ -499,9 +542,24 @@ def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
 
 def _shape(node: dict[str, Any], path: str) -> tuple[int, ...]:
     shape = node.get("shape")
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-        raise CheckpointFormatError(f"leaf {path}: invalid shape {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(s) is int and 0 <= s <= MAX_ELEMENTS for s in shape)
+        or math.prod(max(s, 1) for s in shape) > MAX_ELEMENTS
+    ):
+        raise CheckpointFormatError(f"leaf {path}: invalid shape {shape!r:.120}")
     return tuple(shape)
+
+
+def _expect_bytes(shape: tuple[int, ...], itemsize: int, have: int, path: str) -> None:
+    """Refuse a leaf whose shape does not fit its blob *before* anything is allocated for it."""
+    need = math.prod(shape) * itemsize
+    if need != have:
+        raise CheckpointFormatError(
+            f"leaf {path}: shape {list(shape)} of {itemsize}-byte items needs {need} bytes, "
+            f"its blob has {have}"
+        )
 
 
 class Restorer:
@@ -567,9 +625,10 @@ class Restorer:
             p = format_path(path)
             dtype, shape = _np_dtype(node.get("dtype"), p), _shape(node, p)
             order: Literal["C", "F"] = "F" if node.get("order") == "F" else "C"
+            b = self._blob(node, p)
+            _expect_bytes(shape, dtype.itemsize, self.blob_sizes[b], p)
             arr = np.empty(shape, dtype=dtype, order=order)
             flat = arr.T.reshape(-1) if order == "F" else arr.reshape(-1)
-            b = self._blob(node, p)
             self._claim(b, flat.view(np.uint8).data if flat.size else memoryview(bytearray()), p)
             self._values[id(node)] = arr
         elif t in ("bytes", "bytearray", "pickle"):
@@ -592,7 +651,9 @@ class Restorer:
         dtype, shape = _torch_dtype(node.get("dtype"), path), _shape(node, path)
         b = self._blob(node, path)
         view = node.get("view")
+        item = torch.empty(0, dtype=dtype).element_size()
         if view is None:
+            _expect_bytes(shape, item, self.blob_sizes[b], path)
             t = torch.empty(shape, dtype=dtype)
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else None
             self._claim(
@@ -602,14 +663,13 @@ class Restorer:
             if not isinstance(view, dict):
                 raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
             offset, stride = view.get("offset"), view.get("stride")
-            item = torch.empty(0, dtype=dtype).element_size()
             if (
                 type(offset) is not int
-                or offset < 0
+                or not 0 <= offset <= MAX_ELEMENTS
                 or offset % item
                 or not isinstance(stride, list)
                 or len(stride) != len(shape)
-                or not all(type(s) is int and s >= 0 for s in stride)
+                or not all(type(s) is int and 0 <= s <= MAX_ELEMENTS for s in stride)
             ):
                 raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
             extent = sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
@@ -622,11 +682,17 @@ class Restorer:
                 self._values[-b - 1] = base_t  # keep the shared storage for its views
             base_t = self._values[-b - 1]
             t = torch.empty(0, dtype=dtype)
-            t.set_(base_t.untyped_storage(), offset // item, shape, stride)
-        if node.get("param"):
-            t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
-        elif node.get("grad"):
-            t.requires_grad_(True)
+            try:
+                t.set_(base_t.untyped_storage(), offset // item, shape, stride)
+            except RuntimeError as exc:
+                raise CheckpointFormatError(f"leaf {path}: malformed view {view!r:.80}") from exc
+        try:
+            if node.get("param"):
+                t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
+            elif node.get("grad"):
+                t.requires_grad_(True)
+        except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
+            raise CheckpointFormatError(f"leaf {path}: {exc}") from exc
         self._values[id(node)] = t
 
     # phase 2 -------------------------------------------------------------------------------
@@ -690,7 +756,17 @@ def _scalar(node: dict[str, Any], path: str) -> Any:
                 big = dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder == "big")
                 return np.str_(raw.decode("utf-32-be" if big else "utf-32-le"))
             return np.frombuffer(raw, dtype=dtype)[0]
-    except (TypeError, ValueError, IndexError, KeyError) as exc:
+    except (
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        OverflowError,
+        RuntimeError,
+        struct.error,
+    ) as exc:
+        # OverflowError: float.fromhex of a huge exponent; RuntimeError: torch.Size of one;
+        # struct.error: NaN bits of the wrong length.
         raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}") from exc
     raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}")
 

@@ -94,3 +94,69 @@ def test_cli_demo_command_runs_demo_main(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(demo, "main", fake_main)
     assert cli.main(["demo", "--dir", "d", "--steps", "40", "--every", "4", "--seed", "1"]) == 0
     assert seen == [["--dir", "d", "--steps", "40", "--every", "4", "--seed", "1"]]
+
+
+def _demo_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cryosnap.demo", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def test_demo_refuses_a_directory_it_did_not_create(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "persistent").mkdir()  # a name the demo uses, but not the demo's
+    (tmp_path / "persistent" / "data.bin").write_bytes(b"x")
+    proc = _demo_cli("--dir", ".", "--steps", "30", "--every", "5", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert "is not empty and is not a demo directory" in proc.stderr
+    assert str(tmp_path) in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "persistent"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "persistent" / "data.bin").read_bytes() == b"x"
+
+
+def test_demo_refuses_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "f").write_text("mine")
+    assert demo.main(["--dir", str(tmp_path / "f"), "--steps", "30", "--every", "5"]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_prepare_takes_a_new_or_empty_directory_and_marks_it(tmp_path: Path) -> None:
+    assert demo.prepare(tmp_path / "new" / "run") is None
+    assert (tmp_path / "new" / "run" / demo.MARKER).is_file()
+    (tmp_path / "empty").mkdir()
+    assert demo.prepare(tmp_path / "empty") is None
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == [demo.MARKER]
+
+
+def test_prepare_replaces_an_earlier_demo_run_and_nothing_else(tmp_path: Path) -> None:
+    assert demo.prepare(tmp_path) is None
+    for name in ("scratch", "persistent"):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "x").write_bytes(b"old")
+    (tmp_path / "events.jsonl").write_text("{}\n")
+    (tmp_path / "summary.png").symlink_to(tmp_path / "events.jsonl")
+    (tmp_path / "notes.txt").write_text("added by the user since")
+    assert demo.prepare(tmp_path) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [demo.MARKER, "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "added by the user since"
+
+
+@pytest.mark.slow
+def test_demo_rerun_reuses_its_own_directory(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    # Seed 19 kills at step 11: the save of step 10 returned only once step 5 was durable
+    # (max_inflight=1), so the killed run always leaves a version to resume from.
+    args = ("--dir", str(work), "--steps", "17", "--every", "5", "--seed", "19")
+    first = _demo_cli(*args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    (work / "notes.txt").write_text("mine")
+    second = _demo_cli(*args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "SIGKILLed at step 11" in second.stdout and "bit for bit: YES" in second.stdout
+    # The second run started from nothing: one restore (after its own kill), not two.
+    events = (work / "events.jsonl").read_text().splitlines()
+    assert sum('"event": "restore"' in line for line in events) == 1
+    assert (work / "notes.txt").read_text() == "mine"

@@ -357,9 +357,14 @@ def test_close_bounds_all_queued_flush_retries_together(tmp_path: Path) -> None:
     down.set()
     for s in range(4):
         ckpt.save(s, {"w": np.full(10, s)}).result(tier="scratch")
-    t0 = time.monotonic()
+    # One budget for all four, not one each: once the shared deadline has passed, the
+    # versions still queued are tried once and given up, not retried for a second each.
+    calls_before = len(persistent.ops)
     with pytest.raises(StorageError):
         ckpt.close()
-    # One budget for all four, not one each (no wall-clock bound asserted beyond that shape).
-    assert time.monotonic() - t0 < 4 * 1.0
+    attempts = {
+        s: sum(1 for op, key in persistent.ops[calls_before:] if key.startswith(f"data/{s:012d}"))
+        for s in range(4)
+    }
+    assert attempts[3] <= 2, attempts
     assert list_steps(LocalStore(tmp_path / "s")) == [0, 1, 2, 3]

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -142,30 +141,35 @@ def test_sigterm_saves_and_exits(tmp_path: Path) -> None:
 
 
 def test_adaptive_interval_follows_the_checkpoint_cost(tmp_path: Path) -> None:
-    """A real loop whose checkpoints get slower: the adaptive interval grows with them."""
-    delay = [0.02]
+    """A loop whose checkpoints get slower: the adaptive interval grows with them.
+
+    Time is a fake clock the loop advances (5 ms a step) and the store's commit advances (the
+    checkpoint's cost), so the policy's decisions do not depend on the machine's speed.
+    """
+    now = [0.0]
+    delay = [0.002]
 
     def fault(op: str, key: str) -> None:
         if op == "writer.commit":
-            time.sleep(delay[0])
+            now[0] += delay[0]
 
     store = FaultyStore(LocalStore(tmp_path), fault=fault)
     policy = Adaptive(max_overhead=0.05, warmup_steps=3)
     intervals = {}
-    with cryosnap.Checkpointer(store, policy=policy, keep=2) as ckpt:
+    with cryosnap.Checkpointer(store, policy=policy, keep=2, clock=lambda: now[0]) as ckpt:
         w = np.zeros(10_000)
         for step in range(400):
             if step == 150:
                 intervals["cheap"] = policy.interval
-                delay[0] = 0.4
-            time.sleep(0.005)
+                delay[0] = 0.04
+            now[0] += 0.005
             w += 1
             if ckpt.should_save(step):
-                ckpt.save(step, {"w": w})
+                ckpt.save(step, {"w": w}).result()
         intervals["costly"] = policy.interval
     assert intervals["costly"] > intervals["cheap"], intervals
-    # Never saving faster than versions become durable: 0.4 s per version at ~5 ms per step.
-    assert intervals["costly"] >= 40, intervals
+    # Never saving faster than versions become durable: 40 ms per version at 5 ms per step.
+    assert intervals["costly"] >= 8, intervals
 
 
 def test_a_failing_retention_policy_does_not_stop_the_writer(tmp_path: Path) -> None:

@@ -279,8 +279,70 @@ def test_ls_dir_without_versions(capsys: pytest.CaptureFixture[str], tmp_path: P
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "x.dat").write_bytes(b"x")
     code, out, err = cli(capsys, "ls", tmp_path, "--json")
-    assert (code, out) == (2, "")
+    assert code == 2
     assert_one_error_line(err, "no committed version in")
+    # With --json the error is also one JSON object on stdout, with the exit code.
+    doc = json.loads(out)
+    assert doc["exit_code"] == 2 and doc["type"] == "CheckpointNotFoundError"
+    assert doc["error"].startswith("no committed version in")
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"cryosnap {cryosnap.__version__}"
+
+
+def test_json_usage_errors_are_json_on_stdout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = cli(capsys, "inspect", tmp_path / "none", "--json")
+    assert code == 2 and json.loads(out)["exit_code"] == 2
+    assert_one_error_line(err, "no checkpoint at")
+    code, out, _ = cli(capsys, "gc", tmp_path, "--json")  # --keep missing
+    assert code == 2 and json.loads(out)["type"] == "usage"
+
+
+def test_ls_of_a_directory_holding_tier_runs_points_at_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    cryosnap.save(tmp_path / "persistent", {"x": np.arange(3)}, step=1)
+    code, _, err = cli(capsys, "ls", tmp_path)
+    assert code == 2
+    assert_one_error_line(err, "holds the run(s)")
+    assert str(tmp_path / "persistent") in err
+
+
+def test_export_defaults_to_the_newest_and_never_overwrites(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    cryosnap.save(run, {"x": np.arange(3)}, step=1)
+    cryosnap.save(run, {"x": np.arange(4)}, step=2)
+    out = tmp_path / "x.npz"
+    code, stdout, _ = cli(capsys, "export", run, out, "--json")
+    assert code == 0 and json.loads(stdout)["step"] == 2
+    assert np.load(out)["x"].tolist() == [0, 1, 2, 3]
+    code, _, err = cli(capsys, "export", run, out, "--step", "1")
+    assert code == 2
+    assert_one_error_line(err, "exists; pass --force")
+    assert np.load(out)["x"].tolist() == [0, 1, 2, 3]
+    code, _, _ = cli(capsys, "export", run, out, "--step", "1", "--force")
+    assert code == 0 and np.load(out)["x"].tolist() == [0, 1, 2]
+
+
+def test_gc_dry_run_deletes_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for step in range(4):
+        cryosnap.save(run, {"x": np.full(1000, step)}, step=step, chunk_bytes=4096 << step)
+    before = sorted(p.name for p in (run / "data").iterdir())
+    code, out, _ = cli(capsys, "gc", run, "--keep", "1", "--dry-run", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["dry_run"] and doc["deleted_steps"] == [0, 1, 2]
+    assert doc["data_files_deleted"] == 3 and doc["freed_bytes"] > 0
+    assert sorted(p.name for p in (run / "data").iterdir()) == before
+    code, out, _ = cli(capsys, "gc", run, "--keep", "1", "--json")
+    assert json.loads(out)["deleted_steps"] == [0, 1, 2]
+    assert len(list((run / "data").iterdir())) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +404,7 @@ def test_inspect_text_step(capsys: pytest.CaptureFixture[str], run: Path) -> Non
 
 def test_inspect_missing_step_exits_2(capsys: pytest.CaptureFixture[str], run: Path) -> None:
     code, out, err = cli(capsys, "inspect", run, "--step", "7", "--json")
-    assert (code, out) == (2, "")
+    assert code == 2 and json.loads(out)["error"].startswith("step 7 not found")
     assert_one_error_line(err, "step 7 not found")
 
 
@@ -534,9 +596,9 @@ def test_export_bad_out_exits_2(
 def test_export_usage_errors_exit_2(
     capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path
 ) -> None:
-    code, _, err = cli(capsys, "export", run, tmp_path / "x.pt")
+    code, _, err = cli(capsys, "export", tmp_path / "nothing", tmp_path / "x.pt")
     assert code == 2
-    assert_one_error_line(err, "Missing option '--step'")
+    assert_one_error_line(err, "no checkpoint at")
     code, _, err = cli(capsys, "export", run, "--step", "8", tmp_path / "x.pt")
     assert code == 2
     assert_one_error_line(err, "step 8 not found")

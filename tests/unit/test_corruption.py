@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap.manifest import Manifest, commit_key, manifest_key
-from cryosnap.storage import LocalStore, Store, open_store
+from cryosnap.storage import LocalStore, Store, open_store, unwrap
 
 from .support import assert_same, commit_checksum, snapshot
 
@@ -77,9 +77,10 @@ class Run:
         return self.store.read(key)
 
     def write(self, key: str, data: bytes) -> None:
-        if isinstance(self.store, LocalStore):
+        backend = unwrap(self.store)
+        if isinstance(backend, LocalStore):
             # Damage in place, without the store's fsyncs: hundreds of cases stay fast.
-            (self.store.root / key).write_bytes(data)
+            (backend.root / key).write_bytes(data)
         else:
             self.store.write(key, data)
 

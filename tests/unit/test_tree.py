@@ -151,7 +151,7 @@ _MALFORMED = [
     ({"t": "list", "v": {}}, [], "malformed list"),
     ({**_T, "b": 1}, [8], "invalid blob reference"),
     ({**_T, "b": True}, [8], "invalid blob reference"),
-    (_T, [12], "holds 8 bytes"),
+    (_T, [12], "needs 8 bytes, its blob has 12"),
     ({"t": "list", "v": [_T, _T]}, [8], "claimed twice"),
     ({"t": "none"}, [4], "referenced by no leaf"),
     ({**_T, "dtype": "Tensor"}, [8], "unknown torch dtype"),

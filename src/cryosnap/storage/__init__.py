@@ -1,7 +1,9 @@
 """Storage backends behind one small protocol (see :mod:`cryosnap.storage.base`).
 
 ``open_store`` picks the backend from the location: a plain path or ``file://`` URL gives a
-:class:`LocalStore` (fsync and atomic rename), any other fsspec URL an :class:`FsspecStore`.
+:class:`LocalStore` (fsync and atomic rename), any other fsspec URL an :class:`FsspecStore`;
+it wraps the backend in a :class:`TimeoutStore`, so that every storage call is bounded.
+Wrappers derive from :class:`WrapperStore`; :func:`unwrap` reaches the backend under them.
 """
 
 from __future__ import annotations
@@ -11,23 +13,53 @@ from typing import Any
 
 from ._fsspec import FsspecStore
 from ._local import LocalStore
+from ._timeout import TimeoutStore
+from ._wrap import WrapperStore, unwrap
 from .base import BlobWriter, Store, TruncatedError, validate_key
 
 __all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
     "BlobWriter",
     "FsspecStore",
     "LocalStore",
     "Store",
+    "TimeoutStore",
     "TruncatedError",
+    "WrapperStore",
     "open_store",
+    "unwrap",
     "validate_key",
 ]
 
+# The default limit of one storage call. Generous for the largest single call the engine makes
+# (a 64 MiB read or write, over 8 s even on a 10 MB/s network file system) and for an S3 call
+# that s3fs retries (see _fsspec.py); short enough that a dead tier stops a save or a close()
+# within minutes, not never.
+DEFAULT_TIMEOUT_SECONDS = 120.0
 
-def open_store(location: str | os.PathLike[str] | Store, **storage_options: Any) -> Store:
-    """The store for ``location``: a directory, a ``file://`` URL, any fsspec URL or a Store."""
+
+def open_store(
+    location: str | os.PathLike[str] | Store,
+    *,
+    timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+    **storage_options: Any,
+) -> Store:
+    """The store for ``location``: a directory, a ``file://`` URL, any fsspec URL or a Store.
+
+    The backend is wrapped in a :class:`TimeoutStore`: a call that does not return within
+    ``timeout_seconds`` raises :class:`~cryosnap.errors.StorageTimeoutError` (None: no limit).
+    A Store passed in is returned as it is, without a timeout: wrap it in a TimeoutStore to
+    bound it. ``storage_options`` go to fsspec (for an fsspec URL).
+    """
     if isinstance(location, Store):
         return location
+    backend = _backend(location, storage_options)
+    if timeout_seconds is None:
+        return backend
+    return TimeoutStore(backend, timeout_seconds)
+
+
+def _backend(location: str | os.PathLike[str], storage_options: dict[str, Any]) -> Store:
     if isinstance(location, os.PathLike):
         location = os.fspath(location)
     if not isinstance(location, str) or not location:

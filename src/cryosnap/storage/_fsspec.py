@@ -4,10 +4,19 @@ fsspec itself is a core dependency; the backend packages (s3fs, gcsfs) are impor
 only when a URL of theirs is opened. On object stores every PUT is atomic, so ``write`` is a
 single ``pipe_file`` and a data file becomes visible when its upload completes on ``commit``.
 Durability is whatever the backend guarantees when ``close`` returns (S3: the object is stored).
+
+On S3 (s3fs), unless ``storage_options`` say otherwise, one request waits at most 5 s to
+connect and 10 s between bytes of the answer, and botocore tries it twice (botocore's default
+of 5 attempts, times s3fs's own 5 retries of a timeout, kept one call on a silent endpoint for
+over 6 minutes). A call to an endpoint that accepts connections and never answers then fails
+with the backend's own error after about 100-115 s; open_store's per-call timeout (a
+TimeoutStore) is the bound that holds whatever the backend does.
 """
 
 from __future__ import annotations
 
+import builtins
+import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -26,6 +35,8 @@ class FsspecStore:
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         self._url = url.rstrip("/")
+        if fsspec.core.split_protocol(self._url)[0] in ("s3", "s3a"):
+            storage_options = _s3_defaults(storage_options)
         try:
             self.fs, root = fsspec.core.url_to_fs(self._url, **storage_options)
         except (ImportError, ValueError) as exc:
@@ -133,11 +144,7 @@ class FsspecStore:
         keys = (p.lstrip("/") for p in found)
         found_keys = (k[len(root) :] for k in keys if k.startswith(root))
         # Hide writes in progress (reserved names, see validate_key).
-        return sorted(
-            k
-            for k in found_keys
-            if not (k.rsplit("/", 1)[-1].startswith(".") and k.endswith(".tmp"))
-        )
+        return sorted(k for k in found_keys if not _incomplete(k.rsplit("/", 1)[-1]))
 
     def size(self, key: str) -> int:
         path = self._path(key)
@@ -152,6 +159,44 @@ class FsspecStore:
         with self._errors(key, "deleting"):
             if self.fs.exists(path):
                 self.fs.rm_file(path)
+
+    def remove_incomplete(self, prefix: str = "") -> builtins.list[str]:
+        if self.object_store:
+            # A PUT is atomic and an upload becomes an object only on commit: an abandoned one
+            # leaves no object (S3 keeps its parts until a bucket lifecycle rule aborts it;
+            # aborting them here could hit another writer's upload in the same bucket).
+            return []
+        base = self._path(prefix) if prefix else self.root
+        with self._errors(prefix or ".", "removing incomplete files under"):
+            if not self.fs.isdir(base):
+                return []
+            root = self.root.lstrip("/") + "/"
+            removed = []
+            for path in self.fs.find(base):
+                key = path.lstrip("/")
+                if key.startswith(root) and _incomplete(key.rsplit("/", 1)[-1]):
+                    # A writer's ".<name>.<hex>.tmp" that a crash left before its move.
+                    self.fs.rm_file(path)
+                    removed.append(key[len(root) :])
+        return sorted(removed)
+
+
+def _incomplete(name: str) -> bool:
+    """Whether a file name is a write in progress (the reserved names, see validate_key)."""
+    return name.endswith(".partial") or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def _s3_defaults(storage_options: dict[str, Any]) -> dict[str, Any]:
+    """``storage_options`` with bounded S3 requests (see the module docstring), except where
+    the caller's options or AWS_MAX_ATTEMPTS/AWS_RETRY_MODE chose otherwise."""
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", 5)
+    config.setdefault("read_timeout", 10)
+    if "retries" not in config and not (
+        os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")
+    ):
+        config["retries"] = {"total_max_attempts": 2, "mode": "standard"}
+    return {**storage_options, "config_kwargs": config}
 
 
 # Object stores whose fsspec files complete an upload only on commit() with autocommit=False.

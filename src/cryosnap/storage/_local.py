@@ -1,33 +1,94 @@
 """LocalStore: a run directory on a POSIX file system (local disk, NVMe, tmpfs, NFS, Lustre).
 
+Owns every byte cryosnap reads or writes under a local run directory. Runs on the calling
+thread (a reader's, or the engine's I/O threads); holds no locks, callers serialize writes to
+one key.
+
 Crash consistency: small files (manifests, commit records) are written to a temporary name in
 the same directory, fsynced, renamed over the key and the directory is fsynced, so the new name
 and its content reach the disk together. Large data files are streamed to ``<key>.partial`` with
-``writev`` (few syscalls for many buffers), fsynced and renamed on commit; a crash leaves only a
-``.partial`` file that no version references. Reads use ``preadv`` straight into the caller's
-buffers: no intermediate copy.
+``writev`` (few syscalls for many buffers), fsynced and renamed on commit. Every directory a
+write creates (``versions/<step>/``) has its parent fsynced before anything is committed in it,
+so a power loss cannot drop the entry of a committed version. A crash leaves only ``.partial``
+and ``.<name>.<hex>.tmp`` files that no version references: :meth:`LocalStore.remove_incomplete`
+reclaims them. Reads use ``preadv`` straight into the caller's buffers: no intermediate copy.
+
+A run is a closed world: its files are data, possibly planted by someone else, and nothing in it
+may make cryosnap read, create, truncate or delete a file outside it. Every key is resolved one
+component at a time from a descriptor of the root (``openat`` with ``O_DIRECTORY|O_NOFOLLOW``),
+so no symlink below the root is ever followed; a file is opened only after ``lstat`` says it is a
+regular file, with ``O_NOFOLLOW|O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block the open)
+and ``fstat`` checks it again before a byte is read. Reading a symlink, FIFO, socket or device
+file raises :class:`~cryosnap.errors.CheckpointFormatError` (``load()`` falls back past it);
+writing through a symlinked directory raises :class:`~cryosnap.errors.StorageError`; ``list``
+skips them, and names that are no valid key, with one warning each on the ``cryosnap`` logger.
+The root itself may be a symlink: the user chose that path.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, StorageError
 from .base import BytesLike, TruncatedError, validate_key
 
 __all__ = ["LocalStore"]
 
+log = logging.getLogger("cryosnap")
+
 _IOV_MAX = min(getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX"), 1024)
 _PARTIAL = ".partial"
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
+_DIR_FLAGS = _ROOT_FLAGS | os.O_NOFOLLOW
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+# O_EXCL: a name planted in advance (a symlink, a hard link to a file elsewhere) is never reused.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+# A run's keys are 1-3 levels deep; a hostile tree may nest without end (recursion, open fds).
+_MAX_DEPTH = 32
+
+
+def _in_progress(name: str) -> bool:
+    """A write in progress, or a crashed one's leftover: the names ``validate_key`` reserves."""
+    return name.endswith(_PARTIAL) or (name.startswith(".") and name.endswith(".tmp"))
+
+
+def _kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device file"),
+        (stat.S_ISBLK, "a device file"),
+    ]
+    return next((text for test, text in kinds if test(mode)), "a special file")
+
+
+def _makedirs_durably(path: Path) -> None:
+    """``mkdir -p path``, fsyncing the parent of every directory it creates."""
+    missing: list[Path] = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir()
+        except FileExistsError:
+            continue  # made by someone else meanwhile
+        _fsync_dir(new.parent)
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = os.open(path, _ROOT_FLAGS)
     try:
         os.fsync(fd)
     finally:
@@ -39,6 +100,7 @@ class LocalStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
+        self._warned: set[str] = set()
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -53,103 +115,283 @@ class LocalStore:
     def url(self) -> str:
         return str(self.root)
 
-    def _path(self, key: str) -> Path:
-        return self.root / validate_key(key)
-
     @contextmanager
     def _errors(self, key: str, action: str) -> Iterator[None]:
         # One place maps OS errors to the library's: the most specific error, with the cause.
         try:
             yield
+        except CheckpointError:
+            raise  # already ours (StorageError and CheckpointNotFoundError are OSErrors too)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{key} not found in {self.url}") from exc
         except OSError as exc:
             what = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
             raise StorageError(f"{action} {key} in {self.url} failed: {what}") from exc
 
+    # -- resolving keys without following links ----------------------------------------------
+
+    def _not_regular(self, key: str, mode: int) -> CheckpointFormatError:
+        return CheckpointFormatError(
+            f"{key} in {self.url} is {_kind(mode)}, not a regular file; "
+            "a run never makes cryosnap read outside it"
+        )
+
+    def _not_a_dir(self, key: str, where: str, mode: int, *, reading: bool) -> CheckpointError:
+        text = f"{key} in {self.url}: {where} is {_kind(mode)}, not a directory; "
+        if reading:
+            return CheckpointFormatError(text + "a run never makes cryosnap read outside it")
+        return StorageError(text + "cryosnap never writes or deletes through it")
+
+    def _open_root(self, *, create: bool) -> int:
+        try:
+            return os.open(self.root, _ROOT_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+        _makedirs_durably(self.root)
+        return os.open(self.root, _ROOT_FLAGS)
+
+    def _open_dir(
+        self, parent: int, name: str, key: str, where: str, *, create: bool, reading: bool
+    ) -> int:
+        """Open the directory ``name`` in ``parent``, never through a symlink; ``create``
+        makes it if missing and fsyncs ``parent`` so the new entry is durable."""
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except OSError as exc:
+            # O_DIRECTORY|O_NOFOLLOW on a symlink: ENOTDIR on Linux, ELOOP elsewhere.
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+            mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+            raise self._not_a_dir(key, where, mode, reading=reading) from exc
+        try:
+            os.mkdir(name, 0o777, dir_fd=parent)
+        except FileExistsError:
+            pass  # made by someone else meanwhile; opened and checked below like any other
+        else:
+            os.fsync(parent)
+        return self._open_dir(parent, name, key, where, create=False, reading=reading)
+
+    @contextmanager
+    def _dirs(
+        self, parts: Sequence[str], key: str, *, create: bool = False, reading: bool = False
+    ) -> Iterator[list[int]]:
+        """Descriptors of the root and of each directory ``parts`` names below it, in order."""
+        fds = [self._open_root(create=create)]
+        try:
+            for i, name in enumerate(parts):
+                where = "/".join(parts[: i + 1])
+                fds.append(
+                    self._open_dir(fds[-1], name, key, where, create=create, reading=reading)
+                )
+            yield fds
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    @contextmanager
+    def _open_regular(self, key: str) -> Iterator[int]:
+        """A read-only descriptor of the regular file ``key``, or CheckpointFormatError."""
+        parts = validate_key(key).split("/")
+        name = parts[-1]
+        with self._errors(key, "reading"), self._dirs(parts[:-1], key, reading=True) as fds:
+            # lstat first: a device file or FIFO is never even opened.
+            mode = os.stat(name, dir_fd=fds[-1], follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                raise self._not_regular(key, mode)
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=fds[-1])
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise self._not_regular(key, stat.S_IFLNK) from exc  # swapped for a link
+            try:
+                mode = os.fstat(fd).st_mode  # what was opened, whatever was swapped meanwhile
+                if not stat.S_ISREG(mode):
+                    raise self._not_regular(key, mode)
+                yield fd
+            finally:
+                os.close(fd)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        # Retention lists the run after every version: one warning per name is enough.
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("cryosnap: %s", message)
+
+    def _stray(self, key: str, why: str) -> None:
+        """Warn about a file that is not cryosnap's; it is left alone."""
+        self._warn_once(key, f"{self.url}: stray file {key} ignored: {why}")
+
+    def _walk(self, fd: int, rel: str, depth: int = 0) -> Iterator[tuple[int, str, list[str]]]:
+        """``(descriptor, key prefix, regular file names)`` of the directory ``fd`` and of every
+        real directory below it; symlinks and special files are skipped with a warning."""
+        with os.scandir(fd) as it:
+            entries = list(it)
+        files: list[str] = []
+        subdirs: list[str] = []
+        for e in entries:
+            key = f"{rel}/{e.name}" if rel else e.name
+            if e.is_dir(follow_symlinks=False):
+                subdirs.append(e.name)
+            elif e.is_file(follow_symlinks=False):
+                files.append(e.name)
+            else:
+                with suppress(OSError):  # gone meanwhile: nothing to warn about
+                    mode = e.stat(follow_symlinks=False).st_mode
+                    self._stray(key, f"{_kind(mode)}, not a regular file")
+        yield fd, rel, files
+        for name in subdirs:
+            key = f"{rel}/{name}" if rel else name
+            if depth >= _MAX_DEPTH:
+                self._stray(key, f"nested deeper than {_MAX_DEPTH} directories")
+                continue
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    continue  # removed, or swapped for a link, since the scan
+                raise
+            try:
+                yield from self._walk(sub, key, depth + 1)
+            finally:
+                os.close(sub)
+
+    @contextmanager
+    def _tree(self, prefix: str, action: str) -> Iterator[Iterator[tuple[int, str, list[str]]]]:
+        """``_walk`` of the directory ``prefix`` (nothing when it is missing or not one)."""
+        parts = validate_key(prefix).split("/") if prefix else []
+        with self._errors(prefix or ".", action), ExitStack() as stack:
+            fds: list[int] = []
+            try:
+                fds = stack.enter_context(self._dirs(parts, prefix, reading=True))
+            except FileNotFoundError:
+                pass
+            except CheckpointFormatError as exc:
+                self._warn_once(prefix, f"{exc}; not listed")
+            yield self._walk(fds[-1], prefix) if fds else iter(())
+
+    # -- the Store protocol ------------------------------------------------------------------
+
     def read(self, key: str) -> bytes:
-        with self._errors(key, "reading"):
-            return self._path(key).read_bytes()
+        with self._open_regular(key) as fd, open(fd, "rb", buffering=0, closefd=False) as f:
+            return f.readall()
 
     def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
         self.read_ranges(key, [(offset, buffers)])
 
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
-        path = self._path(key)
-        with self._errors(key, "reading"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                for offset, buffers in ranges:
-                    _preadv_all(fd, offset, list(buffers), key)
-            finally:
-                os.close(fd)
+        with self._open_regular(key) as fd:
+            for offset, buffers in ranges:
+                _preadv_all(fd, offset, list(buffers), key)
 
     def write(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        with self._errors(key, "writing"):
-            path.parent.mkdir(parents=True, exist_ok=True)
+        parts = validate_key(key).split("/")
+        name = parts[-1]
+        tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+        with self._errors(key, "writing"), self._dirs(parts[:-1], key, create=True) as fds:
+            parent = fds[-1]
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=parent)
                 try:
                     _writev_all(fd, [data])
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.replace(tmp, path)
+                os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
             except BaseException:
-                tmp.unlink(missing_ok=True)
+                with suppress(OSError):
+                    os.unlink(tmp, dir_fd=parent)
                 raise
-            _fsync_dir(path.parent)
+            os.fsync(parent)
 
     def open_writer(self, key: str) -> _LocalWriter:
-        path = self._path(key)
+        parts = validate_key(key).split("/")
         with self._errors(key, "creating"):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return _LocalWriter(self, key, path)
+            with self._dirs(parts[:-1], key, create=True) as fds:
+                parent = os.dup(fds[-1])  # the writer commits in this very directory
+            try:
+                return _LocalWriter(self, key, parent, parts[-1])
+            except BaseException:
+                os.close(parent)
+                raise
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
-
-    def list(self, prefix: str = "") -> list[str]:
-        base = self._path(prefix) if prefix else self.root
-        if not base.is_dir():
-            return []
-        out: list[str] = []
-        with self._errors(prefix or ".", "listing"):
-            for dirpath, _dirs, files in os.walk(base):
-                rel = Path(dirpath).relative_to(self.root).as_posix()
-                for name in files:
-                    if name.endswith(_PARTIAL) or (name.startswith(".") and name.endswith(".tmp")):
-                        continue  # a write in progress (reserved names, see validate_key)
-                    out.append(name if rel == "." else f"{rel}/{name}")
-        return sorted(out)
+        parts = validate_key(key).split("/")
+        with self._errors(key, "stat of"):
+            try:
+                with self._dirs(parts[:-1], key, reading=True) as fds:
+                    st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError, CheckpointFormatError):
+                return False
+            return stat.S_ISREG(st.st_mode)
 
     def size(self, key: str) -> int:
-        with self._errors(key, "stat of"):
-            return self._path(key).stat().st_size
+        parts = validate_key(key).split("/")
+        with self._errors(key, "stat of"), self._dirs(parts[:-1], key, reading=True) as fds:
+            st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._not_regular(key, st.st_mode)
+            return st.st_size
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        parts = validate_key(key).split("/")
         with self._errors(key, "deleting"):
-            path.unlink(missing_ok=True)
-        # Drop directories the deletion left empty (a retired version's folder), never the root.
-        parent = path.parent
-        while parent != self.root and self.root in parent.parents:
             try:
-                parent.rmdir()
-            except OSError:
-                break
-            parent = parent.parent
+                with self._dirs(parts[:-1], key) as fds:
+                    # A symlink named by the key is unlinked itself, never what it points to.
+                    os.unlink(parts[-1], dir_fd=fds[-1])
+                    # Drop the directories this left empty (a retired version's), never the root.
+                    for parent, name in zip(fds[-2::-1], parts[-2::-1], strict=True):
+                        try:
+                            os.rmdir(name, dir_fd=parent)
+                        except OSError:
+                            break
+            except FileNotFoundError:
+                pass  # deleting a missing key is not an error
+
+    def remove_incomplete(self, prefix: str = "") -> list[str]:
+        removed: list[str] = []
+        with self._tree(prefix, "removing incomplete files under") as tree:
+            for fd, rel, files in tree:
+                names = [name for name in files if _in_progress(name)]
+                for name in names:
+                    with suppress(FileNotFoundError):  # gone meanwhile
+                        os.unlink(name, dir_fd=fd)
+                    removed.append(f"{rel}/{name}" if rel else name)
+                if names:
+                    os.fsync(fd)
+        return sorted(removed)
+
+    def list(self, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        with self._tree(prefix, "listing") as tree:
+            for _fd, rel, files in tree:
+                for name in files:
+                    key = f"{rel}/{name}" if rel else name
+                    if _in_progress(name):
+                        continue  # a write in progress, or remove_incomplete's to reclaim
+                    try:
+                        out.append(validate_key(key))
+                    except ValueError:
+                        self._stray(key, "not a valid key")
+        return sorted(out)
 
 
 class _LocalWriter:
-    def __init__(self, store: LocalStore, key: str, path: Path) -> None:
+    def __init__(self, store: LocalStore, key: str, parent: int, name: str) -> None:
         self.key = key
         self._store = store
-        self._path = path
-        self._partial = path.with_name(path.name + _PARTIAL)
-        self._fd: int | None = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._name = name
+        self._partial = name + _PARTIAL
+        # The directory's descriptor, not its path: commit renames where the bytes were written.
+        self._parent: int | None = parent
+        with suppress(FileNotFoundError):
+            os.unlink(self._partial, dir_fd=parent)  # a crashed writer's, or a planted name
+        self._fd: int | None = os.open(self._partial, _CREATE_FLAGS, 0o644, dir_fd=parent)
         self._written = 0
 
     def write(self, buffers: Sequence[BytesLike]) -> None:
@@ -162,7 +404,7 @@ class _LocalWriter:
         return self._written
 
     def commit(self) -> None:
-        if self._fd is None:
+        if self._fd is None or self._parent is None:
             raise ValueError(f"writer for {self.key} is closed")
         with self._store._errors(self.key, "committing"):
             try:
@@ -170,14 +412,25 @@ class _LocalWriter:
             finally:
                 os.close(self._fd)
                 self._fd = None
-            os.replace(self._partial, self._path)
-            _fsync_dir(self._path.parent)
+            parent = self._parent
+            os.replace(self._partial, self._name, src_dir_fd=parent, dst_dir_fd=parent)
+            os.fsync(parent)
+            # Kept open until here so that abort() can still remove a partial file that failed
+            # to commit.
+            self._parent = None
+            os.close(parent)
 
     def abort(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._partial.unlink(missing_ok=True)
+        if self._parent is not None:
+            parent, self._parent = self._parent, None
+            try:
+                with suppress(FileNotFoundError):
+                    os.unlink(self._partial, dir_fd=parent)
+            finally:
+                os.close(parent)
 
 
 def _writev_all(fd: int, buffers: list[BytesLike]) -> int:

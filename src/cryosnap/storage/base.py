@@ -21,6 +21,7 @@ Runs on the calling thread; stores hold no locks, callers serialize writes to on
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -126,4 +127,13 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
+        ...
+
+    def remove_incomplete(self, prefix: str = "") -> builtins.list[str]:
+        """Delete the leftovers of writes that never committed under the directory ``prefix``
+        (a crashed writer's ``.partial`` and temporary files) and return their names.
+
+        Only the run's writer calls it, while none of its own writes is in progress; a store
+        whose writes leave nothing behind (an object store's single PUT) returns ``[]``.
+        """
         ...

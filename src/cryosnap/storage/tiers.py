@@ -27,6 +27,7 @@ Placement runs on the writer thread; the measurements arrive from the I/O thread
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import re
@@ -166,6 +167,10 @@ class StripedStore:
         self._dev(key).delete(key)
         if key.startswith("data/"):
             self._account(key, 0)
+
+    def remove_incomplete(self, prefix: str = "") -> builtins.list[str]:
+        # Every device: a crashed writer may have left a partial file on any of them.
+        return sorted(k for dev in self.devices for k in dev.remove_incomplete(prefix))
 
 
 class _AccountedWriter:

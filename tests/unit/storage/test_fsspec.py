@@ -11,7 +11,8 @@ import fsspec
 import pytest
 
 from cryosnap.errors import StorageError
-from cryosnap.storage import FsspecStore, LocalStore, Store, open_store
+from cryosnap.storage import FsspecStore, LocalStore, Store, open_store, unwrap
+from cryosnap.storage._fsspec import _s3_defaults
 
 from .conformance import INVALID_KEYS, StoreTests
 
@@ -107,6 +108,50 @@ def test_backend_failures_become_storage_errors() -> None:
         store.fs.rm(store.root, recursive=True)
 
 
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_remove_incomplete_reclaims_a_crashed_writers_temporary(tmp_path: Path, kind: str) -> None:
+    url = f"memory://cryosnap-test-{uuid.uuid4().hex}" if kind == "memory" else f"file://{tmp_path}"
+    store = FsspecStore(url)
+    try:
+        store.write("data/kept.dat", b"k")
+        w = store.open_writer("data/x.dat")
+        w.write([b"never committed"])
+        w._file.close()  # the process died here: its temporary stays, the writer is gone
+        (leftover,) = [p for p in store.fs.find(store.root) if p.endswith(".tmp")]
+        name = leftover.rsplit("/", 1)[-1]
+        assert name.startswith(".x.dat.") and store.list() == ["data/kept.dat"]
+        assert store.remove_incomplete("versions") == []
+        assert store.remove_incomplete("data") == [f"data/{name}"]
+        assert not any(p.endswith(".tmp") for p in store.fs.find(store.root))
+        assert store.remove_incomplete() == []
+        assert store.list() == ["data/kept.dat"] and store.read("data/kept.dat") == b"k"
+    finally:
+        if kind == "memory":
+            store.fs.rm(store.root, recursive=True)
+
+
+def test_remove_incomplete_of_a_missing_directory(tmp_path: Path) -> None:
+    assert FsspecStore(f"file://{tmp_path}/none").remove_incomplete() == []
+    with pytest.raises(ValueError, match="invalid storage key"):
+        FsspecStore(f"file://{tmp_path}").remove_incomplete("../up")
+
+
+def test_s3_requests_are_bounded_by_default() -> None:
+    config = _s3_defaults({"key": "k"})["config_kwargs"]
+    assert config["connect_timeout"] > 0 and config["read_timeout"] > 0
+    assert config["retries"]["total_max_attempts"] <= 3
+    # The caller's choices win, and its options are not modified.
+    mine = {"config_kwargs": {"read_timeout": 300, "retries": {"max_attempts": 9}}}
+    config = _s3_defaults(mine)["config_kwargs"]
+    assert config["read_timeout"] == 300 and config["retries"] == {"max_attempts": 9}
+    assert mine == {"config_kwargs": {"read_timeout": 300, "retries": {"max_attempts": 9}}}
+
+
+def test_s3_retries_from_the_environment_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
+    assert "retries" not in _s3_defaults({})["config_kwargs"]
+
+
 def test_unknown_protocol_is_a_storage_error() -> None:
     with pytest.raises(StorageError, match="nosuchproto://x"):
         FsspecStore("nosuchproto://x")
@@ -117,13 +162,13 @@ def test_unknown_protocol_is_a_storage_error() -> None:
 
 
 def test_open_store_dispatch(tmp_path: Path) -> None:
-    assert isinstance(open_store(str(tmp_path)), LocalStore)
-    assert isinstance(open_store(tmp_path), LocalStore)
-    local = open_store(f"file://{tmp_path}")
+    assert isinstance(unwrap(open_store(str(tmp_path))), LocalStore)
+    assert isinstance(unwrap(open_store(tmp_path)), LocalStore)
+    local = unwrap(open_store(f"file://{tmp_path}"))
     assert isinstance(local, LocalStore) and local.root == tmp_path
-    mem = open_store("memory://cryosnap-dispatch")
+    mem = unwrap(open_store("memory://cryosnap-dispatch"))
     assert isinstance(mem, FsspecStore) and mem.url == "memory://cryosnap-dispatch"
-    assert isinstance(open_store("memory:cryosnap-dispatch"), FsspecStore)
+    assert isinstance(unwrap(open_store("memory:cryosnap-dispatch")), FsspecStore)
     assert isinstance(fsspec.filesystem("memory"), type(mem.fs))
 
 

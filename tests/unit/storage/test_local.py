@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cryosnap.errors import StorageError
-from cryosnap.storage import LocalStore, open_store
+from cryosnap.storage import LocalStore, open_store, unwrap
 
 from .conformance import StoreTests
 
@@ -90,6 +90,6 @@ def test_open_store_gives_local_store(tmp_path: Path, form: str) -> None:
         "path": tmp_path,
         "file-url": f"file://{tmp_path}",
     }[form]
-    store = open_store(location)
+    store = unwrap(open_store(location))  # under the TimeoutStore that bounds every call
     assert isinstance(store, LocalStore)
     assert store.root == tmp_path

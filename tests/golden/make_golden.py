@@ -1,0 +1,120 @@
+"""Make the golden runs of tests/golden (format_version 1): run once, check the output in.
+
+    .venv/bin/python tests/golden/make_golden.py tests/golden
+
+Writes, under the given folder (each must not exist yet):
+
+- ``oneshot``: ``cryosnap.save`` of a mixed tree at step 5 (numpy arrays of several dtypes and
+  orders, Python scalars, str / bytes / None, nested dict / list / tuple, int keys, torch
+  bfloat16 and int32 tensors).
+- ``chain``: three versions (steps 0, 1, 2) of a Checkpointer run, 2 and 3 incremental; the
+  ``grid`` leaf has 70 chunks of 4 KiB whose segment tables (steps 1 and 2) are packed (more
+  than 64 rows).
+  Repeated chunk contents keep the data files to a few KiB (spatial de-duplication).
+- ``damaged_flip``: ``oneshot`` with one byte of its data file flipped (inside ``table``).
+- ``damaged_truncated``: ``chain`` with step 2's data file cut short by one byte.
+- ``damaged_manifest``: ``chain`` with one byte of step 2's manifest changed, its recorded
+  hash left as it was.
+- ``damaged_missing``: ``chain`` with step 2's data file deleted.
+
+tests/unit/test_golden.py holds the expected values written out by hand from the states below.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import cryosnap
+
+CHUNK = 4096
+
+
+def oneshot_state() -> dict[str, Any]:
+    return {
+        "f32": np.arange(12, dtype=np.float32).reshape(3, 4) / 4,
+        "i16_fortran": np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3) - 3),
+        "u8": np.arange(5000, dtype=np.int64).astype(np.uint8),  # 2 chunks
+        "flags": np.array([True, False, True]),
+        "c64": np.array([1 + 2j, -0.5j], dtype=np.complex64),
+        "table": np.arange(1500, dtype=np.float64) / 8,  # 12000 B: 3 chunks
+        "bf16": torch.tensor([1.5, -2.0, 0.25, 3.0], dtype=torch.bfloat16),
+        "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3),
+        "scalars": {"int": -7, "big": 2**70, "float": 0.1, "bool": True, "none": None},
+        "text": "héllo",
+        "raw": b"\x00\x01golden",
+        "nested": {"list": [1, [2, (3, "four")]], "tuple": (None, 2.5)},
+        3: {"int_key": 1, 10: "ten"},
+        "np_scalar": np.float32(0.75),
+    }
+
+
+def chain_state(step: int) -> dict[str, Any]:
+    grid = np.zeros(70 * CHUNK // 4, np.float32)  # 70 chunks
+    rows = grid.reshape(70, CHUNK // 4)
+    if step >= 1:
+        rows[::2] = 1.0  # every other chunk changes: 35 stored + 35 inherited runs
+    if step >= 2:
+        rows[1::2] = 2.0  # and then the others
+    return {"grid": grid, "small": np.arange(8, dtype=np.int64) * (step + 1), "step": step}
+
+
+def make(out: Path) -> None:
+    for name in ("oneshot", "chain", *(f"damaged_{d}" for d in DAMAGE)):
+        if (out / name).exists():
+            raise SystemExit(f"{out / name} exists: golden runs are made once, never rewritten")
+    cryosnap.save(out / "oneshot", oneshot_state(), step=5, chunk_bytes=CHUNK)
+    with cryosnap.Checkpointer(out / "chain", chunk_bytes=CHUNK, full_every=16) as ckpt:
+        for step in range(3):
+            ckpt.save(step, chain_state(step)).result()
+    (out / "chain" / "writer.lock").unlink()  # a reader needs no lock; keep the runs minimal
+    for name, damage in DAMAGE.items():
+        source = "oneshot" if name == "flip" else "chain"
+        shutil.copytree(out / source, out / f"damaged_{name}")
+        damage(out / f"damaged_{name}")
+
+
+def _commit(root: Path, step: int) -> dict[str, Any]:
+    return json.loads((root / f"versions/{step:012d}/COMMIT.json").read_bytes())  # type: ignore[no-any-return]
+
+
+def _own_data_file(root: Path, step: int) -> Path:
+    files = [f for f in _commit(root, step)["data_files"] if f.startswith(f"data/{step:012d}-")]
+    assert len(files) == 1, files
+    return root / files[0]
+
+
+def _flip(root: Path) -> None:
+    path = _own_data_file(root, 5)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40  # inside "table", the largest leaf
+    path.write_bytes(bytes(data))
+
+
+def _truncate(root: Path) -> None:
+    path = _own_data_file(root, 2)
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def _manifest(root: Path) -> None:
+    path = root / "versions/000000000002/rank-00000.json"
+    data = path.read_bytes().replace(b'"rank":0', b'"rank":0 ', 1)  # same JSON, other bytes
+    assert data != path.read_bytes()
+    path.write_bytes(data)
+
+
+def _missing(root: Path) -> None:
+    _own_data_file(root, 2).unlink()
+
+
+DAMAGE = {"flip": _flip, "truncated": _truncate, "manifest": _manifest, "missing": _missing}
+
+
+if __name__ == "__main__":
+    make(Path(sys.argv[1]))

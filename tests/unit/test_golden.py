@@ -1,0 +1,153 @@
+"""Golden runs of format_version 1 (tests/golden): read exactly, damage named, fallback kept.
+
+The expected values are written out here by hand from the states in
+tests/golden/make_golden.py, never taken from a load. Each run is copied to a temporary folder
+first: nothing is written into tests/golden.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cryosnap
+from cryosnap import engine
+from cryosnap.storage import LocalStore
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+CHUNK = 4096
+
+
+@pytest.fixture
+def golden(tmp_path: Path) -> Any:
+    def copy(name: str) -> Path:
+        dest = tmp_path / name
+        shutil.copytree(GOLDEN / name, dest)
+        return dest
+
+    return copy
+
+
+def _array(got: Any, expected: np.ndarray) -> None:
+    assert type(got) is np.ndarray
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_oneshot_reads_exactly(golden: Any) -> None:
+    run = golden("oneshot")
+    state = cryosnap.load(run)
+    assert list(state) == [
+        "f32", "i16_fortran", "u8", "flags", "c64", "table", "bf16", "i32",
+        "scalars", "text", "raw", "nested", 3, "np_scalar",
+    ]  # fmt: skip
+    _array(
+        state["f32"],
+        np.array(
+            [[0.0, 0.25, 0.5, 0.75], [1.0, 1.25, 1.5, 1.75], [2.0, 2.25, 2.5, 2.75]], np.float32
+        ),
+    )
+    fortran = state["i16_fortran"]
+    _array(fortran, np.array([[-3, -2, -1], [0, 1, 2]], np.int16))
+    assert fortran.flags.f_contiguous and not fortran.flags.c_contiguous
+    _array(state["u8"], np.array([i % 256 for i in range(5000)], np.uint8))
+    _array(state["flags"], np.array([True, False, True]))
+    _array(state["c64"], np.array([1 + 2j, -0.5j], np.complex64))
+    _array(state["table"], np.array([i / 8 for i in range(1500)], np.float64))
+    bf16 = state["bf16"]
+    assert type(bf16) is torch.Tensor and bf16.dtype == torch.bfloat16
+    assert bf16.float().tolist() == [1.5, -2.0, 0.25, 3.0]
+    i32 = state["i32"]
+    assert type(i32) is torch.Tensor and i32.dtype == torch.int32
+    assert i32.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert state["scalars"] == {"int": -7, "big": 2**70, "float": 0.1, "bool": True, "none": None}
+    assert [type(v) for v in state["scalars"].values()] == [int, int, float, bool, type(None)]
+    assert state["text"] == "héllo"
+    assert state["raw"] == b"\x00\x01golden" and type(state["raw"]) is bytes
+    assert state["nested"] == {"list": [1, [2, (3, "four")]], "tuple": (None, 2.5)}
+    assert type(state["nested"]["list"][1][1]) is tuple
+    assert state[3] == {"int_key": 1, 10: "ten"}
+    assert type(state["np_scalar"]) is np.float32 and state["np_scalar"] == 0.75
+    assert cryosnap.load(run, step=5)["text"] == "héllo"
+
+
+def _grid(step: int) -> np.ndarray:
+    rows = []
+    for i in range(70):
+        value = 0.0
+        if step >= 1 and i % 2 == 0:
+            value = 1.0
+        if step >= 2 and i % 2 == 1:
+            value = 2.0
+        rows.append(np.full(CHUNK // 4, value, np.float32))
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("step", [0, 1, 2])
+def test_chain_reads_exactly(golden: Any, step: int) -> None:
+    run = golden("chain")
+    state = cryosnap.load(run, step=step)
+    assert list(state) == ["grid", "small", "step"]
+    _array(state["grid"], _grid(step))
+    _array(state["small"], np.array([0, 1, 2, 3, 4, 5, 6, 7], np.int64) * (step + 1))
+    assert state["step"] == step
+    part = engine.verify_part(LocalStore(run), step)
+    assert part.chain == tuple(range(step + 1))  # 1 and 2 resolve through their bases
+
+
+def test_chain_is_incremental_with_packed_tables(golden: Any) -> None:
+    run = golden("chain")
+    store = LocalStore(run)
+    assert engine.list_steps(store) == [0, 1, 2]
+    for step in (1, 2):
+        record = engine.read_commit(store, step)
+        manifest, _ref = engine.read_manifest(store, record, 0)
+        assert record.incremental and manifest.base is not None
+        assert max(len(b.table) for b in manifest.blobs) == 70  # written packed (> 64)
+    assert cryosnap.load(run)["step"] == 2
+
+
+def test_golden_runs_are_format_1() -> None:
+    for commit in GOLDEN.glob("*/versions/*/COMMIT.json"):
+        assert b'"format_version":1' in commit.read_bytes(), commit
+
+
+@pytest.mark.parametrize(
+    ("name", "step", "error", "match", "fallback"),
+    [
+        ("damaged_flip", 5, cryosnap.IntegrityError, "leaf table: chunk", None),
+        ("damaged_truncated", 2, cryosnap.IntegrityError, "truncated", 1),
+        ("damaged_manifest", 2, cryosnap.IntegrityError, "does not match its recorded hash", 1),
+        ("damaged_missing", 2, cryosnap.IntegrityError, "missing", 1),
+    ],
+)
+def test_damaged_copies(
+    golden: Any,
+    name: str,
+    step: int,
+    error: type[Exception],
+    match: str,
+    fallback: int | None,
+) -> None:
+    run = golden(name)
+    with pytest.raises(error, match=match) as info:
+        cryosnap.load(run, step=step)
+    assert f"step {step}" in str(info.value)
+    with pytest.raises(error, match=match):
+        engine.verify_part(LocalStore(run), step)
+    if fallback is None:  # nothing older to fall back to
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(cryosnap.IntegrityError, match="every version"):
+                cryosnap.load(run)
+        return
+    with pytest.warns(RuntimeWarning, match=f"skipping damaged step {step}"):
+        state = cryosnap.load(run)
+    assert state["step"] == fallback
+    _array(state["grid"], _grid(fallback))
