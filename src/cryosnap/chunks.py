@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from ._validate import integer
+
 __all__ = [
     "HASH_BYTES",
     "HASH_NAME",
@@ -43,15 +45,16 @@ _digest = xxhash.xxh3_128_digest
 
 
 def validate_chunk_bytes(chunk_bytes: object) -> int:
-    """Return ``chunk_bytes`` if it is an int in [4 KiB, 64 MiB], else raise ``ValueError``."""
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
-        raise TypeError(f"chunk_bytes must be an int, got {type(chunk_bytes).__name__}")
-    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-        raise ValueError(
-            f"chunk_bytes={chunk_bytes} is out of range: allowed are "
-            f"{MIN_CHUNK_BYTES} (4 KiB) to {MAX_CHUNK_BYTES} (64 MiB)"
-        )
-    return chunk_bytes
+    """Return ``chunk_bytes`` if it is an int in [4 KiB, 64 MiB]; a non-int is a
+    ``TypeError``, an int out of range a ``ValueError``."""
+    allowed = f"an int from {MIN_CHUNK_BYTES} (4 KiB) to {MAX_CHUNK_BYTES} (64 MiB)"
+    return integer(
+        chunk_bytes,
+        "chunk_bytes",
+        minimum=MIN_CHUNK_BYTES,
+        maximum=MAX_CHUNK_BYTES,
+        allowed=allowed,
+    )
 
 
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:

@@ -1,9 +1,9 @@
 """The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``.
 
 Owns argument parsing (typer), rendering (rich tables when stdout is a terminal, plain aligned
-text otherwise, JSON with ``--json``), exit codes, and the export formats (``.pt``,
-``.safetensors``, ``.npz``). Every command but ``gc`` only reads a run, through
-:mod:`cryosnap.engine` and :func:`cryosnap.load`, and takes no lock; ``gc`` deletes versions
+text otherwise, JSON with ``--json``) and exit codes; the export formats are
+:mod:`cryosnap.export`'s. Every command but ``gc`` only reads a run, through
+:mod:`cryosnap.engine` and :mod:`cryosnap.export`, and takes no lock; ``gc`` deletes versions
 and takes the run's write lock, as a writer does. It knows nothing of the on-disk layout beyond
 the manifest and commit record types and the skeleton's node types (:mod:`cryosnap.tree`),
 which ``inspect`` and ``diff`` walk without reading any data.
@@ -30,21 +30,15 @@ import importlib
 import importlib.util
 import json
 import os
-import secrets
 import sys
-import zipfile
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 
 from . import engine
-from .checkpointer import load
 from .chunks import chunk_count
 from .errors import (
     CheckpointError,
@@ -52,11 +46,12 @@ from .errors import (
     CheckpointNotFoundError,
     IntegrityError,
 )
+from .export import ExportError, ExportResult, check_out, committed_steps, export
 from .lock import acquire_run_lock
 from .manifest import MAX_STEP, Manifest
 from .progress import human_bytes
-from .storage import Store, open_store, unwrap
-from .tree import format_path, iter_leaves
+from .storage import Store, open_store
+from .tree import iter_leaves
 
 if TYPE_CHECKING:
     import typer
@@ -64,7 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 PROG = "cryosnap"
-EXPORT_FORMATS = (".pt", ".safetensors", ".npz")
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1
@@ -74,7 +68,8 @@ EXIT_INTERRUPTED = 130
 
 
 class CliUsageError(Exception):
-    """A usage error found by a command itself (bad OUT, a leaf the format cannot hold)."""
+    """A usage error found by a command itself (an empty PATH; export's bad OUT, a leaf the
+    format cannot hold)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +297,10 @@ def _build_app() -> "typer.Typer":
         seed: Annotated[
             int | None, typer.Option("--seed", help="Seed of the random kill step.")
         ] = None,
+        json_output: Annotated[
+            bool,
+            typer.Option("--json", help="Progress on stderr, the summary as JSON on stdout."),
+        ] = False,
     ) -> None:
         """Train, SIGKILL, resume, check bit-exact against an uninterrupted run (needs torch)."""
         from . import demo
@@ -309,10 +308,13 @@ def _build_app() -> "typer.Typer":
         argv = ["--dir", directory, "--steps", str(steps), "--every", str(every)]
         if seed is not None:
             argv += ["--seed", str(seed)]
+        if json_output:
+            argv.append("--json")
         code = demo.main(argv)
         if code:
             raise typer.Exit(code)
 
+    _add_plan_command(app)
     return app
 
 
@@ -425,33 +427,6 @@ def _open(location: str) -> Store:
     return open_store(location)
 
 
-def _steps(store: Store) -> list[int]:
-    """The committed steps, ascending; CheckpointNotFoundError when there are none."""
-    steps = engine.list_steps(store)
-    if not steps:
-        inner = _runs_inside(store)
-        if inner:
-            raise CheckpointNotFoundError(
-                f"no committed version in {store.url}; it holds the run(s) "
-                + ", ".join(inner)
-                + " (a run with scratch tiers is one run per tier)"
-            )
-        if store.list(""):
-            raise CheckpointNotFoundError(f"no committed version in {store.url}")
-        raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
-    return steps
-
-
-def _runs_inside(store: Store) -> list[str]:
-    """Directories just below a local path that are runs (e.g. a demo's ``persistent``)."""
-    root = getattr(unwrap(store), "root", None)
-    if not isinstance(root, Path) or not root.is_dir():
-        return []
-    return sorted(
-        str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # ls
 
@@ -460,7 +435,7 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
     """One row per committed version; a damaged commit record is a row, not an abort."""
     store = _open(location)
     versions: list[dict[str, Any]] = []
-    for step in _steps(store):
+    for step in committed_steps(store):
         try:
             record = engine.read_commit(store, step)
         except CheckpointNotFoundError:
@@ -688,7 +663,7 @@ def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) ->
     """The leaves of one version (default: the latest), read from its manifest."""
     store = _open(location)
     if step is None:
-        step = _steps(store)[-1]
+        step = committed_steps(store)[-1]
     record = engine.read_commit(store, step)
     manifest, _ref = engine.read_manifest(store, record, rank)
     leaves = describe_leaves(manifest)
@@ -806,7 +781,7 @@ def cmd_verify(location: str, *, step: int | None, as_json: bool) -> int:
     if step is not None:
         checks.append(verify_version(store, step))
     else:
-        for s in _steps(store):
+        for s in committed_steps(store):
             try:
                 checks.append(verify_version(store, s))
             except CheckpointNotFoundError:
@@ -837,209 +812,6 @@ def cmd_verify(location: str, *, step: int | None, as_json: bool) -> int:
 # export
 
 
-def export_leaves(tree: Any) -> list[tuple[str, Any]]:
-    """``(path, value)`` of every leaf of a loaded tree; paths joined by ``/``, unique."""
-    out: list[tuple[str, Any]] = []
-
-    def walk(obj: Any, path: tuple[str | int, ...]) -> None:
-        if type(obj) in (dict, OrderedDict):
-            for k, v in obj.items():
-                walk(v, (*path, k))
-        elif type(obj) in (list, tuple):  # torch.Size, a tuple subclass, is a leaf
-            for i, v in enumerate(obj):
-                walk(v, (*path, i))
-        else:
-            out.append((format_path(path), obj))
-
-    walk(tree, ())
-    seen: set[str] = set()
-    for path, _ in out:
-        if path in seen:
-            raise CliUsageError(
-                f"two leaves have the path {path!r} (a key holds '/' or int and str keys "
-                "collide); export to .pt instead"
-            )
-        seen.add(path)
-    return out
-
-
-def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def _to_numpy(path: str, value: Any) -> np.ndarray | None:
-    """The array .npz stores for a leaf; None for a leaf it cannot hold at all (None)."""
-    if _is_tensor(value):
-        t = value.detach().cpu().resolve_conj().resolve_neg()
-        try:
-            arr: np.ndarray = t.numpy()
-        except TypeError as exc:
-            dtype = str(t.dtype).removeprefix("torch.")
-            raise CliUsageError(
-                f"leaf {path} is a torch {dtype} tensor, which numpy has no dtype for; "
-                "export to .pt or .safetensors instead"
-            ) from exc
-        return arr
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, (bytes, bytearray)):
-        return np.frombuffer(bytes(value), dtype=np.uint8)
-    if value is None:
-        return None
-    try:
-        arr = np.asarray(value)  # Python and numpy scalars, torch.Size: 0-d or 1-d arrays
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise CliUsageError(f"leaf {path}: .npz cannot hold {value!r:.60}: {exc}") from exc
-    if arr.dtype.hasobject:
-        raise CliUsageError(f"leaf {path}: .npz cannot hold {type(value).__name__} values")
-    return arr
-
-
-def _write_npz(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
-    arrays: list[tuple[str, np.ndarray]] = []
-    skipped: list[str] = []
-    for path, value in leaves:
-        arr = _to_numpy(path, value)
-        if arr is None:
-            skipped.append(path)
-        else:
-            arrays.append((path, arr))
-    # What numpy.savez writes, without its keyword arguments: a leaf named "file" or
-    # "allow_pickle" would collide with savez's own parameters.
-    with zipfile.ZipFile(tmp, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, arr in arrays:
-            with zf.open(name + ".npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, arr, allow_pickle=False)
-    return len(arrays), skipped
-
-
-def _import_torch(fmt: str) -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise CliUsageError(f"export to {fmt} needs torch: pip install 'cryosnap[torch]'") from exc
-    return torch
-
-
-def _to_tensor(path: str, value: Any, torch: Any) -> Any:
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    if isinstance(value, np.ndarray):
-        arr = value if value.flags.c_contiguous else value.copy(order="C")
-        if not arr.dtype.isnative:
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        try:
-            return torch.from_numpy(arr)
-        except TypeError as exc:
-            raise CliUsageError(
-                f"leaf {path} is a numpy {value.dtype} array, which torch has no dtype for; "
-                "export to .npz or .pt instead"
-            ) from exc
-    if isinstance(value, (bytes, bytearray)):
-        return torch.from_numpy(np.frombuffer(bytearray(value), dtype=np.uint8))
-    return value.detach().cpu().resolve_conj().resolve_neg()
-
-
-def _json_leaf(value: Any) -> str:
-    if isinstance(value, complex):
-        return json.dumps({"real": value.real, "imag": value.imag})
-    if isinstance(value, tuple):  # torch.Size
-        return json.dumps(list(value))
-    return json.dumps(value)
-
-
-def _write_safetensors(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
-    torch = _import_torch(".safetensors")
-    from safetensors.torch import save, save_file
-
-    tensors: dict[str, Any] = {}
-    metadata: dict[str, str] = {}
-    storages: set[int] = set()
-    for path, value in leaves:
-        if _is_tensor(value) or isinstance(value, (np.ndarray, np.generic, bytes, bytearray)):
-            t = _to_tensor(path, value, torch).contiguous()
-            # safetensors refuses tensors that share memory (tied weights): copy all but one.
-            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
-            if ptr and ptr in storages:
-                t = t.clone()
-            storages.add(ptr)
-            tensors[path] = t
-        else:
-            metadata[path] = _json_leaf(value)
-    written = len(tensors) + len(metadata)
-    if "format" not in metadata:
-        metadata["format"] = "pt"  # what transformers and others expect of a torch file
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-    except Exception as exc:
-        # Name the leaf: try the tensors one at a time (this is the failure path only).
-        for path, t in tensors.items():
-            try:
-                save({path: t})
-            except Exception:
-                dtype = str(t.dtype).removeprefix("torch.")
-                raise CliUsageError(
-                    f"leaf {path}: .safetensors cannot hold a {dtype} tensor ({exc}); "
-                    "export to .pt instead"
-                ) from exc
-        raise CliUsageError(f"cannot write .safetensors: {exc}") from exc
-    return written, []
-
-
-def _write_pt(tree: Any, tmp: Path) -> tuple[int, list[str]]:
-    torch = _import_torch(".pt")
-    torch.save(tree, tmp)
-    return len(export_leaves(tree)), []
-
-
-@contextmanager
-def _atomic_output(out: Path) -> Iterator[Path]:
-    """A temporary file beside ``out``, renamed over it once written and fsynced."""
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        # O_EXCL reserves the name; mode 0o666 lets the umask decide, as for any new file.
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        mode = tmp.stat().st_mode & 0o777
-    except OSError as exc:
-        raise CliUsageError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    try:
-        yield tmp
-        # Some writers replace the file rather than fill it (safetensors makes it 0o600).
-        os.chmod(tmp, mode)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
-        dir_fd = os.open(out.absolute().parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as exc:
-        raise CliUsageError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _check_out(out: str, *, force: bool = False) -> tuple[Path, str]:
-    if "://" in out:
-        raise CliUsageError(f"OUT must be a local file path, got {out!r}")
-    path = Path(out).expanduser()
-    fmt = path.suffix.lower()
-    if fmt not in EXPORT_FORMATS:
-        raise CliUsageError(f"cannot export to {out!r}: OUT must end in .pt, .safetensors or .npz")
-    if path.is_dir():
-        raise CliUsageError(f"OUT {out!r} is a directory")
-    if path.exists() and not force:
-        raise CliUsageError(f"OUT {out!r} exists; pass --force to replace it")
-    if not path.absolute().parent.is_dir():
-        raise CliUsageError(f"cannot write {out!r}: directory {str(path.parent)!r} does not exist")
-    return path, fmt
-
-
 def cmd_export(
     location: str,
     out: str,
@@ -1049,55 +821,54 @@ def cmd_export(
     force: bool = False,
     as_json: bool = False,
 ) -> None:
-    """Load one version (default: the newest) and write it as .pt, .safetensors or .npz,
-    atomically; an existing OUT is replaced only with ``force``."""
-    out_path, fmt = _check_out(out, force=force)
+    """Write one version (default: the newest) as .pt, .safetensors or .npz through
+    :func:`cryosnap.export.export`; an existing OUT is replaced only with ``force``."""
+    try:
+        check_out(out, force=force)  # a bad OUT is refused before the run is even opened
+    except (ValueError, TypeError) as exc:
+        raise CliUsageError(str(exc)) from exc
     store = _open(location)
     if step is None:
-        step = _steps(store)[-1]
-    url = store.url
-    tree = load(store, step=step, rank=rank)
-    leaves = export_leaves(tree)
-    # Every conversion a format needs happens before its file is complete: a leaf it cannot
-    # hold is an error and OUT is left as it was.
-    writers: dict[str, Callable[[Path], tuple[int, list[str]]]] = {
-        ".pt": lambda tmp: _write_pt(tree, tmp),
-        ".safetensors": lambda tmp: _write_safetensors(leaves, tmp),
-        ".npz": lambda tmp: _write_npz(leaves, tmp),
-    }
-    with _atomic_output(out_path) as tmp:
-        written, skipped = writers[fmt](tmp)
-    if skipped:
-        _note(
-            f"{_plural(len(skipped), 'None leaf', 'None leaves')} left out of {out_path.name} "
-            "(.npz has no None): " + ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
-        )
-    numpy_leaves = [p for p, v in leaves if isinstance(v, (np.ndarray, np.generic))]
-    if fmt == ".pt" and numpy_leaves:
-        _note(
-            f"{_plural(len(numpy_leaves), 'leaf', 'leaves')} with numpy values "
-            f"(first: {numpy_leaves[0]}), which torch.load(weights_only=True) refuses: load "
-            "with weights_only=False or allow them with torch.serialization.add_safe_globals"
-        )
-    size = out_path.stat().st_size
+        step = committed_steps(store)[-1]
+    try:
+        result = export(store, out, step=step, rank=rank, force=force)
+    except ExportError as exc:
+        raise CliUsageError(str(exc)) from exc
+    _export_notes(result)
     if as_json:
         _print_json(
             {
-                "path": url,
-                "step": step,
-                "rank": rank,
-                "out": str(out_path),
-                "format": fmt.lstrip("."),
-                "leaves": written,
-                "skipped": skipped,
-                "bytes": size,
+                "path": result.path,
+                "step": result.step,
+                "rank": result.rank,
+                "out": str(result.out),
+                "format": result.format,
+                "leaves": result.leaves,
+                "skipped": list(result.skipped),
+                "bytes": result.bytes,
             }
         )
         return
     _print(
-        f"exported step {step} of {url} to {out_path} "
-        f"({_plural(written, 'leaf', 'leaves')}, {human_bytes(size)})"
+        f"exported step {result.step} of {result.path} to {result.out} "
+        f"({_plural(result.leaves, 'leaf', 'leaves')}, {human_bytes(result.bytes)})"
     )
+
+
+def _export_notes(result: ExportResult) -> None:
+    skipped = result.skipped
+    if skipped:
+        _note(
+            f"{_plural(len(skipped), 'None leaf', 'None leaves')} left out of {result.out.name} "
+            "(.npz has no None): " + ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        )
+    if result.numpy_leaves:
+        _note(
+            f"{_plural(len(result.numpy_leaves), 'leaf', 'leaves')} with numpy values "
+            f"(first: {result.numpy_leaves[0]}), which torch.load(weights_only=True) refuses: "
+            "load with weights_only=False or allow them with "
+            "torch.serialization.add_safe_globals"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1197,7 +968,7 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
     """Keep the newest ``keep`` versions; delete the rest and every file none of them needs
     (with ``dry_run``, only say what would go)."""
     store = _open(location)
-    steps = _steps(store)  # a missing run is a usage error, not an empty success
+    steps = committed_steps(store)  # a missing run is a usage error, not an empty success
     if dry_run:
         plan = engine.plan_retire(store, keep=keep)
         deleted, gone = plan.dropped, plan.data_files
@@ -1231,3 +1002,307 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
         f"{verb[0]} {_plural(len(deleted), 'version')}, kept {_plural(len(kept), 'version')}; "
         f"{verb[1]} {human_bytes(freed)}"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# plan: per-level intervals from costs and failure rates (cryosnap.plan does the work)
+
+
+def _add_plan_command(app: "typer.Typer") -> None:
+    import typer
+
+    @app.command("plan")
+    def plan_command(
+        cost: Annotated[
+            list[str],
+            typer.Option(
+                "--cost",
+                metavar="LEVEL=SECONDS",
+                help="Save cost of a level; repeat per level, fastest first (scratch first).",
+            ),
+        ],
+        mtbf: Annotated[
+            list[str],
+            typer.Option(
+                "--mtbf",
+                metavar="CLASS=SECONDS:LEVEL",
+                help="A failure class: mean time between failures and the lowest level that "
+                "survives it; repeat per class.",
+            ),
+        ],
+        restart: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--restart",
+                metavar="LEVEL=SECONDS",
+                help="Restart cost from a level (default: its save cost).",
+            ),
+        ] = None,
+        weibull: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--weibull",
+                metavar="CLASS=SHAPE",
+                help="Weibull inter-arrival times for a class (default: exponential).",
+            ),
+        ] = None,
+        method: Annotated[
+            str,
+            typer.Option("--method", help="auto (analytic where it applies), analytic or search."),
+        ] = "auto",
+        seed: Annotated[
+            int, typer.Option("--seed", min=0, help="Seed of the simulated failure traces.")
+        ] = 0,
+        plot: Annotated[
+            str | None,
+            typer.Option("--plot", metavar="OUT.png", help="Plot waste against the intervals."),
+        ] = None,
+        json_output: Annotated[
+            bool, typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
+        ] = False,
+    ) -> None:
+        """Per-level checkpoint intervals that minimise the expected waste (SECONDS may end in
+        s, m, h or d)."""
+        cmd_plan(
+            cost,
+            mtbf,
+            restart or [],
+            weibull or [],
+            method=method,
+            seed=seed,
+            plot=plot,
+            as_json=json_output,
+        )
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _plan_seconds(text: str, option: str, item: str, *, allow_zero: bool = False) -> float:
+    """``"90"``, ``"1.5h"``, ``"7d"`` as seconds; a usage error naming the option otherwise."""
+    body, scale = text.strip(), 1.0
+    if body[-1:].lower() in _UNITS:
+        body, scale = body[:-1], _UNITS[body[-1].lower()]
+    try:
+        value = float(body) * scale
+    except ValueError:
+        value = float("nan")
+    if not (np.isfinite(value) and (value > 0 or (allow_zero and value == 0))):
+        allowed = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        raise CliUsageError(f"{option} {item}: {text!r} is not {allowed} (units s, m, h, d)")
+    return value
+
+
+def _plan_pairs(values: list[str], option: str, shape: str) -> list[tuple[str, str]]:
+    """``NAME=VALUE`` items in order; a repeated NAME or a missing ``=`` is a usage error."""
+    out: list[tuple[str, str]] = []
+    for item in values:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise CliUsageError(f"{option} expects {shape}, got {item!r}")
+        if any(name.strip() == seen for seen, _ in out):
+            raise CliUsageError(f"{option} {name.strip()} is given twice")
+        out.append((name.strip(), value.strip()))
+    return out
+
+
+def _plan_inputs(
+    costs: list[str], mtbfs: list[str], restarts: list[str], weibulls: list[str]
+) -> tuple[list[Any], list[Any]]:
+    from .plan import FailureClass, LevelCost, Weibull
+
+    if not costs:
+        raise CliUsageError("give at least one --cost LEVEL=SECONDS (fastest level first)")
+    if not mtbfs:
+        raise CliUsageError("give at least one --mtbf CLASS=SECONDS:LEVEL")
+    save = {
+        n: _plan_seconds(v, "--cost", n) for n, v in _plan_pairs(costs, "--cost", "LEVEL=SECONDS")
+    }
+    restart = {
+        n: _plan_seconds(v, "--restart", n, allow_zero=True)
+        for n, v in _plan_pairs(restarts, "--restart", "LEVEL=SECONDS")
+    }
+    _plan_known(restart, save, "--restart", "level")
+    levels = [LevelCost(n, s, restart.get(n, s)) for n, s in save.items()]
+    shapes: dict[str, float] = {}
+    for name, value in _plan_pairs(weibulls, "--weibull", "CLASS=SHAPE"):
+        try:
+            shapes[name] = float(value)
+        except ValueError:
+            raise CliUsageError(f"--weibull {name}: {value!r} is not a number") from None
+        if not (np.isfinite(shapes[name]) and shapes[name] > 0):
+            raise CliUsageError(f"--weibull {name}: the shape must be a positive number")
+    failures = []
+    for name, value in _plan_pairs(mtbfs, "--mtbf", "CLASS=SECONDS:LEVEL"):
+        seconds, sep, level = value.rpartition(":")
+        if not sep or not seconds or not level:
+            raise CliUsageError(f"--mtbf expects CLASS=SECONDS:LEVEL, got {name}={value!r}")
+        _plan_known({level: None}, save, f"--mtbf {name}", "level")
+        mean = _plan_seconds(seconds, "--mtbf", name)
+        if name in shapes:
+            failures.append(FailureClass(name, mean, level, Weibull(shapes[name])))
+        else:
+            failures.append(FailureClass(name, mean, level))
+    _plan_known(shapes, {f.name: None for f in failures}, "--weibull", "failure class")
+    missing = [n for n in save if n not in restart]
+    if missing:
+        _note(f"no --restart for {', '.join(missing)}: using the save cost as the restart cost")
+    return levels, failures
+
+
+def _plan_known(given: dict[str, Any], known: dict[str, Any], option: str, what: str) -> None:
+    for name in given:
+        if name not in known:
+            raise CliUsageError(
+                f"{option}: unknown {what} {name!r} (known: {', '.join(known) or 'none'})"
+            )
+
+
+def cmd_plan(
+    costs: list[str],
+    mtbfs: list[str],
+    restarts: list[str],
+    weibulls: list[str],
+    *,
+    method: str = "auto",
+    seed: int = 0,
+    plot: str | None = None,
+    as_json: bool = False,
+) -> None:
+    """Print the recommended interval per level and the expected waste against the baselines;
+    with ``plot``, also draw the waste against each level's interval."""
+    from .plan import Simulation, plan
+
+    if method not in ("auto", "analytic", "search"):
+        raise CliUsageError(f"--method must be auto, analytic or search, got {method!r}")
+    if plot:
+        _plan_check_plot(plot)
+    try:
+        levels, failures = _plan_inputs(costs, mtbfs, restarts, weibulls)
+        chosen: Any = method  # checked above: one of plan()'s methods
+        result = plan(levels, failures, method=chosen, simulation=Simulation(seed=seed))
+    except (TypeError, ValueError) as exc:
+        raise CliUsageError(str(exc)) from None
+    written = _plan_plot(levels, failures, result, plot) if plot else None
+    if as_json:
+        doc = result.to_dict()
+        for entry, level in zip(doc["levels"], levels, strict=True):
+            entry.update(save_seconds=level.save_seconds, restart_seconds=level.restart_seconds)
+        doc["plot"] = written
+        _print_json(doc)
+        return
+    _plan_render(levels, result)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    parts = [(86400, "d"), (3600, "h"), (60, "m"), (1, "s")]
+    whole = round(seconds)
+    out: list[str] = []
+    for size, unit in parts:
+        if whole >= size or out:
+            out.append(f"{whole // size}{unit}")
+            whole %= size
+        if len(out) == 2:
+            break
+    return " ".join(p for p in out if not p.startswith("0") or p == out[0])
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _plan_render(levels: list[Any], result: Any) -> None:
+    table = _Table(
+        [
+            _Column("level"),
+            _Column("takes"),
+            _Column("interval", right=True),
+            _Column("save", right=True),
+            _Column("restart", right=True),
+        ]
+    )
+    below = None
+    for level, lv in zip(levels, result.levels, strict=True):
+        if below is None:
+            takes = "every version"
+        elif lv.every == 1:
+            takes = f"every {below} version"
+        else:
+            takes = f"every {_ordinal(lv.every)} {below} version"
+        table.add(
+            lv.name,
+            takes,
+            _duration(lv.interval_seconds),
+            _duration(level.save_seconds),
+            _duration(level.restart_seconds),
+        )
+        below = lv.name
+    table.render()
+    model = "first-order model" if result.waste_model == "first-order" else "simulated"
+    _print()
+    _print(f"expected waste: {result.expected_waste:.2%} ({result.method}; {model})")
+    _print(
+        f"every version to every level: {result.every_version_waste:.2%} "
+        f"(a version every {_duration(result.every_version_interval_seconds)})"
+    )
+    _print(
+        f"{result.levels[-1].name} alone at Young/Daly's interval: {result.young_daly_waste:.2%} "
+        f"(every {_duration(result.young_daly_interval_seconds)})"
+    )
+
+
+def _plan_check_plot(out: str) -> None:
+    """Refuse a plot that could not be written before spending time on the plan."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise CliUsageError(f"--plot {out}: no such directory {folder}")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # _plan_plot says so, once the plan is printed
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise CliUsageError(
+            f"--plot {out}: unknown image format {ext!r} (use one of: {', '.join(sorted(kinds))})"
+        )
+
+
+def _plan_plot(levels: list[Any], failures: list[Any], result: Any, out: str) -> str | None:
+    """Draw the waste curves to ``out``; without matplotlib, say so and draw nothing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        _note("--plot needs matplotlib (pip install matplotlib); no plot written")
+        return None
+    from .plan import waste_profile
+
+    fig = Figure(figsize=(7.0, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for j, curve in enumerate(waste_profile(levels, failures, result)):
+        (line,) = ax.plot(
+            curve.interval_seconds, [100 * w for w in curve.waste], marker=".", label=curve.level
+        )
+        planned = result.levels[j].interval_seconds
+        nearest = int(np.argmin([abs(np.log(x / planned)) for x in curve.interval_seconds]))
+        ax.plot([planned], [100 * curve.waste[nearest]], "o", color=line.get_color(), ms=9)
+    ax.axhline(
+        100 * result.every_version_waste, ls="--", c="grey", label="every version, every level"
+    )
+    ax.axhline(
+        100 * result.young_daly_waste, ls=":", c="black", label="Young/Daly, last level only"
+    )
+    ax.set_xscale("log")
+    ax.set_xlabel("interval of the level (compute seconds between its versions)")
+    ax.set_ylabel("expected waste (%)")
+    model = "first-order model" if result.waste_model == "first-order" else "simulated"
+    ax.set_title(f"cryosnap plan ({model}); circles: the plan")
+    ax.legend()
+    try:
+        fig.savefig(out)
+    except (OSError, ValueError) as exc:
+        raise CliUsageError(f"--plot {out}: cannot write the plot: {exc}") from None
+    return out

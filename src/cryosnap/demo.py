@@ -28,6 +28,7 @@ other non-empty directory is refused with exit code 2 (``--dir .`` in a project 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -374,9 +375,12 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _spawn(args: list[str]) -> int:
+def _spawn(args: list[str], *, quiet_stdout: bool = False) -> int:
+    """Run a training child; with ``quiet_stdout`` (``--json``) its output goes to stderr, so
+    stdout carries the summary document only."""
     cmd = [sys.executable, "-m", "cryosnap.demo", "--child", *args]
-    return subprocess.run(cmd, check=False).returncode
+    out = 2 if quiet_stdout else None  # fd 2: the parent's stderr
+    return subprocess.run(cmd, check=False, stdout=out).returncode
 
 
 def _ms(seconds: float) -> str:
@@ -393,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     parser.add_argument("--every", type=int, default=20, help="checkpoint every N (default 20)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random kill step")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="progress on stderr, the summary as one JSON object on stdout",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kill-at", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -405,6 +414,19 @@ def main(argv: list[str] | None = None) -> int:
         print("cryosnap demo: error: needs --every >= 1, --steps >= 2 * every + 2", file=sys.stderr)
         return 2
 
+    if not args.json:
+        return _run_demo(args, work, None)
+    summary: dict[str, Any] = {}
+    with contextlib.redirect_stdout(sys.stderr):
+        code = _run_demo(args, work, summary)
+    summary["exit_code"] = code
+    print(json.dumps(summary))
+    return code
+
+
+def _run_demo(args: argparse.Namespace, work: Path, summary: dict[str, Any] | None) -> int:
+    """The demo's parent: kill, resume, compare, print the table; with ``summary`` also fill
+    it with the figures (``--json``)."""
     t_start = time.perf_counter()
     refused = prepare(work)
     if refused is not None:
@@ -421,14 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  1. training process, SIGKILLed at step {kill_at} ...", flush=True)
     t0 = time.perf_counter()
-    code = _spawn([*common, "--kill-at", str(kill_at)])
+    quiet = summary is not None
+    code = _spawn([*common, "--kill-at", str(kill_at)], quiet_stdout=quiet)
     how = "killed by SIGKILL" if code == -9 else "unexpected"
     print(f"     exited with {code} ({how}) after {time.perf_counter() - t0:.0f} s")
     if code != -9:
         return 1
     print("  2. restarted: resumes from the newest checkpoint and finishes ...", flush=True)
     t0 = time.perf_counter()
-    if _spawn(common) != 0:
+    if _spawn(common, quiet_stdout=quiet) != 0:
         return 1
     print(f"     done after {time.perf_counter() - t0:.0f} s")
     torch = _torch()
@@ -498,6 +521,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"plot skipped: {skipped}")
     print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
+    if summary is not None:
+        summary.update(
+            dir=str(work),
+            steps=args.steps,
+            every=args.every,
+            killed_at=kill_at,
+            resumed_from=restores[0]["step"] if restores else None,
+            state_bytes=logical,
+            torch_save_seconds=torch_save,
+            median_stall_seconds=median,
+            saves=saves,
+            restored_from_persistent_step=restored_step,
+            equal_to_uninterrupted=exact,
+            persistent_alone_restores=from_persistent,
+            plot=None if skipped is not None else str(work / "summary.png"),
+            wall_seconds=time.perf_counter() - t_start,
+        )
     return 0 if exact and from_persistent else 1
 
 

@@ -13,6 +13,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── IntegrityError                                   content does not match its hash
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
+    ├── CoordinationError                                a collective among the run's participants
+    │                                                    failed or timed out (a rank died or
+    │                                                    disagrees)
     ├── LockLostError                                    this writer no longer holds the run's
     │                                                    write lock (taken over while paused);
     │                                                    it stops instead of saving or deleting
@@ -35,6 +38,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
+    "CoordinationError",
     "IntegrityError",
     "LockLostError",
     "StateMismatchError",
@@ -92,3 +96,8 @@ class LockLostError(CheckpointError):
 
 class StorageTimeoutError(StorageError, TimeoutError):
     """A storage call did not return within the store's per-call timeout."""
+
+
+class CoordinationError(CheckpointError):
+    """A collective among the run's participants failed or did not complete within its
+    timeout: a participant died, hangs, or does not take part in the same decision."""

@@ -4,33 +4,36 @@ A writer takes the lock when it opens and calls :meth:`RunLock.check` before eve
 visible or deletes (each commit record, each retention pass); ``check`` raises
 :class:`~cryosnap.errors.LockLostError` once the lock is no longer its own, and keeps raising.
 
-**Local file systems** (:class:`LocalStore`): ``flock`` on ``<run>/writer.lock``. The kernel drops
-it when the holder exits in any way, SIGKILL included, so a killed run restarts with no cleanup;
-a paused holder keeps it, so there is nothing to take over. The file is opened with
-``O_NOFOLLOW`` and must be a regular file with one link: a symlink, hard link, FIFO or device
-there is refused, never followed, truncated or written. ``check`` verifies that ``writer.lock``
-is still the very file we hold the ``flock`` on: deleting or replacing it lets a second writer
-lock a new file, and that loses ours.
+The store's declared capabilities (:class:`~cryosnap.storage.StoreCapabilities`, forwarded by
+every wrapper) choose the protocol; its class never does.
 
-**Object stores and other fsspec file systems**: an object ``writer.lock`` names its holder (a
-random token), its ``generation`` (one more on each takeover) and the wall-clock time of its last
-heartbeat, rewritten every ``stale_seconds / 4`` by a thread. A lock whose holder is a dead
-process on this host, or whose heartbeat is older than ``stale_seconds``, is taken over. The
-holder counts itself lost when its token or generation is no longer in the object, or when its
-own last successful heartbeat began more than ``0.75 * stale_seconds`` ago by its monotonic
-clock (it was paused or cut off; a rival may take over at ``stale_seconds``). A lost holder never
-writes the lock again.
+**Local directories** (a store that declares ``local_path``, a LocalStore): ``flock`` on
+``<local_path>/writer.lock``. The kernel drops it when the holder exits in any way, SIGKILL
+included, so a killed run restarts with no cleanup; a paused holder keeps it, so there is
+nothing to take over. The file is opened with ``O_NOFOLLOW`` and must be a regular file with one
+link: a symlink, hard link, FIFO or device there is refused, never followed, truncated or
+written. ``check`` verifies that ``writer.lock`` is still the very file we hold the ``flock`` on:
+deleting or replacing it lets a second writer lock a new file, and that loses ours.
 
-- On S3 (s3fs) the lock object is changed only by conditional requests: creating a free lock is
-  a PUT with ``If-None-Match: *``, taking over a stale one and every heartbeat are PUTs with
-  ``If-Match`` of the ETag last read or written, and release is a DELETE with ``If-Match``. Two
-  simultaneous starts cannot both win, and a writer resuming from a pause cannot overwrite its
-  successor's lock: its heartbeat fails its precondition and it stops. (S3-compatible servers
-  that ignore these headers get a read-back check only, which catches all but simultaneous
-  writes.)
-- Elsewhere (memory://, a local directory through fsspec, GCS or Azure through fsspec, a store
-  behind a wrapper that is not a WrapperStore) there are no conditional writes through the
-  Store protocol. Opening is made exclusive by claims: a contender writes
+**Every other store** (object stores, other fsspec file systems): an object ``writer.lock`` names
+its holder (a random token), its ``generation`` (one more on each takeover) and the wall-clock time
+of its last heartbeat, rewritten every ``stale_seconds / 4`` by a thread. A lock whose holder is a
+dead process on this host, or whose heartbeat is older than ``stale_seconds``, is taken over. The
+holder counts itself lost when its token or generation is no longer in the object, or when its own
+last successful heartbeat began more than ``0.75 * stale_seconds`` ago by its monotonic clock (it
+was paused or cut off; a rival may take over at ``stale_seconds``). A lost holder never writes the
+lock again.
+
+- A store that declares ``conditional_writes`` (S3 through s3fs) changes the lock object only by
+  conditional requests: creating a free lock is a PUT with ``If-None-Match: *``, taking over a stale
+  one and every heartbeat are PUTs with ``If-Match`` of the ETag last read or written, and release
+  is a DELETE with ``If-Match``. Two simultaneous starts cannot both win, and a writer resuming from
+  a pause cannot overwrite its successor's lock: its heartbeat fails its precondition and it stops.
+  (S3-compatible servers that ignore these headers get a read-back check only, which catches all but
+  simultaneous writes.)
+- Elsewhere (memory://, a local directory through fsspec, GCS or Azure through fsspec, a
+  wrapper that does not forward its inner store's capabilities) there are no conditional
+  writes. Opening is made exclusive by claims: a contender writes
   ``writer.lock.claims/<ms>-<token>``, lists the claims, and only if it sees no other fresh
   claim reads and (re)writes ``writer.lock`` before deleting its claim; otherwise it deletes its
   claim and retries after a random back-off. With atomic, read-after-write consistent writes and
@@ -75,9 +78,8 @@ from .errors import (
     CheckpointNotFoundError,
     LockLostError,
     StorageError,
-    StorageTimeoutError,
 )
-from .storage import FsspecStore, LocalStore, Store, TimeoutStore, WrapperStore, unwrap
+from .storage import ConditionalWrites, ConditionalWritesUnsupported, Store
 
 __all__ = ["CLAIMS_PREFIX", "LOCK_KEY", "STALE_SECONDS", "RunLock", "acquire_run_lock"]
 
@@ -159,7 +161,7 @@ class RunLock:
         self._path: Path | None = None
         # Lock object:
         self._owner: dict[str, Any] | None = None
-        self._s3: _S3Object | None = None
+        self._cond: _ConditionalLock | None = None
         self._etag: str | None = None
         self._beat_ok = 0.0  # clock() when the last successful lock write began
         self._stop = threading.Event()
@@ -226,8 +228,8 @@ class RunLock:
 
     def _read_current(self) -> tuple[Any, str | None] | None:
         """The lock object and its ETag; marks the lock lost if it is gone."""
-        if self._s3 is not None:
-            got = self._s3.get()
+        if self._cond is not None:
+            got = self._cond.get()
             if got is None:
                 self._lose(f"{LOCK_KEY} was deleted")
                 return None
@@ -255,13 +257,13 @@ class RunLock:
                 return
             try:
                 self._rewrite(start)
-            except CheckpointError:
-                return  # a failed beat is retried; a long silence loses the lock (above)
-            except _Unsupported:
+            except ConditionalWritesUnsupported:  # a StorageError: before the line below
                 self._lose("the store stopped accepting conditional writes")
                 return
+            except CheckpointError:
+                return  # a failed beat is retried; a long silence loses the lock (above)
             # (A conditional write that succeeded proves nobody took over meanwhile.)
-            if self._s3 is None and self._clock() - start > self._lease and self._lost is None:
+            if self._cond is None and self._clock() - start > self._lease and self._lost is None:
                 # Paused between the read and the write: a successor may have been overwritten;
                 # it will see our token and stop, and so do we.
                 self._lose(f"paused for {self._clock() - start:.1f} s during a heartbeat")
@@ -270,11 +272,11 @@ class RunLock:
         assert self._owner is not None
         owner = {**self._owner, "heartbeat_unix": time.time()}
         data = json.dumps(owner).encode()
-        if self._s3 is not None:
+        if self._cond is not None:
             assert self._etag is not None
-            etag = self._s3.replace(data, self._etag)
+            etag = self._cond.replace(data, self._etag)
             if etag is None:
-                got = self._s3.get()
+                got = self._cond.get()
                 self._compare(_parse(got[0]) if got else None)
                 self._lose("the lock object changed under its heartbeat")
                 return
@@ -323,9 +325,9 @@ class RunLock:
             self._lose("released")
 
     def _delete_own(self) -> None:
-        if self._s3 is not None:
+        if self._cond is not None:
             assert self._etag is not None
-            self._s3.delete(self._etag)
+            self._cond.delete(self._etag)
             return
         info = _read_settled(self.store)
         if isinstance(info, dict) and info.get("token") == self.token:
@@ -348,17 +350,18 @@ def acquire_run_lock(
     if not stale > 0:
         raise ValueError(f"stale_seconds must be positive, got {stale_seconds!r}")
     lock = RunLock(store, stale_seconds=stale, clock=clock)
-    # The backend decides how to lock; the generic protocol goes through the wrappers (timeouts).
-    backend = unwrap(store)
-    if isinstance(backend, LocalStore):
-        _acquire_flock(lock, backend)
+    # The store's capabilities decide how to lock; the generic protocol goes through the
+    # wrappers (timeouts).
+    local = store.capabilities.local_path
+    if local is not None:
+        _acquire_flock(lock, local)
         return lock
-    s3 = _S3Object.of(store, stale)
+    s3 = _ConditionalLock.of(store, stale)
     try:
         if s3 is not None:
             try:
                 _acquire_conditional(lock, s3)
-            except _Unsupported:
+            except ConditionalWritesUnsupported:
                 _acquire_claimed(lock)
         else:
             _acquire_claimed(lock)
@@ -404,10 +407,10 @@ def _read_settled(store: Store) -> Any:
 # --- local file system ------------------------------------------------------------------------
 
 
-def _acquire_flock(lock: RunLock, store: LocalStore) -> None:
+def _acquire_flock(lock: RunLock, root: Path) -> None:
     import fcntl
 
-    path = store.root / LOCK_KEY
+    path = root / LOCK_KEY
     fd = _open_lock_file(path)
     try:
         try:
@@ -416,7 +419,7 @@ def _acquire_flock(lock: RunLock, store: LocalStore) -> None:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise StorageError(f"cannot lock {path}: {exc.strerror}") from exc
             raise CheckpointError(
-                f"{store.url} is already open for writing by "
+                f"{lock.store.url} is already open for writing by "
                 f"{_describe(_parse(_read_fd(fd)))}; one writer per run (readers need no lock)"
             ) from None
         lock.generation = _generation(_parse(_read_fd(fd))) + 1
@@ -547,136 +550,41 @@ def _take_object(lock: RunLock, start: float) -> None:
         raise CheckpointError(f"{store.url} was locked by {_describe(check)} at the same time")
 
 
-# --- lock objects: conditional requests (S3) --------------------------------------------------
+# --- lock objects: conditional writes (S3) --------------------------------------------------
 
 
-class _Unsupported(Exception):
-    """The server rejects conditional requests: use the claims protocol instead."""
+class _ConditionalLock:
+    """``writer.lock`` kept with the store's conditional writes, each request bounded by
+    ``timeout`` (further capped by a TimeoutStore among the store's wrappers)."""
 
-
-def _error_code(exc: BaseException) -> str | None:
-    for e in (exc, exc.__cause__):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            return str(code) if code is not None else None
-    return None
-
-
-def _storage_error(what: str, exc: BaseException, timeout: float) -> StorageError:
-    if isinstance(exc, TimeoutError):
-        return StorageTimeoutError(f"{what} did not return within {timeout:g} s")
-    return StorageError(f"{what} failed: {exc}")
-
-
-def _call_timeout(store: Store) -> float | None:
-    """The per-call timeout of the TimeoutStore among ``store``'s wrappers, if any."""
-    while isinstance(store, WrapperStore):
-        if isinstance(store, TimeoutStore):
-            return store.timeout_seconds
-        store = store.inner
-    return None
-
-
-class _S3Object:
-    """``writer.lock`` on S3 through s3fs, written only by conditional requests."""
-
-    def __init__(self, store: FsspecStore, fs: Any, timeout: float) -> None:
-        self.url = store.url
-        self.fs = fs
-        self.bucket, self.key, _ = fs.split_path(store._path(LOCK_KEY))
+    def __init__(self, writes: ConditionalWrites, url: str, timeout: float) -> None:
+        self.writes = writes
+        self.url = url
         self.timeout = timeout
 
     @classmethod
-    def of(cls, wrapped: Store, stale_seconds: float) -> _S3Object | None:
-        store = unwrap(wrapped)
-        if not isinstance(store, FsspecStore):
+    def of(cls, store: Store, stale_seconds: float) -> _ConditionalLock | None:
+        writes = store.capabilities.conditional_writes
+        if writes is None:
             return None
-        protocols = store.fs.protocol
-        protocols = {protocols} if isinstance(protocols, str) else set(protocols)
-        if not protocols & {"s3", "s3a"} or not hasattr(store.fs, "_call_s3"):
-            return None
-        # These calls bypass the wrappers: bound them by the store's per-call timeout, and in
-        # any case by half the stale time (a lock call that outlives the lease is of no use).
-        limit = _call_timeout(wrapped)
-        own = max(stale_seconds / 2, 5.0)
-        return cls(store, store.fs, own if limit is None else min(limit, own))
-
-    def _call(self, method: str, **kwargs: Any) -> Any:
-        import fsspec.asyn
-
-        try:
-            return fsspec.asyn.sync(
-                self.fs.loop,
-                self.fs._call_s3,
-                method,
-                Bucket=self.bucket,
-                Key=self.key,
-                timeout=self.timeout,
-                **kwargs,
-            )
-        except FileExistsError:
-            raise
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            code = _error_code(exc)
-            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
-                raise FileExistsError(str(exc)) from exc
-            if code == "NotImplemented":
-                raise _Unsupported(str(exc)) from exc
-            raise _storage_error(
-                f"{method} of {LOCK_KEY} in {self.url}", exc, self.timeout
-            ) from exc
+        # A lock request that outlives the lease is of no use.
+        return cls(writes, store.url, max(stale_seconds / 2, 5.0))
 
     def get(self) -> tuple[bytes, str] | None:
-        import fsspec.asyn
-
-        async def call() -> tuple[bytes, str]:
-            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
-            try:
-                return bytes(await resp["Body"].read()), str(resp["ETag"])
-            finally:
-                resp["Body"].close()
-
-        try:
-            got: tuple[bytes, str] = fsspec.asyn.sync(self.fs.loop, call, timeout=self.timeout)
-        except FileNotFoundError:
-            return None
-        except Exception as exc:
-            raise _storage_error(f"reading {LOCK_KEY} in {self.url}", exc, self.timeout) from exc
-        return got
-
-    def _put(self, data: bytes, **condition: str) -> str | None:
-        """The new ETag, or None when the condition failed. A retried PUT whose first attempt
-        landed fails its own condition: the object then holds exactly ``data``, which is ours."""
-        try:
-            out = self._call("put_object", Body=data, **condition)
-        except (FileExistsError, FileNotFoundError):
-            got = self.get()
-            return got[1] if got is not None and got[0] == data else None
-        return str(out["ETag"])
+        return self.writes.get(LOCK_KEY, timeout=self.timeout)
 
     def create(self, data: bytes) -> str | None:
-        return self._put(data, IfNoneMatch="*")
+        return self.writes.create(LOCK_KEY, data, timeout=self.timeout)
 
     def replace(self, data: bytes, etag: str) -> str | None:
-        return self._put(data, IfMatch=etag)
+        return self.writes.replace(LOCK_KEY, data, etag, timeout=self.timeout)
 
     def delete(self, etag: str | None) -> None:
         """Delete the object if its ETag is ``etag`` (None: whatever it holds)."""
-        condition = {} if etag is None else {"IfMatch": etag}
-        try:
-            self._call("delete_object", **condition)
-        except (FileExistsError, FileNotFoundError):
-            pass  # changed meanwhile: someone else's now
-        except _Unsupported:
-            got = self.get()  # no conditional delete here: the narrow check-then-delete
-            if got is not None and got[1] == etag:
-                self._call("delete_object")
+        self.writes.delete(LOCK_KEY, etag, timeout=self.timeout)
 
 
-def _acquire_conditional(lock: RunLock, s3: _S3Object) -> None:
+def _acquire_conditional(lock: RunLock, s3: _ConditionalLock) -> None:
     for _ in range(3):
         start = lock._clock()
         lock.generation = 1
@@ -687,7 +595,7 @@ def _acquire_conditional(lock: RunLock, s3: _S3Object) -> None:
             try:
                 # Heartbeats need If-Match: make sure the server takes it before relying on it.
                 etag = s3.replace(data, etag)
-            except _Unsupported:
+            except ConditionalWritesUnsupported:
                 s3.delete(None)
                 raise
             if etag is None:
@@ -705,7 +613,7 @@ def _acquire_conditional(lock: RunLock, s3: _S3Object) -> None:
                 raise CheckpointError(
                     f"{lock.store.url} was taken over by another writer at the same time"
                 )
-        lock._owner, lock._etag, lock._beat_ok, lock._s3 = owner, etag, start, s3
+        lock._owner, lock._etag, lock._beat_ok, lock._cond = owner, etag, start, s3
         # A server that ignores the conditions would let a rival overwrite us unseen.
         got = s3.get()
         check = _parse(got[0]) if got else None

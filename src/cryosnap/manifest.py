@@ -29,6 +29,7 @@ import itertools
 import json
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "Inherited",
     "Manifest",
     "ManifestRef",
+    "PartSummary",
     "INHERITED",
     "STORED",
     "Segment",
@@ -521,6 +523,60 @@ class ManifestRef:
 
 
 @dataclass(frozen=True, slots=True)
+class PartSummary:
+    """What the commit record needs of one rank's part, and nothing more: small and
+    JSON-serialisable, so the parts written by every participant can be gathered and committed
+    by one (rank 0 of a distributed run)."""
+
+    ref: ManifestRef
+    data_files: tuple[str, ...]  # every data file the part reads (its own and inherited)
+    logical_bytes: int
+    written_bytes: int
+    leaves: int
+    root: str  # hex Merkle root of the part
+    incremental: bool
+    chain: tuple[int, ...]  # steps whose manifests the part resolves through
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.ref.rank,
+            "key": self.ref.key,
+            "xxh3_128": self.ref.xxh3,
+            "bytes": self.ref.nbytes,
+            "data_files": list(self.data_files),
+            "logical_bytes": self.logical_bytes,
+            "written_bytes": self.written_bytes,
+            "leaves": self.leaves,
+            "root": self.root,
+            "incremental": self.incremental,
+            "chain": list(self.chain),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> PartSummary:
+        if not isinstance(doc, dict) or not isinstance(doc.get("xxh3_128"), str):
+            raise _fail(where, f"malformed part summary {doc!r:.120}")
+        files = doc.get("data_files")
+        if not isinstance(files, list) or not isinstance(doc.get("root"), str):
+            raise _fail(where, "part summary: 'data_files' must be a list, 'root' a string")
+        return cls(
+            ref=ManifestRef(
+                _int(doc, "rank", where, hi=MAX_RANK),
+                _version_file(doc.get("key"), where),
+                doc["xxh3_128"],
+                _int(doc, "bytes", where),
+            ),
+            data_files=tuple(_data_file(f, where) for f in files),
+            logical_bytes=_int(doc, "logical_bytes", where),
+            written_bytes=_int(doc, "written_bytes", where),
+            leaves=_int(doc, "leaves", where),
+            root=doc["root"],
+            incremental=doc.get("incremental") is True,
+            chain=tuple(_steps(doc.get("chain", []), where)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class CommitRecord:
     """The record whose presence makes a version exist.
 
@@ -542,6 +598,35 @@ class CommitRecord:
     incremental: bool = False
     chain: tuple[int, ...] = ()
     metrics: dict[str, float] | None = None
+
+    @classmethod
+    def of_parts(
+        cls,
+        step: int,
+        parts: Sequence[PartSummary],
+        *,
+        chunk_bytes: int,
+        root: str,
+        metrics: dict[str, float] | None = None,
+    ) -> CommitRecord:
+        """The record of ``step`` made of every rank's part (``root``: the Merkle root over
+        the parts' roots, in rank order)."""
+        parts = sorted(parts, key=lambda p: p.ref.rank)
+        return cls(
+            step=step,
+            world_size=len(parts),
+            manifests=tuple(p.ref for p in parts),
+            data_files=tuple(sorted({f for p in parts for f in p.data_files})),
+            logical_bytes=sum(p.logical_bytes for p in parts),
+            written_bytes=sum(p.written_bytes for p in parts),
+            leaves=sum(p.leaves for p in parts),
+            chunk_bytes=chunk_bytes,
+            root=root,
+            created_unix=now_unix(),
+            incremental=any(p.incremental for p in parts),
+            chain=tuple(sorted({s for p in parts for s in p.chain})),
+            metrics=metrics or None,
+        )
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {

@@ -34,6 +34,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol, runtime_checkable
 
+from ._validate import (
+    bad_value,
+    fraction,
+    integer,
+    non_negative_int,
+    positive_int,
+    positive_int_or_none,
+    wrong_type,
+)
+from ._validate import seconds as _seconds  # EveryNSeconds has an argument named seconds
+
 __all__ = [
     "Adaptive",
     "EveryNSeconds",
@@ -47,26 +58,6 @@ __all__ = [
     "VersionInfo",
     "as_retention",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# argument validation (eager, on the caller's thread)
-
-
-def _int_arg(value: object, name: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return value
-
-
-def _seconds_arg(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
-    return float(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,10 +92,8 @@ class EveryNSteps:
     __slots__ = ("n", "offset")
 
     def __init__(self, n: int, *, offset: int = 0) -> None:
-        self.n = _int_arg(n, "n", minimum=1)
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"offset must be an int, got {offset!r}")
-        self.offset = offset
+        self.n = positive_int(n, "n")
+        self.offset = integer(offset, "offset")
 
     def should_save(self, step: int, *, now: float) -> bool:
         return (step - self.offset) % self.n == 0
@@ -133,7 +122,7 @@ class EveryNSeconds:
     __slots__ = ("_granted_step", "_last_start", "seconds")
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = _seconds_arg(seconds, "seconds")
+        self.seconds = _seconds(seconds, "seconds")
         self._last_start: float | None = None
         self._granted_step: int | None = None
 
@@ -255,22 +244,14 @@ class Adaptive:
         max_steps: int | None = None,
         warmup_steps: int = 20,
     ) -> None:
-        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)):
-            raise TypeError(f"max_overhead must be a fraction in (0, 1), got {max_overhead!r}")
-        if not 0 < max_overhead < 1:
-            raise ValueError(
-                f"max_overhead must be a fraction in (0, 1) (0.05 = 5%), got {max_overhead}"
-            )
-        self.max_overhead = float(max_overhead)
-        self.min_steps = _int_arg(min_steps, "min_steps", minimum=1)
-        if max_steps is not None:
-            _int_arg(max_steps, "max_steps", minimum=1)
-            if max_steps < self.min_steps:
-                raise ValueError(
-                    f"max_steps={max_steps} is smaller than min_steps={self.min_steps}"
-                )
-        self.max_steps = max_steps
-        self.warmup_steps = _int_arg(warmup_steps, "warmup_steps", minimum=0)
+        self.max_overhead = fraction(
+            max_overhead, "max_overhead", allowed="a fraction in (0, 1) (0.05 = 5%)"
+        )
+        self.min_steps = positive_int(min_steps, "min_steps")
+        self.max_steps = positive_int_or_none(max_steps, "max_steps")
+        if self.max_steps is not None and self.max_steps < self.min_steps:
+            raise ValueError(f"max_steps={max_steps} is smaller than min_steps={self.min_steps}")
+        self.warmup_steps = non_negative_int(warmup_steps, "warmup_steps")
 
         self._iter_s: float | None = None  # seconds per step, clean iterations (EWMA)
         self._seed: list[float] = []  # first clean samples, before the EWMA starts
@@ -451,8 +432,7 @@ class VersionInfo:
     metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int):
-            raise TypeError(f"step must be an int, got {self.step!r}")
+        integer(self.step, "step")
         # A read-only copy: the caller's dict may change later, the version's metrics may not.
         object.__setattr__(self, "metrics", MappingProxyType(dict(self.metrics)))
 
@@ -472,7 +452,7 @@ class KeepLast:
     __slots__ = ("n",)
 
     def __init__(self, n: int) -> None:
-        self.n = _int_arg(n, "n", minimum=1)
+        self.n = positive_int(n, "n")
 
     def select(self, versions: Sequence[VersionInfo]) -> set[int]:
         return set(sorted({v.step for v in versions})[-self.n :])
@@ -487,7 +467,7 @@ class KeepEvery:
     __slots__ = ("n_steps",)
 
     def __init__(self, n_steps: int) -> None:
-        self.n_steps = _int_arg(n_steps, "n_steps", minimum=1)
+        self.n_steps = positive_int(n_steps, "n_steps")
 
     def select(self, versions: Sequence[VersionInfo]) -> set[int]:
         return {v.step for v in versions if v.step % self.n_steps == 0}
@@ -506,9 +486,11 @@ class KeepBest:
     __slots__ = ("k", "metric", "mode")
 
     def __init__(self, k: int, metric: str = "loss", mode: Literal["min", "max"] = "min") -> None:
-        self.k = _int_arg(k, "k", minimum=1)
-        if not isinstance(metric, str) or not metric:
-            raise TypeError(f"metric must be a non-empty str, got {metric!r}")
+        self.k = positive_int(k, "k")
+        if not isinstance(metric, str):
+            wrong_type(metric, "metric", "a non-empty str")
+        if not metric:
+            bad_value(metric, "metric", "a non-empty str")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         self.metric = metric
@@ -553,16 +535,7 @@ class KeepAny:
 
 def as_retention(keep: int | RetentionPolicy | None) -> RetentionPolicy | None:
     """Normalize ``Checkpointer(keep=...)``: None (keep all), an int n (KeepLast(n)), a policy."""
-    if keep is None:
-        return None
-    if isinstance(keep, bool):
-        raise TypeError("keep must be None, a positive int or a retention policy, got a bool")
-    if isinstance(keep, int):
-        if keep < 1:
-            raise ValueError(f"keep must be None, a positive int or a retention policy, got {keep}")
-        return KeepLast(keep)
-    if isinstance(keep, RetentionPolicy):
+    if keep is None or isinstance(keep, RetentionPolicy):
         return keep
-    raise TypeError(
-        f"keep must be None, a positive int or a retention policy (with select()), got {keep!r}"
-    )
+    allowed = "None, a positive int or a retention policy (with select())"
+    return KeepLast(positive_int(keep, "keep", allowed=allowed))

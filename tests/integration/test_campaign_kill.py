@@ -132,8 +132,15 @@ class Campaign:
                 self.verified += len(check_versions(self.scratch_dir, set(), None, where))
             # Reopen: the dead writer's lock is recovered; save one more version.
             with open_checkpointer(self.run, self.scratch_dir, self.wrap) as ckpt:
-                seen = sorted(set(steps) | set(visible_steps(self.scratch_dir or self.run)))
+                # Opening resumes the flush of versions left on scratch, and persistent
+                # retention may then retire an older one: compare once that is over.
+                ckpt.wait()
+                on_disk = set(visible_steps(self.run))
+                if self.scratch_dir is not None:
+                    on_disk |= set(visible_steps(self.scratch_dir))
+                seen = sorted(on_disk)
                 assert ckpt.steps() == seen, f"{where}: steps() {ckpt.steps()} != {seen}"
+                assert not steps or max(steps) in seen, f"{where}: newest {max(steps)} gone"
                 step = (ckpt.latest_step() or 0) + 1 if seen else 0
                 ckpt.save(step, state_at(step)).result()
             self.known.add(step)

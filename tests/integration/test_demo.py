@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -153,9 +154,16 @@ def test_demo_rerun_reuses_its_own_directory(tmp_path: Path) -> None:
     first = _demo_cli(*args)
     assert first.returncode == 0, first.stdout + first.stderr
     (work / "notes.txt").write_text("mine")
-    second = _demo_cli(*args)
+    # The rerun goes through the CLI with --json: progress on stderr, one JSON object on stdout.
+    cmd = [sys.executable, "-m", "cryosnap", "demo", *args, "--json"]
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "SIGKILLed at step 11" in second.stdout and "bit for bit: YES" in second.stdout
+    assert "SIGKILLed at step 11" in second.stderr and "bit for bit: YES" in second.stderr
+    summary = json.loads(second.stdout)
+    assert summary["killed_at"] == 11 and summary["exit_code"] == 0
+    assert summary["equal_to_uninterrupted"] and summary["persistent_alone_restores"]
+    steps = [e["step"] for e in summary["saves"]]
+    assert steps[0] == 5 and steps[-1] == summary["steps"] == 17 and steps == sorted(steps)
     # The second run started from nothing: one restore (after its own kill), not two.
     events = (work / "events.jsonl").read_text().splitlines()
     assert sum('"event": "restore"' in line for line in events) == 1

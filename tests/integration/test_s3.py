@@ -20,8 +20,8 @@ import pytest
 import cryosnap
 from cryosnap.lock import LOCK_KEY
 from cryosnap.manifest import Manifest, commit_key, manifest_key
-from cryosnap.storage import FsspecStore, Store, open_store, unwrap
-from tests.unit.storage.conformance import StoreTests
+from cryosnap.storage import FsspecStore, Store, TimeoutStore, open_store, unwrap
+from cryosnap.testing.store import StoreTests
 
 from .conftest import S3Bucket
 
@@ -81,6 +81,14 @@ class TestS3Store(StoreTests):
     @pytest.fixture
     def store(self, s3_bucket: S3Bucket) -> FsspecStore:
         return make_store(s3_bucket)
+
+
+def test_conditional_writes_through_the_timeout_store(s3_bucket: S3Bucket) -> None:
+    """As open_store returns the store: its conditional writes reach through the TimeoutStore
+    (the rest of the suite over TimeoutStore runs in tests/unit/storage)."""
+    store = TimeoutStore(make_store(s3_bucket), 60)
+    assert store.capabilities.conditional_writes is not None
+    StoreTests().test_conditional_writes_compare_and_swap(store)
 
 
 def test_bucket_prefix_is_isolated(s3_bucket: S3Bucket) -> None:
@@ -351,7 +359,7 @@ def test_one_writer_per_run(s3_bucket: S3Bucket) -> None:
         # Readers need no lock.
         np.testing.assert_array_equal(cryosnap.load(make_store(s3_bucket))["a"], np.arange(10))
         holder = json.loads(make_store(s3_bucket).read(LOCK_KEY))
-        assert holder["token"] == ckpt._locks[0].token
+        assert holder["token"] == ckpt._levels.levels[-1].locks[0].token
     assert not make_store(s3_bucket).exists(LOCK_KEY)
     with cryosnap.Checkpointer(make_store(s3_bucket)) as ckpt:  # released on close
         assert ckpt.steps() == [1]

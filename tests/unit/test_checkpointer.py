@@ -81,7 +81,7 @@ def test_staging_budget_smaller_than_state_streams(tmp_path: Path) -> None:
         for t in state.values():  # mutations after capture never reach the checkpoint
             t.add_(1.0)
         info = pending.result(timeout=60)
-        assert ckpt._pool.allocated_bytes <= budget
+        assert ckpt._capturer.pool.allocated_bytes <= budget
     assert info.logical_bytes == sum(t.nbytes for t in expected.values())
     out = cryosnap.load(tmp_path / "run")
     for k, v in expected.items():

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 import cryosnap
 import cryosnap.storage
 from cryosnap.cli import human_bytes, main
+from cryosnap.export import ExportError, ExportResult, export
 
 
 def torch_state() -> dict[str, Any]:
@@ -617,6 +618,55 @@ def test_export_damaged_exits_1_and_writes_nothing(
     assert (code, stdout) == (1, "")
     assert_one_error_line(err, "leaf arr", "does not match its hash")
     assert not out.exists()
+
+
+def test_export_from_python(run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.npz"
+    result = export(run, out)  # the newest version, rank 0
+    assert result == ExportResult(
+        path=str(run),
+        step=2,
+        rank=0,
+        out=out,
+        format="npz",
+        leaves=len(MIXED_LEAVES) - 1,
+        skipped=("none",),
+        bytes=out.stat().st_size,
+    )
+    with np.load(out) as npz:
+        np.testing.assert_array_equal(npz["arr"], np.arange(6.0))
+    pt = export(str(run), str(tmp_path / "out.pt"), step=1)
+    assert (pt.step, pt.format, pt.numpy_leaves) == (1, "pt", ("arr", "scale"))
+    assert torch.load(pt.out, weights_only=False)["optim"]["name"] == "adamw"
+
+
+def test_export_from_python_errors(run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "x.npz"
+    for kwargs, error, match in [
+        ({"step": True}, TypeError, "step must be an int"),
+        ({"step": -1}, ValueError, "step=-1 is invalid"),
+        ({"rank": 1.0}, TypeError, "rank must be an int"),
+        ({"force": 1}, TypeError, "force must be a bool"),
+    ]:
+        with pytest.raises(error, match=match):
+            export(run, out, **kwargs)
+    with pytest.raises(ValueError, match=r"must end in \.pt, \.safetensors or \.npz"):
+        export(run, tmp_path / "x.txt")
+    with pytest.raises(TypeError, match="out must be a local file path"):
+        export(run, 3)  # type: ignore[arg-type]
+    with pytest.raises(cryosnap.CheckpointNotFoundError, match="no checkpoint at"):
+        export(tmp_path / "nothing", out)
+    assert not out.exists()
+    out.write_bytes(b"mine")
+    with pytest.raises(ValueError, match="exists; pass --force"):
+        export(run, out)
+    assert out.read_bytes() == b"mine"
+    assert export(run, out, step=1, force=True).step == 1
+    cryosnap.save(tmp_path / "bf16", {"w": torch.ones(2, dtype=torch.bfloat16)}, step=0)
+    with pytest.raises(ExportError, match="leaf w is a torch bfloat16 tensor") as exc:
+        export(tmp_path / "bf16", out, force=True)
+    assert isinstance(exc.value, cryosnap.CheckpointError)
+    assert np.load(out)["arr"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]  # left as it was
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap.manifest import Manifest, commit_key, manifest_key
-from cryosnap.storage import LocalStore, Store, open_store, unwrap
+from cryosnap.storage import Store, open_store
 
 from .support import assert_same, commit_checksum, snapshot
 
@@ -77,10 +77,10 @@ class Run:
         return self.store.read(key)
 
     def write(self, key: str, data: bytes) -> None:
-        backend = unwrap(self.store)
-        if isinstance(backend, LocalStore):
+        root = self.store.capabilities.local_path
+        if root is not None:
             # Damage in place, without the store's fsyncs: hundreds of cases stay fast.
-            (backend.root / key).write_bytes(data)
+            (root / key).write_bytes(data)
         else:
             self.store.write(key, data)
 

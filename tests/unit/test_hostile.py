@@ -817,7 +817,8 @@ def test_true_large_claim_of_present_chunks_loads(full_run: Path) -> None:
 def test_claim_beyond_memory_is_refused_before_allocating(
     full_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine, "memory_limit_bytes", lambda: 16 << 20)
+    # Patched where the claim check looks it up (the resolve pipeline).
+    monkeypatch.setattr(engine._resolved, "memory_limit_bytes", lambda: 16 << 20)
     Mutation("dedup", "manifest", 2, dedup_claim(1 << 14)).apply(full_run)
     tracemalloc.start()
     try:

@@ -230,15 +230,16 @@ def test_sampler_refuses_a_state_of_other_settings() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"num_replicas": 2, "rank": 2}, "rank"),
-        ({"num_replicas": 0}, "num_replicas"),
-        ({"seed": 1.5}, "seed"),
+        ({"num_replicas": 2, "rank": 2}, ValueError, "rank=2 .* < num_replicas=2"),
+        ({"num_replicas": 0}, ValueError, "num_replicas=0"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+        ({"rank": True}, TypeError, "rank must be"),
     ],
 )
-def test_sampler_validates_arguments(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_sampler_validates_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
         ResumableSampler(10, **kwargs)
 
 

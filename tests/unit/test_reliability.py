@@ -17,8 +17,9 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._capturing import Capturer
 from cryosnap.errors import CheckpointError, StorageError
-from cryosnap.storage import LocalStore
+from cryosnap.storage import LocalStore, TimeoutStore
 from cryosnap.testing import FaultyStore
 
 
@@ -151,9 +152,12 @@ def test_a_flush_never_certifies_bytes_it_did_not_check(tmp_path: Path) -> None:
         pending = ckpt.save(0, _state(0))
         pending.result(tier="scratch")
         (data,) = (scratch / "data").iterdir()
-        raw = bytearray(data.read_bytes())
-        raw[5000] ^= 0xFF
-        data.write_bytes(bytes(raw))
+        # Flip a byte in place (the flusher may already be looking at the file's size).
+        with open(data, "r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)[0]
+            f.seek(5000)
+            f.write(bytes([byte ^ 0xFF]))
         gate.set()
         with pytest.raises(CheckpointError, match="do not match the hashes"):
             pending.result(timeout=60)
@@ -212,7 +216,7 @@ def test_ctrl_c_during_save_says_whether_the_version_commits(
         def interrupted_copy(self: object, job: object) -> None:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(cryosnap.Checkpointer, "_copy", interrupted_copy)
+        monkeypatch.setattr(Capturer, "_copy", interrupted_copy)
         with pytest.raises(KeyboardInterrupt) as caught:
             ckpt.save(2, _state(2))
         assert "interrupted during capture and is not saved" in "".join(caught.value.__notes__)
@@ -230,3 +234,28 @@ def test_fallback_warning_points_at_the_callers_line(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match="skipping damaged step 1") as record:
         cryosnap.load(tmp_path)
     assert record[0].filename == __file__
+
+
+@pytest.mark.timeout(120)
+def test_close_returns_when_the_persistent_tier_never_answers(tmp_path: Path) -> None:
+    """A persistent tier whose writes never return (a hung mount): the flush's calls time
+    out, its retries end after flush_retry_seconds, close() returns with a StorageError and
+    the version stays on scratch."""
+    hung = threading.Event()
+    release = threading.Event()
+
+    def fault(op: str, key: str) -> None:
+        if hung.is_set() and op in ("write", "open_writer", "writer.write", "writer.commit"):
+            release.wait()
+
+    persistent = TimeoutStore(FaultyStore(LocalStore(tmp_path / "p"), fault=fault), 0.3)
+    ckpt = cryosnap.Checkpointer(persistent, scratch=tmp_path / "s", flush_retry_seconds=1.0)
+    try:
+        hung.set()
+        ckpt.save(0, _state(0)).result(tier="scratch")
+        with pytest.raises(StorageError, match="could not be flushed"):
+            ckpt.close()
+        assert engine.list_steps(LocalStore(tmp_path / "s")) == [0]
+        assert engine.list_steps(LocalStore(tmp_path / "p")) == []
+    finally:
+        release.set()

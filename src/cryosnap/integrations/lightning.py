@@ -51,7 +51,8 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from ..checkpointer import Checkpointer, PendingSave, load, validate_step
+from .._validate import step as validate_step
+from ..checkpointer import Checkpointer, PendingSave, load
 
 __all__ = ["CryosnapCallback", "CryosnapCheckpointIO", "load_checkpoint", "to_plain"]
 

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from .._validate import integer, non_negative_int, positive_int, wrong_type
 from ..errors import StateMismatchError
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -220,12 +221,6 @@ def _cuda_setters(saved: Any) -> list[_Setter]:
 # data order
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if type(value) is not int or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _seed_words(*words: int) -> int:
     """A well-mixed 63-bit seed from a few ints (no correlation between nearby inputs)."""
     seq = np.random.SeedSequence([w % (1 << 64) for w in words])
@@ -265,13 +260,9 @@ class ResumableSampler(Sampler[int]):
         elif isinstance(data_source_or_len, Sized):
             length = len(data_source_or_len)
         else:
-            raise TypeError(
-                "data_source_or_len must be a dataset with len() or an int, got "
-                f"{type(data_source_or_len).__name__}"
-            )
-        self.dataset_len = _check_int("data_source_or_len", length, 0)
-        if type(seed) is not int:
-            raise ValueError(f"seed must be an int, got {seed!r}")
+            wrong_type(data_source_or_len, "data_source_or_len", "a dataset with len() or an int")
+        self.dataset_len = non_negative_int(length, "data_source_or_len")
+        self.seed = integer(seed, "seed")
         if num_replicas is None or rank is None:
             dist = torch.distributed
             initialized = dist.is_available() and dist.is_initialized()
@@ -279,12 +270,15 @@ class ResumableSampler(Sampler[int]):
                 num_replicas = dist.get_world_size() if initialized else 1
             if rank is None:
                 rank = dist.get_rank() if initialized else 0
-        self.num_replicas = _check_int("num_replicas", num_replicas, 1)
-        self.rank = _check_int("rank", rank, 0)
-        if self.rank >= self.num_replicas:
-            raise ValueError(f"rank must be < num_replicas={num_replicas}, got {rank}")
+        self.num_replicas = positive_int(num_replicas, "num_replicas")
+        self.rank = integer(
+            rank,
+            "rank",
+            minimum=0,
+            maximum=self.num_replicas - 1,
+            allowed=f"an int >= 0 and < num_replicas={self.num_replicas}",
+        )
         self.shuffle = bool(shuffle)
-        self.seed = seed
         self.drop_last = bool(drop_last)
         n, replicas = self.dataset_len, self.num_replicas
         if self.drop_last and n % replicas:
@@ -310,14 +304,14 @@ class ResumableSampler(Sampler[int]):
         So the ``DistributedSampler`` habit of calling ``set_epoch(epoch)`` at the top of each
         epoch is safe after a mid-epoch resume: it does not restart the resumed epoch.
         """
-        _check_int("epoch", epoch, 0)
+        non_negative_int(epoch, "epoch")
         if epoch != self._epoch:
             self._epoch = epoch
             self._consumed = 0
 
     def advance(self, num_samples: int) -> None:
         """Record that the loop consumed the next ``num_samples`` indices of this epoch."""
-        _check_int("num_samples", num_samples, 0)
+        non_negative_int(num_samples, "num_samples")
         if self._consumed + num_samples > self.num_samples:
             raise ValueError(
                 f"num_samples={num_samples}: only {self.num_samples - self._consumed} of "
@@ -327,7 +321,7 @@ class ResumableSampler(Sampler[int]):
 
     def indices(self, epoch: int | None = None) -> list[int]:
         """This rank's whole order for ``epoch`` (default: the current one)."""
-        epoch = self._epoch if epoch is None else _check_int("epoch", epoch, 0)
+        epoch = self._epoch if epoch is None else non_negative_int(epoch, "epoch")
         n = self.dataset_len
         if self.shuffle:
             g = torch.Generator()
@@ -447,7 +441,7 @@ class ResumableLoader:
                 "ResumableLoader needs a map-style dataset (an IterableDataset has no sampler)"
             )
         if batch_size is not None:
-            _check_int("batch_size", batch_size, 1)
+            positive_int(batch_size, "batch_size")
         if sampler is None:
             if not isinstance(dataset, Sized):
                 raise TypeError("dataset has no len(): pass sampler=ResumableSampler(length)")

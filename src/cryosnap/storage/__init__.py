@@ -4,6 +4,12 @@
 :class:`LocalStore` (fsync and atomic rename), any other fsspec URL an :class:`FsspecStore`;
 it wraps the backend in a :class:`TimeoutStore`, so that every storage call is bounded.
 Wrappers derive from :class:`WrapperStore`; :func:`unwrap` reaches the backend under them.
+What a store offers beyond the primitives (a local directory, conditional writes) is declared in
+its :class:`StoreCapabilities`, which wrappers forward.
+
+A third-party backend implements :class:`Store` and is passed as a Store wherever a location is
+taken; its tests subclass :class:`cryosnap.testing.store.StoreTests` (the conformance suite every
+store here passes) and provide a ``store`` fixture. Runs on the calling thread.
 """
 
 from __future__ import annotations
@@ -15,14 +21,25 @@ from ._fsspec import FsspecStore
 from ._local import LocalStore
 from ._timeout import TimeoutStore
 from ._wrap import WrapperStore, unwrap
-from .base import BlobWriter, Store, TruncatedError, validate_key
+from .base import (
+    BlobWriter,
+    ConditionalWrites,
+    ConditionalWritesUnsupported,
+    Store,
+    StoreCapabilities,
+    TruncatedError,
+    validate_key,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "BlobWriter",
+    "ConditionalWrites",
+    "ConditionalWritesUnsupported",
     "FsspecStore",
     "LocalStore",
     "Store",
+    "StoreCapabilities",
     "TimeoutStore",
     "TruncatedError",
     "WrapperStore",
@@ -59,10 +76,34 @@ def open_store(
     return TimeoutStore(backend, timeout_seconds)
 
 
+# What isinstance(x, Store) checks, for the message when it fails on a would-be store.
+_STORE_MEMBERS = (
+    "url",
+    "capabilities",
+    "read",
+    "read_into",
+    "read_ranges",
+    "write",
+    "open_writer",
+    "exists",
+    "list",
+    "size",
+    "delete",
+    "remove_incomplete",
+)
+
+
 def _backend(location: str | os.PathLike[str], storage_options: dict[str, Any]) -> Store:
     if isinstance(location, os.PathLike):
         location = os.fspath(location)
     if not isinstance(location, str) or not location:
+        missing = [m for m in _STORE_MEMBERS if not hasattr(location, m)]
+        if hasattr(location, "open_writer") and missing:
+            # A store written against an older protocol (e.g. before ``capabilities``).
+            raise TypeError(
+                f"{location!r} is not a Store: it lacks {', '.join(missing)} (a store that "
+                "offers nothing beyond the primitives declares capabilities = StoreCapabilities())"
+            )
         raise TypeError(
             f"checkpoint path must be a non-empty str, os.PathLike or URL, got {location!r}"
         )

@@ -11,6 +11,11 @@ of 5 attempts, times s3fs's own 5 retries of a timeout, kept one call on a silen
 over 6 minutes). A call to an endpoint that accepts connections and never answers then fails
 with the backend's own error after about 100-115 s; open_store's per-call timeout (a
 TimeoutStore) is the bound that holds whatever the backend does.
+
+Capabilities: on S3 the store declares conditional writes (:mod:`._s3`, for the run lock); it
+never declares a ``local_path``, even on fsspec's local file system (see StoreCapabilities).
+
+Runs on the calling thread; s3fs and gcsfs run their requests on their own event loop thread.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Any
 import fsspec
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from .base import BytesLike, TruncatedError, validate_key
+from ._s3 import s3_conditional_writes
+from .base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["FsspecStore"]
 
@@ -46,6 +52,9 @@ class FsspecStore:
         protocols = {protocols} if isinstance(protocols, str) else set(protocols)
         # Object stores: atomic PUTs, uploads completed on commit, no directories.
         self.object_store = bool(protocols & _UPLOAD_ON_COMMIT)
+        self._capabilities = StoreCapabilities(
+            conditional_writes=s3_conditional_writes(self.fs, self.root, self._url)
+        )
 
     def __repr__(self) -> str:
         return f"FsspecStore({self._url!r})"
@@ -53,6 +62,10 @@ class FsspecStore:
     @property
     def url(self) -> str:
         return self._url
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self._capabilities
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{validate_key(key)}"
@@ -99,7 +112,7 @@ class FsspecStore:
                         got += n
                     offset += v.nbytes
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: BytesLike) -> None:
         path = self._path(key)
         with self._errors(key, "writing"):
             self._makedirs(path)

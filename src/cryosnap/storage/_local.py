@@ -23,6 +23,9 @@ file raises :class:`~cryosnap.errors.CheckpointFormatError` (``load()`` falls ba
 writing through a symlinked directory raises :class:`~cryosnap.errors.StorageError`; ``list``
 skips them, and names that are no valid key, with one warning each on the ``cryosnap`` logger.
 The root itself may be a symlink: the user chose that path.
+
+Capabilities: the store declares its root as ``local_path`` (every key is the regular file
+``root / key``), where the run lock takes an ``flock``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, StorageError
-from .base import BytesLike, TruncatedError, validate_key
+from .base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["LocalStore"]
 
@@ -114,6 +117,10 @@ class LocalStore:
     @property
     def url(self) -> str:
         return str(self.root)
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return StoreCapabilities(local_path=self.root)
 
     @contextmanager
     def _errors(self, key: str, action: str) -> Iterator[None]:
@@ -288,7 +295,7 @@ class LocalStore:
             for offset, buffers in ranges:
                 _preadv_all(fd, offset, list(buffers), key)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: BytesLike) -> None:
         parts = validate_key(key).split("/")
         name = parts[-1]
         tmp = f".{name}.{secrets.token_hex(4)}.tmp"

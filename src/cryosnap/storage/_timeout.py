@@ -28,6 +28,10 @@ What an abandoned call may still do, and what it may not:
   the background. A ``commit`` may flush the whole file to the device, so its limit grows with
   the bytes written (``timeout_seconds`` plus one second per 32 MiB).
 
+The conditional writes a store may declare (``capabilities.conditional_writes``) take a timeout
+of their own and honour it: the wrapper forwards them with that timeout capped at
+``timeout_seconds``, without a worker thread.
+
 Threads: the workers are one process-wide pool of daemon threads (``cryosnap-storage``), one
 per call in flight; an idle worker exits after 20 s, so a process's thread count follows its
 concurrent storage calls, not its number of stores. The caller may be any thread.
@@ -36,6 +40,7 @@ concurrent storage calls, not its number of stores. The caller may be any thread
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import math
 import os
 import queue
@@ -47,7 +52,7 @@ from typing import Any, Generic, TypeVar
 
 from ..errors import StorageError, StorageTimeoutError
 from ._wrap import WrapperStore
-from .base import BlobWriter, BytesLike, Store
+from .base import BlobWriter, BytesLike, ConditionalWrites, Store, StoreCapabilities
 
 __all__ = ["DEFAULT_MAX_STUCK_CALLS", "TimeoutStore"]
 
@@ -233,6 +238,14 @@ class TimeoutStore(WrapperStore):
         return f"TimeoutStore({self.inner!r}, timeout_seconds={self.timeout_seconds:g})"
 
     @property
+    def capabilities(self) -> StoreCapabilities:
+        caps = self.inner.capabilities
+        if caps.conditional_writes is None:
+            return caps
+        bounded = _BoundedConditionalWrites(caps.conditional_writes, self.timeout_seconds)
+        return dataclasses.replace(caps, conditional_writes=bounded)
+
+    @property
     def stuck_calls(self) -> int:
         """Abandoned calls that have not returned yet."""
         return self._stuck
@@ -300,7 +313,7 @@ class TimeoutStore(WrapperStore):
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
         self._call("reading", key, lambda: self.inner.read_ranges(key, ranges))
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: BytesLike) -> None:
         # A late write must store what was passed, not what a mutable buffer holds by then.
         payload = data if isinstance(data, bytes) else bytes(data)
         self._call("writing", key, lambda: self.inner.write(key, payload))
@@ -329,6 +342,26 @@ class TimeoutStore(WrapperStore):
             prefix or ".",
             lambda: self.inner.remove_incomplete(prefix),
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _BoundedConditionalWrites:
+    """``inner``'s conditional writes, each request bounded by at most ``seconds``."""
+
+    inner: ConditionalWrites
+    seconds: float
+
+    def get(self, key: str, *, timeout: float) -> tuple[bytes, str] | None:
+        return self.inner.get(key, timeout=min(timeout, self.seconds))
+
+    def create(self, key: str, data: bytes, *, timeout: float) -> str | None:
+        return self.inner.create(key, data, timeout=min(timeout, self.seconds))
+
+    def replace(self, key: str, data: bytes, tag: str, *, timeout: float) -> str | None:
+        return self.inner.replace(key, data, tag, timeout=min(timeout, self.seconds))
+
+    def delete(self, key: str, tag: str | None, *, timeout: float) -> None:
+        self.inner.delete(key, tag, timeout=min(timeout, self.seconds))
 
 
 def _abort_late_writer(writer: BlobWriter | None) -> None:

@@ -1,10 +1,12 @@
 """WrapperStore: the base of stores that wrap one other store (timeouts, fault injection).
 
-A wrapper holds its ``inner`` store and forwards every Store primitive to it unchanged; a
-subclass overrides only what it changes (:class:`~cryosnap.storage.TimeoutStore`,
-:class:`~cryosnap.testing.FaultyStore`). :func:`unwrap` reaches the backend under any stack of
-wrappers, for code that needs a feature of the backend itself (a LocalStore's directory, for
-``flock``), never for its data: data goes through the wrappers.
+A wrapper holds its ``inner`` store and forwards every Store primitive, and ``capabilities``, to it
+unchanged; a subclass overrides only what it changes (:class:`~cryosnap.storage.TimeoutStore`,
+:class:`~cryosnap.testing.FaultyStore`). A new wrapper derives from it and runs the conformance
+suite (:class:`cryosnap.testing.store.StoreTests`) over itself. Code that needs a feature of the
+backend (a local directory for ``flock``) asks ``store.capabilities``, which reaches it through any
+stack of wrappers; :func:`unwrap` remains for telling which backend and which location lie under the
+wrappers (tests, "is this the same location"), never for data: data goes through the wrappers.
 
 Runs on the calling thread, like the store it wraps.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
-from .base import BlobWriter, Store
+from .base import BlobWriter, BytesLike, Store, StoreCapabilities
 
 __all__ = ["WrapperStore", "unwrap"]
 
@@ -32,6 +34,10 @@ class WrapperStore:
     def url(self) -> str:
         return self.inner.url
 
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return self.inner.capabilities
+
     def read(self, key: str) -> bytes:
         return self.inner.read(key)
 
@@ -41,7 +47,7 @@ class WrapperStore:
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
         self.inner.read_ranges(key, ranges)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: BytesLike) -> None:
         self.inner.write(key, data)
 
     def open_writer(self, key: str) -> BlobWriter:
@@ -66,9 +72,9 @@ class WrapperStore:
 def unwrap(store: Store) -> Store:
     """The backend under ``store``'s wrappers (``store`` itself when it wraps nothing).
 
-    For backend features only, e.g. ``isinstance(unwrap(store), LocalStore)`` before taking an
-    ``flock`` in its directory; reads and writes go through ``store`` so that its wrappers
-    (timeouts, injected faults) apply.
+    To tell which backend and location a store is (tests, two stores that are one location);
+    a feature of the backend is asked of ``store.capabilities`` instead, and reads and writes
+    go through ``store`` so that its wrappers (timeouts, injected faults) apply.
     """
     while isinstance(store, WrapperStore):
         store = store.inner

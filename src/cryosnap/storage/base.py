@@ -4,7 +4,8 @@ A store is rooted at one run directory (or URL prefix) and addresses files by *k
 ``/``-separated paths such as ``versions/000000000005/COMMIT.json``. Keys are validated here, so
 no backend ever touches a path outside its root.
 
-Contract (checked by ``tests/unit/storage/conformance.py`` for every backend):
+Contract (checked by the conformance suite :class:`cryosnap.testing.store.StoreTests`, which
+runs over every backend and wrapper of this package):
 
 - ``write(key, data)`` is atomic and durable on return: a reader sees the old content (or no
   file) or the whole new content, never a prefix. Local: temp file + fsync + rename + directory
@@ -15,6 +16,13 @@ Contract (checked by ``tests/unit/storage/conformance.py`` for every backend):
   key and :class:`TruncatedError` when the file ends before the requested range.
 - Every backend failure is raised as :class:`~cryosnap.errors.StorageError` naming the store and
   the key, with the backend's exception as ``__cause__``.
+- ``capabilities`` (:class:`StoreCapabilities`) declares what a store offers beyond these
+  primitives; callers ask it, never the store's class, and wrappers forward it.
+
+A third-party backend implements the ten primitives and ``capabilities`` (``StoreCapabilities()``
+when it offers nothing more), passes it to :class:`~cryosnap.Checkpointer` or ``open_store`` as
+a Store, and runs the conformance suite in its own tests: a subclass of ``StoreTests`` with a
+``store`` fixture that gives an empty store.
 
 Runs on the calling thread; stores hold no locks, callers serialize writes to one key.
 """
@@ -24,11 +32,22 @@ from __future__ import annotations
 import builtins
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StorageError
 
-__all__ = ["BlobWriter", "BytesLike", "Store", "TruncatedError", "validate_key"]
+__all__ = [
+    "BlobWriter",
+    "BytesLike",
+    "ConditionalWrites",
+    "ConditionalWritesUnsupported",
+    "Store",
+    "StoreCapabilities",
+    "TruncatedError",
+    "validate_key",
+]
 
 # Buffers cross this interface as memoryviews (numpy arrays and tensors are viewed first).
 BytesLike = bytes | bytearray | memoryview
@@ -38,6 +57,10 @@ _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 class TruncatedError(IntegrityError):
     """A stored file ends before the byte range that was asked of it."""
+
+
+class ConditionalWritesUnsupported(StorageError):
+    """The server behind a store refuses conditional requests (some S3-compatible ones do)."""
 
 
 def validate_key(key: str) -> str:
@@ -84,6 +107,62 @@ class BlobWriter(Protocol):
         ...
 
 
+class ConditionalWrites(Protocol):
+    """Compare-and-swap on single keys of a store: writes that take effect only if the key is
+    as the caller last saw it (S3's ``If-None-Match`` / ``If-Match``), so that two writers can
+    never both win. The run lock uses them on object stores (:mod:`cryosnap.lock`).
+
+    A key's *tag* (an S3 ETag) changes whenever its content does. Each request returns or raises
+    within ``timeout`` seconds (:class:`~cryosnap.errors.StorageTimeoutError`); failures are
+    :class:`~cryosnap.errors.StorageError`, and :class:`ConditionalWritesUnsupported` when the
+    server turns the conditions down. A request retried by the backend after its first attempt
+    landed may fail its own condition: ``create`` and ``replace`` then read the key back and succeed
+    if it holds exactly ``data``.
+    """
+
+    def get(self, key: str, *, timeout: float) -> tuple[bytes, str] | None:
+        """The content of ``key`` and its tag; None if there is no such key."""
+        ...
+
+    def create(self, key: str, data: bytes, *, timeout: float) -> str | None:
+        """Store ``data`` under ``key`` only if ``key`` does not exist: its tag, or None."""
+        ...
+
+    def replace(self, key: str, data: bytes, tag: str, *, timeout: float) -> str | None:
+        """Store ``data`` only if ``key``'s tag is still ``tag``: the new tag, or None (the key
+        changed or is gone)."""
+        ...
+
+    def delete(self, key: str, tag: str | None, *, timeout: float) -> None:
+        """Delete ``key`` if its tag is ``tag`` (None: whatever it holds); a key that changed
+        or is gone is left alone."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCapabilities:
+    """What a store offers beyond the Store primitives, declared by the store (never inferred
+    from its class). Fixed for the store's lifetime; wrappers forward their inner store's.
+    The conformance suite checks that what a store declares is true.
+
+    ``local_path``: the local directory that holds every key ``k`` as the regular file
+    ``local_path / k`` (a :class:`~cryosnap.storage.LocalStore`'s root), or None. Read by
+    :mod:`cryosnap.lock`, which takes an ``flock`` in it instead of a lock object, and by the
+    CLI, which looks for runs in its subdirectories. A store declares one only if every key is
+    there: a StripedStore over several devices declares none, and so does an FsspecStore even
+    on fsspec's local file system (its runs keep the lock protocol of fsspec stores).
+
+    ``conditional_writes``: compare-and-swap requests on the store's keys
+    (:class:`ConditionalWrites`), or None. Read by :mod:`cryosnap.lock`, which keeps its lock
+    object with them (S3), and otherwise falls back to its claims protocol. They bypass the
+    Store primitives: a wrapper that forwards them applies its own rules to them or none
+    (TimeoutStore bounds them, FaultyStore injects no faults into them).
+    """
+
+    local_path: Path | None = None
+    conditional_writes: ConditionalWrites | None = None
+
+
 @runtime_checkable
 class Store(Protocol):
     """Primitives of one storage location (a run directory or URL prefix)."""
@@ -91,6 +170,11 @@ class Store(Protocol):
     @property
     def url(self) -> str:
         """Where the store lives, for messages (a path or a URL)."""
+        ...
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        """What this store offers beyond the primitives below (see StoreCapabilities)."""
         ...
 
     def read(self, key: str) -> bytes:
@@ -105,8 +189,8 @@ class Store(Protocol):
         """``read_into`` for several ``(offset, buffers)`` ranges of one file, opened once."""
         ...
 
-    def write(self, key: str, data: bytes) -> None:
-        """Atomically replace ``key`` with ``data``; durable on return."""
+    def write(self, key: str, data: BytesLike) -> None:
+        """Atomically replace ``key`` with ``data`` (bytes or any buffer); durable on return."""
         ...
 
     def open_writer(self, key: str) -> BlobWriter:

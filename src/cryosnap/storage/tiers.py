@@ -5,6 +5,7 @@ level of a run is one or more such devices, seen by the engine as one store, a
 :class:`StripedStore`: the small files (commit records, manifests, the run lock) live on the
 first device; each data file lives on the device named in its key (``...-d<k>.dat``), so a reader
 needs no directory of where files went. A data file without a device suffix is on the first one.
+It declares the capabilities of its device when it has one, and none over several.
 
 :class:`Placement` decides which device takes the next batch of new bytes, as VeloC does for its
 local devices. The model:
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from .base import BlobWriter, Store
+from .base import BlobWriter, BytesLike, Store, StoreCapabilities
 
 __all__ = ["Placement", "StripedStore", "Tier", "device_of"]
 
@@ -120,6 +121,14 @@ class StripedStore:
         urls = [d.url for d in self.devices]
         return urls[0] if len(urls) == 1 else "[" + ", ".join(urls) + "]"
 
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        # One device holds every key: it is that device. Over several, no one directory holds
+        # every key, and nobody needs a lock or compare-and-swap across devices.
+        if len(self.devices) == 1:
+            return self.devices[0].capabilities
+        return StoreCapabilities()
+
     def _dev(self, key: str) -> Store:
         return self.devices[device_of(key, len(self.devices))]
 
@@ -144,7 +153,7 @@ class StripedStore:
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
         self._dev(key).read_ranges(key, ranges)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: BytesLike) -> None:
         self._dev(key).write(key, data)
 
     def open_writer(self, key: str) -> BlobWriter:

@@ -13,8 +13,7 @@ import pytest
 from cryosnap.errors import StorageError
 from cryosnap.storage import FsspecStore, LocalStore, Store, open_store, unwrap
 from cryosnap.storage._fsspec import _s3_defaults
-
-from .conformance import INVALID_KEYS, StoreTests
+from cryosnap.testing.store import INVALID_KEYS, StoreTests
 
 _INVALID_KEY_BUG = (
     "BUG: storage/_fsspec.py read/read_into/exists/size call self._path(key) inside "

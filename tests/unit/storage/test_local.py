@@ -8,8 +8,7 @@ import pytest
 
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore, open_store, unwrap
-
-from .conformance import StoreTests
+from cryosnap.testing.store import StoreTests
 
 
 def _files(root: Path) -> list[str]:

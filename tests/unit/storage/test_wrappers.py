@@ -29,8 +29,7 @@ from cryosnap.storage import (
 )
 from cryosnap.storage.tiers import LAYOUT_KEY, StripedStore
 from cryosnap.testing import FaultyStore
-
-from .conformance import StoreTests
+from cryosnap.testing.store import StoreTests
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +67,17 @@ class TestStripedStore(StoreTests):
         # The layout record is the tier's own bookkeeping, read only when it is opened: the
         # contract's listings start from an empty store.
         devices[0].delete(LAYOUT_KEY)
+        return store
+
+
+class TestStripedOneDeviceStore(StoreTests):
+    """One device: the striped store is that device, its local_path included."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        device = TimeoutStore(LocalStore(tmp_path / "d0"), 30)
+        store = StripedStore([FaultyStore(device)], [None])
+        device.delete(LAYOUT_KEY)
         return store
 
 

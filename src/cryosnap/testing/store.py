@@ -1,13 +1,31 @@
 """The Store conformance suite: every backend's test class subclasses :class:`StoreTests`.
 
 A subclass provides the ``store`` fixture: an empty store, cleaned up afterwards. Everything the
-Store protocol promises (cryosnap.storage.base) is checked here, so a new backend gets the whole
-contract by adding one small test class.
+Store protocol promises (:mod:`cryosnap.storage.base`) is checked here, and so is every
+capability the store declares (a ``local_path`` really holds its keys, ``conditional_writes``
+really compare and swap), so a new backend or wrapper gets the whole contract by adding one small
+test class::
+
+    import pytest
+    from cryosnap.testing.store import StoreTests
+
+    class TestMyStore(StoreTests):
+        @pytest.fixture
+        def store(self, tmp_path):
+            return MyStore(tmp_path / "run")
+
+A subclass may override a test to mark it (``xfail`` with the reason) but should not weaken it.
+Every store in cryosnap runs it: LocalStore, FsspecStore (``memory://``, ``file://``, S3),
+TimeoutStore, FaultyStore and StripedStore.
+
+Test code only: it imports pytest, hypothesis and numpy at module level (``import
+cryosnap.testing`` does not import this module). Runs on pytest's thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,14 +34,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from cryosnap.errors import CheckpointNotFoundError
-from cryosnap.storage import Store, TruncatedError
+from ..errors import CheckpointNotFoundError
+from ..storage import Store, StoreCapabilities, TruncatedError
+from ..storage.base import BytesLike
 
 __all__ = ["INVALID_KEYS", "StoreTests"]
 
 INVALID_KEYS = ["../x", "/abs", "a//b", "a/./b", "a/..", "", "a/", "a b", "a\\b", "a/\x00"]
 
 PAYLOAD = bytes(range(256)) * 40  # 10240 bytes, every byte value at known offsets
+# The timeout of each conditional request in the tests (a bound, not an expected duration).
+_CAS_TIMEOUT = 30.0
 
 
 def _buffers(sizes: list[int]) -> list[memoryview]:
@@ -33,7 +54,7 @@ def _buffers(sizes: list[int]) -> list[memoryview]:
         if i % 3 == 0:
             out.append(memoryview(bytearray(n)))
         elif i % 3 == 1:
-            out.append(memoryview(np.zeros(n, np.uint8)))
+            out.append(np.zeros(n, np.uint8).data)
         else:
             out.append(memoryview(bytearray(n + 10))[5 : 5 + n])
     return out
@@ -156,10 +177,10 @@ class StoreTests:
     def test_writer_streams_buffers(self, store: Store) -> None:
         w = store.open_writer("data/big.dat")
         assert w.key == "data/big.dat"
-        parts = [
+        parts: list[BytesLike] = [
             PAYLOAD[:100],
             memoryview(PAYLOAD)[100:5000],
-            memoryview(np.frombuffer(PAYLOAD[5000:], "u1")),
+            np.frombuffer(PAYLOAD[5000:], "u1").data,
         ]
         w.write(parts[:2])
         assert w.tell() == 5000
@@ -318,6 +339,56 @@ class StoreTests:
             store.exists(key)
         with pytest.raises(ValueError, match="invalid storage key"):
             store.size(key)
+
+    # -- capabilities ------------------------------------------------------------------------
+
+    def test_capabilities_are_declared(self, store: Store) -> None:
+        caps = store.capabilities
+        assert isinstance(caps, StoreCapabilities)
+        store.write("k", b"1")
+        assert store.capabilities == caps  # fixed for the store's lifetime
+
+    def test_local_path_holds_every_key(self, store: Store) -> None:
+        root = store.capabilities.local_path
+        if root is None:
+            pytest.skip("the store declares no local_path")
+        assert isinstance(root, Path) and root.is_absolute()
+        store.write("versions/000000000001/COMMIT.json", b"commit")
+        w = store.open_writer("data/x.dat")
+        w.write([PAYLOAD])
+        w.commit()
+        assert (root / "versions" / "000000000001" / "COMMIT.json").read_bytes() == b"commit"
+        assert (root / "data" / "x.dat").read_bytes() == PAYLOAD
+        # Both ways: a regular file put there is a key of the store.
+        (root / "data" / "y.dat").write_bytes(b"put there")
+        assert store.read("data/y.dat") == b"put there"
+        assert store.list("data") == ["data/x.dat", "data/y.dat"]
+        store.delete("data/x.dat")
+        assert not (root / "data" / "x.dat").exists()
+
+    def test_conditional_writes_compare_and_swap(self, store: Store) -> None:
+        cas = store.capabilities.conditional_writes
+        if cas is None:
+            pytest.skip("the store declares no conditional_writes")
+        t = _CAS_TIMEOUT
+        assert cas.get("cas/k", timeout=t) is None
+        tag = cas.create("cas/k", b"one", timeout=t)
+        assert tag is not None
+        assert cas.create("cas/k", b"two", timeout=t) is None  # exists: not overwritten
+        assert cas.get("cas/k", timeout=t) == (b"one", tag)
+        assert store.read("cas/k") == b"one"  # the very keys of the primitives
+        assert cas.replace("cas/k", b"two", tag + "x", timeout=t) is None
+        tag2 = cas.replace("cas/k", b"two", tag, timeout=t)
+        assert tag2 is not None and tag2 != tag
+        assert cas.replace("cas/k", b"three", tag, timeout=t) is None  # an outdated tag
+        assert cas.get("cas/k", timeout=t) == (b"two", tag2)
+        cas.delete("cas/k", tag, timeout=t)  # outdated: left alone
+        assert store.read("cas/k") == b"two"
+        cas.delete("cas/k", tag2, timeout=t)
+        assert not store.exists("cas/k") and cas.get("cas/k", timeout=t) is None
+        assert cas.replace("cas/k", b"four", tag2, timeout=t) is None  # gone
+        cas.delete("cas/k", None, timeout=t)  # a missing key is no error
+        assert store.list() == []
 
     # -- a state machine against a dict model ------------------------------------------------
 

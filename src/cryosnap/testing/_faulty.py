@@ -5,7 +5,10 @@ of ``read``, ``read_into``, ``write``, ``open_writer``, ``writer.write``, ``writ
 ``exists``, ``list``, ``size``, ``delete``, ``remove_incomplete``); the callable may raise (an
 injected failure), sleep (a stall) or kill the process (a crash at an exact phase of a save).
 ``bytes_per_second`` throttles data written through writers, as a slow device or a shared file
-system would.
+system would. ``capabilities`` are the inner store's, forwarded (WrapperStore): conditional
+writes, which bypass the primitives, get no faults.
+
+Runs on the calling thread; ``fault`` runs there too, before the operation.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .storage._wrap import WrapperStore
-from .storage.base import BlobWriter, BytesLike, Store
+from ..storage._wrap import WrapperStore
+from ..storage.base import BlobWriter, BytesLike, Store
 
 __all__ = ["FaultyStore"]
 
@@ -60,7 +63,7 @@ class FaultyStore(WrapperStore):
         self._hit("read_into", key)
         self.inner.read_ranges(key, ranges)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: BytesLike) -> None:
         self._hit("write", key)
         self.inner.write(key, data)
 

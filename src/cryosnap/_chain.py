@@ -1,0 +1,95 @@
+"""ChainIndex: what the next incremental version builds on.
+
+It holds the *base* (the previous version of this rank, as written or resolved) and the
+*content index* (chunk hash -> data file and offset of every chunk of kept content), which the
+writer uses to reference content instead of writing it again. Invariant: the index never names
+a data file that retention deleted or is about to delete (:meth:`forget_files` runs before the
+first delete of a retention pass), so a failed pass cannot make a new version reference a
+missing file.
+
+Runs on the writer thread only (flushers set :meth:`reset` through a flag).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from . import engine
+from .errors import CheckpointError
+from .storage import Store
+
+__all__ = ["ChainIndex"]
+
+log = logging.getLogger("cryosnap")
+
+Base = engine.ResolvedPart | engine.PartResult
+
+
+class ChainIndex:
+    """The base and content index of one rank's chain on the level versions are written to."""
+
+    def __init__(self, *, incremental: bool, full_every: int, chunk_bytes: int, rank: int) -> None:
+        self.incremental = incremental
+        self.full_every = full_every
+        self.chunk_bytes = chunk_bytes
+        self.rank = rank
+        self._base: Base | None = None
+        self.index: dict[bytes, tuple[str, int]] = {}
+        self._loaded = False
+        self._reset = False  # set from another thread: the next version must be full
+
+    def request_full(self) -> None:
+        """The next version is written in full (a flusher found the chain damaged)."""
+        self._reset = True
+
+    def base_for_next(self, store: Store) -> engine.ResolvedPart | None:
+        """The resolved base of the next version, or None when it must be full."""
+        if self._reset:
+            self._reset = False
+            self.forget()
+        if not self._loaded:
+            self._load(store)
+        base = self._base if self.incremental else None
+        if base is None or base.depth >= self.full_every:
+            return None  # full: no chain yet, or the chain is long enough
+        if isinstance(base, engine.PartResult):
+            # Resolved only when it is a base: a run that saves once, writes only full versions
+            # or ends a chain here never pays for it.
+            base = self._base = base.resolved()
+        return base
+
+    def _load(self, store: Store) -> None:
+        # First save of this session: continue the run's chain from its newest version.
+        self._loaded = True
+        latest = engine.list_steps(store)
+        if not latest or not self.incremental:
+            return
+        try:
+            base = engine.resolve_version(store, latest[-1], rank=self.rank)
+        except CheckpointError as exc:
+            log.warning("step %d cannot be a base, next version is full: %s", latest[-1], exc)
+            return
+        if base.manifest.chunk_bytes == self.chunk_bytes:
+            self._base, self.index = base, base.locations()
+
+    def advance(self, part: engine.PartResult) -> None:
+        """``part`` is committed: it is the next base, its new chunks join the index."""
+        self._base = part
+        if part.incremental:
+            self.index.update(part.new_index)
+        else:
+            # A full version starts a new chain; older content stays referenced only by older
+            # versions, so retention can reclaim it.
+            self.index = dict(part.new_index)
+
+    def forget_files(self, files: Collection[str]) -> None:
+        """No later version may reference these data files (retention is about to delete
+        them). The base, the version just committed, is protected by retention."""
+        gone = set(files)
+        if self.index and gone:
+            self.index = {h: loc for h, loc in self.index.items() if loc[0] not in gone}
+
+    def forget(self) -> None:
+        """The next version is full: what the base points to may be gone."""
+        self._base, self.index = None, {}

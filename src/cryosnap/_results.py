@@ -1,0 +1,176 @@
+"""What a save reports: :class:`SaveInfo`, :class:`Status`, and :class:`PendingSave`, the state
+machine of one version from ``save()`` to durable on every level.
+
+A PendingSave moves ``capturing -> captured -> reached(level 0) -> ... -> reached(last level)``
+(``done``), or to ``failed`` at any point; only the methods below change its state. The caller's
+thread reads it (``result``, ``wait_captured``); the capture thread, the writer thread and the
+flushers advance it. A failure is kept until somebody received it: ``result()`` of that version
+always raises it, and ``undelivered_error()`` hands it once to the next ``save``/``wait``/``close``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from .capture import CaptureTracker
+from .errors import CheckpointTimeoutError
+
+__all__ = ["PendingSave", "SaveInfo", "Status"]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveInfo:
+    """What one version cost this process (this rank).
+
+    ``written_bytes`` counts the data this rank wrote to its first tier; ``stall_seconds`` is how
+    long the program was blocked by the save (the ``save`` call, plus any optimizer step that
+    waited for a lazy capture); ``seconds`` runs from the ``save`` call until the version was
+    durable; ``tiers`` names the tiers (storage levels) the version reached, fastest first.
+    """
+
+    step: int
+    logical_bytes: int
+    written_bytes: int
+    chunks: int
+    new_chunks: int
+    stall_seconds: float
+    seconds: float
+    incremental: bool
+    tiers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Where a run's versions are (``Checkpointer.status()``).
+
+    ``steps`` lists the complete versions per tier (``"scratch"``, ``"persistent"``);
+    ``not_persistent`` the versions committed on a faster tier and not yet on the last one,
+    oldest first; ``flush_error`` the last failure of a flush in progress while it is retried.
+    """
+
+    steps: dict[str, tuple[int, ...]]
+    not_persistent: tuple[int, ...]
+    flush_error: BaseException | None
+
+
+class PendingSave:
+    """A version being saved: captured first, then durable on each tier in turn."""
+
+    def __init__(
+        self, step: int, tracker: CaptureTracker, t0: float, levels: tuple[str, ...]
+    ) -> None:
+        self.step = step
+        self._tracker = tracker
+        self._t0 = t0
+        self._levels = levels
+        self._reached = {name: threading.Event() for name in levels}
+        self._infos: dict[str, SaveInfo] = {}
+        self._done = threading.Event()
+        self._info: SaveInfo | None = None
+        self._error: BaseException | None = None
+        self._delivered = False
+        self._stall = 0.0
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "captured" if self.captured() else "capturing"
+        return f"<PendingSave step={self.step} {state}>"
+
+    # -- the caller's side ---------------------------------------------------------------------
+
+    def captured(self) -> bool:
+        """Whether every byte of the state has been copied out (it may now change)."""
+        return self._tracker.captured()
+
+    def wait_captured(self, timeout: float | None = None) -> None:
+        """Block until the state is captured; mutate non-optimizer leaves only after this."""
+        t0 = time.perf_counter()
+        if not self._tracker.wait_all(timeout):
+            raise CheckpointTimeoutError(f"step {self.step} not captured after {timeout} s")
+        self._stall += time.perf_counter() - t0
+        if self._tracker.error is not None:
+            self._delivered = True
+            raise self._tracker.error
+
+    def done(self) -> bool:
+        """Whether the version is durable on every tier or has failed."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None, *, tier: str | None = None) -> SaveInfo:
+        """The :class:`SaveInfo` once durable on every tier; re-raises the failure of this
+        version. ``tier="scratch"`` returns as soon as it is durable on that tier."""
+        if tier is not None and tier not in self._levels:
+            allowed = ", ".join(repr(n) for n in (None, *self._levels))
+            raise ValueError(f"tier={tier!r} is invalid: allowed are {allowed}")
+        if tier is not None and tier != self._levels[-1]:
+            if not self._reached[tier].wait(timeout):
+                raise CheckpointTimeoutError(f"step {self.step} not on {tier} after {timeout} s")
+            info = self._infos.get(tier)
+            if info is not None:
+                return info
+        if not self._done.wait(timeout):
+            raise CheckpointTimeoutError(f"step {self.step} not durable after {timeout} s")
+        if self._error is not None:
+            self._delivered = True
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    # -- the background's side -----------------------------------------------------------------
+
+    @property
+    def stall_seconds(self) -> float:
+        """Time the program waited in optimizer hooks and ``wait_captured`` (lazy capture)."""
+        return self._stall
+
+    def add_stall(self, seconds: float) -> None:
+        self._stall += seconds
+
+    @property
+    def started(self) -> float:
+        """``time.perf_counter()`` at the ``save`` call."""
+        return self._t0
+
+    def abort_requested(self) -> BaseException | None:
+        """The failure that stops a capture still in progress (polled by the capture)."""
+        return self._error
+
+    def reached(self, level: str, info: SaveInfo | None) -> None:
+        """Durable on ``level``; on the last level the version is done. ``info`` is None for a
+        version this session did not save (a flush resumed after a crash)."""
+        if info is not None:
+            self._infos[level] = info
+        self._reached[level].set()
+        if level == self._levels[-1]:
+            self._info = info
+            self._release()
+
+    def request_abort(self, error: BaseException) -> None:
+        """Stop a capture still in progress (it polls :meth:`abort_requested`); the version is
+        failed by :meth:`fail` once the writer let go of it."""
+        self._error = error
+
+    def fail(self, error: BaseException, *, delivered: bool = False) -> None:
+        """The version failed; ``delivered`` when the caller already received ``error``."""
+        self._error = error
+        self._delivered = self._delivered or delivered
+        self._release()
+
+    def mark_delivered(self) -> None:
+        self._delivered = True
+
+    def undelivered_error(self) -> BaseException | None:
+        """The failure nobody received yet, once."""
+        if self._done.is_set() and self._error is not None and not self._delivered:
+            self._delivered = True
+            return self._error
+        return None
+
+    def failed_undelivered(self) -> bool:
+        return self._error is not None and not self._delivered
+
+    def _release(self) -> None:
+        for event in self._reached.values():
+            event.set()
+        self._done.set()

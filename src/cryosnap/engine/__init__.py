@@ -1,0 +1,63 @@
+"""The write, resolve, read and retire pipelines of one version on one tier.
+
+One private module per pipeline; imports point one way (each only to those above it):
+
+- ``_records``: commit records and manifests: list, read, check against recorded hashes.
+- ``_resolved``: resolve a manifest's chain of bases into per-chunk locations
+  (:class:`ResolvedPart`); no data is read.
+- ``_write``: :class:`PartWriter` (hash, diff against the base, append new chunks) and
+  :func:`commit_version`; the Checkpointer's background thread.
+- ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
+- ``_fetch``: read the data files into the leaves in large runs and verify every chunk.
+- ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
+  build), :func:`newest_restorable`; the caller's thread.
+
+Underscored names are shared between these modules but private to the package. Writes run on
+the Checkpointer's background thread, reads on the caller's; no collectives here.
+"""
+
+from __future__ import annotations
+
+from ._fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from ._fetch import IO_BATCH_BYTES
+from ._read import _prefaulted as _prefaulted
+from ._read import caller_stacklevel, newest_restorable, read_part, verify_part
+from ._records import list_steps, read_commit, read_manifest, step_exists
+from ._resolved import (
+    MAX_CHAIN,
+    ResolvedBlob,
+    ResolvedPart,
+    chain_manifests,
+    resolve,
+    resolve_version,
+)
+from ._resolved import _resolve_one as _resolve_one
+from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
+from ._write import PartResult, PartWriter, commit_version
+from ._write import _split_pieces as _split_pieces
+
+__all__ = [
+    "IO_BATCH_BYTES",
+    "MAX_CHAIN",
+    "PartResult",
+    "PartWriter",
+    "ResolvedBlob",
+    "ResolvedPart",
+    "RetirePlan",
+    "caller_stacklevel",
+    "chain_manifests",
+    "commit_version",
+    "ignore_files",
+    "list_steps",
+    "newest_restorable",
+    "read_commit",
+    "read_manifest",
+    "read_part",
+    "resolve",
+    "resolve_version",
+    "apply_retire",
+    "plan_retire",
+    "retire",
+    "step_exists",
+    "verify_part",
+]

@@ -1,0 +1,349 @@
+"""Read: restore or verify one rank's part of a version (:func:`read_part`,
+:func:`verify_part`), and fall back past damaged versions (:func:`newest_restorable`).
+
+Read the commit record and the manifest chain, check every size, offset and count they claim
+against memory and against the real sizes of the data files before anything is allocated;
+allocate every leaf empty (an incremental version's fresh pages are faulted in on another core
+while its chain resolves), resolve, fetch and verify every chunk (:mod:`._fetch`), then build
+the tree. ``into=`` is checked before any byte is read and filled only after every chunk
+verified.
+
+Runs on the caller's thread (plus the fetch's read pool and a prefault thread); no collectives
+here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._gc import paused_gc
+from ..chunks import chunk_count, merkle_root
+from ..errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+)
+from ..manifest import STORED, Manifest
+from ..progress import Progress, human_bytes
+from ..storage import Store
+from ..tree import Restorer, apply_into, blob_paths, check_into
+from ._fetch import read_blobs
+from ._records import read_commit, read_manifest
+from ._resolved import ResolvedPart, _check_claimed_bytes, chain_manifests, resolve
+
+__all__ = ["caller_stacklevel", "newest_restorable", "read_part", "verify_part"]
+
+log = logging.getLogger("cryosnap")
+
+
+def _check_chain_claims(
+    store: Store, chain: list[tuple[Manifest, str, str]], listed: Collection[str]
+) -> set[str]:
+    """Check every claim of ``chain`` (newest first) against reality before anything is
+    allocated or read: each manifest's claimed bytes against memory, each inherited run
+    against the chunks its base has, each stored run against the real size of its data file.
+
+    Sizes are taken once per file, for the files of the version's own manifest and of
+    ``listed`` (the commit record's: all the version may read); an older manifest's other
+    files may be retired (their chunks superseded) and are checked after resolution if used. A
+    file that is missing is left to the read, which names the leaf. Returns the files whose
+    sizes were checked."""
+    sizes: dict[str, int] = {}
+    wanted = set(chain[0][0].data_files) | set(listed)
+    for f in {f for m, _k, _h in chain for f in m.data_files if f in wanted}:
+        try:
+            sizes[f] = store.size(f)
+        except CheckpointNotFoundError:
+            continue
+    for i, (m, key, _h) in enumerate(chain):
+        where = f"{store.url}: {key}"
+        _check_claimed_bytes(m, where)
+        if not m.blobs:
+            continue
+        table = np.concatenate([e.table for e in m.blobs])
+        kind, a, b, c = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+        inherited = kind != STORED
+        if inherited.any():
+            base = chain[i + 1][0]  # a manifest with inherited runs has a base (parsed so)
+            have = np.array(
+                [chunk_count(e.nbytes, base.chunk_bytes) for e in base.blobs] or [0], np.int64
+            )
+            blob, first, count = a[inherited], b[inherited], c[inherited]
+            if (blob >= len(base.blobs)).any() or (
+                first + count > have[np.minimum(blob, len(have) - 1)]
+            ).any():
+                raise CheckpointFormatError(
+                    f"{where}: inherits chunks its base (step {base.step}) does not have"
+                )
+        file_size = np.array([sizes.get(f, -1) for f in m.data_files] or [-1], np.int64)
+        size = np.where(inherited, -1, file_size[np.where(inherited, 0, a)])
+        # Offsets and sizes are below 2**47 (manifest.MAX_FILE_BYTES): the sum cannot wrap.
+        past = (size >= 0) & (b + c > size)
+        if past.any():
+            j = int(np.argmax(past))
+            f, lo, hi = m.data_files[int(a[j])], int(b[j]), int(b[j] + c[j])
+            rows = np.fromiter((len(e.table) for e in m.blobs), np.int64, len(m.blobs))
+            blob = int(np.searchsorted(np.cumsum(rows), j, side="right"))
+            raise IntegrityError(
+                f"step {chain[0][0].step}, tier {store.url}: data file {f} is truncated "
+                f"({int(size[j])} bytes; {key} needs bytes {lo}-{hi}); "
+                f"leaf {_leaf_path(m, blob)} cannot be read"
+            )
+    return set(sizes)
+
+
+def _leaf_path(manifest: Manifest, blob: int) -> str:
+    """The leaf path of ``blob`` for a message (its number if the skeleton does not say)."""
+    try:
+        return blob_paths(manifest.skeleton, len(manifest.blobs))[blob] or f"blob {blob}"
+    except CheckpointError:
+        return f"blob {blob}"
+
+
+def _check_used_files(store: Store, part: ResolvedPart, checked: set[str]) -> None:
+    """The chunks the resolved version reads from files :func:`_check_chain_claims` did not
+    size (files an older manifest names that the commit record does not list) lie inside
+    them too, so no read goes past a file's end or reaches the OS with an absurd offset."""
+    unchecked = [i for i, f in enumerate(part.files) if f not in checked]
+    if not unchecked or not part.blobs:
+        return
+    size = np.full(len(part.files), -1, np.int64)
+    for i in unchecked:
+        with contextlib.suppress(CheckpointNotFoundError):  # missing: the read names it
+            size[i] = store.size(part.files[i])
+    cb = part.manifest.chunk_bytes
+    for b in part.blobs:
+        have = size[b.files]
+        ends = b.offsets + cb
+        if len(ends) and b.nbytes % cb:
+            ends[-1] -= cb - b.nbytes % cb  # the short last chunk
+        past = (have >= 0) & (ends > have)
+        if past.any():
+            f = part.files[int(b.files[int(np.argmax(past))])]
+            raise IntegrityError(
+                f"step {part.step}, tier {store.url}: data file {f} is truncated; "
+                f"leaf {b.path} cannot be read"
+            )
+
+
+_PREFAULT_MIN_BYTES = 1 << 20
+_PREFAULT_STEP_BYTES = 8 << 20
+
+
+@contextlib.contextmanager
+def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
+    """Write zeros over freshly allocated ``views`` on a background thread (``memset``
+    releases the GIL) until the block ends; the block must not touch ``views``."""
+    big = [v for v in views if v.nbytes >= _PREFAULT_MIN_BYTES and v.contiguous and not v.readonly]
+    if not big:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        for v in big:
+            addr = np.frombuffer(v, np.uint8).ctypes.data
+            for lo in range(0, v.nbytes, _PREFAULT_STEP_BYTES):
+                if stop.is_set():
+                    return
+                ctypes.memset(addr + lo, 0, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
+
+    thread = threading.Thread(target=run, name="cryosnap-prefault", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _read_verified(
+    store: Store,
+    step: int,
+    *,
+    rank: int,
+    allow_pickle: bool,
+    into: Any = None,
+    progress: bool = False,
+) -> tuple[ResolvedPart, Restorer]:
+    """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
+    (with a progress line on a terminal if ``progress``)."""
+    with paused_gc():
+        record = read_commit(store, step)
+        manifest, ref = read_manifest(store, record, rank)
+        where = f"step {step}, tier {store.url}: {ref.key}"
+        if into is not None:
+            _check_into(manifest, into, where)
+        chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
+        # Every size, offset and count the chain claims is checked before any allocation.
+        checked = _check_chain_claims(store, chain, set(record.data_files))
+        restorer = Restorer(
+            manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
+        )
+        views = _allocate(restorer, where)
+        # The leaves are allocated before the chain is applied so that the kernel maps their
+        # fresh pages (a cost as large as reading the data from the page cache) on another
+        # core while this one resolves the chain.
+        with _prefaulted(views if manifest.base is not None else ()):
+            part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain)
+        _check_used_files(store, part, checked)
+    try:
+        if not progress:
+            read_blobs(store, part, views)
+            return part, restorer
+        line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+        try:
+            read_blobs(store, part, views, on_bytes=line.update)
+        finally:
+            line.close()
+    except MemoryError as exc:
+        raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
+    return part, restorer
+
+
+def _check_into(manifest: Manifest, into: Any, where: str) -> None:
+    try:
+        check_into(manifest.skeleton, into)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        # check_into reads the skeleton as written; a malformed one fails on the way.
+        raise CheckpointFormatError(f"{where}: malformed state tree ({exc!r:.120})") from exc
+
+
+# What allocating a claimed leaf raises when the claim is absurd or memory runs out: Python's
+# MemoryError, torch's RuntimeError, numpy's ValueError ("array is too big"), OverflowError.
+_ALLOC_ERRORS = (MemoryError, RuntimeError, ValueError, OverflowError)
+
+
+def _allocate(restorer: Restorer, where: str) -> list[memoryview]:
+    try:
+        return restorer.allocate()
+    except CheckpointError:
+        raise
+    except _ALLOC_ERRORS as exc:
+        raise CheckpointFormatError(
+            f"{where}: cannot allocate the leaves it claims ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def read_part(
+    store: Store,
+    step: int,
+    *,
+    rank: int = 0,
+    into: Any = None,
+    allow_pickle: bool = False,
+) -> Any:
+    """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``)."""
+    t0 = time.perf_counter()
+    part, restorer = _read_verified(
+        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
+    )
+    manifest = part.manifest
+    try:
+        tree = restorer.build()
+    except (MemoryError, RecursionError) as exc:
+        raise CheckpointFormatError(
+            f"step {step}, tier {store.url}: cannot build the state tree ({exc!r:.120})"
+        ) from exc
+    log.info(
+        "restored step %d from %s in %.3f s (%s)",
+        step,
+        store.url,
+        time.perf_counter() - t0,
+        human_bytes(manifest.logical_bytes),
+    )
+    if into is None:
+        return tree
+    try:
+        return apply_into(manifest.skeleton, tree, into)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
+
+
+def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
+    """Read every chunk of one rank's part (through its whole chain) and check every hash and
+    every Merkle root; raise on the first damage found."""
+    part, _restorer = _read_verified(store, step, rank=rank, allow_pickle=True)
+    for b, entry in zip(part.blobs, part.manifest.blobs, strict=True):
+        if merkle_root(b.hashes.tobytes()) != entry.root:
+            raise IntegrityError(
+                f"step {step}, tier {store.url}: leaf {b.path}: Merkle root does not match"
+            )
+    return part
+
+
+# The cryosnap package's directory (this module lies in cryosnap/engine/): frames in any of
+# its modules (checkpointer.py included) count as inside.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside cryosnap (the
+    user's line that called ``load``/``restore``), however deep the call came from."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+# How often a reader starts over when the writer's retention removed versions under it.
+_RELIST_LIMIT = 16
+
+
+def newest_restorable(
+    where: str, attempt: Callable[[int], Any], list_steps: Callable[[], Sequence[int]]
+) -> Any:
+    """Run ``attempt(step)`` from the newest step down; warn and fall back past damage.
+
+    ``list_steps()`` gives the committed steps; a version that fails because the run's writer
+    retired it meanwhile (its step is no longer listed) is not damage: the reader lists again
+    and starts over from the newest, so a reader asking for the newest version never fails
+    because an older one was deleted under it. ``where`` names the run in messages.
+    """
+    damaged: dict[int, str] = {}
+    for _ in range(_RELIST_LIMIT):
+        steps = [s for s in list_steps() if s not in damaged]
+        if not steps and not damaged:
+            raise CheckpointNotFoundError(f"no committed version in {where}")
+        retired = False
+        for step in reversed(steps):
+            try:
+                return attempt(step)
+            except CheckpointError as exc:
+                if step not in list_steps():
+                    retired = True  # deleted by the writer while we read it: list again
+                    break
+                if not isinstance(exc, (IntegrityError, CheckpointFormatError)):
+                    raise
+                damaged[step] = str(exc)
+                warnings.warn(
+                    f"cryosnap: skipping damaged step {step} in {where}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+        if not retired:
+            break
+    if not damaged:
+        raise CheckpointNotFoundError(
+            f"no version of {where} could be read: the writer kept retiring them while reading"
+        )
+    newest = damaged[max(damaged)]
+    raise IntegrityError(f"every version in {where} is damaged; newest error: {newest}")

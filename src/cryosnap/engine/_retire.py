@@ -1,0 +1,135 @@
+"""Retire: reference-counted retention of one tier. A pass (:func:`retire`) first plans
+(:func:`plan_retire`: the versions to drop, then every manifest and data file that no kept
+version needs), then deletes commit records first, then the files, then the leftovers of writes
+that never committed; it is safe to fail at any delete and to run again.
+
+Runs on the run's writer only (the Checkpointer's background thread, or ``cryosnap gc`` under
+the run's lock), while none of its own writes on the store is in progress; no collectives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from ..manifest import CommitRecord, commit_key, step_of_commit_key
+from ..policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
+from ..storage import Store
+from ._records import _no_fence, list_steps, read_commit
+
+__all__ = ["RetirePlan", "apply_retire", "ignore_files", "plan_retire", "retire"]
+
+log = logging.getLogger("cryosnap")
+
+
+def ignore_files(files: Collection[str]) -> None:
+    """The default ``before_delete`` of :func:`retire`: a store no writer indexes."""
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RetirePlan:
+    """What a retention pass deletes: commit records of ``dropped`` steps, then the manifests
+    and data files no remaining version needs."""
+
+    dropped: list[int]
+    manifests: list[str]
+    data_files: list[str]
+
+
+def plan_retire(
+    store: Store,
+    *,
+    keep: int | RetentionPolicy | None = None,
+    drop: Sequence[int] = (),
+    protect: Collection[int] = (),
+    reserved: Collection[str] = (),
+) -> RetirePlan:
+    """The versions ``drop`` and those the retention policy ``keep`` does not select (an int:
+    the newest ``keep``; None: no limit), except the newest version and those in ``protect``,
+    and every manifest and data file that no remaining version needs, except the keys in
+    ``reserved`` (files of a version whose commit record may still appear). Deletes nothing."""
+    steps = list_steps(store)
+    doomed = set(drop) & set(steps)
+    policy = as_retention(keep)
+    records: dict[int, CommitRecord] = {}
+    if isinstance(policy, KeepLast):
+        if len(steps) > policy.n:
+            doomed.update(steps[: -policy.n])
+    elif policy is not None and steps:
+        records = {s: read_commit(store, s) for s in steps}
+        versions = [VersionInfo(s, records[s].metrics or {}) for s in steps]
+        chosen = policy.select(versions) | {steps[-1]}
+        doomed.update(s for s in steps if s not in chosen)
+    dropped = sorted(doomed - set(protect))
+    kept = [records.get(s) or read_commit(store, s) for s in steps if s not in set(dropped)]
+    needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
+    needed_files = {f for r in kept for f in r.data_files}
+    manifests = [
+        key
+        for key in store.list("versions")
+        if (step := _step_of_version_key(key)) is not None
+        and step not in needed_steps
+        and step_of_commit_key(key) is None
+        and key not in reserved
+    ]
+    data_files = [k for k in store.list("data") if k not in needed_files and k not in reserved]
+    return RetirePlan(dropped, manifests, data_files)
+
+
+def retire(
+    store: Store,
+    *,
+    keep: int | RetentionPolicy | None = None,
+    drop: Sequence[int] = (),
+    protect: Collection[int] = (),
+    reserved: Collection[str] = (),
+    fence: Callable[[], None] = _no_fence,
+    before_delete: Callable[[Collection[str]], None] = ignore_files,
+) -> list[int]:
+    """Carry out :func:`plan_retire`, then remove the leftovers of writes that never committed
+    (``Store.remove_incomplete``). Returns the steps deleted.
+
+    Safe to fail at any delete and to be run again: commit records go first, so a failure
+    midway leaves fewer versions, never a broken one; manifests and data files go only when no
+    remaining version needs them, so the next pass finishes what this one started.
+    ``before_delete(files)`` is told which data files are about to go before the first of them
+    is deleted (the writer drops them from its content index, so no new version can reference
+    a file that a failing pass half-deleted). ``fence()`` runs before anything is deleted: a
+    writer that lost the run's lock deletes nothing. Only the run's writer calls this, while
+    none of its own writes on ``store`` is in progress.
+    """
+    plan = plan_retire(store, keep=keep, drop=drop, protect=protect, reserved=reserved)
+    apply_retire(store, plan, fence=fence, before_delete=before_delete)
+    return plan.dropped
+
+
+def apply_retire(
+    store: Store,
+    plan: RetirePlan,
+    *,
+    fence: Callable[[], None] = _no_fence,
+    before_delete: Callable[[Collection[str]], None] = ignore_files,
+) -> None:
+    """Delete what ``plan`` names, commit records first, then remove the leftovers of writes
+    that never committed (see :func:`retire`)."""
+    fence()
+    for s in plan.dropped:
+        store.delete(commit_key(s))
+    for key in plan.manifests:
+        store.delete(key)
+    if plan.data_files:
+        before_delete(plan.data_files)
+        for key in plan.data_files:
+            store.delete(key)
+    for prefix in ("data", "versions"):
+        for name in store.remove_incomplete(prefix):
+            log.info("removed %s from %s: left by a write that never committed", name, store.url)
+
+
+def _step_of_version_key(key: str) -> int | None:
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[0] == "versions" and parts[1].isdigit():
+        return int(parts[1])
+    return None

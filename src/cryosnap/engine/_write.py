@@ -1,0 +1,539 @@
+"""Write: stream one rank's part of a version (:class:`PartWriter`), then make the version
+visible (:func:`commit_version`).
+
+Hash the chunks of each captured batch; compare them with the *base* version (the previous one)
+chunk by chunk: an unchanged run becomes one ``Inherited`` reference; a chunk whose content is
+already stored (earlier in this version, or in a kept version) becomes a reference to where it
+lies; only new content is appended to the version's one packed data file (``writev``: many
+buffers, few syscalls) by an I/O thread of its own (:class:`_Appender`). Then fsync, the rank's
+manifest, and last the commit record. Until the commit record exists the version is invisible;
+a crash at any point leaves only unreferenced files that retention removes.
+
+Runs on the Checkpointer's background writer thread (and the I/O threads it starts); no
+collectives here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .._gc import paused_gc
+from ..capture import Piece
+from ..chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
+from ..errors import CheckpointError, CheckpointExistsError
+from ..manifest import (
+    STORED,
+    BaseRef,
+    BlobEntry,
+    CommitRecord,
+    Manifest,
+    ManifestRef,
+    commit_key,
+    data_key,
+    manifest_key,
+    now_unix,
+)
+from ..storage import Store
+from ..storage.base import BlobWriter
+from ..storage.tiers import Placement
+from ..tree import FlatState
+from ._records import _no_fence
+from ._resolved import ResolvedPart, _Loc, _resolve_one
+
+__all__ = ["PartResult", "PartWriter", "commit_version"]
+
+log = logging.getLogger("cryosnap")
+
+# New bytes of a version are placed on scratch devices in groups of this size.
+_PLACE_BYTES = 4 << 20
+
+
+@dataclass(slots=True)
+class PartResult:
+    """What one rank wrote for a version. ``resolved()`` (the version as the next one's base)
+    is computed on first use: a one-shot save never needs it."""
+
+    ref: ManifestRef
+    manifest: Manifest
+    base: ResolvedPart | None
+    where: str
+    new_index: dict[bytes, _Loc]
+    logical_bytes: int
+    written_bytes: int
+    chunks: int
+    new_chunks: int
+    leaves: int
+    root: bytes
+    incremental: bool
+    _resolved: ResolvedPart | None = None
+
+    def resolved(self) -> ResolvedPart:
+        if self._resolved is None:
+            with paused_gc():
+                self._resolved = _resolve_one(
+                    self.manifest, self.ref.key, self.ref.xxh3, self.base, self.where
+                )
+        return self._resolved
+
+    def used_files(self) -> set[str]:
+        """Data files this version may read: its own plus, if incremental, its base's (a
+        superset of what it inherits; the chain is bounded, so retention still reclaims)."""
+        own = set(self.manifest.data_files)
+        return own if self.base is None else own | set(self.base.used_files())
+
+    @property
+    def depth(self) -> int:
+        """Versions in this version's chain, itself included (as ResolvedPart.depth)."""
+        return len(self.chain())
+
+    def chain(self) -> tuple[int, ...]:
+        return (
+            (self.manifest.step,) if self.base is None else (*self.base.chain, self.manifest.step)
+        )
+
+
+class _BlobBuilder:
+    """Segments of one blob as its pieces arrive."""
+
+    __slots__ = ("hashes", "segments")
+
+    def __init__(self) -> None:
+        self.segments: list[list[Any]] = []  # [0, file, offset, nbytes, [hashes]] | [1, b, f, n]
+        self.hashes: list[bytes] = []
+
+    def inherit(self, blob: int, first: int, count: int) -> None:
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last[0] == 1 and last[1] == blob and last[2] + last[3] == first:
+            last[3] += count
+        else:
+            self.segments.append([1, blob, first, count])
+
+    def store(self, file: int, offset: int, nbytes: int, digest: bytes, chunk_bytes: int) -> None:
+        last = self.segments[-1] if self.segments else None
+        if (
+            last is not None
+            and last[0] == 0
+            and last[1] == file
+            and last[2] + last[3] == offset
+            and last[3] % chunk_bytes == 0
+        ):
+            last[3] += nbytes
+            last[4].append(digest)
+        else:
+            self.segments.append([0, file, offset, nbytes, [digest]])
+
+
+_COMMIT = ("commit",)
+
+
+class _Appender:
+    """Appends buffers to one data file on a thread of its own, so hashing and diffing the
+    next batch (Python, holds the GIL) overlaps writing this one (syscalls, release it).
+    With a ``placement`` it reports each write's bytes and busy seconds to it."""
+
+    def __init__(
+        self, store: Store, key: str, placement: Placement | None = None, device: int = 0
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.placement = placement
+        self.device = device
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: BlobWriter | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def append(self, views: list[memoryview], release: Callable[[], None], nbytes: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cryosnap-io", daemon=True)
+            self._thread.start()
+        self._queue.put((views, release, nbytes))
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if item is _COMMIT:
+                try:
+                    if self._error is None and self._writer is not None:
+                        t0 = time.perf_counter()
+                        self._writer.commit()
+                        self._observe(0, time.perf_counter() - t0)
+                except BaseException as exc:
+                    self._error = exc
+                continue
+            views, release, nbytes = item
+            try:
+                if views and self._error is None:
+                    t0 = time.perf_counter()
+                    if self._writer is None:
+                        self._writer = self.store.open_writer(self.key)
+                    self._writer.write(views)
+                    self._observe(nbytes, time.perf_counter() - t0)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                if self.placement is not None:
+                    self.placement.done(self.device, nbytes)
+                release()
+
+    def _observe(self, nbytes: int, seconds: float) -> None:
+        if self.placement is not None:
+            self.placement.observe(self.device, nbytes, seconds)
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def start_commit(self) -> None:
+        """Queue the fsync and rename behind the last write; ``wait_commit`` waits for it."""
+        if self._thread is not None:
+            self._queue.put(_COMMIT)
+
+    def wait_commit(self) -> None:
+        self._join()
+        if self._error is not None:
+            raise self._error
+
+    def abort(self) -> None:
+        self._join()
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+
+class PartWriter:
+    """Streams one rank's part of a version: new chunks into one packed data file (one per
+    device with a ``placement`` over several scratch devices), then the manifest (durable, not
+    yet committed).
+
+    With a ``base`` the version is incremental: chunks equal to the base's at the same place
+    are inherited, and ``index`` (hash -> location of content in kept versions) turns content
+    seen before into references. Without one, the version is full: self-contained, with
+    duplicate chunks inside it stored once. Pieces of a blob arrive in order and start on chunk
+    boundaries. Runs on the background writer thread.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        step: int,
+        flat: FlatState,
+        *,
+        chunk_bytes: int,
+        rank: int = 0,
+        base: ResolvedPart | None = None,
+        index: dict[bytes, _Loc] | None = None,
+        placement: Placement | None = None,
+    ) -> None:
+        if store.exists(commit_key(step)):
+            raise CheckpointExistsError(f"step {step} already exists in {store.url}")
+        self.store = store
+        self.step = step
+        self.rank = rank
+        self.flat = flat
+        self.chunk_bytes = chunk_bytes
+        self.base = base if base is not None and base.manifest.chunk_bytes == chunk_bytes else None
+        self.index = index if self.base is not None and index is not None else {}
+        token = secrets.token_hex(4)
+        self.placement = placement
+        if placement is None:
+            keys = [data_key(step, rank, token)]
+        else:
+            # One data file per device; the key names its device (storage/tiers.py).
+            keys = [data_key(step, rank, f"{token}-d{d}") for d in range(placement.devices)]
+        # File index d is device d's data file; references to older files come after.
+        self.files: list[str] = list(keys)
+        self._file_index = {k: i for i, k in enumerate(keys)}
+        self.new_index: dict[bytes, _Loc] = {}
+        self._ios = [_Appender(store, k, placement, d) for d, k in enumerate(keys)]
+        self._offsets = [0] * len(keys)
+        self._device = 0  # the device taking the new bytes of the batch being diffed
+        self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
+        self._builders = [_BlobBuilder() for _ in flat.blobs]
+        self._base_blob = [
+            self._match(i) if self.base is not None else None for i in range(len(flat.blobs))
+        ]
+        self.chunks = 0
+        self.new_chunks = 0
+
+    def _match(self, i: int) -> int | None:
+        assert self.base is not None
+        blob = self.flat.blobs[i]
+        j = self.base.blob_index(blob.path)
+        if j is None or self.base.blobs[j].nbytes != blob.nbytes:
+            return None
+        return j
+
+    def _file(self, key: str) -> int:
+        idx = self._file_index.get(key)
+        if idx is None:
+            idx = self._file_index[key] = len(self.files)
+            self.files.append(key)
+        return idx
+
+    @property
+    def written_bytes(self) -> int:
+        return sum(self._offsets)
+
+    def add(self, pieces: Sequence[Piece], release: Callable[[], None] = lambda: None) -> None:
+        """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
+        calls ``release`` once it no longer needs the pieces' memory (also on failure)."""
+        if self.placement is None:
+            try:
+                out = self._diff(pieces)
+            except BaseException:
+                release()
+                raise
+            self._ios[0].append(out, release, sum(v.nbytes for v in out))
+            return
+        groups = _split_pieces(pieces, _PLACE_BYTES, self.chunk_bytes)
+        remaining = [len(groups)]
+        lock = threading.Lock()
+
+        def release_one() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                release()
+
+        for i, group in enumerate(groups):
+            queued = False
+            try:
+                logical = sum(p.view.nbytes for p in group)
+                device = self.placement.choose(int(logical * self._new_share), reserve=logical)
+                self._device = device
+                out = self._diff(group)
+                nbytes = sum(v.nbytes for v in out)
+                # Only what the batch writes keeps its reservation of the device's capacity.
+                self.placement.unreserve(device, logical - nbytes)
+                if logical:
+                    self._new_share = 0.5 * self._new_share + 0.5 * nbytes / logical
+                self.placement.enqueue(device, nbytes)
+                queued = True
+                self._ios[device].append(out, release_one, nbytes)
+            except BaseException:
+                # Groups not handed to an I/O thread are released here (a queued one is
+                # released by its thread, even when its append reports an earlier failure).
+                for _ in range(len(groups) - i - (1 if queued else 0)):
+                    release_one()
+                raise
+
+    def _diff(self, pieces: Sequence[Piece]) -> list[memoryview]:
+        cb = self.chunk_bytes
+        dev = self._device
+        key, offset = self.files[dev], self._offsets[dev]
+        out: list[memoryview] = []
+        for p in pieces:
+            view = p.view
+            digests = hash_chunks(view, cb)
+            n = len(digests) // HASH_BYTES
+            self.chunks += n
+            first = p.offset // cb
+            builder = self._builders[p.blob]
+            builder.hashes.append(digests)
+            j = self._base_blob[p.blob]
+            if j is None:
+                runs: list[tuple[int, int, bool]] = [(0, n, False)]
+            else:
+                assert self.base is not None
+                old = self.base.blobs[j].hashes[first : first + n]
+                if n == 1:
+                    runs = [(0, 1, digests == old.tobytes())]
+                else:
+                    # Runs of unchanged / changed chunks: one reference per unchanged run.
+                    same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
+                    edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
+                    bounds = [0, *edges.tolist(), n]
+                    runs = [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
+            for a, b, unchanged in runs:
+                if unchanged:
+                    assert j is not None
+                    builder.inherit(j, first + a, b - a)
+                    continue
+                run_start = -1  # start (in this piece) of the current run of new bytes
+                for k in range(a, b):
+                    digest = digests[k * HASH_BYTES : (k + 1) * HASH_BYTES]
+                    lo = k * cb
+                    size = min(cb, view.nbytes - lo)
+                    loc = self.new_index.get(digest) or self.index.get(digest)
+                    if loc is not None:
+                        if run_start >= 0:
+                            out.append(view[run_start:lo])
+                            run_start = -1
+                        builder.store(self._file(loc[0]), loc[1], size, digest, cb)
+                        continue
+                    if run_start < 0:
+                        run_start = lo
+                    self.new_index[digest] = (key, offset)
+                    builder.store(dev, offset, size, digest, cb)
+                    offset += size
+                    self._offsets[dev] = offset
+                    self.new_chunks += 1
+                if run_start >= 0:
+                    out.append(view[run_start : min(b * cb, view.nbytes)])
+        return out
+
+    def finish(self) -> PartResult:
+        # The manifest is built while the I/O threads fsync the data, and written after.
+        for io in self._ios:
+            io.start_commit()
+        try:
+            with paused_gc():
+                manifest, body = self._build()
+        finally:
+            try:
+                for io in self._ios:
+                    io.wait_commit()
+            finally:
+                if self.placement is not None:
+                    self.placement.release()
+        return self._write_manifest(manifest, body)
+
+    def _build(self) -> tuple[Manifest, bytes]:
+        cb = self.chunk_bytes
+        # One segment table for the whole part (each blob gets a slice of it): a state of
+        # 20,000 small tensors costs one numpy call here, not 20,000.
+        rows: list[list[Any]] = []
+        bounds = [0]
+        for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
+            got = sum(len(h) for h in builder.hashes) // HASH_BYTES
+            if got != chunk_count(blob.nbytes, cb):
+                raise CheckpointError(
+                    f"step {self.step}: leaf {blob.path} was captured incompletely"
+                )
+            rows.extend(g[:4] for g in builder.segments)
+            bounds.append(len(rows))
+        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        # data_files: the files this manifest's stored segments point to, renumbered densely.
+        stored = table[:, 0] == STORED
+        used = np.unique(table[stored, 1]).tolist()
+        remap = np.zeros(len(self.files), np.int64)
+        remap[used] = np.arange(len(used))
+        table[stored, 1] = remap[table[stored, 1]]
+        entries = [
+            BlobEntry(
+                blob.nbytes,
+                merkle_root(b"".join(builder.hashes)),
+                table[lo:hi],
+                b"".join(b"".join(g[4]) for g in builder.segments if g[0] == STORED),
+                cb,
+            )
+            for blob, builder, lo, hi in zip(
+                self.flat.blobs, self._builders, bounds, bounds[1:], strict=False
+            )
+        ]
+        base = self.base
+        manifest = Manifest(
+            step=self.step,
+            rank=self.rank,
+            chunk_bytes=self.chunk_bytes,
+            data_files=tuple(self.files[i] for i in used),
+            blobs=tuple(entries),
+            skeleton=self.flat.skeleton,
+            leaves=self.flat.leaves,
+            logical_bytes=self.flat.logical_bytes,
+            created_unix=now_unix(),
+            base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
+        )
+        return manifest, manifest.to_json()
+
+    def _write_manifest(self, manifest: Manifest, body: bytes) -> PartResult:
+        base = self.base
+        mkey = manifest_key(self.step, self.rank)
+        self.store.write(mkey, body)
+        xxh3 = xxhash.xxh3_128_hexdigest(body)
+        return PartResult(
+            ref=ManifestRef(self.rank, mkey, xxh3, len(body)),
+            manifest=manifest,
+            base=base,
+            where=f"{self.store.url}: {mkey}",
+            new_index=self.new_index,
+            logical_bytes=self.flat.logical_bytes,
+            written_bytes=self.written_bytes,
+            chunks=self.chunks,
+            new_chunks=self.new_chunks,
+            leaves=self.flat.leaves,
+            root=merkle_root([e.root for e in manifest.blobs]),
+            incremental=base is not None,
+        )
+
+    def abort(self) -> None:
+        try:
+            for io in self._ios:
+                io.abort()
+        finally:
+            if self.placement is not None:
+                self.placement.release()
+
+
+def _split_pieces(pieces: Sequence[Piece], limit: int, chunk_bytes: int) -> list[list[Piece]]:
+    """``pieces`` in groups of about ``limit`` bytes; pieces are cut on chunk boundaries."""
+    step = max(limit // chunk_bytes, 1) * chunk_bytes
+    groups: list[list[Piece]] = [[]]
+    size = 0
+    for p in pieces:
+        lo, n = 0, p.view.nbytes
+        while lo < n:
+            room = max((step - size) // chunk_bytes, 1) * chunk_bytes
+            take = min(n - lo, room)
+            groups[-1].append(Piece(p.blob, p.offset + lo, p.view[lo : lo + take]))
+            lo += take
+            size += take
+            if size >= step:
+                groups.append([])
+                size = 0
+    return [g for g in groups if g]
+
+
+def commit_version(
+    store: Store,
+    step: int,
+    parts: Sequence[PartResult],
+    *,
+    chunk_bytes: int,
+    metrics: dict[str, float] | None = None,
+    fence: Callable[[], None] = _no_fence,
+) -> CommitRecord:
+    """Write the commit record that makes ``step`` visible; every part must be durable.
+
+    ``fence()`` runs just before the record is written: it raises (``LockLostError``) when this
+    writer no longer holds the run's lock, so a writer that lost it makes nothing visible.
+    """
+    parts = sorted(parts, key=lambda p: p.ref.rank)
+    record = CommitRecord(
+        step=step,
+        world_size=len(parts),
+        manifests=tuple(p.ref for p in parts),
+        data_files=tuple(sorted({f for p in parts for f in p.used_files()})),
+        logical_bytes=sum(p.logical_bytes for p in parts),
+        written_bytes=sum(p.written_bytes for p in parts),
+        leaves=sum(p.leaves for p in parts),
+        chunk_bytes=chunk_bytes,
+        root=merkle_root([p.root for p in parts]).hex(),
+        created_unix=now_unix(),
+        incremental=any(p.incremental for p in parts),
+        chain=tuple(sorted({s for p in parts for s in p.chain()})),
+        metrics=metrics or None,
+    )
+    fence()
+    store.write(commit_key(step), record.to_json())
+    log.debug("committed step %d in %s", step, store.url)
+    return record

@@ -1,0 +1,401 @@
+"""Export one version of a run to a single file: ``.pt``, ``.safetensors`` or ``.npz``.
+
+>>> from cryosnap.export import export
+>>> result = export("run", "model.safetensors")   # the newest version, rank 0
+>>> result.step, result.leaves, result.bytes
+
+Owns the export formats and how each leaf maps onto them:
+
+* ``.pt``: ``torch.save`` of the loaded tree as it is (tied tensors stay tied);
+* ``.safetensors``: tensors, numpy arrays and bytes as tensors, every other leaf as JSON in the
+  file's metadata, keyed by its leaf path (``model/emb``);
+* ``.npz``: every leaf as an array named by its leaf path; None leaves are left out (reported).
+
+A leaf a format cannot hold is an :class:`ExportError` naming the leaf and a format that can.
+OUT is written atomically (a temporary file beside it, fsynced, renamed over it, the directory
+fsynced): whatever fails, OUT is left as it was. Arguments are checked before anything is read
+(``ValueError`` / ``TypeError``, see :mod:`cryosnap._validate`); reading raises what
+:func:`cryosnap.load` raises (``CheckpointNotFoundError``, ``IntegrityError``...).
+
+Also owns :func:`committed_steps`, the committed steps of a run with a hint when the path holds
+runs rather than being one (the CLI's commands share it). Runs on the caller's thread; reads the
+run through :func:`cryosnap.load` and takes no lock. torch is imported only for ``.pt`` and
+``.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _validate, engine
+from .checkpointer import load
+from .errors import CheckpointError, CheckpointNotFoundError
+from .storage import Store, open_store
+from .tree import format_path
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "ExportError",
+    "ExportResult",
+    "check_out",
+    "committed_steps",
+    "export",
+    "export_leaves",
+]
+
+EXPORT_FORMATS = (".pt", ".safetensors", ".npz")
+
+
+class ExportError(CheckpointError):
+    """The version holds a leaf the format cannot hold, or OUT cannot be written."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    """What :func:`export` wrote.
+
+    ``format`` is ``"pt"``, ``"safetensors"`` or ``"npz"``; ``leaves`` counts the leaves
+    written; ``skipped`` names those left out (None leaves in ``.npz``); ``bytes`` is the size
+    of ``out``. ``numpy_leaves`` (``.pt`` only) names the leaves with numpy values, which
+    ``torch.load(weights_only=True)`` refuses.
+    """
+
+    path: str
+    step: int
+    rank: int
+    out: Path
+    format: str
+    leaves: int
+    skipped: tuple[str, ...]
+    bytes: int
+    numpy_leaves: tuple[str, ...] = ()
+
+
+def export(
+    path: str | os.PathLike[str] | Store,
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    rank: int = 0,
+    force: bool = False,
+) -> ExportResult:
+    """Write version ``step`` (default: the newest committed) of the run at ``path`` to ``out``.
+
+    The format follows the suffix of ``out`` (``.pt``, ``.safetensors``, ``.npz``). An
+    existing ``out`` is replaced only with ``force=True``. ``rank`` picks a rank's part of a
+    distributed version. The newest version is taken as it is: if it is damaged, the export
+    fails (``IntegrityError``) rather than exporting an older one.
+    """
+    out_path, fmt = check_out(out, force=_validate.boolean(force, "force"))
+    if step is not None:
+        step = _validate.step(step)
+    rank = _validate.step(rank, "rank")
+    store = open_store(path)
+    if step is None:
+        step = committed_steps(store)[-1]
+    tree = load(store, step=step, rank=rank)
+    leaves = export_leaves(tree)
+    # Every conversion a format needs happens before its file is complete: a leaf it cannot
+    # hold is an error and OUT is left as it was.
+    writers: dict[str, Callable[[Path], tuple[int, list[str]]]] = {
+        ".pt": lambda tmp: _write_pt(tree, tmp),
+        ".safetensors": lambda tmp: _write_safetensors(leaves, tmp),
+        ".npz": lambda tmp: _write_npz(leaves, tmp),
+    }
+    with _atomic_output(out_path) as tmp:
+        written, skipped = writers[fmt](tmp)
+    numpy_leaves = [p for p, v in leaves if isinstance(v, (np.ndarray, np.generic))]
+    return ExportResult(
+        path=store.url,
+        step=step,
+        rank=rank,
+        out=out_path,
+        format=fmt.lstrip("."),
+        leaves=written,
+        skipped=tuple(skipped),
+        bytes=out_path.stat().st_size,
+        numpy_leaves=tuple(numpy_leaves) if fmt == ".pt" else (),
+    )
+
+
+def check_out(out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path, str]:
+    """``out`` as a path and its format (``.pt``...) if it can be exported to; else ValueError.
+
+    Touches nothing: :func:`export` calls it first, and so can a caller that wants to refuse a
+    bad ``out`` before reading anything.
+    """
+    if not isinstance(out, (str, os.PathLike)):
+        _validate.wrong_type(out, "out", "a local file path (str or os.PathLike)")
+    text = os.fspath(out)
+    if not isinstance(text, str):
+        _validate.wrong_type(out, "out", "a local file path (str or os.PathLike)")
+    if "://" in text:
+        raise ValueError(f"cannot export to {text!r}: out must be a local file path, not a URL")
+    path = Path(text).expanduser()
+    fmt = path.suffix.lower()
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"cannot export to {text!r}: out must end in .pt, .safetensors or .npz")
+    if path.is_dir():
+        raise ValueError(f"cannot export to {text!r}: it is a directory")
+    if path.exists() and not force:
+        raise ValueError(
+            f"cannot export to {text!r}: it exists; pass --force (force=True) to replace it"
+        )
+    if not path.absolute().parent.is_dir():
+        raise ValueError(
+            f"cannot export to {text!r}: directory {str(path.parent)!r} does not exist"
+        )
+    return path, fmt
+
+
+# ---------------------------------------------------------------------------------------------
+# finding the versions
+
+
+def committed_steps(store: Store) -> list[int]:
+    """The committed steps of the run in ``store``, ascending; CheckpointNotFoundError when
+    there are none (naming the runs just below it, if it holds runs rather than being one)."""
+    steps = engine.list_steps(store)
+    if not steps:
+        inner = _runs_inside(store)
+        if inner:
+            raise CheckpointNotFoundError(
+                f"no committed version in {store.url}; it holds the run(s) "
+                + ", ".join(inner)
+                + " (a run with scratch tiers is one run per tier)"
+            )
+        if store.list(""):
+            raise CheckpointNotFoundError(f"no committed version in {store.url}")
+        raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
+    return steps
+
+
+def _runs_inside(store: Store) -> list[str]:
+    """Directories just below a local path that are runs (e.g. a demo's ``persistent``)."""
+    root = store.capabilities.local_path
+    if root is None or not root.is_dir():
+        return []
+    return sorted(
+        str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# leaves
+
+
+def export_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of a loaded tree; paths joined by ``/``, unique."""
+    out: list[tuple[str, Any]] = []
+
+    def walk(obj: Any, path: tuple[str | int, ...]) -> None:
+        if type(obj) in (dict, OrderedDict):
+            for k, v in obj.items():
+                walk(v, (*path, k))
+        elif type(obj) in (list, tuple):  # torch.Size, a tuple subclass, is a leaf
+            for i, v in enumerate(obj):
+                walk(v, (*path, i))
+        else:
+            out.append((format_path(path), obj))
+
+    walk(tree, ())
+    seen: set[str] = set()
+    for path, _ in out:
+        if path in seen:
+            raise ExportError(
+                f"two leaves have the path {path!r} (a key holds '/' or int and str keys "
+                "collide); export to .pt instead"
+            )
+        seen.add(path)
+    return out
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# .npz
+
+
+def _to_numpy(path: str, value: Any) -> np.ndarray | None:
+    """The array .npz stores for a leaf; None for a leaf it cannot hold at all (None)."""
+    if _is_tensor(value):
+        t = value.detach().cpu().resolve_conj().resolve_neg()
+        try:
+            arr: np.ndarray = t.numpy()
+        except TypeError as exc:
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise ExportError(
+                f"leaf {path} is a torch {dtype} tensor, which numpy has no dtype for; "
+                "export to .pt or .safetensors instead"
+            ) from exc
+        return arr
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return np.frombuffer(bytes(value), dtype=np.uint8)
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)  # Python and numpy scalars, torch.Size: 0-d or 1-d arrays
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ExportError(f"leaf {path}: .npz cannot hold {value!r:.60}: {exc}") from exc
+    if arr.dtype.hasobject:
+        raise ExportError(f"leaf {path}: .npz cannot hold {type(value).__name__} values")
+    return arr
+
+
+def _write_npz(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
+    arrays: list[tuple[str, np.ndarray]] = []
+    skipped: list[str] = []
+    for path, value in leaves:
+        arr = _to_numpy(path, value)
+        if arr is None:
+            skipped.append(path)
+        else:
+            arrays.append((path, arr))
+    # What numpy.savez writes, without its keyword arguments: a leaf named "file" or
+    # "allow_pickle" would collide with savez's own parameters.
+    with zipfile.ZipFile(tmp, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, arr in arrays:
+            with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, arr, allow_pickle=False)
+    return len(arrays), skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# .safetensors and .pt
+
+
+def _import_torch(fmt: str) -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise ExportError(f"export to {fmt} needs torch: pip install 'cryosnap[torch]'") from exc
+    return torch
+
+
+def _to_tensor(path: str, value: Any, torch: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        arr = value if value.flags.c_contiguous else value.copy(order="C")
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        try:
+            return torch.from_numpy(arr)
+        except TypeError as exc:
+            raise ExportError(
+                f"leaf {path} is a numpy {value.dtype} array, which torch has no dtype for; "
+                "export to .npz or .pt instead"
+            ) from exc
+    if isinstance(value, (bytes, bytearray)):
+        return torch.from_numpy(np.frombuffer(bytearray(value), dtype=np.uint8))
+    return value.detach().cpu().resolve_conj().resolve_neg()
+
+
+def _json_leaf(value: Any) -> str:
+    if isinstance(value, complex):
+        return json.dumps({"real": value.real, "imag": value.imag})
+    if isinstance(value, tuple):  # torch.Size
+        return json.dumps(list(value))
+    return json.dumps(value)
+
+
+def _write_safetensors(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
+    torch = _import_torch(".safetensors")
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Any] = {}
+    metadata: dict[str, str] = {}
+    storages: set[int] = set()
+    for path, value in leaves:
+        if _is_tensor(value) or isinstance(value, (np.ndarray, np.generic, bytes, bytearray)):
+            t = _to_tensor(path, value, torch).contiguous()
+            # safetensors refuses tensors that share memory (tied weights): copy all but one.
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            if ptr and ptr in storages:
+                t = t.clone()
+            storages.add(ptr)
+            tensors[path] = t
+        else:
+            metadata[path] = _json_leaf(value)
+    written = len(tensors) + len(metadata)
+    if "format" not in metadata:
+        metadata["format"] = "pt"  # what transformers and others expect of a torch file
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+    except Exception as exc:
+        raise _safetensors_error(tensors, exc) from exc
+    return written, []
+
+
+def _safetensors_error(tensors: dict[str, Any], exc: Exception) -> ExportError:
+    """Name the leaf safetensors refused: try the tensors one at a time (failure path only)."""
+    from safetensors.torch import save
+
+    for path, t in tensors.items():
+        try:
+            save({path: t})
+        except Exception:
+            dtype = str(t.dtype).removeprefix("torch.")
+            return ExportError(
+                f"leaf {path}: .safetensors cannot hold a {dtype} tensor ({exc}); "
+                "export to .pt instead"
+            )
+    return ExportError(f"cannot write .safetensors: {exc}")
+
+
+def _write_pt(tree: Any, tmp: Path) -> tuple[int, list[str]]:
+    torch = _import_torch(".pt")
+    torch.save(tree, tmp)
+    return len(export_leaves(tree)), []
+
+
+# ---------------------------------------------------------------------------------------------
+# writing OUT
+
+
+@contextmanager
+def _atomic_output(out: Path) -> Iterator[Path]:
+    """A temporary file beside ``out``, renamed over it once written and fsynced."""
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        # O_EXCL reserves the name; mode 0o666 lets the umask decide, as for any new file.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = tmp.stat().st_mode & 0o777
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    try:
+        yield tmp
+        # Some writers replace the file rather than fill it (safetensors makes it 0o600).
+        os.chmod(tmp, mode)
+        _fsync(tmp, 0)
+        os.replace(tmp, out)
+        _fsync(out.absolute().parent, getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

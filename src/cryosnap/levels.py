@@ -1,0 +1,298 @@
+"""Storage levels: the ordered list a version travels through, fastest first.
+
+A run has one level (persistent) or several (scratch devices -> persistent; a partner level
+fits between them later). Each :class:`Level` is its own store with its own write lock,
+retention (``keep``) and files reserved from retention. A version is committed on the first
+level by the writer; a :class:`Handoff` per pair of adjacent levels then copies it to the next
+one in the background (flush.py: verified copy, commit record last, retry with backoff) and
+reports each level it reached to the version's :class:`~cryosnap._results.PendingSave`.
+
+Retention of a level never drops a version that has not reached the next level yet (or whose
+hand-off failed), nor the files of a version whose commit record may still land (a write that
+timed out). A level shared by every participant (the persistent one) is retired by rank 0 only,
+after every rank has dropped the doomed files from its content index (one broadcast and one
+barrier); a private level (node-local scratch) by its owner.
+
+Runs on the writer thread (first level) and the hand-off threads (the next ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
+
+from . import engine
+from ._chain import ChainIndex
+from ._results import PendingSave, SaveInfo, Status
+from .capture import CaptureTracker
+from .dist import Coordinator
+from .errors import CheckpointError, LockLostError
+from .flush import Flusher, SourceDamagedError, flush_keys
+from .lock import RunLock
+from .manifest import commit_key
+from .policy import KeepLast, RetentionPolicy
+from .storage import Store
+
+__all__ = ["Handoff", "Level", "Levels"]
+
+log = logging.getLogger("cryosnap")
+
+
+@dataclass(slots=True)
+class Level:
+    """One storage level: its store, lock, retention, and whether every participant shares it
+    (the persistent level) or it is this participant's own (node-local scratch)."""
+
+    name: str
+    store: Store
+    keep: int | RetentionPolicy | None
+    shared: bool
+    locks: list[RunLock] = field(default_factory=list)
+    # Files retention must not delete: versions whose commit record may still land.
+    reserved: set[str] = field(default_factory=set)
+
+    def steps(self) -> list[int]:
+        return engine.list_steps(self.store)
+
+
+class Handoff:
+    """Copies committed versions from ``src`` to ``dst`` on a thread of its own, in order."""
+
+    def __init__(
+        self,
+        levels: Levels,
+        index: int,
+        *,
+        retry_seconds: float,
+        yield_to: Callable[[], None],
+    ) -> None:
+        self._levels = levels
+        self.src = levels.levels[index]
+        self.dst = levels.levels[index + 1]
+        self.index = index
+        self._lock = threading.Lock()
+        # Versions on src waiting for this hand-off: their PendingSave and src SaveInfo.
+        self.pending: dict[int, tuple[PendingSave, SaveInfo | None]] = {}
+        self.delivered: set[int] = set()  # versions that reached dst
+        self.failed: set[int] = set()  # hand-off failed for good: src retention keeps them
+        self.flusher = Flusher(
+            self.src.store,
+            self.dst.store,
+            retry_seconds=retry_seconds,
+            on_done=self._done,
+            yield_to=yield_to,
+            fence=levels.fence,
+        )
+
+    def submit(self, step: int, pending: PendingSave, info: SaveInfo | None) -> None:
+        with self._lock:
+            self.pending[step] = (pending, info)
+        self.flusher.submit(step)
+
+    def unfinished(self) -> set[int]:
+        """Versions src must keep: not on dst yet, or failed to get there."""
+        with self._lock:
+            return set(self.pending) | self.failed
+
+    def _done(self, step: int, error: BaseException | None) -> None:
+        """On the flusher thread: ``step`` reached dst, or its hand-off failed for good."""
+        with self._lock:
+            pending, info = self.pending.pop(step)
+            (self.failed if error is not None else self.delivered).add(step)
+        if error is not None:
+            if isinstance(error, SourceDamagedError) and self.index == 0:
+                # The first level lost files this chain needs: no version may build on it.
+                self._levels.chain.request_full()
+            elif not isinstance(error, SourceDamagedError):
+                # Its commit record may still land on dst (a write that timed out).
+                self.dst.reserved.update(flush_keys(self.src.store, step))
+            pending.fail(error)
+            return
+        if info is not None:
+            seconds = time.perf_counter() - pending.started
+            info = replace(info, tiers=(*info.tiers, self.dst.name), seconds=seconds)
+            log.info("step %d on %s after %.3f s", step, self.dst.name, seconds)
+        try:
+            self._levels.retire(self.index + 1, protect={step})
+        finally:
+            self._levels.reached(self.index + 1, step, pending, info)
+
+
+class Levels:
+    """The run's levels, fastest first, and the hand-offs between them."""
+
+    def __init__(
+        self,
+        levels: list[Level],
+        *,
+        chain: ChainIndex,
+        coordinator: Coordinator,
+        fence: Callable[[], None],
+    ) -> None:
+        self.levels = levels
+        self.chain = chain
+        self.coordinator = coordinator
+        self.fence = fence
+        self.handoffs: list[Handoff] = []
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(level.name for level in self.levels)
+
+    @property
+    def first(self) -> Level:
+        return self.levels[0]
+
+    def stores(self) -> list[Store]:
+        return [level.store for level in self.levels]
+
+    def start_handoffs(self, *, retry_seconds: float, yield_to: Callable[[], None]) -> None:
+        for i in range(len(self.levels) - 1):
+            self.handoffs.append(Handoff(self, i, retry_seconds=retry_seconds, yield_to=yield_to))
+
+    # -- a version moving up -------------------------------------------------------------------
+
+    def reached(self, index: int, step: int, pending: PendingSave, info: SaveInfo | None) -> None:
+        """``step`` is durable on level ``index``: report it, hand it to the next level."""
+        if index < len(self.handoffs):
+            # Reported before it is queued, so result(tier=...) sees this level first.
+            pending.reached(self.levels[index].name, info)
+            self.handoffs[index].submit(step, pending, info)
+        else:
+            pending.reached(self.levels[index].name, info)
+
+    def resume_unflushed(self, keep_persistent: int | RetentionPolicy | None) -> list[PendingSave]:
+        """On open: versions committed on a faster level and missing on the next (a crash
+        between a commit and its hand-off) are handed off now (those retention would keep)."""
+        out: list[PendingSave] = []
+        for handoff in self.handoffs:
+            on_dst = handoff.dst.steps()
+            handoff.delivered.update(on_dst)
+            missing = [s for s in handoff.src.steps() if s not in handoff.delivered]
+            if isinstance(handoff.dst.keep, KeepLast):
+                wanted = set(sorted({*on_dst, *missing})[-handoff.dst.keep.n :])
+                missing = [s for s in missing if s in wanted]
+            for step in missing:
+                tracker = CaptureTracker(0)
+                tracker.finish()
+                names = self.names[handoff.index :]
+                pending = PendingSave(step, tracker, time.perf_counter(), names)
+                out.append(pending)
+                handoff.submit(step, pending, None)
+            if missing:
+                log.info(
+                    "handing %d version(s) left on %s to %s: %s",
+                    len(missing),
+                    handoff.src.name,
+                    handoff.dst.name,
+                    missing,
+                )
+        return out
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def retire(self, index: int, *, protect: Collection[int] = ()) -> None:
+        """Apply level ``index``'s retention; a failure is logged and finished by the next pass."""
+        level = self.levels[index]
+        if level.keep is None:
+            return
+        keep_also = set(protect)
+        if index < len(self.handoffs):
+            keep_also |= self.handoffs[index].unfinished()
+        forget = self.chain.forget_files if index == 0 else engine.ignore_files
+        try:
+            if level.shared and self.coordinator.world_size > 1:
+                self._retire_shared(level, keep_also, forget)
+            else:
+                engine.retire(
+                    level.store,
+                    keep=level.keep,
+                    protect=keep_also,
+                    reserved=set(level.reserved),
+                    fence=self.fence,
+                    before_delete=forget,
+                )
+        except LockLostError:
+            return  # recorded by the fence; nothing was deleted
+        except CheckpointError as exc:
+            # Versions are committed; a failed clean-up is finished by the next pass.
+            log.warning("retention on %s failed: %s", level.store.url, exc)
+
+    def _retire_shared(
+        self, level: Level, protect: set[int], forget: Callable[[Collection[str]], None]
+    ) -> None:
+        """Rank 0 plans, every rank forgets the doomed files, then rank 0 deletes while the
+        others wait."""
+        coord = self.coordinator
+        plan: engine.RetirePlan | None = None
+        decision: dict[str, object]
+        if coord.rank == 0:
+            try:
+                plan = engine.plan_retire(
+                    level.store, keep=level.keep, protect=protect, reserved=set(level.reserved)
+                )
+                decision = {"files": plan.data_files}
+            except CheckpointError as exc:
+                decision = {"error": str(exc)}
+        else:
+            decision = {}
+        decision = coord.broadcast(decision)
+        if "error" in decision:
+            raise CheckpointError(f"retention on {level.store.url}: {decision['error']}")
+        files = decision["files"]
+        assert isinstance(files, list)
+        forget(files)
+        coord.barrier()
+        try:
+            if plan is not None:
+                engine.apply_retire(level.store, plan, fence=self.fence)
+        finally:
+            # Nobody writes its next part before the deletes (and the removal of crash
+            # leftovers, which a write in progress would look like) are over.
+            coord.barrier()
+
+    def retire_all_after_close(self) -> None:
+        """After the hand-offs ended: the faster levels' retention can apply to what reached
+        the next level."""
+        for i in range(len(self.handoffs)):
+            self.retire(i)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def status(self) -> Status:
+        steps = {level.name: tuple(level.steps()) for level in self.levels}
+        waiting: set[int] = set()
+        error = None
+        for handoff in self.handoffs:
+            waiting |= handoff.unfinished()
+            error = error or handoff.flusher.last_error
+        return Status(steps=steps, not_persistent=tuple(sorted(waiting)), flush_error=error)
+
+    def step_exists(self, step: int) -> str | None:
+        """The url of a level that has ``step`` committed, if any."""
+        for level in self.levels:
+            if level.store.exists(commit_key(step)):
+                return level.store.url
+        return None
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def finish_within(self, seconds: float) -> None:
+        for handoff in self.handoffs:
+            handoff.flusher.finish_within(seconds)
+
+    def abandon(self) -> None:
+        for handoff in self.handoffs:
+            handoff.flusher.abandon()
+
+    def close_handoffs(self) -> None:
+        for handoff in self.handoffs:
+            handoff.flusher.close()
+
+    def release_locks(self) -> None:
+        for level in self.levels:
+            for lock in level.locks:
+                lock.release()

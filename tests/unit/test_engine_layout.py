@@ -1,0 +1,46 @@
+"""The engine package's imports point one way: its modules import only the layers below the
+engine and the engine modules listed before them, never the orchestration above it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cryosnap.engine
+
+ENGINE = Path(cryosnap.engine.__file__).parent
+# Each module may import the ones before it (not necessarily all of them), never one after.
+ORDER = ["_records", "_resolved", "_retire", "_write", "_fetch", "_read", "__init__"]
+# What the engine may import from the rest of cryosnap: the layers below it.
+BELOW = {"_gc", "capture", "chunks", "errors", "manifest", "policy", "progress", "storage", "tree"}
+
+
+def _relative_imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    return [
+        (node.level, (node.module or "").split(".")[0])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    ]
+
+
+def test_every_engine_module_is_placed_in_the_order() -> None:
+    assert sorted(p.stem for p in ENGINE.glob("*.py")) == sorted(ORDER)
+
+
+def test_engine_modules_import_one_way() -> None:
+    for name in ORDER:
+        for level, module in _relative_imports(ENGINE / f"{name}.py"):
+            if level == 1:
+                assert ORDER.index(module) < ORDER.index(name), f"{name} imports {module}"
+            else:
+                assert module in BELOW, f"engine/{name}.py imports cryosnap.{module}"
+
+
+def test_no_absolute_import_of_cryosnap_inside_the_engine() -> None:
+    for path in ENGINE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not (node.module or "").startswith("cryosnap"), path.name
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("cryosnap") for a in node.names), path.name
