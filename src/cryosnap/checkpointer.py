@@ -178,30 +178,28 @@ class Checkpointer:
         # the writer's and the hand-offs' never interleave.
         self._policy_channel = self.coordinator.channel("policy")
         self._restore_channel = self.coordinator.channel("restore")
-        devices = _scratch_tiers(scratch)
-        if devices and self.coordinator.world_size > 1:
-            raise ValueError(
-                "scratch tiers with several participants arrive with distributed runs: give "
-                "each participant only the persistent path for now"
-            )
         self.full_every = _validate.positive_int(full_every, "full_every")
         self.incremental = _validate.boolean(incremental, "incremental")
         self.allow_pickle = bool(allow_pickle)
-        self.persistent = open_store(path, timeout_seconds=timeout, **(storage_options or {}))
-        stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
-        _check_distinct(self.persistent, stores)
-        self.scratch = StripedStore(stores, [t.capacity_bytes for t in devices]) if stores else None
+        self.persistent, self.scratch = _open_stores(
+            path, scratch, storage_options or {}, timeout, self.coordinator
+        )
         self._placement = Placement(self.scratch) if self.scratch is not None else None
-        self._levels = self._open_levels(stores)
+        chain = ChainIndex(
+            incremental=self.incremental,
+            full_every=self.full_every,
+            chunk_bytes=self.chunk_bytes,
+            rank=self.coordinator.rank,
+        )
+        self._levels = _open_levels(self, chain)
         self.store: Store = self._levels.first.store  # where versions are written first
-        self._chain = self._levels.chain
+        self._chain = chain
         self._capturer = Capturer(chunk_bytes=self.chunk_bytes, budget=budget, clock=clock)
         self._policy_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(self.max_inflight)
         self._pending: list[PendingSave] = []
         self._closed = False
         self.preempted = False
-        self._lock_lost: LockLostError | None = None
         self._signals: list[int] = []
         self._retry_seconds = retry
         try:
@@ -224,34 +222,11 @@ class Checkpointer:
             coordinator=self.coordinator,
             chunk_bytes=self.chunk_bytes,
             placement=self._placement,
-            fence=self._fence,
+            fence=self._levels.fence,
             policy_event=self._policy_event,
             clock=clock,
             inflight=self._inflight,
         )
-
-    def _open_levels(self, scratch_devices: list[Store]) -> Levels:
-        """The levels, fastest first, each with its write lock (the shared persistent level's
-        is taken by rank 0 for every participant)."""
-        levels: list[Level] = []
-        if self.scratch is not None:
-            levels.append(Level(SCRATCH, self.scratch, self.keep_scratch, shared=False))
-        levels.append(Level(PERSISTENT, self.persistent, self.keep, shared=True))
-        chain = ChainIndex(
-            incremental=self.incremental,
-            full_every=self.full_every,
-            chunk_bytes=self.chunk_bytes,
-            rank=self.coordinator.rank,
-        )
-        opened = Levels(levels, chain=chain, coordinator=self.coordinator, fence=self._fence)
-        try:
-            levels[-1].locks.extend(_shared_lock(self.persistent, self.coordinator))
-            for dev in scratch_devices:
-                levels[0].locks.append(acquire_run_lock(dev))
-        except BaseException:
-            opened.release_locks()
-            raise
-        return opened
 
     # context manager ---------------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -363,8 +338,8 @@ class Checkpointer:
         self._capturer.remove_spent_hooks()
         validate_step(step)
         self._raise_undelivered()
-        if self._lock_lost is not None:
-            raise LockLostError(f"this writer stopped saving: {self._lock_lost}")
+        if self._levels.lock_lost is not None:
+            raise LockLostError(f"this writer stopped saving: {self._levels.lock_lost}")
         if step in self._writer.in_doubt:
             raise CheckpointExistsError(
                 f"step {step}: the commit record of an earlier save timed out and may still "
@@ -385,20 +360,6 @@ class Checkpointer:
         self._pending.append(pending)
         self._writer.submit(job)
         return job
-
-    def _fence(self) -> None:
-        """Raise :class:`LockLostError` unless this writer still holds every level's lock;
-        runs before each commit record and each retention pass (any thread)."""
-        if self._lock_lost is not None:
-            raise self._lock_lost
-        try:
-            for level in self._levels.levels:
-                for lock in level.locks:
-                    lock.check()
-        except LockLostError as exc:
-            self._lock_lost = exc
-            log.error("%s; this writer stops saving", exc)
-            raise
 
     # waiting and reading -----------------------------------------------------------------------
     def _raise_undelivered(self) -> None:
@@ -487,6 +448,46 @@ def _note_interrupt(exc: KeyboardInterrupt, job: Job) -> None:
         exc.add_note(what)
     else:
         log.error("%s", what)
+
+
+def _open_stores(
+    path: PathLike,
+    scratch: object,
+    storage_options: dict[str, Any],
+    timeout: float | None,
+    coord: Coordinator,
+) -> tuple[Store, StripedStore | None]:
+    """The persistent store and the scratch devices as one striped store (or None)."""
+    devices = _scratch_tiers(scratch)
+    if devices and coord.world_size > 1:
+        raise ValueError(
+            "scratch tiers with several participants arrive with distributed runs: give "
+            "each participant only the persistent path for now"
+        )
+    persistent = open_store(path, timeout_seconds=timeout, **storage_options)
+    stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
+    _check_distinct(persistent, stores)
+    if not stores:
+        return persistent, None
+    return persistent, StripedStore(stores, [t.capacity_bytes for t in devices])
+
+
+def _open_levels(ckpt: Checkpointer, chain: ChainIndex) -> Levels:
+    """The levels, fastest first, each with its write lock (the shared persistent level's is
+    taken by rank 0 for every participant)."""
+    levels: list[Level] = []
+    if ckpt.scratch is not None:
+        levels.append(Level(SCRATCH, ckpt.scratch, ckpt.keep_scratch, shared=False))
+    levels.append(Level(PERSISTENT, ckpt.persistent, ckpt.keep, shared=True))
+    opened = Levels(levels, chain=chain, coordinator=ckpt.coordinator)
+    try:
+        levels[-1].locks.extend(_shared_lock(ckpt.persistent, ckpt.coordinator))
+        for dev in ckpt.scratch.devices if ckpt.scratch is not None else ():
+            levels[0].locks.append(acquire_run_lock(dev))
+    except BaseException:
+        opened.release_locks()
+        raise
+    return opened
 
 
 def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:

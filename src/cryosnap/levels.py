@@ -130,13 +130,27 @@ class Levels:
         *,
         chain: ChainIndex,
         coordinator: Coordinator,
-        fence: Callable[[], None],
     ) -> None:
         self.levels = levels
         self.chain = chain
         self.coordinator = coordinator
-        self.fence = fence
         self.handoffs: list[Handoff] = []
+        # Set once a lock check finds this writer no longer holds the run: it stops saving.
+        self.lock_lost: LockLostError | None = None
+
+    def fence(self) -> None:
+        """Raise :class:`LockLostError` unless this writer still holds every level's lock;
+        runs before each commit record and each retention pass (any thread)."""
+        if self.lock_lost is not None:
+            raise self.lock_lost
+        try:
+            for level in self.levels:
+                for lock in level.locks:
+                    lock.check()
+        except LockLostError as exc:
+            self.lock_lost = exc
+            log.error("%s; this writer stops saving", exc)
+            raise
 
     @property
     def names(self) -> tuple[str, ...]:
