@@ -59,14 +59,21 @@ class PendingSave:
     """A version being saved: captured first, then durable on each tier in turn."""
 
     def __init__(
-        self, step: int, tracker: CaptureTracker, t0: float, levels: tuple[str, ...]
+        self,
+        step: int,
+        tracker: CaptureTracker,
+        t0: float,
+        levels: tuple[str, ...],
+        all_levels: tuple[str, ...] = (),
     ) -> None:
         self.step = step
         self._tracker = tracker
         self._t0 = t0
+        self._all_levels = all_levels or levels
         self._levels = levels
         self._reached = {name: threading.Event() for name in levels}
         self._infos: dict[str, SaveInfo] = {}
+        self._reached_at: dict[str, float] = {}  # perf_counter() when each level was reached
         self._done = threading.Event()
         self._info: SaveInfo | None = None
         self._error: BaseException | None = None
@@ -100,6 +107,11 @@ class PendingSave:
     def result(self, timeout: float | None = None, *, tier: str | None = None) -> SaveInfo:
         """The :class:`SaveInfo` once durable on every tier; re-raises the failure of this
         version. ``tier="scratch"`` returns as soon as it is durable on that tier."""
+        if tier is not None and tier in self._all_levels and tier not in self._levels:
+            raise ValueError(
+                f"tier={tier!r}: step {self.step} does not go to that tier (its save policy "
+                f"sends it to {', '.join(self._levels)})"
+            )
         if tier is not None and tier not in self._levels:
             allowed = ", ".join(repr(n) for n in (None, *self._levels))
             raise ValueError(f"tier={tier!r} is invalid: allowed are {allowed}")
@@ -128,6 +140,17 @@ class PendingSave:
         self._stall += seconds
 
     @property
+    def levels(self) -> tuple[str, ...]:
+        """The tiers this version goes to, fastest first (the last one makes it done)."""
+        return self._levels
+
+    def seconds_to(self, level: str) -> float:
+        """Seconds from the level below (from ``save()`` for the first) to ``level``."""
+        i = self._levels.index(level)
+        since = self._t0 if i == 0 else self._reached_at.get(self._levels[i - 1], self._t0)
+        return self._reached_at.get(level, time.perf_counter()) - since
+
+    @property
     def started(self) -> float:
         """``time.perf_counter()`` at the ``save`` call."""
         return self._t0
@@ -141,6 +164,7 @@ class PendingSave:
         version this session did not save (a flush resumed after a crash)."""
         if info is not None:
             self._infos[level] = info
+        self._reached_at[level] = time.perf_counter()
         self._reached[level].set()
         if level == self._levels[-1]:
             self._info = info

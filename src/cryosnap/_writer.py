@@ -70,6 +70,7 @@ class Writer:
         policy_event: PolicyEvent,
         clock: Callable[[], float],
         inflight: threading.BoundedSemaphore,
+        run_id: str | None = None,
     ) -> None:
         self.levels = levels
         self.chain = chain
@@ -80,6 +81,7 @@ class Writer:
         self.policy_event = policy_event
         self.clock = clock
         self.inflight = inflight
+        self.run_id = run_id  # recorded in every commit record this writer writes
         # Steps whose commit record write timed out (it may still land): save them again under
         # another step only. Their files are reserved on the first level.
         self.in_doubt: set[int] = set()
@@ -245,6 +247,7 @@ class Writer:
                 chunk_bytes=self.chunk_bytes,
                 root=merkle_root([bytes.fromhex(p.root) for p in parts]).hex(),
                 metrics=job.metrics,
+                run_id=self.run_id,
             )
             self.fence()
             store.write(commit_key(job.step), record.to_json())

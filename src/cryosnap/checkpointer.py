@@ -46,12 +46,13 @@ from .errors import (
 )
 from .levels import Level, Levels
 from .lock import RunLock, acquire_run_lock
+from .manifest import RUN_ID_PATTERN, CommitRecord
 from .policy import RetentionPolicy, SavePolicy, as_retention
 from .storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store, unwrap
 from .storage.tiers import Placement, StripedStore, Tier
 from .tree import flatten
 
-__all__ = ["Checkpointer", "PendingSave", "SaveInfo", "Status", "load", "save"]
+__all__ = ["Checkpointer", "PendingSave", "SaveInfo", "Status", "load", "run_id_of", "save"]
 
 SCRATCH, PERSISTENT = "scratch", "persistent"
 
@@ -123,6 +124,12 @@ class Checkpointer:
         durable. With several participants the run has one tier (no ``scratch`` yet).
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
+    run_id
+        Which training this is (1 to 128 of ``A-Z a-z 0-9 . _ : -``), recorded with every
+        version it saves. When the run's newest version was saved by another training (another
+        run id, or none), opening raises :class:`~cryosnap.CheckpointError`: a new training
+        goes to a new path; resuming one passes its id (:func:`run_id_of`). None: no check,
+        versions carry no id.
     """
 
     def __init__(
@@ -145,7 +152,9 @@ class Checkpointer:
         storage_timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
         comm: Coordinator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        run_id: str | None = None,
     ) -> None:
+        self._run_id = _validate_run_id(run_id)
         self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
         budget = _validate.positive_int_or_none(staging_bytes, "staging_bytes")
         if budget is not None and budget < self.chunk_bytes:
@@ -184,6 +193,9 @@ class Checkpointer:
         self.persistent, self.scratch = _open_stores(
             path, scratch, storage_options or {}, timeout, self.coordinator
         )
+        if self._run_id is not None:
+            stores = [self.persistent] if self.scratch is None else [self.scratch, self.persistent]
+            _check_run_id(stores, self._run_id)
         self._placement = Placement(self.scratch) if self.scratch is not None else None
         chain = ChainIndex(
             incremental=self.incremental,
@@ -192,6 +204,7 @@ class Checkpointer:
             rank=self.coordinator.rank,
         )
         self._levels = _open_levels(self, chain)
+        self._levels.observe = self._policy_reached
         self.store: Store = self._levels.first.store  # where versions are written first
         self._chain = chain
         self._capturer = Capturer(chunk_bytes=self.chunk_bytes, budget=budget, clock=clock)
@@ -226,6 +239,7 @@ class Checkpointer:
             policy_event=self._policy_event,
             clock=clock,
             inflight=self._inflight,
+            run_id=self._run_id,
         )
 
     # context manager ---------------------------------------------------------------------------
@@ -251,6 +265,11 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r})"
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id recorded with each version this Checkpointer saves (None: none)."""
+        return self._run_id
 
     # policies and preemption ----------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -280,6 +299,22 @@ class Checkpointer:
         signals, self._signals = self._signals, []
         for signum in signals:
             _signals.unsubscribe(signum, self)
+
+    def _top_level(self, step: int) -> int:
+        """How far up the levels this version goes: the policy's say (``MultiLevel``), else
+        every level."""
+        last = len(self._levels.levels) - 1
+        top = getattr(self.policy, "top_level", None)
+        if top is None:
+            return last
+        with self._policy_lock:
+            return max(0, min(int(top(step)), last))
+
+    def _policy_reached(self, step: int, level: str, seconds: float) -> None:
+        reached = getattr(self.policy, "reached", None)
+        if reached is not None:
+            with self._policy_lock:
+                reached(step, level=level, now=self._clock(), seconds=seconds)
 
     def _policy_event(self, event: str, step: int, **figures: float) -> None:
         policy = self.policy
@@ -355,7 +390,8 @@ class Checkpointer:
         # Forget finished versions, but keep failed ones the caller has not received yet.
         self._pending = [p for p in self._pending if not p.done() or p.failed_undelivered()]
         tracker = CaptureTracker(len(flat.blobs))
-        pending = PendingSave(step, tracker, t0, self._levels.names)
+        names = self._levels.names
+        pending = PendingSave(step, tracker, t0, names[: self._top_level(step) + 1], names)
         job = Job(step, flat, pending, queue.SimpleQueue(), metrics, clock0=clock0)
         self._pending.append(pending)
         self._writer.submit(job)
@@ -609,6 +645,61 @@ def load(
     return _restore(open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle)
 
 
+def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The run id of the newest version of the run at ``path`` (None: saved without one).
+
+    Read-only, takes no lock. Raises :class:`~cryosnap.CheckpointNotFoundError` when the run
+    holds no version. Resume a training with ``Checkpointer(path, run_id=run_id_of(path))``.
+    """
+    store = path if isinstance(path, Store) else open_store(path, **(storage_options or {}))
+    newest = _newest_record(store)
+    if newest is None:
+        raise CheckpointNotFoundError(f"{store.url} holds no version")
+    return newest.run_id
+
+
+def _newest_record(*stores: Store) -> CommitRecord | None:
+    """The commit record of the newest version on any of ``stores`` that reads (a damaged
+    record is skipped, as restore skips it)."""
+    steps = sorted({(s, i) for i, st in enumerate(stores) for s in engine.list_steps(st)})
+    for step, i in reversed(steps):
+        try:
+            return engine.read_commit(stores[i], step)
+        except (CheckpointFormatError, CheckpointNotFoundError) as exc:
+            log.warning("step %d of %s: %s; looking at the previous one", step, stores[i].url, exc)
+    return None
+
+
+def _check_run_id(stores: Sequence[Store], run_id: str) -> None:
+    """Refuse to open a run whose newest version another training saved."""
+    newest = _newest_record(*stores)
+    if newest is None or newest.run_id == run_id:
+        return
+    where = stores[-1].url
+    if newest.run_id is None:
+        theirs, resume = "no run id", "open it without run_id"
+    else:
+        theirs = f"run id {newest.run_id!r}"
+        resume = f"pass run_id={newest.run_id!r} (cryosnap.checkpointer.run_id_of(path))"
+    raise CheckpointError(
+        f"{where}: its newest version (step {newest.step}) was saved by another training "
+        f"({theirs}), not by run_id={run_id!r}: start a new training in a new path, or, to "
+        f"resume that one, {resume}"
+    )
+
+
+def _validate_run_id(run_id: object) -> str | None:
+    if run_id is None:
+        return None
+    if not isinstance(run_id, str):
+        raise TypeError(f"run_id must be a str or None, got {type(run_id).__name__}")
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ValueError(
+            f"run_id={run_id!r:.160} is invalid: allowed are 1 to 128 of A-Z a-z 0-9 . _ : -"
+        )
+    return run_id
+
+
 def _check_distinct(persistent: Store, scratch: Sequence[Store]) -> None:
     """A scratch device that is the persistent directory itself would be one run opened twice
     (its own lock would report this very process as the other writer)."""
@@ -684,8 +775,13 @@ def _policy(policy: object) -> SavePolicy | None:
 
 
 def _coordinator(comm: object) -> Coordinator:
+    """``comm``, or without one the job this process is part of: a TorchCoordinator when
+    torch.distributed is initialized with several processes (each Checkpointer gets gloo groups
+    of its own, created collectively), else a world of one."""
     if comm is None:
-        return LocalCoordinator()
+        from .dist._torch import TorchCoordinator, initialized_world
+
+        return TorchCoordinator() if initialized_world() else LocalCoordinator()
     if not isinstance(comm, Coordinator):
         raise TypeError(
             f"comm must be None or a cryosnap.dist.Coordinator (e.g. a rank of "

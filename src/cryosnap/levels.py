@@ -58,6 +58,10 @@ class Level:
         return engine.list_steps(self.store)
 
 
+def _ignore_reached(step: int, level: str, seconds: float) -> None:
+    return None
+
+
 class Handoff:
     """Copies committed versions from ``src`` to ``dst`` on a thread of its own, in order."""
 
@@ -135,6 +139,8 @@ class Levels:
         self.chain = chain
         self.coordinator = coordinator
         self.handoffs: list[Handoff] = []
+        # Told (step, level, seconds from the level below) when a version reaches a level.
+        self.observe: Callable[[int, str, float], None] = _ignore_reached
         # Set once a lock check finds this writer no longer holds the run: it stops saving.
         self.lock_lost: LockLostError | None = None
 
@@ -170,13 +176,14 @@ class Levels:
     # -- a version moving up -------------------------------------------------------------------
 
     def reached(self, index: int, step: int, pending: PendingSave, info: SaveInfo | None) -> None:
-        """``step`` is durable on level ``index``: report it, hand it to the next level."""
-        if index < len(self.handoffs):
-            # Reported before it is queued, so result(tier=...) sees this level first.
-            pending.reached(self.levels[index].name, info)
+        """``step`` is durable on level ``index``: report it, and hand it to the next level
+        unless its save policy keeps it below (``pending.levels``)."""
+        name = self.levels[index].name
+        # Reported before it is queued, so result(tier=...) sees this level first.
+        pending.reached(name, info)
+        self.observe(step, name, pending.seconds_to(name))
+        if index < len(self.handoffs) and index + 1 < len(pending.levels):
             self.handoffs[index].submit(step, pending, info)
-        else:
-            pending.reached(self.levels[index].name, info)
 
     def resume_unflushed(self, keep_persistent: int | RetentionPolicy | None) -> list[PendingSave]:
         """On open: versions committed on a faster level and missing on the next (a crash
@@ -193,7 +200,7 @@ class Levels:
                 tracker = CaptureTracker(0)
                 tracker.finish()
                 names = self.names[handoff.index :]
-                pending = PendingSave(step, tracker, time.perf_counter(), names)
+                pending = PendingSave(step, tracker, time.perf_counter(), names, self.names)
                 out.append(pending)
                 handoff.submit(step, pending, None)
             if missing:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import re
 import time
 import zlib
 from collections.abc import Sequence
@@ -51,6 +52,7 @@ __all__ = [
     "Manifest",
     "ManifestRef",
     "PartSummary",
+    "RUN_ID_PATTERN",
     "INHERITED",
     "STORED",
     "Segment",
@@ -89,6 +91,9 @@ MAX_UNIX = 253402300799.0
 # JSON nesting of a commit record (flat by design: 3 levels). The state tree of a manifest has
 # its own limit, tree.MAX_DEPTH.
 MAX_JSON_DEPTH = 16
+# A run id (which training wrote a version): letters, digits and ._:- only, 1 to 128 of them,
+# so it is safe in a log line, a file name or a shell command.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def version_prefix(step: int) -> str:
@@ -598,6 +603,7 @@ class CommitRecord:
     incremental: bool = False
     chain: tuple[int, ...] = ()
     metrics: dict[str, float] | None = None
+    run_id: str | None = None  # the training that wrote the version (Checkpointer(run_id=))
 
     @classmethod
     def of_parts(
@@ -608,6 +614,7 @@ class CommitRecord:
         chunk_bytes: int,
         root: str,
         metrics: dict[str, float] | None = None,
+        run_id: str | None = None,
     ) -> CommitRecord:
         """The record of ``step`` made of every rank's part (``root``: the Merkle root over
         the parts' roots, in rank order)."""
@@ -626,6 +633,7 @@ class CommitRecord:
             incremental=any(p.incremental for p in parts),
             chain=tuple(sorted({s for p in parts for s in p.chain})),
             metrics=metrics or None,
+            run_id=run_id,
         )
 
     def to_json(self) -> bytes:
@@ -650,6 +658,8 @@ class CommitRecord:
         }
         if self.metrics:
             doc["metrics"] = dict(self.metrics)
+        if self.run_id is not None:  # written only when set: older readers never see it
+            doc["run_id"] = self.run_id
         doc["checksum"] = _checksum(doc)
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
@@ -703,6 +713,7 @@ class CommitRecord:
             incremental=bool(doc.get("incremental", False)),
             chain=tuple(_steps(doc.get("chain", []), where)),
             metrics=_metrics(doc.get("metrics"), where),
+            run_id=_run_id(doc.get("run_id"), where),
         )
 
 
@@ -715,6 +726,14 @@ def _metrics(raw: Any, where: str) -> dict[str, float] | None:
     ):
         raise _fail(where, f"malformed metrics {raw!r:.120}")
     return {k: float(v) for k, v in raw.items()}
+
+
+def _run_id(raw: Any, where: str) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not RUN_ID_PATTERN.fullmatch(raw):
+        raise _fail(where, f"malformed run_id {raw!r:.120}")
+    return raw
 
 
 def _steps(raw: Any, where: str) -> list[int]:

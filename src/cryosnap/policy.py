@@ -53,6 +53,7 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLast",
+    "MultiLevel",
     "RetentionPolicy",
     "SavePolicy",
     "VersionInfo",
@@ -146,6 +147,142 @@ class EveryNSeconds:
 
     def __repr__(self) -> str:
         return f"EveryNSeconds({self.seconds})"
+
+
+class MultiLevel:
+    """Per-level frequency from a failure model: when to save, and how far up each version
+    goes (scratch takes every version, persistent every k-th), re-planned as costs change.
+
+    ``failures`` are :class:`cryosnap.plan.FailureClass` objects (mean time between failures,
+    exponential or Weibull, and the lowest level that survives them). The cost of each level is
+    measured as the run goes: the seconds a version takes to become durable on that level after
+    the one below (reported through :meth:`reached`), a conservative stand-in for the time the
+    run loses to it (asynchronous levels cost the run less). ``costs`` gives them instead, and
+    ``restart_seconds`` the time to recover from each level (default: its save cost).
+    :func:`cryosnap.plan.plan` (``method``) turns them into a schedule: a version every
+    ``base_interval_seconds`` of the run to the first level, and to level ``j`` every
+    ``every_versions``-th version. The plan is recomputed after every ``replan_every`` versions.
+
+    Before every level has been measured (the first version, sent to every level), the policy
+    saves once at its first ``should_save`` call and then waits for that version.
+    """
+
+    def __init__(
+        self,
+        failures: Sequence[object],
+        *,
+        levels: Sequence[str] = ("scratch", "persistent"),
+        costs: Mapping[str, float] | None = None,
+        restart_seconds: Mapping[str, float] | None = None,
+        replan_every: int = 10,
+        method: Literal["analytic", "search", "auto"] = "analytic",
+    ) -> None:
+        from .plan import FailureClass
+
+        if not isinstance(failures, (list, tuple)) or not failures:
+            wrong_type(failures, "failures", "a non-empty list of cryosnap.plan.FailureClass")
+        for f in failures:
+            if not isinstance(f, FailureClass):
+                wrong_type(f, "failures[...]", "a cryosnap.plan.FailureClass")
+        self.failures = tuple(failures)
+        self.levels = tuple(levels)
+        if not self.levels or not all(isinstance(n, str) and n for n in self.levels):
+            bad_value(levels, "levels", "level names, fastest first")
+        self._given = self._per_level(costs, "costs")
+        self._restart = self._per_level(restart_seconds, "restart_seconds")
+        self.replan_every = positive_int(replan_every, "replan_every")
+        if method not in ("analytic", "search", "auto"):
+            bad_value(method, "method", "'analytic', 'search' or 'auto'")
+        self.method = method
+        self._samples: dict[str, list[float]] = {n: [] for n in self.levels}
+        self._plan: object | None = None
+        self._versions = 0  # versions saved so far (the next one is number _versions + 1)
+        self._since_plan = 0
+        self._last_save: float | None = None
+        self._waiting_first = False
+
+    def _per_level(self, values: Mapping[str, float] | None, name: str) -> dict[str, float]:
+        if values is None:
+            return {}
+        if not isinstance(values, Mapping):
+            wrong_type(values, name, "a mapping of level name -> seconds")
+        out = {}
+        for level, value in values.items():
+            if level not in self.levels:
+                bad_value(level, f"{name} key", f"one of the levels {self.levels}")
+            out[level] = _seconds(value, f"{name}[{level!r}]", allow_zero=name != "costs")
+        return out
+
+    # -- what the plan says --------------------------------------------------------------------
+
+    @property
+    def plan(self) -> object | None:
+        """The current :class:`cryosnap.plan.Plan` (None until every level has a cost)."""
+        return self._plan
+
+    def cost_seconds(self, level: str) -> float | None:
+        """The save cost of ``level`` the plan uses: given, else the median measured."""
+        if level in self._given:
+            return self._given[level]
+        samples = self._samples[level]
+        return statistics.median(samples) if samples else None
+
+    def _replan(self) -> None:
+        from .plan import LevelCost, plan
+
+        costs = [self.cost_seconds(n) for n in self.levels]
+        if any(c is None or c <= 0 for c in costs):
+            return
+        levels = [
+            LevelCost(n, float(c or 0.0), self._restart.get(n, float(c or 0.0)))
+            for n, c in zip(self.levels, costs, strict=True)
+        ]
+        self._plan = plan(levels, list(self.failures), method=self.method)
+        self._since_plan = 0
+
+    def top_level(self, step: int) -> int:
+        """How far up the version saved at ``step`` goes (an index into ``levels``); counts
+        it as saved. Called by the Checkpointer once per ``save``."""
+        self._versions += 1
+        if self._plan is None:
+            return len(self.levels) - 1  # measure every level first
+        return int(self._plan.last_level(self._versions))  # type: ignore[attr-defined]
+
+    # -- the SavePolicy protocol ---------------------------------------------------------------
+
+    def should_save(self, step: int, *, now: float) -> bool:
+        if self._last_save is None:
+            self._last_save = now
+            self._waiting_first = True
+            return True  # the first version measures every level
+        if self._plan is None:
+            return False
+        interval = float(self._plan.base_interval_seconds)  # type: ignore[attr-defined]
+        if now - self._last_save >= interval:
+            self._last_save = now
+            return True
+        return False
+
+    def saved(self, step: int, *, now: float, stall_seconds: float) -> None:
+        pass
+
+    def reached(self, step: int, *, level: str, now: float, seconds: float) -> None:
+        """Version ``step`` became durable on ``level``, ``seconds`` after the level below
+        (after ``save()`` for the first level)."""
+        if level in self._samples and seconds > 0:
+            samples = self._samples[level]
+            samples.append(seconds)
+            del samples[:-16]  # the recent costs: storage speed drifts
+        if self._plan is None:
+            self._replan()  # the first version has now reached one more level
+
+    def durable(self, step: int, *, now: float, seconds: float, stall_seconds: float) -> None:
+        self._since_plan += 1
+        if self._plan is None or self._since_plan >= self.replan_every:
+            self._replan()
+
+    def __repr__(self) -> str:
+        return f"MultiLevel(levels={self.levels}, failures={len(self.failures)} classes)"
 
 
 # EWMA weights. One iteration is one sample and they come often, so a gentle weight. Costs and

@@ -1,0 +1,191 @@
+"""MPICoordinator with real processes: ``mpiexec -n N python test_dist_mpi.py SCENARIO OUT_DIR``.
+
+mpiexec is MPICH's, from the ``mpich`` wheel (installed into the virtualenv's bin by
+requirements-dev.txt), and mpi4py finds that library at run time. Each rank writes what it saw
+to ``OUT_DIR/rank-N.json`` and the test checks it; a scenario that raises fails the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve()
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+TIMEOUT = 30.0  # collectives of the healthy scenarios (a hang guard, never reached)
+SHORT = 0.5  # collectives that are meant to time out
+
+
+def launch(scenario: str, world: int, out: Path) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world`` MPI ranks; what each rank reported, by rank."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (requirements-dev.txt)")
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}: the mpich wheel is not installed")
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(MPIEXEC), "-n", str(world), sys.executable, str(HERE), scenario, str(out)]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        log = proc.communicate(timeout=180)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, f"mpiexec exited {proc.returncode}:\n{log}"
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(rank)
+    w = rng.standard_normal(16 << 10).astype(np.float32)
+    w[: 1024 * (step % 4)] += step  # a sparse change per step: incremental versions
+    return {"w": w, "rank": rank, "step": step}
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def test_collectives_of_three_ranks(tmp_path: Path) -> None:
+    results = launch("collectives", 3, tmp_path)
+    for rank, got in enumerate(results):
+        assert got["rank"] == rank and got["world"] == 3
+        assert got["gathered"] == [{"rank": r, "pad": "x" * r} for r in range(3)]
+        assert got["root"] == "from 1"
+        assert got["side"] == [0, 10, 20] and got["cached"] is True
+        # Two threads, each on its own channel, in opposite orders on different ranks.
+        assert got["threads"] == {"a": [0, 1, 2], "b": [0, -1, -2]}
+        assert "JSON-like" in got["not_json"]
+
+
+def test_a_rank_that_never_arrives_is_an_error_on_the_others(tmp_path: Path) -> None:
+    survivor, _ = launch("absent", 2, tmp_path)
+    assert survivor["absent"] == (
+        "CoordinationError: rank 0: barrier 1 on MPI channel 'main/late' did not complete "
+        f"within {SHORT:g} s (a participant hangs or did not arrive)"
+    )
+
+
+def test_a_checkpointer_on_every_rank(tmp_path: Path) -> None:
+    import cryosnap
+    from cryosnap import engine
+    from cryosnap.storage import LocalStore
+
+    results = launch("checkpointer", 2, tmp_path)
+    run = tmp_path / "run"
+    assert engine.list_steps(LocalStore(run)) == [3, 4, 5]
+    assert engine.read_commit(LocalStore(run), 5).world_size == 2
+    for rank, got in enumerate(results):
+        assert got["due"] == [0, 2, 4, 5]  # rank 0's policy (every 2), rank 1 preempted at 5
+        assert got["incremental"][-1] and not got["incremental"][0]
+        assert got["restored"] == 5
+        assert "already open for writing" in got["second_writer"]
+        for step in (3, 4, 5):
+            part = cryosnap.load(run, step=step, rank=rank)
+            np.testing.assert_array_equal(part["w"], state_of(rank, step)["w"])
+
+
+# -- the ranks' side ------------------------------------------------------------------------------
+
+
+def _collectives(comm: Any) -> dict[str, Any]:
+    import threading
+
+    from cryosnap.dist import MPICoordinator
+
+    c = MPICoordinator(comm, timeout=TIMEOUT)
+    rank = c.rank
+    got: dict[str, Any] = {"rank": rank, "world": c.world_size}
+    got["gathered"] = c.all_gather({"rank": rank, "pad": "x" * rank})  # unequal lengths
+    got["root"] = c.broadcast(f"from {rank}", root=1)
+    c.barrier()
+    side = c.channel("side")
+    got["side"] = side.all_gather(rank * 10)
+    got["cached"] = c.channel("side") is side
+    a, b = c.channel("a"), c.channel("b")
+    threads: dict[str, Any] = {}
+
+    def on_a() -> None:
+        threads["a"] = a.all_gather(rank)
+
+    # Rank 0 starts "b" first, the others "a": one shared communicator would match them wrongly.
+    t = threading.Thread(target=on_a)
+    if rank != 0:
+        t.start()
+    threads["b"] = b.all_gather(-rank)
+    if rank == 0:
+        t.start()
+    t.join()
+    got["threads"] = threads
+    try:
+        c.all_gather(object())
+    except TypeError as exc:
+        got["not_json"] = str(exc)
+    return got
+
+
+def _absent(comm: Any) -> dict[str, Any]:
+    from cryosnap.dist import MPICoordinator
+    from cryosnap.errors import CoordinationError
+
+    c = MPICoordinator(comm, timeout=TIMEOUT)
+    late, done = c.channel("late"), c.channel("done")
+    got: dict[str, Any] = {}
+    if c.rank == 0:
+        try:
+            late.barrier(timeout=SHORT)
+        except CoordinationError as exc:
+            got["absent"] = f"CoordinationError: {exc}"
+    done.barrier()  # rank 1 never enters the barrier on "late"
+    return got
+
+
+def _checkpointer(comm: Any) -> dict[str, Any]:
+    import cryosnap
+    from cryosnap.dist import MPICoordinator
+    from cryosnap.errors import CheckpointError
+    from cryosnap.policy import EveryNSteps
+
+    rank = comm.Get_rank()
+    run = Path(sys.argv[2]) / "run"
+    got: dict[str, Any] = {"due": [], "incremental": []}
+    policy = EveryNSteps(2 if rank == 0 else 100)
+    c = MPICoordinator(comm, timeout=TIMEOUT)
+    with cryosnap.Checkpointer(run, comm=c, chunk_bytes=4096, keep=3, policy=policy) as ckpt:
+        for step in range(6):
+            if rank == 1 and step == 5:
+                ckpt.preempted = True
+            if ckpt.should_save(step):
+                got["due"].append(step)
+            # Every rank saves every step (the agreement above is checked, not used).
+            info = ckpt.save(step, state_of(rank, step)).result(timeout=TIMEOUT)
+            got["incremental"].append(info.incremental)
+        try:
+            cryosnap.Checkpointer(run, comm=MPICoordinator(comm, timeout=TIMEOUT))
+        except CheckpointError as exc:
+            got["second_writer"] = str(exc)
+    with cryosnap.Checkpointer(run, comm=MPICoordinator(comm, timeout=TIMEOUT)) as ckpt:
+        restored = ckpt.restore()
+        assert restored["rank"] == rank
+        got["restored"] = int(restored["step"])
+    return got
+
+
+def main(scenario: str, out: Path) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    scenarios = {"collectives": _collectives, "absent": _absent, "checkpointer": _checkpointer}
+    got = scenarios[scenario](comm)
+    (out / f"rank-{comm.Get_rank()}.json").write_text(json.dumps(got))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

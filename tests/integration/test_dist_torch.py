@@ -1,0 +1,317 @@
+"""TorchCoordinator with real processes: torch.distributed over gloo on the loopback interface.
+
+Each test starts 2 or 3 processes running this file as a script (``python test_dist_torch.py
+SCENARIO OUT_DIR``) with the environment torchrun would give them (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``); each rank writes what it saw to ``OUT_DIR/rank-N.json``
+and the test checks it. A scenario that raises makes its process exit non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve()
+TIMEOUT = 30.0  # collectives of the healthy scenarios (a hang guard, never reached)
+SHORT = 1.0  # collectives that are meant to time out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    scenario: str, world: int, out: Path, *, killed: frozenset[int] = frozenset()
+) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world`` processes; what each rank reported, by rank (the ranks in
+    ``killed`` SIGKILL themselves and report nothing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE), scenario, str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        expected = -signal.SIGKILL if rank in killed else 0
+        assert p.returncode == expected, f"rank {rank} exited {p.returncode}:\n{log}"
+    return [
+        json.loads((out / f"rank-{r}.json").read_text()) if r not in killed else {}
+        for r in range(world)
+    ]
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    rng = np.random.default_rng(rank)
+    w = rng.standard_normal(16 << 10).astype(np.float32)
+    w[: 1024 * (step % 4)] += step  # a sparse change per step: incremental versions
+    return {"w": w, "rank": rank, "step": step}
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def test_collectives_of_three_processes(tmp_path: Path) -> None:
+    results = launch("collectives", 3, tmp_path)
+    for rank, got in enumerate(results):
+        assert got["rank"] == rank and got["world"] == 3
+        assert got["gathered"] == [{"rank": r, "pad": "x" * r} for r in range(3)]
+        assert got["root"] == "from 1"
+        assert got["side"] == [0, 10, 20] and got["cached"] is True
+        # Two threads, each on its own channel, in opposite orders on different ranks.
+        assert got["threads"] == {"a": [0, 1, 2], "b": [0, -1, -2]}
+        assert "JSON-like" in got["not_json"]
+    assert results[0]["subgroup"] == [0, 2, [0, 2], 2]
+    assert results[2]["subgroup"] == [1, 2, [0, 2], 2]
+    assert "not in group [0, 2]" in results[1]["subgroup"]
+
+
+def test_a_rank_that_never_arrives_or_died_is_an_error_on_the_others(tmp_path: Path) -> None:
+    survivor, _ = launch("dead", 2, tmp_path)
+    assert survivor["absent"].startswith("CoordinationError: rank 0/2: barrier 1 on channel")
+    assert "'main/late'" in survivor["absent"]
+    assert survivor["dead"].startswith("CoordinationError: rank 0/2: all_gather 1 on channel")
+    assert "'main/gone'" in survivor["dead"]
+
+
+def test_a_rank_killed_between_saves_fails_the_next_version_on_the_survivor(
+    tmp_path: Path,
+) -> None:
+    from cryosnap import engine
+    from cryosnap.storage import LocalStore
+
+    survivor, _ = launch("killed", 2, tmp_path, killed=frozenset({1}))
+    assert survivor["error"].startswith("CoordinationError: rank 0/2: all_gather")
+    assert "'main/writer'" in survivor["error"]
+    # Step 1 never became visible; step 0 is intact and loads.
+    assert survivor["steps"] == [0] == engine.list_steps(LocalStore(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("comm", ["auto", "explicit"])
+def test_a_checkpointer_on_every_rank(tmp_path: Path, comm: str) -> None:
+    import cryosnap
+    from cryosnap import engine
+    from cryosnap.manifest import manifest_key
+    from cryosnap.storage import LocalStore
+
+    results = launch(f"checkpointer-{comm}", 2, tmp_path)
+    run = tmp_path / "run"
+    store = LocalStore(run)
+    assert engine.list_steps(store) == [3, 4, 5]
+    record = engine.read_commit(store, 5)
+    assert record.world_size == 2
+    assert [m.key for m in record.manifests] == [manifest_key(5, r) for r in range(2)]
+    for rank, got in enumerate(results):
+        assert got["coordinator"] == "TorchCoordinator"
+        assert got["due"] == [0, 2, 4, 5]  # rank 0's policy (every 2), rank 1 preempted at 5
+        assert got["incremental"][-1] and not got["incremental"][0]
+        assert got["restored"] == 5
+        assert "already open for writing" in got["second_writer"]
+        for step in (3, 4, 5):
+            part = cryosnap.load(run, step=step, rank=rank)
+            np.testing.assert_array_equal(part["w"], state_of(rank, step)["w"])
+            assert part["rank"] == rank
+
+
+# -- the ranks' side ------------------------------------------------------------------------------
+
+
+def _init() -> tuple[int, int]:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _collectives(out: Path) -> dict[str, Any]:
+    from cryosnap.dist import TorchCoordinator
+
+    rank, _ = _init()
+    c = TorchCoordinator(timeout=TIMEOUT)
+    got: dict[str, Any] = {"rank": c.rank, "world": c.world_size}
+    got["gathered"] = c.all_gather({"rank": rank, "pad": "x" * rank})  # unequal lengths
+    got["root"] = c.broadcast(f"from {rank}", root=1)
+    c.barrier()
+    side = c.channel("side")
+    got["side"] = side.all_gather(rank * 10)
+    got["cached"] = c.channel("side") is side
+    a, b = c.channel("a"), c.channel("b")
+    threads: dict[str, Any] = {}
+
+    def on_a() -> None:
+        threads["a"] = a.all_gather(rank)
+
+    # Rank 0 starts "b" first, the others "a": one shared group would pair them wrongly.
+    t = threading.Thread(target=on_a)
+    if rank != 0:
+        t.start()
+    threads["b"] = b.all_gather(-rank)
+    if rank == 0:
+        t.start()
+    t.join()
+    got["threads"] = threads
+    try:
+        c.all_gather(object())
+    except TypeError as exc:
+        got["not_json"] = str(exc)
+    got["subgroup"] = _subgroup(rank)
+    return got
+
+
+def _subgroup(rank: int) -> Any:
+    """A coordinator of ranks 0 and 2 only: its members create its groups, rank 1 takes no part."""
+    import torch.distributed as dist
+
+    from cryosnap.dist import TorchCoordinator
+
+    pair = dist.new_group([0, 2])  # the program's own group: every process creates it
+    try:
+        sub = TorchCoordinator(pair, timeout=TIMEOUT)
+    except ValueError as exc:
+        return str(exc)
+    return [
+        sub.rank,
+        sub.world_size,
+        sub.all_gather(rank),
+        sub.channel("x").broadcast(rank, root=1),
+    ]
+
+
+def _dead(out: Path) -> dict[str, Any]:
+    from cryosnap.dist import TorchCoordinator
+    from cryosnap.errors import CoordinationError
+
+    rank, _ = _init()
+    c = TorchCoordinator(timeout=TIMEOUT)
+    late, gone = c.channel("late"), c.channel("gone")
+    c.barrier()
+    got: dict[str, Any] = {}
+    if rank == 1:
+        # Never enters the barrier on "late"; exits once rank 0 reported it, without a word.
+        while not (out / "absent-seen").exists():
+            time.sleep(0.05)
+        (out / "rank-1.json").write_text("{}")
+        os._exit(0)
+    try:
+        late.barrier(timeout=SHORT)
+    except CoordinationError as exc:
+        got["absent"] = f"CoordinationError: {exc}"
+    (out / "absent-seen").write_text("")
+    try:
+        gone.all_gather(rank, timeout=TIMEOUT)  # rank 1 is gone: its sockets closed
+    except CoordinationError as exc:
+        got["dead"] = f"CoordinationError: {exc}"
+    return got
+
+
+def _killed(out: Path) -> dict[str, Any]:
+    import cryosnap
+
+    rank, _ = _init()
+    got: dict[str, Any] = {}
+    with cryosnap.Checkpointer(out / "run", chunk_bytes=4096) as ckpt:
+        ckpt.save(0, state_of(rank, 0)).result(timeout=TIMEOUT)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            ckpt.save(1, state_of(rank, 1)).result(timeout=TIMEOUT)
+        except cryosnap.CheckpointError as exc:
+            got["error"] = f"{type(exc).__name__}: {exc}"
+        got["steps"] = ckpt.steps()
+        np.testing.assert_array_equal(ckpt.restore(0)["w"], state_of(rank, 0)["w"])
+    return got
+
+
+def _checkpointer(out: Path, comm: str) -> dict[str, Any]:
+    import cryosnap
+    from cryosnap.dist import TorchCoordinator
+    from cryosnap.errors import CheckpointError
+    from cryosnap.policy import EveryNSteps
+
+    rank, _ = _init()
+    run = out / "run"
+
+    def coordinator() -> TorchCoordinator | None:
+        return None if comm == "auto" else TorchCoordinator(timeout=TIMEOUT)
+
+    got: dict[str, Any] = {"due": [], "incremental": []}
+    policy = EveryNSteps(2 if rank == 0 else 100)
+    with cryosnap.Checkpointer(
+        run, comm=coordinator(), chunk_bytes=4096, keep=3, policy=policy
+    ) as ckpt:
+        got["coordinator"] = type(ckpt.coordinator).__name__
+        for step in range(6):
+            if rank == 1 and step == 5:
+                ckpt.preempted = True
+            if ckpt.should_save(step):
+                got["due"].append(step)
+            # Every rank saves every step (the agreement above is checked, not used).
+            info = ckpt.save(step, state_of(rank, step)).result(timeout=TIMEOUT)
+            got["incremental"].append(info.incremental)
+        try:
+            cryosnap.Checkpointer(run, comm=coordinator())
+        except CheckpointError as exc:
+            got["second_writer"] = str(exc)
+    with cryosnap.Checkpointer(run, comm=coordinator()) as ckpt:
+        restored = ckpt.restore()
+        assert restored["rank"] == rank
+        got["restored"] = int(restored["step"])
+    return got
+
+
+def main(scenario: str, out: Path) -> None:
+    import torch.distributed as dist
+
+    if scenario == "collectives":
+        got = _collectives(out)
+    elif scenario == "dead":
+        got = _dead(out)
+    elif scenario == "killed":
+        got = _killed(out)
+    else:
+        got = _checkpointer(out, scenario.removeprefix("checkpointer-"))
+    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))
+    if scenario not in ("dead", "killed"):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
