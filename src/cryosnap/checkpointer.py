@@ -118,7 +118,9 @@ class Checkpointer:
         instead of a hang. None: no bound. With it, :meth:`close` returns within about
         ``flush_retry_seconds`` plus a few storage calls, whatever the tiers do.
     comm
-        The run's participants: None (a world of one) or a :class:`cryosnap.dist.Coordinator`
+        The run's participants: None (the torch.distributed job when it is initialized with
+        several processes, through a ``TorchCoordinator``; else a world of one), or a
+        :class:`cryosnap.dist.Coordinator` (``TorchCoordinator``, ``MPICoordinator``)
         (e.g. one rank of :class:`cryosnap.dist.InProcessGroup`). Every participant saves its
         own part of each version; rank 0 takes the write lock and commits once every part is
         durable. With several participants the run has one tier (no ``scratch`` yet).

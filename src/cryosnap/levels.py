@@ -138,6 +138,9 @@ class Levels:
         self.levels = levels
         self.chain = chain
         self.coordinator = coordinator
+        # Retention's collectives run on the writer thread: a channel of their own, created
+        # here at open (creating one is collective on torch.distributed and MPI).
+        self._retire_channel = coordinator.channel("retire")
         self.handoffs: list[Handoff] = []
         # Told (step, level, seconds from the level below) when a version reaches a level.
         self.observe: Callable[[int, str, float], None] = _ignore_reached
@@ -247,7 +250,7 @@ class Levels:
     ) -> None:
         """Rank 0 plans, every rank forgets the doomed files, then rank 0 deletes while the
         others wait."""
-        coord = self.coordinator
+        coord = self._retire_channel
         plan: engine.RetirePlan | None = None
         decision: dict[str, object]
         if coord.rank == 0:

@@ -1,0 +1,74 @@
+"""The participants of a run and how they agree: the :class:`Coordinator` protocol.
+
+A run may be written by several processes (ranks) at once. Every orchestration decision that
+they must agree on goes through a Coordinator: whether to save now (the policy's answer and
+preemption), which step to restore, when a version is committed (the commit record is written
+by rank 0 once every part is durable), and what retention deletes (rank 0 decides, every rank
+forgets the files before they go). A world of one (:class:`LocalCoordinator`) is the same code
+path with collectives that return at once, so single-process and multi-rank runs share it.
+
+Implementations:
+
+- :class:`LocalCoordinator`: a world of one (the default).
+- :class:`InProcessGroup`: several participants as threads of one process (tests, and programs
+  that checkpoint several shards from threads); real collectives on a condition variable.
+- :class:`TorchCoordinator`: the ranks of a torch.distributed job, over gloo groups of its own
+  (``Checkpointer(comm=None)`` picks it when torch.distributed is initialized).
+- :class:`MPICoordinator`: the ranks of an mpi4py communicator, over duplicates of it.
+
+Collectives carry small JSON-like objects (ints, strings, lists, dicts), never tensors, and each
+has a timeout: a participant that does not arrive becomes a :class:`~cryosnap.CoordinationError`
+on the others, never a hang. Each background thread of a Checkpointer uses its own *channel*
+(:meth:`Coordinator.channel`), so collectives issued by the writer and by a flusher never
+interleave.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from ._common import DEFAULT_TIMEOUT_SECONDS
+from ._local import LocalCoordinator
+from ._mpi import MPICoordinator
+from ._threads import InProcessGroup
+from ._torch import TorchCoordinator
+
+__all__ = [
+    "DEFAULT_TIMEOUT_SECONDS",
+    "Coordinator",
+    "InProcessGroup",
+    "LocalCoordinator",
+    "MPICoordinator",
+    "TorchCoordinator",
+]
+
+
+@runtime_checkable
+class Coordinator(Protocol):
+    """The participants of a run (ranks ``0 .. world_size - 1``) and their collectives."""
+
+    @property
+    def rank(self) -> int:
+        """This participant's rank."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """How many participants the run has."""
+        ...
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every participant called it."""
+        ...
+
+    def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        """Every participant's ``obj``, by rank."""
+        ...
+
+    def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
+        """``root``'s ``obj`` on every participant (the others' ``obj`` is ignored)."""
+        ...
+
+    def channel(self, name: str) -> Coordinator:
+        """The same participants on an independent sequence of collectives (one per thread)."""
+        ...
