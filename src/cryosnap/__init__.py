@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, save
+from .checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -21,6 +21,7 @@ from .errors import (
     CoordinationError,
     IntegrityError,
     LockLostError,
+    ReplicaDivergenceError,
     StateMismatchError,
     StorageError,
     StorageTimeoutError,
@@ -42,6 +43,7 @@ __all__ = [
     "LockLostError",
     "PendingSave",
     "RNGState",
+    "ReplicaDivergenceError",
     "SaveInfo",
     "StateMismatchError",
     "Status",
@@ -50,6 +52,7 @@ __all__ = [
     "Tier",
     "__version__",
     "load",
+    "run_id_of",
     "save",
 ]
 

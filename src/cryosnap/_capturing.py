@@ -25,6 +25,7 @@ from . import engine
 from ._gc import paused_gc
 from ._results import PendingSave
 from .capture import Batch, StagingPool, capture_to_slabs, direct_batches
+from .manifest import Replicated
 from .tree import FlatState
 
 __all__ = ["END", "Capturer", "Job"]
@@ -48,6 +49,8 @@ class Job:
     # told time and durations by one clock, so a test's fake clock makes it deterministic.
     clock0: float = 0.0
     stall_clock: float = 0.0
+    # Top-level keys identical on every rank (save(replicated=...), checked by the facade).
+    replicated: Replicated = None
 
     def drain(self) -> None:
         """Give back every captured batch still queued (the version is abandoned)."""

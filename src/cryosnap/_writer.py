@@ -2,7 +2,9 @@
 
 Versions are written one after the other, in the order they were saved: the captured batches
 are hashed and diffed against the base (:class:`~cryosnap._chain.ChainIndex`), new chunks go to
-the first level's data file, then the manifest; then the participants agree on the commit
+the first level's data file (of replicated state, only this rank's share: _replicated.py;
+with several participants they then exchange fingerprints and where their shares lie), then
+the manifest; then the participants agree on the commit
 (each one's :class:`~cryosnap.manifest.PartSummary` is gathered, rank 0 writes the commit record
 once every part is durable and tells the others how it went), retention runs on the first
 level, the policy is told what the version cost, and the version is reported durable on the
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import engine
+from . import _replicated, engine
 from ._capturing import END, Job
 from ._chain import ChainIndex
 from ._results import SaveInfo
@@ -143,8 +145,12 @@ class Writer:
         store = self.levels.first.store
         writer: engine.PartWriter | None = None
         ended = False
+        # Every rank of a distributed save takes part in the replicas' exchange once.
+        exchanged = self.coord.world_size == 1
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
         try:
+            world = self.coord.world_size
+            plan = _replicated.plan(job.flat, job.replicated, world, self.chunk_bytes)
             base = self.chain.base_for_next(store)
             writer = engine.PartWriter(
                 store,
@@ -155,6 +161,8 @@ class Writer:
                 index=self.chain.index if base is not None else None,
                 placement=self.placement,
                 rank=self.coord.rank,
+                shares=plan.shares,
+                replicated=plan.keys,
             )
             while True:
                 item = job.batches.get()
@@ -166,6 +174,9 @@ class Writer:
                 batch: Batch = item
                 writer.add(batch.pieces, batch.release)
                 progress.update(batch.nbytes)
+            if not exchanged:
+                exchanged = True
+                _replicated.exchange(self.coord, job.step, job.flat, writer, plan)
             part = writer.finish()
         except BaseException as exc:
             if writer is not None:
@@ -175,7 +186,12 @@ class Writer:
                 # so a capture blocked on the staging budget can finish.
                 job.pending.request_abort(exc)
                 job.drain()
-            # The others wait for this part in the commit: tell them it failed.
+            # The others wait for this part in the exchange and the commit: tell them it failed.
+            try:
+                if not exchanged:
+                    _replicated.send_failure(self.coord, exc)
+            except CheckpointError as agree:
+                log.error("step %d: telling the other participants failed: %s", job.step, agree)
             try:
                 self._agree_commit(job, None, exc)
             except CheckpointError as agree:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import _signals, _validate, engine
+from . import _replicated, _signals, _validate, engine
 from ._capturing import Capturer, Job
 from ._chain import ChainIndex
 from ._results import PendingSave, SaveInfo, Status
@@ -335,6 +335,7 @@ class Checkpointer:
         *,
         lazy: bool = False,
         metrics: dict[str, float] | None = None,
+        replicated: bool | Sequence[str | int] | None = None,
     ) -> PendingSave:
         """Capture ``state`` as version ``step`` and write it in the background.
 
@@ -343,9 +344,15 @@ class Checkpointer:
         leaves it mutates, and other leaves may be mutated only after ``wait_captured()``).
         ``metrics`` (name -> finite number, e.g. ``{"loss": 0.31}``) are stored with the version
         for retention policies such as ``KeepBest``. Every participant saves the same steps.
+        ``replicated`` (a list of top-level keys of ``state``, or True for all of it) names
+        state identical on every participant (data-parallel model and optimizer): it is
+        written once in total, each participant writing its share of the new chunks, after
+        the participants checked it is identical (else :class:`~cryosnap.ReplicaDivergenceError`
+        on every one, nothing committed); it restores on any number of participants
+        (``restore(replicated_only=True)``). In a world of one it changes nothing but the record.
         """
         t0 = time.perf_counter()
-        job = self._start(step, state, t0, _metrics(metrics))
+        job = self._start(step, state, t0, _metrics(metrics), replicated)
         try:
             if lazy:
                 self._capturer.lazy(job, t0)
@@ -368,7 +375,12 @@ class Checkpointer:
         return job.pending.result()
 
     def _start(
-        self, step: int, state: Any, t0: float, metrics: dict[str, float] | None = None
+        self,
+        step: int,
+        state: Any,
+        t0: float,
+        metrics: dict[str, float] | None = None,
+        replicated: object = None,
     ) -> Job:
         clock0 = self._clock()
         self._check_open()
@@ -388,13 +400,14 @@ class Checkpointer:
         if where is not None:
             raise CheckpointExistsError(f"step {step} already exists in {where}")
         flat = flatten(state, allow_pickle=self.allow_pickle)
+        keys = _replicated.replicated_keys(replicated, flat)
         self._inflight.acquire()
         # Forget finished versions, but keep failed ones the caller has not received yet.
         self._pending = [p for p in self._pending if not p.done() or p.failed_undelivered()]
         tracker = CaptureTracker(len(flat.blobs))
         names = self._levels.names
         pending = PendingSave(step, tracker, t0, names[: self._top_level(step) + 1], names)
-        job = Job(step, flat, pending, queue.SimpleQueue(), metrics, clock0=clock0)
+        job = Job(step, flat, pending, queue.SimpleQueue(), metrics, clock0=clock0, replicated=keys)
         self._pending.append(pending)
         self._writer.submit(job)
         return job
@@ -424,20 +437,29 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None = None, *, into: Any = None) -> Any:
+    def restore(
+        self, step: int | None = None, *, into: Any = None, replicated_only: bool = False
+    ) -> Any:
         """The state of ``step`` (default: the newest version that verifies, the same on every
-        participant); see :func:`load`."""
+        participant); see :func:`load`.
+
+        ``replicated_only``: only the keys saved as replicated (a dict of them; ``into``, a
+        dict holding them, gets them filled and its other keys are left alone), on any number
+        of participants. Without it a participant the version has no part for (saved by fewer
+        ranks) gets a :class:`~cryosnap.CheckpointNotFoundError` saying what it can do.
+        """
         self._check_open()
         if step is not None:
             validate_step(step)
+        only = _validate.boolean(replicated_only, "replicated_only")
         stores = self._levels.stores()
         rank = self.coordinator.rank
         if step is not None or self.coordinator.world_size == 1:
             return _restore_tiers(
-                stores, step, into=into, rank=rank, allow_pickle=self.allow_pickle
+                stores, step, into=into, rank=rank, allow_pickle=self.allow_pickle, only=only
             )
         return _restore_agreed(
-            self._restore_channel, stores, into=into, allow_pickle=self.allow_pickle
+            self._restore_channel, stores, into=into, allow_pickle=self.allow_pickle, only=only
         )
 
     def close(self) -> None:
@@ -550,12 +572,19 @@ def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:
 
 
 def _restore_tiers(
-    tiers: Sequence[Store], step: int | None, *, into: Any, rank: int, allow_pickle: bool
+    tiers: Sequence[Store],
+    step: int | None,
+    *,
+    into: Any,
+    rank: int,
+    allow_pickle: bool,
+    only: bool = False,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
-    one that verifies, without ``step``); a damaged copy falls back to the next tier."""
+    one that verifies, without ``step``); a damaged copy falls back to the next tier.
+    ``only``: the replicated keys only (engine.read_part's ``replicated_only``)."""
     if len(tiers) == 1:
-        return _restore(tiers[0], step, into=into, rank=rank, allow_pickle=allow_pickle)
+        return _restore(tiers[0], step, into=into, rank=rank, allow_pickle=allow_pickle, only=only)
     where = " + ".join(t.url for t in tiers)
 
     def listed() -> list[int]:
@@ -568,7 +597,9 @@ def _restore_tiers(
         first: CheckpointError | None = None
         for store in stores:
             try:
-                return engine.read_part(store, s, rank=rank, into=into, allow_pickle=allow_pickle)
+                return engine.read_part(
+                    store, s, rank=rank, into=into, allow_pickle=allow_pickle, replicated_only=only
+                )
             except CheckpointError as exc:
                 if store is not stores[-1]:
                     log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
@@ -581,9 +612,19 @@ def _restore_tiers(
     return engine.newest_restorable(where, attempt, listed)
 
 
-def _restore(store: Store, step: int | None, *, into: Any, rank: int, allow_pickle: bool) -> Any:
+def _restore(
+    store: Store,
+    step: int | None,
+    *,
+    into: Any,
+    rank: int,
+    allow_pickle: bool,
+    only: bool = False,
+) -> Any:
     def attempt(s: int) -> Any:
-        return engine.read_part(store, s, rank=rank, into=into, allow_pickle=allow_pickle)
+        return engine.read_part(
+            store, s, rank=rank, into=into, allow_pickle=allow_pickle, replicated_only=only
+        )
 
     def listed() -> list[int]:
         return engine.list_steps(store)
@@ -682,7 +723,7 @@ def _check_run_id(stores: Sequence[Store], run_id: str) -> None:
         theirs, resume = "no run id", "open it without run_id"
     else:
         theirs = f"run id {newest.run_id!r}"
-        resume = f"pass run_id={newest.run_id!r} (cryosnap.checkpointer.run_id_of(path))"
+        resume = f"pass run_id={newest.run_id!r} (cryosnap.run_id_of(path))"
     raise CheckpointError(
         f"{where}: its newest version (step {newest.step}) was saved by another training "
         f"({theirs}), not by run_id={run_id!r}: start a new training in a new path, or, to "
@@ -738,28 +779,34 @@ def _metrics(metrics: object) -> dict[str, float] | None:
 
 
 def _restore_agreed(
-    coord: Coordinator, stores: Sequence[Store], *, into: Any, allow_pickle: bool
+    coord: Coordinator, stores: Sequence[Store], *, into: Any, allow_pickle: bool, only: bool
 ) -> Any:
     """The newest version every participant can restore: the steps complete for all of them,
     tried newest first until every participant read its part (damage on any one falls back
-    for all, so they resume from the same step)."""
+    for all, so they resume from the same step). A version saved by fewer ranks than read it
+    fails on every participant alike (engine.PartNotFoundError, which says what to do)."""
     listed = coord.all_gather(sorted({s for st in stores for s in engine.list_steps(st)}))
     common = sorted(set.intersection(*(set(steps) for steps in listed)))
     where = " + ".join(st.url for st in stores)
     for step in reversed(common):
         try:
             state = _restore_tiers(
-                stores, step, into=None, rank=coord.rank, allow_pickle=allow_pickle
+                stores, step, into=None, rank=coord.rank, allow_pickle=allow_pickle, only=only
             )
-            error = ""
+            error, missing = "", False
         except (IntegrityError, CheckpointFormatError, CheckpointNotFoundError) as exc:
             state, error = None, str(exc)
-        errors = [e for e in coord.all_gather(error) if e]
+            missing = isinstance(exc, engine.PartNotFoundError)
+        told = coord.all_gather([error, missing])
+        errors = [e for e, _missing in told if e]
+        absent = [e for e, missing in told if missing]
+        if absent:
+            raise engine.PartNotFoundError(absent[0])
         if not errors:
             if into is None:
                 return state
             return _restore_tiers(
-                stores, step, into=into, rank=coord.rank, allow_pickle=allow_pickle
+                stores, step, into=into, rank=coord.rank, allow_pickle=allow_pickle, only=only
             )
         log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0])
     raise CheckpointNotFoundError(

@@ -16,6 +16,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── CoordinationError                                a collective among the run's participants
     │                                                    failed or timed out (a rank died or
     │                                                    disagrees)
+    ├── ReplicaDivergenceError                           state saved as replicated differs
+    │                                                    between ranks (names the leaf and
+    │                                                    the ranks); nothing is committed
     ├── LockLostError                                    this writer no longer holds the run's
     │                                                    write lock (taken over while paused);
     │                                                    it stops instead of saving or deleting
@@ -41,6 +44,7 @@ __all__ = [
     "CoordinationError",
     "IntegrityError",
     "LockLostError",
+    "ReplicaDivergenceError",
     "StateMismatchError",
     "StorageError",
     "StorageTimeoutError",
@@ -101,3 +105,9 @@ class StorageTimeoutError(StorageError, TimeoutError):
 class CoordinationError(CheckpointError):
     """A collective among the run's participants failed or did not complete within its
     timeout: a participant died, hangs, or does not take part in the same decision."""
+
+
+class ReplicaDivergenceError(CheckpointError):
+    """State saved as replicated (``save(..., replicated=...)``) is not identical on every rank:
+    the message names the first leaf that differs and which ranks hold which content. The
+    version is not committed on any rank."""

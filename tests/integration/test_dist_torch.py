@@ -149,6 +149,34 @@ def test_a_checkpointer_on_every_rank(tmp_path: Path, comm: str) -> None:
             assert part["rank"] == rank
 
 
+def test_replicated_state_is_written_once_split_across_two_processes(tmp_path: Path) -> None:
+    import torch
+
+    import cryosnap
+    from cryosnap import engine
+    from cryosnap.storage import LocalStore
+
+    results = launch("replicated", 2, tmp_path)
+    run = tmp_path / "run"
+    model, _opt = _replicated_model()
+    replicated = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    replicated *= 3  # the weights, Adam's exp_avg and exp_avg_sq (its 0-d steps left aside)
+    shares = [got["written"][0] - 8000 for got in results]  # less each rank's own leaf
+    assert abs(shares[0] - shares[1]) <= 0.1 * max(shares), shares
+    assert replicated <= sum(shares) <= replicated + 4 * len(model.state_dict())
+    # The sparse change: one chunk, written by the one rank whose share holds it.
+    assert sorted(got["written"][1] for got in results) == [0, 4096]
+    for rank, got in enumerate(results):
+        assert got["diverged"].startswith("ReplicaDivergenceError: step 2: replicated leaf model/")
+        assert "ranks [0] vs ranks [1]" in got["diverged"]
+        assert got["steps"] == [0, 1]
+        part = cryosnap.load(run, step=1, rank=rank)
+        assert part["own"] == rank
+        assert part["model"]["0.weight"][0, 0] == model.state_dict()["0.weight"][0, 0] + 1
+        torch.testing.assert_close(part["model"]["2.weight"], model.state_dict()["2.weight"])
+        engine.verify_part(LocalStore(run), 1, rank=rank)
+
+
 # -- the ranks' side ------------------------------------------------------------------------------
 
 
@@ -297,6 +325,50 @@ def _checkpointer(out: Path, comm: str) -> dict[str, Any]:
     return got
 
 
+def _replicated_model() -> tuple[Any, Any]:
+    """The same small model and Adam state in every process (seeded), after one step."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, w = torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen)
+    (model(x) * w).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _replicated(out: Path) -> dict[str, Any]:
+    import torch
+
+    import cryosnap
+
+    rank, _ = _init()
+    model, opt = _replicated_model()
+
+    def state() -> dict[str, Any]:
+        own = np.random.default_rng(rank).standard_normal(1000)  # 8000 bytes, this rank's
+        return {"model": model, "optim": opt, "rng": own, "own": rank}
+
+    got: dict[str, Any] = {"written": []}
+    keys = ["model", "optim"]
+    with cryosnap.Checkpointer(out / "run", chunk_bytes=4096) as ckpt:
+        got["written"].append(ckpt.save(0, state(), replicated=keys).result().written_bytes)
+        with torch.no_grad():
+            model[0].weight[0, :4] += 1.0
+        got["written"].append(ckpt.save(1, state(), replicated=keys).result().written_bytes)
+        if rank == 1:
+            with torch.no_grad():
+                model[2].bias[0] += 1.0
+        try:
+            ckpt.save(2, state(), replicated=keys).result(timeout=TIMEOUT)
+        except cryosnap.CheckpointError as exc:
+            got["diverged"] = f"{type(exc).__name__}: {exc}"
+        got["steps"] = ckpt.steps()
+    return got
+
+
 def main(scenario: str, out: Path) -> None:
     import torch.distributed as dist
 
@@ -306,6 +378,8 @@ def main(scenario: str, out: Path) -> None:
         got = _dead(out)
     elif scenario == "killed":
         got = _killed(out)
+    elif scenario == "replicated":
+        got = _replicated(out)
     else:
         got = _checkpointer(out, scenario.removeprefix("checkpointer-"))
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))

@@ -1,13 +1,19 @@
 """Lightning integration: a tiny model trained on CPU through the real ``lightning.pytorch``.
 
-A run saved with the callback (or through the CheckpointIO plugin) and resumed in a fresh
-Trainer continues from the saved step with the saved weights and ends bit for bit where an
-uninterrupted run ends.
+A run saved with the callback and killed (SIGKILL) or preempted (SIGTERM) in the middle of an
+epoch, in a child process running the user's script (lightning_job.py), resumes through each
+documented path (the same script again; ``fit(ckpt_path=<run>[@step])``) and ends bit for bit
+where an uninterrupted run ends: final weights and every logged loss, dropout and a shuffled
+resumable dataloader included. A second training into a used run is refused. Checkpoints
+written through the CheckpointIO plugin resume the same way.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,13 @@ from cryosnap.integrations.lightning import (
     CryosnapCallback,
     CryosnapCheckpointIO,
     load_checkpoint,
+    load_from_checkpoint,
     to_plain,
 )
+
+from . import lightning_job
+
+JOB = Path(lightning_job.__file__)
 
 pytestmark = [
     # On machines with more than 2 cores Lightning advises DataLoader workers for speed.
@@ -68,10 +79,25 @@ class Probe(Callback):
     def __init__(self) -> None:
         self.start_step: int | None = None
         self.start_weights: dict[str, torch.Tensor] = {}
+        self.trainer: Trainer
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.trainer = trainer
         self.start_step = trainer.global_step
         self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+class Stop(Callback):
+    """Ends fit after ``step`` optimizer steps (no signal: a process that simply stops)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
 
 
 def _trainer(tmp_path: Path, max_steps: int, callbacks: list[Any], **kwargs: Any) -> Trainer:
@@ -111,32 +137,112 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.equal(a[k], b[k]), k
 
 
-def test_callback_saves_and_resumes_exactly(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    total = 3 * BATCHES_PER_EPOCH
-    cut = 2 * BATCHES_PER_EPOCH  # an epoch boundary: the plain DataLoader resumes exactly there
+# -- exact resume through the documented paths (lightning_job.py is the user's script) --------
 
-    reference, _ = _fit(tmp_path / "ref", total, enable_checkpointing=False)
 
-    first, _ = _fit(
-        tmp_path / "a",
-        cut,
-        CryosnapCallback(run, every_n_steps=BATCHES_PER_EPOCH),
-        enable_checkpointing=False,
+def _job(run: Path, out: Path, kill_at: int, sig: str) -> subprocess.CompletedProcess[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [sys.executable, str(JOB), str(run), str(out), "--kill-at", str(kill_at), "--signal", sig],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
-    assert _steps(run) == [BATCHES_PER_EPOCH, cut]
-    saved = cryosnap.load(run)
-    assert saved["global_step"] == cut
-    assert saved["hyper_parameters"] == {"lr": 0.1, "width": 8}
-    _assert_same(saved["state_dict"], first.state_dict())
 
-    callback = CryosnapCallback(run, every_n_steps=BATCHES_PER_EPOCH)
-    resumed, probe = _fit(tmp_path / "b", total, callback, enable_checkpointing=False)
-    assert callback.restored_step == cut
-    assert probe.start_step == cut
-    _assert_same(probe.start_weights, saved["state_dict"])
-    assert _steps(run) == [4, 8, 12]
-    _assert_same(resumed.state_dict(), reference.state_dict())
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[Any]]:
+    """The uninterrupted run: final weights and every logged loss."""
+    out = tmp_path_factory.mktemp("reference")
+    model = lightning_job.fit(out / "run", out, lightning_job.Record(out / "losses.txt"))
+    losses = lightning_job.losses(out / "losses.txt")
+    assert [s for s, _ in losses] == list(range(1, lightning_job.TOTAL + 1))
+    return model.state_dict(), losses
+
+
+def _resumed(
+    run: Path, out: Path, reference: tuple[dict[str, Any], list[Any]], **fit: Any
+) -> CryosnapCallback:
+    weights, losses = reference
+    killed = lightning_job.losses(out / "losses.txt")
+    assert killed == losses[: len(killed)]
+    resumed_from = max(_steps(run))
+    record = out / "resumed.txt"
+    probe = Probe()
+    model = lightning_job.fit(run, out, lightning_job.Record(record), probe, **fit)
+    assert probe.start_step == resumed_from
+    assert lightning_job.losses(record) == losses[resumed_from:]
+    _assert_same(model.state_dict(), weights)
+    callback = next(c for c in probe.trainer.callbacks if isinstance(c, CryosnapCallback))
+    return callback
+
+
+def test_sigkill_mid_epoch_then_rerun_the_script_resumes_exactly(
+    tmp_path: Path, reference: tuple[dict[str, Any], list[Any]]
+) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    done = _job(run, out, kill_at=10, sig="KILL")  # step 10 of 14: mid-epoch, saves at 4, 8
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert max(_steps(run)) in (4, 8)  # step 8 is durable unless the kill came first
+    callback = _resumed(run, out, reference)  # the same script again: resume=True
+    assert callback.restored_step in (4, 8)
+    assert _steps(run)[-1] == lightning_job.TOTAL
+
+
+def test_sigterm_saves_the_step_and_fit_ckpt_path_resumes_exactly(
+    tmp_path: Path, reference: tuple[dict[str, Any], list[Any]]
+) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    done = _job(run, out, kill_at=9, sig="TERM")
+    # Lightning's own SIGTERM handling ended fit, after cryosnap saved step 9.
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 9 of" in done.stderr and "is durable; passing SIGTERM on" in done.stderr
+    assert _steps(run) == [4, 8, 9]
+    _resumed(run, out, reference, ckpt_path=str(run), resume=False)
+
+
+def test_fit_ckpt_path_picks_a_step_and_a_new_training_is_refused(
+    tmp_path: Path, reference: tuple[dict[str, Any], list[Any]]
+) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    lightning_job.fit(run, out, Probe())
+    assert _steps(run) == [4, 8, 12, 14]
+    with pytest.raises(cryosnap.CheckpointExistsError, match=r"already holds steps 4, 8, 12, 14"):
+        lightning_job.fit(run, out, resume=False)
+    # An older step: its saves would collide with the newer versions.
+    with pytest.raises(cryosnap.CheckpointExistsError, match=r"newer steps 12, 14"):
+        lightning_job.fit(run, out, ckpt_path=f"{run}@8", resume=False)
+    assert _steps(run) == [4, 8, 12, 14]
+    # An older version into a new path: that run continues from it, exactly.
+    probe = Probe()
+    model = lightning_job.fit(tmp_path / "other", out, probe, ckpt_path=f"{run}@8")
+    assert probe.start_step == 8
+    assert _steps(tmp_path / "other") == [12, 14]
+    _assert_same(model.state_dict(), reference[0])
+
+
+def test_a_plain_dataloader_is_refused_unless_exact_is_off(tmp_path: Path) -> None:
+    with pytest.raises(cryosnap.CheckpointError, match=r"\(DataLoader\) cannot resume mid-epoch"):
+        lightning_job.fit(tmp_path / "run", tmp_path, data=_data())
+    assert not (tmp_path / "run").exists()
+    seed_everything(0, verbose=False)
+    trainer = _trainer(
+        tmp_path, 4, [CryosnapCallback(tmp_path / "run", every_n_steps=2, exact=False)]
+    )
+    trainer.fit(Tiny(), _data())
+    assert _steps(tmp_path / "run") == [2, 4]
+
+
+def test_load_from_checkpoint_of_a_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    model = lightning_job.fit(run, tmp_path)
+    loaded = load_from_checkpoint(lightning_job.Tiny, run)
+    assert isinstance(loaded, lightning_job.Tiny) and loaded.hparams.lr == 0.05
+    _assert_same(loaded.state_dict(), model.state_dict())
+    older = load_from_checkpoint(lightning_job.Tiny, f"{run}@8", lr=0.5)
+    assert older.hparams.lr == 0.5
+    _assert_same(older.state_dict(), load_checkpoint(run, step=8)["state_dict"])
 
 
 # Resuming into the directory of the interrupted run: Lightning warns that it is not empty.

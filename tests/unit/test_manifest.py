@@ -39,7 +39,14 @@ _steps = st.integers(0, MAX_STEP)
 _ranks = st.integers(0, 99_999)
 _segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-.", min_size=1, max_size=8)
 _data_files = st.lists(
-    _segment.filter(lambda s: s not in (".", "..")).map(lambda s: f"data/{s}"),
+    # Not the names stores reserve for writes in progress ("x.partial", ".x.tmp").
+    _segment.filter(
+        lambda s: (
+            s not in (".", "..")
+            and not s.endswith(".partial")
+            and not (s.startswith(".") and s.endswith(".tmp"))
+        )
+    ).map(lambda s: f"data/{s}"),
     max_size=4,
     unique=True,
 )

@@ -72,7 +72,7 @@ def test_only_the_newest_version_is_checked(tmp_path: Path) -> None:
         ckpt.save(1, STATE)
     with cryosnap.Checkpointer(run) as ckpt:  # no run_id: no check, a version without one
         ckpt.save(2, STATE)
-    with pytest.raises(CheckpointError, match="step 2.*no run id"):
+    with pytest.raises(CheckpointError, match=r"step 2.*no run id"):
         cryosnap.Checkpointer(run, run_id="a")  # step 1 was "a"'s, step 2 is not
     with cryosnap.Checkpointer(run) as ckpt:
         assert ckpt.steps() == [1, 2]
@@ -92,7 +92,7 @@ def test_another_training_is_refused_naming_both_ids(tmp_path: Path) -> None:
 def test_versions_without_a_run_id_are_another_training(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cryosnap.save(run, STATE, step=4)
-    with pytest.raises(CheckpointError, match="no run id.*without run_id"):
+    with pytest.raises(CheckpointError, match=r"no run id.*without run_id"):
         cryosnap.Checkpointer(run, run_id="mine")
 
 
@@ -104,7 +104,7 @@ def test_the_newest_version_on_scratch_counts(tmp_path: Path) -> None:
     with cryosnap.Checkpointer(scratch) as ckpt:
         ckpt.save(2, STATE)
     assert run_id_of(run) == "a"
-    with pytest.raises(CheckpointError, match="step 2.*no run id"):
+    with pytest.raises(CheckpointError, match=r"step 2.*no run id"):
         cryosnap.Checkpointer(run, scratch=scratch, run_id="a")
 
 

@@ -5,8 +5,9 @@ One private module per pipeline; imports point one way (each only to those above
 - ``_records``: commit records and manifests: list, read, check against recorded hashes.
 - ``_resolved``: resolve a manifest's chain of bases into per-chunk locations
   (:class:`ResolvedPart`); no data is read.
-- ``_write``: :class:`PartWriter` (hash, diff against the base, append new chunks) and
-  :func:`commit_version`; the Checkpointer's background thread.
+- ``_write``: :class:`PartWriter` (hash, diff against the base, append new chunks; of
+  replicated blobs only this rank's share (:func:`assign_shares`), the others' placed after
+  the ranks' exchange) and :func:`commit_version`; the Checkpointer's background thread.
 - ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
 - ``_fetch``: read the data files into the leaves in large runs and verify every chunk.
 - ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 from ._fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
 from ._fetch import IO_BATCH_BYTES
+from ._read import PartNotFoundError, caller_stacklevel, newest_restorable, read_part, verify_part
 from ._read import _prefaulted as _prefaulted
-from ._read import caller_stacklevel, newest_restorable, read_part, verify_part
 from ._records import list_steps, read_commit, read_manifest, step_exists
 from ._resolved import (
     MAX_CHAIN,
@@ -33,12 +34,13 @@ from ._resolved import (
 )
 from ._resolved import _resolve_one as _resolve_one
 from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
-from ._write import PartResult, PartWriter, commit_version
+from ._write import PartResult, PartWriter, assign_shares, commit_version
 from ._write import _split_pieces as _split_pieces
 
 __all__ = [
     "IO_BATCH_BYTES",
     "MAX_CHAIN",
+    "PartNotFoundError",
     "PartResult",
     "PartWriter",
     "ResolvedBlob",
@@ -56,6 +58,7 @@ __all__ = [
     "resolve",
     "resolve_version",
     "apply_retire",
+    "assign_shares",
     "plan_retire",
     "retire",
     "step_exists",

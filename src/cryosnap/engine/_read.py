@@ -34,16 +34,23 @@ from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
+    StateMismatchError,
 )
-from ..manifest import STORED, Manifest
+from ..manifest import STORED, CommitRecord, Manifest, Replicated
 from ..progress import Progress, human_bytes
 from ..storage import Store
-from ..tree import Restorer, apply_into, blob_paths, check_into
+from ..tree import Restorer, apply_into, blob_paths, check_into, dict_items, encode_key
 from ._fetch import read_blobs
 from ._records import read_commit, read_manifest
 from ._resolved import ResolvedPart, _check_claimed_bytes, chain_manifests, resolve
 
-__all__ = ["caller_stacklevel", "newest_restorable", "read_part", "verify_part"]
+__all__ = [
+    "PartNotFoundError",
+    "caller_stacklevel",
+    "newest_restorable",
+    "read_part",
+    "verify_part",
+]
 
 log = logging.getLogger("cryosnap")
 
@@ -182,10 +189,12 @@ def _read_verified(
     (with a progress line on a terminal if ``progress``)."""
     with paused_gc():
         record = read_commit(store, step)
+        if rank >= record.world_size:
+            raise _no_part(store, record, rank)
         manifest, ref = read_manifest(store, record, rank)
         where = f"step {step}, tier {store.url}: {ref.key}"
         if into is not None:
-            _check_into(manifest, into, where)
+            _check_into(manifest.skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
         # Every size, offset and count the chain claims is checked before any allocation.
         checked = _check_chain_claims(store, chain, set(record.data_files))
@@ -213,9 +222,9 @@ def _read_verified(
     return part, restorer
 
 
-def _check_into(manifest: Manifest, into: Any, where: str) -> None:
+def _check_into(skeleton: Any, into: Any, where: str) -> None:
     try:
-        check_into(manifest.skeleton, into)
+        check_into(skeleton, into)
     except CheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
@@ -246,8 +255,15 @@ def read_part(
     rank: int = 0,
     into: Any = None,
     allow_pickle: bool = False,
+    replicated_only: bool = False,
 ) -> Any:
-    """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``)."""
+    """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
+
+    ``replicated_only``: only the keys saved as replicated, read from any saved rank's part
+    (they are the same on every rank), whatever ``rank`` is: see :func:`_read_replicated`.
+    """
+    if replicated_only:
+        return _read_replicated(store, step, rank=rank, into=into, allow_pickle=allow_pickle)
     t0 = time.perf_counter()
     part, restorer = _read_verified(
         store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
@@ -274,6 +290,92 @@ def read_part(
         raise
     except Exception as exc:
         raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
+
+
+class PartNotFoundError(CheckpointNotFoundError):
+    """The version was saved by fewer ranks than the rank that asks for its part."""
+
+
+def _no_part(store: Store, record: CommitRecord, rank: int) -> PartNotFoundError:
+    """What a rank the version has no part for can do instead."""
+    n, step = record.world_size, record.step
+    saved = f"step {step} in {store.url} was saved by {n} rank(s): rank {rank} has no part of it"
+    try:
+        keys = read_manifest(store, record, 0)[0].replicated
+    except CheckpointError:
+        keys = None
+    if keys is None:
+        what = "No key of it was saved as replicated (save(..., replicated=[...]))"
+    else:
+        which = "the whole state" if keys is True else f"keys {list(keys)!r:.200}"
+        what = (
+            f"Its replicated {which} restore on any number of ranks: "
+            "Checkpointer.restore(replicated_only=True)"
+        )
+    return PartNotFoundError(
+        f"{saved}. {what}; cryosnap.load(path, step={step}, rank=r) reads saved "
+        f"rank r's part (0..{n - 1}), to reshard the rest yourself (torch.distributed."
+        "checkpoint's resharding is not built in)"
+    )
+
+
+def _replicated_skeleton(skeleton: Any, keys: Replicated, where: str) -> Any:
+    """The skeleton of the replicated keys only (a dict node with those keys)."""
+    if keys is True:
+        return skeleton
+    assert keys is not None
+    if not isinstance(skeleton, dict) or skeleton.get("t") not in ("dict", "odict"):
+        raise CheckpointFormatError(f"{where}: names replicated keys of a state that is no dict")
+    items = dict(dict_items(skeleton, where))
+    missing = [k for k in keys if k not in items]
+    if missing:
+        raise CheckpointFormatError(f"{where}: replicated keys {missing!r:.120} are not saved")
+    return {**skeleton, "k": [encode_key(k) for k in keys], "v": [items[k] for k in keys]}
+
+
+def _read_replicated(store: Store, step: int, *, rank: int, into: Any, allow_pickle: bool) -> Any:
+    """The keys of ``step`` saved as replicated (True: the whole state), read from saved part
+    ``rank % world_size`` (ranks spread their reads over the parts: they hold the same
+    content) and verified. Returns a dict of those keys; ``into`` (a dict holding at least
+    those keys) gets them filled, its other keys are left as they are."""
+    record = read_commit(store, step)
+    source = rank % record.world_size
+    manifest, ref = read_manifest(store, record, source)
+    where = f"step {step}, tier {store.url}: {ref.key}"
+    keys = manifest.replicated
+    if keys is None:
+        raise CheckpointError(
+            f"step {step} in {store.url} was saved without replicated=: no key of it is "
+            "replicated; restore(replicated_only=True) needs a version saved with "
+            "save(..., replicated=[...])"
+        )
+    skeleton = _replicated_skeleton(manifest.skeleton, keys, where)
+    target = into
+    if into is not None and keys is not True:
+        if not isinstance(into, dict) or any(k not in into for k in keys):
+            raise StateMismatchError(
+                f"into= must be a dict holding the replicated keys {list(keys)!r:.200} of "
+                f"step {step}, got {type(into).__name__}"
+                + (f" with keys {list(into)!r:.200}" if isinstance(into, dict) else "")
+            )
+        target = {k: into[k] for k in keys}
+    if target is not None:
+        _check_into(skeleton, target, where)
+    tree = read_part(store, step, rank=source, allow_pickle=allow_pickle)
+    if keys is not True:
+        tree = {k: tree[k] for k in keys}
+    if target is None:
+        return tree
+    try:
+        filled = apply_into(skeleton, tree, target)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
+    if keys is True:
+        return filled
+    into.update(filled)
+    return {k: into[k] for k in keys}
 
 
 def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:

@@ -9,6 +9,10 @@ buffers, few syscalls) by an I/O thread of its own (:class:`_Appender`). Then fs
 manifest, and last the commit record. Until the commit record exists the version is invisible;
 a crash at any point leaves only unreferenced files that retention removes.
 
+Replicated blobs (identical on every rank) are split among the ranks (:func:`assign_shares`):
+a rank writes only the new chunks of its share and refers to the other ranks' data files for
+the rest, once the ranks told each other where their shares lie (_replicated.py does that).
+
 Runs on the Checkpointer's background writer thread (and the I/O threads it starts); no
 collectives here.
 """
@@ -33,12 +37,14 @@ from ..capture import Piece
 from ..chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
+    INHERITED,
     STORED,
     BaseRef,
     BlobEntry,
     CommitRecord,
     Manifest,
     ManifestRef,
+    Replicated,
     commit_key,
     data_key,
     manifest_key,
@@ -51,7 +57,7 @@ from ..tree import FlatState
 from ._records import _no_fence
 from ._resolved import ResolvedPart, _Loc, _resolve_one
 
-__all__ = ["PartResult", "PartWriter", "commit_version"]
+__all__ = ["Owners", "PartResult", "PartWriter", "assign_shares", "commit_version"]
 
 log = logging.getLogger("cryosnap")
 
@@ -103,14 +109,69 @@ class PartResult:
         )
 
 
+# -- shares: which rank writes which chunks of the replicated blobs of a version --------------
+#
+# Blobs saved as replicated are identical on every rank and written once in total, split among
+# the ranks by bytes. Every rank computes the same split from the blob sizes alone, with no
+# communication: the replicated blobs are laid end to end (in the order the caller gives, the
+# same on every rank) and cut into ``world_size`` ranges of equal bytes; a chunk belongs to the
+# range its first byte falls in. Cuts land on chunk boundaries, so a rank's share differs from
+# ``1/world_size`` of the bytes by less than one chunk per cut.
+
+Owners = np.ndarray[Any, np.dtype[np.int32]]
+
+
+def assign_shares(sizes: Sequence[int], world_size: int, chunk_bytes: int) -> list[Owners]:
+    """For each blob of ``sizes`` bytes (in order), the rank that writes each of its chunks."""
+    total = sum(sizes)
+    # The first byte of ranks 1 .. world_size-1 in the blobs laid end to end.
+    cuts = np.array([total * r // world_size for r in range(1, world_size)], np.int64)
+    out: list[Owners] = []
+    at = 0
+    for nbytes in sizes:
+        starts = at + np.arange(chunk_count(nbytes, chunk_bytes), dtype=np.int64) * chunk_bytes
+        out.append(np.searchsorted(cuts, starts, side="right").astype(np.int32))
+        at += nbytes
+    return out
+
+
+def owner_runs(owners: Owners, first: int, count: int) -> list[tuple[int, int, int]]:
+    """Chunks ``first .. first+count-1`` as runs ``(first, count, owner)`` of one owner each."""
+    if count == 0:
+        return []
+    part = owners[first : first + count]
+    if part[0] == part[-1]:  # owners never decrease along a blob: one owner throughout
+        return [(first, count, int(part[0]))]
+    edges = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), count]
+    return [(first + a, b - a, int(part[a])) for a, b in itertools.pairwise(edges)]
+
+
+# A run of chunks of a replicated blob that another rank writes: [EXTERNAL, rank, first, count]
+# until the ranks tell each other where their shares lie (never in a manifest).
+EXTERNAL = 2
+
+
 class _BlobBuilder:
     """Segments of one blob as its pieces arrive."""
 
     __slots__ = ("hashes", "segments")
 
     def __init__(self) -> None:
-        self.segments: list[list[Any]] = []  # [0, file, offset, nbytes, [hashes]] | [1, b, f, n]
+        # [0, file, offset, nbytes, [hashes]] | [1, blob, first, count] | [2, rank, first, count]
+        self.segments: list[list[Any]] = []
         self.hashes: list[bytes] = []
+
+    def external(self, rank: int, first: int, count: int) -> None:
+        last = self.segments[-1] if self.segments else None
+        if (
+            last is not None
+            and last[0] == EXTERNAL
+            and last[1] == rank
+            and last[2] + last[3] == first
+        ):
+            last[3] += count
+        else:
+            self.segments.append([EXTERNAL, rank, first, count])
 
     def inherit(self, blob: int, first: int, count: int) -> None:
         last = self.segments[-1] if self.segments else None
@@ -228,6 +289,13 @@ class PartWriter:
     seen before into references. Without one, the version is full: self-contained, with
     duplicate chunks inside it stored once. Pieces of a blob arrive in order and start on chunk
     boundaries. Runs on the background writer thread.
+
+    ``shares`` (blob index -> the rank that writes each of its chunks, engine._shares) marks
+    replicated blobs: chunks of another rank's share are hashed and diffed against the base
+    (unchanged runs are inherited) but not written; once every piece is added,
+    :meth:`owned_locations` says where this rank's share lies and :meth:`place_external` takes
+    where the other ranks' shares lie (external stored segments into their data files) before
+    :meth:`finish`. ``replicated`` is recorded in the manifest.
     """
 
     def __init__(
@@ -241,6 +309,8 @@ class PartWriter:
         base: ResolvedPart | None = None,
         index: dict[bytes, _Loc] | None = None,
         placement: Placement | None = None,
+        shares: dict[int, np.ndarray[Any, np.dtype[np.int32]]] | None = None,
+        replicated: Replicated = None,
     ) -> None:
         if store.exists(commit_key(step)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
@@ -272,6 +342,10 @@ class PartWriter:
         ]
         self.chunks = 0
         self.new_chunks = 0
+        self.shares = shares or {}
+        self.replicated = replicated
+        self._external: set[int] = set()  # blobs with runs another rank writes
+        self._base_files: np.ndarray[Any, np.dtype[np.int64]] | None = None
 
     def _match(self, i: int) -> int | None:
         assert self.base is not None
@@ -337,59 +411,192 @@ class PartWriter:
                 raise
 
     def _diff(self, pieces: Sequence[Piece]) -> list[memoryview]:
+        out: list[memoryview] = []
+        for p in pieces:
+            owners = self.shares.get(p.blob) if self.shares else None
+            if owners is None:
+                self._diff_piece(p, out)
+                continue
+            cb = self.chunk_bytes
+            first = p.offset // cb
+            for a, count, rank in owner_runs(owners, first, chunk_count(p.view.nbytes, cb)):
+                lo = (a - first) * cb
+                q = Piece(p.blob, p.offset + lo, p.view[lo : lo + count * cb])
+                if rank == self.rank:
+                    self._diff_piece(q, out)
+                else:
+                    self._foreign(q, rank)
+        return out
+
+    def _hash_runs(self, p: Piece) -> tuple[bytes, int, int | None, list[tuple[int, int, bool]]]:
+        """Hash ``p``'s chunks (kept by its blob's builder); its first chunk, its base blob,
+        and runs ``(a, b, unchanged)`` of its chunks against the base."""
+        digests = hash_chunks(p.view, self.chunk_bytes)
+        n = len(digests) // HASH_BYTES
+        self.chunks += n
+        first = p.offset // self.chunk_bytes
+        self._builders[p.blob].hashes.append(digests)
+        j = self._base_blob[p.blob]
+        if j is None:
+            return digests, first, j, [(0, n, False)]
+        assert self.base is not None
+        old = self.base.blobs[j].hashes[first : first + n]
+        if n == 1:
+            return digests, first, j, [(0, 1, digests == old.tobytes())]
+        # Runs of unchanged / changed chunks: one reference per unchanged run.
+        same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
+        edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
+        bounds = [0, *edges.tolist(), n]
+        return digests, first, j, [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
+
+    def _foreign(self, p: Piece, rank: int) -> None:
+        """Chunks of a replicated blob that ``rank`` writes: hashed and diffed, not written."""
+        _digests, first, j, runs = self._hash_runs(p)
+        builder = self._builders[p.blob]
+        for a, b, unchanged in runs:
+            if unchanged:
+                assert j is not None
+                builder.inherit(j, first + a, b - a)
+            else:
+                builder.external(rank, first + a, b - a)
+                self._external.add(p.blob)
+
+    def _diff_piece(self, p: Piece, out: list[memoryview]) -> None:
         cb = self.chunk_bytes
         dev = self._device
         key, offset = self.files[dev], self._offsets[dev]
-        out: list[memoryview] = []
-        for p in pieces:
-            view = p.view
-            digests = hash_chunks(view, cb)
-            n = len(digests) // HASH_BYTES
-            self.chunks += n
-            first = p.offset // cb
-            builder = self._builders[p.blob]
-            builder.hashes.append(digests)
-            j = self._base_blob[p.blob]
-            if j is None:
-                runs: list[tuple[int, int, bool]] = [(0, n, False)]
-            else:
-                assert self.base is not None
-                old = self.base.blobs[j].hashes[first : first + n]
-                if n == 1:
-                    runs = [(0, 1, digests == old.tobytes())]
-                else:
-                    # Runs of unchanged / changed chunks: one reference per unchanged run.
-                    same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
-                    edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
-                    bounds = [0, *edges.tolist(), n]
-                    runs = [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
-            for a, b, unchanged in runs:
-                if unchanged:
-                    assert j is not None
-                    builder.inherit(j, first + a, b - a)
+        view = p.view
+        digests, first, j, runs = self._hash_runs(p)
+        builder = self._builders[p.blob]
+        for a, b, unchanged in runs:
+            if unchanged:
+                assert j is not None
+                builder.inherit(j, first + a, b - a)
+                continue
+            run_start = -1  # start (in this piece) of the current run of new bytes
+            for k in range(a, b):
+                digest = digests[k * HASH_BYTES : (k + 1) * HASH_BYTES]
+                lo = k * cb
+                size = min(cb, view.nbytes - lo)
+                loc = self.new_index.get(digest) or self.index.get(digest)
+                if loc is not None:
+                    if run_start >= 0:
+                        out.append(view[run_start:lo])
+                        run_start = -1
+                    builder.store(self._file(loc[0]), loc[1], size, digest, cb)
                     continue
-                run_start = -1  # start (in this piece) of the current run of new bytes
-                for k in range(a, b):
-                    digest = digests[k * HASH_BYTES : (k + 1) * HASH_BYTES]
-                    lo = k * cb
-                    size = min(cb, view.nbytes - lo)
-                    loc = self.new_index.get(digest) or self.index.get(digest)
-                    if loc is not None:
-                        if run_start >= 0:
-                            out.append(view[run_start:lo])
-                            run_start = -1
-                        builder.store(self._file(loc[0]), loc[1], size, digest, cb)
-                        continue
-                    if run_start < 0:
-                        run_start = lo
-                    self.new_index[digest] = (key, offset)
-                    builder.store(dev, offset, size, digest, cb)
-                    offset += size
-                    self._offsets[dev] = offset
-                    self.new_chunks += 1
-                if run_start >= 0:
-                    out.append(view[run_start : min(b * cb, view.nbytes)])
+                if run_start < 0:
+                    run_start = lo
+                self.new_index[digest] = (key, offset)
+                builder.store(dev, offset, size, digest, cb)
+                offset += size
+                self._offsets[dev] = offset
+                self.new_chunks += 1
+            if run_start >= 0:
+                out.append(view[run_start : min(b * cb, view.nbytes)])
+
+    # -- replicated blobs: where each rank's share lies -----------------------------------------
+
+    def blob_root(self, i: int) -> bytes:
+        """The Merkle root of blob ``i`` (every piece added)."""
+        return merkle_root(b"".join(self._builders[i].hashes))
+
+    def owned_locations(self) -> list[tuple[int, int, int, str, int]]:
+        """Where this rank's share of the replicated blobs lies, every piece added: runs
+        ``(blob, first chunk, chunks, data file, offset)`` of chunks back to back in one file
+        (new, referenced or inherited: every chunk of the share)."""
+        cb = self.chunk_bytes
+        out: list[tuple[int, int, int, str, int]] = []
+        for i, owners in self.shares.items():
+            idx = np.flatnonzero(owners == self.rank)
+            if not len(idx):
+                continue
+            files, offsets = self._chunk_locations(i)
+            f, o = files[idx], offsets[idx]
+            cut = (np.diff(idx) != 1) | (np.diff(f) != 0) | (np.diff(o) != cb)
+            starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+            for s, e in zip(starts, [*starts[1:], len(idx)], strict=True):
+                out.append((i, int(idx[s]), e - s, self.files[int(f[s])], int(o[s])))
         return out
+
+    def _chunk_locations(
+        self, i: int
+    ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+        """Per chunk of blob ``i``: its file (index into ``files``; -1: another rank's) and
+        offset."""
+        cb = self.chunk_bytes
+        n = chunk_count(self.flat.blobs[i].nbytes, cb)
+        files = np.full(n, -1, np.int64)
+        offsets = np.zeros(n, np.int64)
+        pos = 0
+        for seg in self._builders[i].segments:
+            if seg[0] == STORED:
+                k = chunk_count(seg[3], cb)
+                files[pos : pos + k] = seg[1]
+                offsets[pos : pos + k] = seg[2] + np.arange(k, dtype=np.int64) * cb
+            elif seg[0] == INHERITED:
+                assert self.base is not None
+                k = seg[3]
+                src = self.base.blobs[seg[1]]
+                files[pos : pos + k] = self._base_file_map()[src.files[seg[2] : seg[2] + k]]
+                offsets[pos : pos + k] = src.offsets[seg[2] : seg[2] + k]
+            else:
+                k = seg[3]
+            pos += k
+        return files, offsets
+
+    def _base_file_map(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The base's file indices as indices into ``files`` (unused ones never reach the
+        manifest: it lists only the files its stored segments use)."""
+        if self._base_files is None:
+            assert self.base is not None
+            self._base_files = np.array([self._file(f) for f in self.base.files], np.int64)
+        return self._base_files
+
+    def place_external(self, runs: Sequence[tuple[int, int, int, str, int]]) -> None:
+        """The other ranks' shares: runs ``(blob, first chunk, chunks, data file, offset)``
+        (their :meth:`owned_locations`) become stored segments of this part, with the hashes
+        this rank computed itself (every chunk is still verified on read)."""
+        cb = self.chunk_bytes
+        by_blob: dict[int, list[tuple[int, int, int, str, int]]] = {}
+        for run in runs:
+            by_blob.setdefault(run[0], []).append(run)
+        for i in sorted(self._external):
+            blob = self.flat.blobs[i]
+            n = chunk_count(blob.nbytes, cb)
+            files = np.full(n, -1, np.int64)
+            offsets = np.zeros(n, np.int64)
+            for _i, first, count, key, offset in by_blob.get(i, ()):
+                if first < 0 or count <= 0 or first + count > n or offset < 0:
+                    raise CheckpointError(
+                        f"step {self.step}: leaf {blob.path}: another rank reported chunks "
+                        f"{first}..{first + count - 1} of a blob of {n} chunks"
+                    )
+                files[first : first + count] = self._file(key)
+                offsets[first : first + count] = offset + np.arange(count, dtype=np.int64) * cb
+            builder = self._builders[i]
+            hashes = b"".join(builder.hashes)
+            segments: list[list[Any]] = []
+            for seg in builder.segments:
+                if seg[0] != EXTERNAL:
+                    segments.append(seg)
+                    continue
+                _kind, rank, first, count = seg
+                f, o = files[first : first + count], offsets[first : first + count]
+                if (f < 0).any():
+                    raise CheckpointError(
+                        f"step {self.step}: leaf {blob.path}: rank {rank} did not say where "
+                        f"chunks {first}..{first + count - 1} of its share lie"
+                    )
+                cut = (np.diff(f) != 0) | (np.diff(o) != cb)
+                starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+                for s, e in zip(starts, [*starts[1:], count], strict=True):
+                    c0, k = first + s, e - s
+                    nbytes = min(k * cb, blob.nbytes - c0 * cb)
+                    chunk_hashes = hashes[c0 * HASH_BYTES : (c0 + k) * HASH_BYTES]
+                    segments.append([STORED, int(f[s]), int(o[s]), nbytes, [chunk_hashes]])
+            builder.segments = segments
+        self._external.clear()
 
     def finish(self) -> PartResult:
         # The manifest is built while the I/O threads fsync the data, and written after.
@@ -413,6 +620,11 @@ class PartWriter:
         # 20,000 small tensors costs one numpy call here, not 20,000.
         rows: list[list[Any]] = []
         bounds = [0]
+        if self._external:
+            path = self.flat.blobs[min(self._external)].path
+            raise CheckpointError(
+                f"step {self.step}: leaf {path}: the chunks other ranks write were never placed"
+            )
         for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
             got = sum(len(h) for h in builder.hashes) // HASH_BYTES
             if got != chunk_count(blob.nbytes, cb):
@@ -452,6 +664,7 @@ class PartWriter:
             logical_bytes=self.flat.logical_bytes,
             created_unix=now_unix(),
             base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
+            replicated=self.replicated,
         )
         return manifest, manifest.to_json()
 

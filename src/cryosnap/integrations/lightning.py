@@ -13,12 +13,21 @@ Two ways in, both without pickle:
   once the checkpoint is *captured* (copied to host buffers: later optimizer steps cannot change
   it, unlike Lightning's ``AsyncCheckpointIO``) and the write finishes in the background;
   reading or removing that path, and ``teardown``, wait for it.
-- :class:`CryosnapCallback`, a ``Callback``: every ``every_n_steps`` optimizer steps the full
-  Lightning checkpoint goes into one cryosnap run as a new version (asynchronous, incremental,
-  ``keep`` newest), and ``fit`` resumes from the newest version that verifies when the run has
-  one (``resume=True``): model, optimizers, LR schedulers, loop progress (``global_step``,
-  epoch, batch index), callback and precision-plugin state, through Lightning's own restore
-  path, exactly as ``trainer.fit(ckpt_path=...)`` restores a ``.ckpt`` file.
+- :class:`CryosnapCallback`, a ``Callback`` (the one line:
+  ``Trainer(callbacks=[CryosnapCallback("runs/exp1", every_n_steps=100)])``): when its save
+  policy says so the full Lightning checkpoint goes into one cryosnap run as a new version
+  (asynchronous, incremental, ``keep`` newest), and ``fit`` resumes from the newest version that
+  verifies when the run has one (``resume=True``: running the same script again resumes):
+  model, optimizers, LR schedulers, loop progress (``global_step``, epoch, batch index), the
+  position of a resumable train dataloader, callback and precision-plugin state, through
+  Lightning's own restore path, exactly as ``trainer.fit(ckpt_path=...)`` restores a ``.ckpt``
+  file, and the random number generators (:class:`~cryosnap.integrations.torch.RNGState`, as
+  the callback's own state). ``trainer.fit(ckpt_path="runs/exp1")`` (or ``"runs/exp1@40"``)
+  reads a cryosnap run too. Exact by default: a train dataloader without
+  ``state_dict``/``load_state_dict`` is refused when training starts (use
+  :class:`~cryosnap.integrations.torch.ResumableLoader`), a new training into a run holding
+  versions is refused, and a SIGTERM saves the current step before Lightning's own handler
+  ends ``fit`` (:mod:`cryosnap.integrations._base` has the shared rules).
 
 Checkpoint contents. Lightning's checkpoint dict is plain data except what users put in it
 (``hyper_parameters``, ``on_save_checkpoint``). It is stored as follows: dict subclasses
@@ -28,10 +37,11 @@ does not store without pickle (enums, dataclasses, arbitrary objects in ``hyper_
 is refused with a ``TypeError`` naming its path, unless ``allow_pickle=True``. Tensors come
 back on the CPU; Lightning moves model and optimizer state to the device itself.
 
-Not supported: ``LightningModule.load_from_checkpoint`` (it calls ``torch.load`` directly, not
-the plugin: use :func:`load_checkpoint` and ``model.load_state_dict(ckpt["state_dict"])``);
-strategies whose checkpoints are sharded or written by every rank (FSDP, DeepSpeed): the
-plugin and the callback write from global rank 0 only, like ``TorchCheckpointIO``.
+``LightningModule.load_from_checkpoint`` calls ``torch.load`` directly, with no plugin seam:
+for a cryosnap run use :func:`load_from_checkpoint` (``load_from_checkpoint(MyModel,
+"runs/x")``), which builds the module the same way. Not supported: strategies whose
+checkpoints are sharded or written by every rank (FSDP, DeepSpeed): the plugin and the callback
+write from global rank 0 only, like ``TorchCheckpointIO``.
 
 Runs on the training loop's thread; the writes run on each Checkpointer's writer thread.
 """
@@ -42,21 +52,41 @@ import logging
 import os
 import pathlib
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from fsspec.core import url_to_fs
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
+from .. import engine
 from .._validate import step as validate_step
 from ..checkpointer import Checkpointer, PendingSave, load
+from ..dist import LocalCoordinator
+from ..errors import CheckpointError
+from ..policy import SavePolicy
+from ..storage import open_store
+from ._base import RunSaver, split_step
+from .torch import RNGState
 
-__all__ = ["CryosnapCallback", "CryosnapCheckpointIO", "load_checkpoint", "to_plain"]
+__all__ = [
+    "CryosnapCallback",
+    "CryosnapCheckpointIO",
+    "load_checkpoint",
+    "load_from_checkpoint",
+    "to_plain",
+]
 
 log = logging.getLogger("cryosnap")
+
+_Module = TypeVar("_Module", bound=LightningModule)
+
+_RESUME_HINT = (
+    "run it with CryosnapCallback(path, ...) (resume=True, the default) or "
+    "trainer.fit(..., ckpt_path=path)"
+)
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, bytearray, type(None))
 
@@ -114,6 +144,35 @@ def load_checkpoint(
     return checkpoint
 
 
+def load_from_checkpoint(
+    cls: type[_Module],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    map_location: str | torch.device | None = None,
+    strict: bool | None = None,
+    allow_pickle: bool = False,
+    **kwargs: Any,
+) -> _Module:
+    """``cls.load_from_checkpoint(path)`` for a cryosnap run (``"runs/x"`` or ``"runs/x@40"``).
+
+    ``LightningModule.load_from_checkpoint`` reads files with ``torch.load`` and has no plugin
+    seam, so cryosnap runs load through this function instead: the module is built from the
+    saved ``hyper_parameters`` (``kwargs`` override them, as there), its ``on_load_checkpoint``
+    hook runs and the weights are loaded (``strict`` as there), then it is moved to
+    ``map_location`` (default: the CPU).
+    """
+    from lightning.pytorch.core.saving import _load_state
+
+    run, at = split_step(os.fspath(path))
+    checkpoint = load_checkpoint(run, step=at if step is None else step, allow_pickle=allow_pickle)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    assert isinstance(model, cls)
+    return model.to(torch.device(map_location or "cpu"))
+
+
 class CryosnapCheckpointIO(CheckpointIO):
     """A ``CheckpointIO`` that writes each Lightning checkpoint path as a cryosnap run.
 
@@ -142,7 +201,8 @@ class CryosnapCheckpointIO(CheckpointIO):
             raise TypeError("keep is not an option of CryosnapCheckpointIO: a path keeps 1")
         self.async_save = bool(async_save)
         self.allow_pickle = bool(allow_pickle)
-        self._options = checkpointer_options
+        # Global rank 0 alone writes (as TorchCheckpointIO), in a world of one.
+        self._options = {"comm": LocalCoordinator(), **checkpointer_options}
         # Paths whose last save may still be in flight: their Checkpointer holds the run's lock.
         self._open: dict[str, tuple[Checkpointer, PendingSave]] = {}
 
@@ -183,9 +243,11 @@ class CryosnapCheckpointIO(CheckpointIO):
         map_location: Any = None,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        key = os.fspath(path)
+        key, step = split_step(os.fspath(path))
         self._close(key)
-        checkpoint = load_checkpoint(key, allow_pickle=self.allow_pickle and not weights_only)
+        checkpoint = load_checkpoint(
+            key, step=step, allow_pickle=self.allow_pickle and not weights_only
+        )
         if isinstance(map_location, (str, torch.device)):
             device = torch.device(map_location)
             if device.type != "cpu":
@@ -237,122 +299,254 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 
 class CryosnapCallback(Callback):
-    """Save the whole training state into one cryosnap run every N steps; resume ``fit`` from it.
+    """Save the whole training state into one cryosnap run; resume ``fit`` from it exactly.
 
     Parameters
     ----------
     path
         The run: a directory or an fsspec URL.
-    every_n_steps
-        Save when ``trainer.global_step`` (optimizer steps) is a multiple of this, at the end
-        of the training batch.
+    every_n_steps, policy
+        When to save: every N optimizer steps (``trainer.global_step``), or a save policy from
+        :mod:`cryosnap.policy` (``EveryNSteps``, ``EveryNSeconds``, ``Adaptive``); one of the
+        two. Saves happen at the end of a training batch, once per optimizer step.
     save_on_train_end
         Also save the final step when training ends (if it is not saved yet).
     resume
         At the start of ``fit``, restore the newest version of the run (if any): training
-        continues from its ``global_step``. A ``ckpt_path`` passed to ``fit`` takes precedence.
+        continues from its ``global_step``, so running the same script again (a requeued job)
+        resumes. A ``ckpt_path`` given to ``fit`` takes precedence. ``resume=False`` into a
+        run that holds versions is refused.
+    exact
+        Refuse to start when a mid-epoch resume could not continue the data where it stopped
+        (the train dataloader has no ``state_dict``/``load_state_dict``: Lightning would
+        restart the epoch). ``exact=False`` accepts that.
+    handle_signals
+        Preemption signals (default ``(signal.SIGTERM,)``; ``()``: none): the batch in progress
+        ends, its step is saved and durable, then the signal goes on to Lightning's own handler
+        (which ends ``fit``).
+    run_id
+        This training's id (default: a new one; the run's own when resuming).
     keep, allow_pickle, checkpointer_options
         Passed to :class:`~cryosnap.Checkpointer` (``chunk_bytes``, ``incremental``,
-        ``full_every``, ``staging_bytes``, ``max_inflight``).
+        ``full_every``, ``staging_bytes``, ``max_inflight``, ``scratch``...).
 
     Saves are asynchronous: the training loop waits while the state is copied to host memory,
     the write runs in the background; ``fit`` waits for the last one when training ends.
-    Resuming mid-epoch continues the data where it stopped only when the dataloader is
-    resumable (see Lightning's fault-tolerance notes); Lightning warns otherwise.
+    The callback's own state (saved with every Lightning checkpoint, this callback's and
+    ``ModelCheckpoint``'s alike) holds the random number generators (:class:`RNGState`), put
+    back when training starts.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        every_n_steps: int,
+        every_n_steps: int | None = None,
+        policy: SavePolicy | None = None,
         save_on_train_end: bool = True,
         resume: bool = True,
+        exact: bool = True,
+        handle_signals: Sequence[int] | None = None,
+        run_id: str | None = None,
         keep: int | None = None,
         allow_pickle: bool = False,
         **checkpointer_options: Any,
     ) -> None:
         super().__init__()
-        if (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps <= 0
-        ):
-            raise ValueError(
-                f"every_n_steps={every_n_steps!r} is invalid: allowed is a positive int"
-            )
-        self.path = os.fspath(path)
-        self.every_n_steps = every_n_steps
-        self.save_on_train_end = bool(save_on_train_end)
         self.resume = bool(resume)
+        self.exact = bool(exact)
         self.allow_pickle = bool(allow_pickle)
-        self._options: dict[str, Any] = {"keep": keep, **checkpointer_options}
-        self._ckpt: Checkpointer | None = None
-        self._last_saved: int | None = None
+        self._saver = RunSaver(
+            path,
+            every_n_steps=every_n_steps,
+            policy=policy,
+            save_on_train_end=save_on_train_end,
+            handle_signals=handle_signals,
+            run_id=run_id,
+            resume_hint=_RESUME_HINT,
+            checkpointer_options={
+                "keep": keep,
+                "allow_pickle": self.allow_pickle,
+                **checkpointer_options,
+            },
+        )
+        self.path = self._saver.path
         self.restored_step: int | None = None
+        self._rng: Any = None  # generator states to put back when training starts
+        self._io: tuple[Any, CheckpointIO] | None = None  # (strategy, its own CheckpointIO)
+
+    @property
+    def preempted_at(self) -> int | None:
+        """The step saved on preemption in the last ``fit`` (None: not preempted)."""
+        return self._saver.preempted_at
+
+    # -- Lightning's checkpoint of this callback: the generators ----------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": RNGState().state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rng = state_dict.get("rng")
+
+    # -- hooks ----------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or not trainer.is_global_zero:
             return
-        self._close()
-        self._ckpt = Checkpointer(self.path, allow_pickle=self.allow_pickle, **self._options)
-        self._last_saved = self._ckpt.latest_step()
+        self._saver.close()
         self.restored_step = None
-        if self.resume and self._last_saved is not None:
+        self._rng = None
+        self._read_runs_through(trainer)
+        if self.resume and self._saver.steps():
             self._resume(trainer)
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        if self.exact:
+            _check_resumable(trainer.train_dataloader)
+        if self._rng is not None:
+            # Here, not in load_state_dict: setting up the data and the loops draws numbers
+            # that the uninterrupted run drew before its checkpoint.
+            RNGState().load_state_dict(self._rng)
+            self._rng = None
+        # Opened here, after Lightning installed its signal handlers: cryosnap's goes in front.
+        self._saver.begin(trainer.global_step)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._saver.step_end(trainer.global_step, lambda: self._dump(trainer)):
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._saver.end(trainer.global_step, lambda: self._dump(trainer))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._restore_io()
+            self._saver.close()
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._restore_io()
+        self._saver.abort()
+
+    # -- resuming -------------------------------------------------------------------------------
+
     def _resume(self, trainer: Trainer) -> None:
-        assert self._ckpt is not None
-        checkpoint = self._ckpt.restore()
         connector = getattr(trainer, "_checkpoint_connector", None)
         if connector is None or not hasattr(connector, "_loaded_checkpoint"):
             raise TypeError(
                 f"cannot resume from {self.path}: this Lightning version has no checkpoint "
                 "connector to restore through; pass CryosnapCallback(..., resume=False) and "
-                "trainer.fit(ckpt_path=...) with CryosnapCheckpointIO instead"
+                f"trainer.fit(ckpt_path={self.path!r})"
             )
+        checkpoint = load_checkpoint(self.path, allow_pickle=self.allow_pickle)
         # Lightning restores right after setup (model, callbacks, then loops, optimizers and
         # schedulers) from what its connector holds; a fit(ckpt_path=...) replaces it.
         connector._loaded_checkpoint = checkpoint
         self.restored_step = int(checkpoint.get("global_step", 0))
         log.info("cryosnap: resuming from step %d of %s", self.restored_step, self.path)
+        if 0 <= trainer.max_steps <= self.restored_step:
+            log.warning(
+                "cryosnap: %s already holds the end of this training (step %d, max_steps=%d): "
+                "fit has nothing left to train; a new training needs a new path",
+                self.path,
+                self.restored_step,
+                trainer.max_steps,
+            )
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0:
-            self._save(trainer)
+    def _read_runs_through(self, trainer: Trainer) -> None:
+        """Make ``fit(ckpt_path=<run>[@step])`` read cryosnap runs (Lightning's default
+        CheckpointIO reads files with ``torch.load``)."""
+        strategy = trainer.strategy
+        io = strategy.checkpoint_io
+        if type(io) is TorchCheckpointIO:
+            strategy.checkpoint_io = _RunsOrFiles(io, allow_pickle=self.allow_pickle)
+            self._io = (strategy, io)
 
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.save_on_train_end:
-            self._save(trainer)
-        if self._ckpt is not None:
-            self._ckpt.wait()
+    def _restore_io(self) -> None:
+        if self._io is not None:
+            strategy, io = self._io
+            strategy.checkpoint_io = io
+            self._io = None
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._close()
-
-    def on_exception(
-        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
-    ) -> None:
-        try:
-            self._close()
-        except Exception as exc:  # the training exception is the one to see
-            log.error("cryosnap: closing %s after a training failure: %s", self.path, exc)
-
-    def _save(self, trainer: Trainer) -> None:
-        step = trainer.global_step
-        if self._ckpt is None or (self._last_saved is not None and step <= self._last_saved):
-            return
-        # What trainer.save_checkpoint() writes: weights, optimizers, schedulers, loops,
-        # callbacks, precision plugin (it calls the on_save_checkpoint hooks too).
+    def _dump(self, trainer: Trainer) -> Any:
+        # What trainer.save_checkpoint() writes: weights, optimizers, schedulers, loops (the
+        # data position of a resumable train dataloader included), callbacks (this one's RNG
+        # states), precision plugin; it calls the on_save_checkpoint hooks too.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self._ckpt.save(step, to_plain(checkpoint, allow_pickle=self.allow_pickle))
-        self._last_saved = step
+        return to_plain(checkpoint, allow_pickle=self.allow_pickle)
 
-    def _close(self) -> None:
-        ckpt, self._ckpt = self._ckpt, None
-        if ckpt is not None:
-            ckpt.close()
+
+class _RunsOrFiles(CheckpointIO):
+    """Lightning's ``TorchCheckpointIO``, except that a cryosnap run (``path`` or
+    ``path@step``) is loaded through cryosnap."""
+
+    def __init__(self, files: CheckpointIO, *, allow_pickle: bool) -> None:
+        super().__init__()
+        self.files = files
+        self.allow_pickle = allow_pickle
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        self.files.save_checkpoint(checkpoint, os.fspath(path), storage_options=storage_options)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        run, step = split_step(os.fspath(path))
+        if step is None and not _holds_versions(run):
+            return self.files.load_checkpoint(
+                os.fspath(path), map_location, weights_only=weights_only
+            )
+        return load_checkpoint(run, step=step, allow_pickle=self.allow_pickle and not weights_only)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        self.files.remove_checkpoint(os.fspath(path))
+
+    def teardown(self) -> None:
+        self.files.teardown()
+
+
+def _holds_versions(path: str) -> bool:
+    try:
+        return bool(engine.list_steps(open_store(path)))
+    except (OSError, ValueError):
+        return False
+
+
+def _loaders(iterables: Any) -> list[Any]:
+    """The dataloaders of ``trainer.train_dataloader`` (one, or a collection of them)."""
+    if isinstance(iterables, Mapping):
+        return [d for v in iterables.values() for d in _loaders(v)]
+    if isinstance(iterables, (list, tuple)):
+        return [d for v in iterables for d in _loaders(v)]
+    return [] if iterables is None else [iterables]
+
+
+def _check_resumable(iterables: Any) -> None:
+    """Refuse a train dataloader whose position Lightning cannot checkpoint."""
+    stuck = [
+        type(d).__name__
+        for d in _loaders(iterables)
+        if not (
+            callable(getattr(d, "state_dict", None))
+            and callable(getattr(d, "load_state_dict", None))
+        )
+    ]
+    if stuck:
+        raise CheckpointError(
+            f"cryosnap: the train dataloader ({', '.join(stuck)}) cannot resume mid-epoch: on "
+            "resume Lightning would start its epoch over and the run would differ from an "
+            "uninterrupted one. Make it resumable: cryosnap.integrations.torch.ResumableLoader("
+            "dataset, batch_size=..., sampler=ResumableSampler(dataset, seed=...)) (or any "
+            "loader with state_dict/load_state_dict, e.g. torchdata's StatefulDataLoader); or "
+            "accept this with CryosnapCallback(..., exact=False)"
+        )

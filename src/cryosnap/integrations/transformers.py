@@ -1,33 +1,45 @@
 """Hugging Face ``transformers`` integration: ``Trainer`` checkpoints written by cryosnap.
 
-:class:`CryosnapCallback` saves, every ``save_steps`` optimizer steps, in ``on_step_end`` (the
-point where the Trainer saves its own checkpoints: after the optimizer and LR-scheduler step,
+The one line: ``Trainer(..., callbacks=[CryosnapCallback("runs/exp1", save_steps=100)])``.
+Resume with ``trainer.train(resume_from_checkpoint=True)`` (the run's newest version; a run
+without versions trains from the start, so a job script can always pass it), ``="runs/exp1"``
+or ``="runs/exp1@40"`` (version 40); :func:`resume` does the same.
+
+:class:`CryosnapCallback` saves, when its save policy says so (every ``save_steps`` optimizer
+steps, or ``policy=`` such as :class:`~cryosnap.policy.Adaptive`), in ``on_step_end`` (the point
+where the Trainer saves its own checkpoints: after the optimizer and LR-scheduler step,
 ``global_step`` already counted) one version of a cryosnap run holding::
 
     {"model": model.state_dict(), "optimizer": ..., "lr_scheduler": ...,
      "trainer_state": TrainerState as JSON, "rng": cryosnap.RNGState()}
 
 The save returns once this is captured in host memory; the write runs in the background, and
-``on_train_end`` waits until every version is durable. No pickle, no ``torch.load``.
+``on_train_end`` waits until every version is durable. No pickle, no ``torch.load``. The shared
+rules of :mod:`cryosnap.integrations._base` apply: each version carries the training's run id;
+a ``trainer.train()`` from step 0 into a run that holds versions is refused (resume it, or use
+a new path); on SIGTERM (``handle_signals``) the current step is saved, training stops and
+the signal takes its usual course (by default it ends the process) once the step is durable.
 
-:func:`resume` continues training from the newest version (or a chosen ``step``) through the
-Trainer's *own* resume logic: it calls ``trainer.train(resume_from_checkpoint=...)`` with a
-temporary directory holding only ``trainer_state.json`` (the saved ``TrainerState``), and for
-that call makes the Trainer read model weights, optimizer, LR scheduler and RNG states from the
-cryosnap version instead of its ``*.safetensors`` / ``*.pt`` / ``*.pth`` files. Everything the
-Trainer does on resume happens as usual: ``global_step`` and epoch continue, the batches of the
-resumed epoch already trained on are skipped (``ignore_data_skip=False``) and the RNG states are
-put back where the Trainer puts them, so a resumed run ends where an uninterrupted one does
-(bit for bit on CPU with the same seed and arguments). Without any version in the run it is
-a plain ``trainer.train()``.
+Resuming goes through the Trainer's *own* resume logic: ``train`` gets a temporary directory
+holding only ``trainer_state.json`` (the saved ``TrainerState``), and for that call the Trainer
+reads model weights, optimizer, LR scheduler and RNG states from the cryosnap version instead
+of its ``*.safetensors`` / ``*.pt`` / ``*.pth`` files. Everything the Trainer does on resume
+happens as usual: ``global_step`` and epoch continue, the batches of the resumed epoch already
+trained on are skipped (``ignore_data_skip=False``) and the RNG states are put back where the
+Trainer puts them, so a resumed run ends where an uninterrupted one does (bit for bit on CPU
+with the same seed and arguments, gradient accumulation included). The callback makes
+``trainer.train(resume_from_checkpoint=...)`` understand cryosnap runs when it is given to
+the ``Trainer`` constructor (``callbacks=[...]``); added later with ``add_callback``, use
+:func:`resume`.
 
 Limits: one process (the world-process-zero saves; the RNG states are that process's);
 DeepSpeed, FSDP and SageMaker MP checkpoints are not handled (they load through their own
 engines); the AMP grad scaler state (fp16 on GPU) is not saved; ``TrainerState.total_flos``
-lacks the FLOPs counted since the Trainer last logged; of the ``ExportableState`` callbacks only
-``TrainerControl`` is saved as of the step (others as recorded when training began). The
-Trainer's own ``save_strategy`` checkpoints are independent of this: set ``save_strategy="no"``
-to have cryosnap's alone.
+lacks the FLOPs counted since the Trainer last logged, and the first loss logged after a resume
+averages the steps since the resume only (with ``logging_steps=1`` every logged loss is exact);
+of the ``ExportableState`` callbacks only ``TrainerControl`` is saved as of the step (others as
+recorded when training began). The Trainer's own ``save_strategy`` checkpoints are independent
+of this: set ``save_strategy="no"`` to have cryosnap's alone.
 
 Runs on the training loop's thread; the writes run on the Checkpointer's writer thread.
 """
@@ -35,18 +47,22 @@ Runs on the training loop's thread; the writes run on the Checkpointer's writer 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..checkpointer import Checkpointer, load
+from ..checkpointer import load
 from ..errors import CheckpointNotFoundError
+from ..policy import SavePolicy
+from ._base import RunSaver, split_step
 from .torch import RNGState
 
 __all__ = ["CryosnapCallback", "resume"]
@@ -56,96 +72,125 @@ log = logging.getLogger("cryosnap")
 # The file the Trainer reads its state from when resuming (transformers.trainer.TRAINER_STATE_NAME).
 _TRAINER_STATE_NAME = "trainer_state.json"
 
-# The Trainer methods that read a checkpoint directory; resume() feeds them from cryosnap.
+# The Trainer methods that read a checkpoint directory; resuming feeds them from cryosnap.
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state")
+
+_RESUME_HINT = "pass trainer.train(resume_from_checkpoint=True)"
 
 
 class CryosnapCallback(TrainerCallback):
-    """Save model, optimizer, LR scheduler, trainer state and RNG states every N steps.
+    """Save model, optimizer, LR scheduler, trainer state and RNG states into one cryosnap run.
 
     Parameters
     ----------
     path
         The run: a directory or an fsspec URL.
-    save_steps
-        Save when ``state.global_step`` is a multiple of this.
+    save_steps, policy
+        When to save: every N optimizer steps, or a save policy from :mod:`cryosnap.policy`
+        (``EveryNSteps``, ``EveryNSeconds``, ``Adaptive``); one of the two.
     save_on_train_end
         Also save the final step when training ends (if it is not saved yet).
+    handle_signals
+        Preemption signals (default ``(signal.SIGTERM,)``; ``()``: none): the step in progress
+        is saved when it ends, training stops, and the signal is raised again once the version
+        is durable (its previous handler runs; by default that ends the process).
+    run_id
+        This training's id (default: a new one; the run's own when resuming).
     keep, allow_pickle, checkpointer_options
         Passed to :class:`~cryosnap.Checkpointer` (``chunk_bytes``, ``incremental``,
-        ``full_every``, ``staging_bytes``, ``max_inflight``).
-
-    Resume with :func:`resume` (``trainer.train`` continuing from the newest version).
+        ``full_every``, ``staging_bytes``, ``max_inflight``, ``scratch``...).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        save_steps: int,
+        save_steps: int | None = None,
+        policy: SavePolicy | None = None,
         save_on_train_end: bool = True,
+        handle_signals: Sequence[int] | None = None,
+        run_id: str | None = None,
         keep: int | None = None,
         allow_pickle: bool = False,
         **checkpointer_options: Any,
     ) -> None:
-        if isinstance(save_steps, bool) or not isinstance(save_steps, int) or save_steps <= 0:
-            raise ValueError(f"save_steps={save_steps!r} is invalid: allowed is a positive int")
-        self.path = os.fspath(path)
-        self.save_steps = save_steps
-        self.save_on_train_end = bool(save_on_train_end)
         self.allow_pickle = bool(allow_pickle)
-        self._options: dict[str, Any] = {"keep": keep, **checkpointer_options}
-        self._ckpt: Checkpointer | None = None
-        self._last_saved: int | None = None
+        self._saver = RunSaver(
+            path,
+            every_n_steps=save_steps,
+            policy=policy,
+            save_on_train_end=save_on_train_end,
+            handle_signals=handle_signals,
+            run_id=run_id,
+            resume_hint=_RESUME_HINT,
+            checkpointer_options={
+                "keep": keep,
+                "allow_pickle": self.allow_pickle,
+                **checkpointer_options,
+            },
+            steps_name="save_steps",
+        )
+        self.path = self._saver.path
+
+    @property
+    def preempted_at(self) -> int | None:
+        """The step saved on preemption in the last ``train`` (None: not preempted)."""
+        return self._saver.preempted_at
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        trainer = _constructing_trainer(self)
+        if trainer is not None:
+            _understand_runs(trainer, self)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero:
-            return
-        self.close()
-        self._ckpt = Checkpointer(self.path, allow_pickle=self.allow_pickle, **self._options)
-        self._last_saved = self._ckpt.latest_step()
+        if state.is_world_process_zero:
+            self._saver.begin(state.global_step)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if state.global_step % self.save_steps == 0:
-            self._save(state, control, kwargs)
+        if self._saver.step_end(state.global_step, lambda: _snapshot(state, control, kwargs)):
+            control.should_training_stop = True
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._ckpt is None:
-            return
-        if self.save_on_train_end:
-            self._save(state, control, kwargs)
-        self.close()
+        self._saver.end(state.global_step, lambda: _snapshot(state, control, kwargs))
 
     def close(self) -> None:
         """Wait until every version is durable and release the run; raise the first failure."""
-        ckpt, self._ckpt = self._ckpt, None
-        if ckpt is not None:
-            ckpt.close()
+        self._saver.close()
 
-    def _save(self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]) -> None:
-        step = state.global_step
-        if self._ckpt is None or step <= 0:
-            return
-        if self._last_saved is not None and step <= self._last_saved:
-            return
-        missing = [k for k in ("model", "optimizer", "lr_scheduler") if kwargs.get(k) is None]
-        if missing:
-            raise TypeError(f"cannot checkpoint step {step}: the Trainer passed no {missing}")
-        snapshot = {
-            "model": kwargs["model"],
-            "optimizer": kwargs["optimizer"],
-            "lr_scheduler": kwargs["lr_scheduler"],
-            "trainer_state": _state_json(state, control),
-            "rng": RNGState(),
-        }
-        self._ckpt.save(step, snapshot)
-        self._last_saved = step
+    def _resume_target(self, value: object) -> tuple[str, int | None] | None:
+        """The cryosnap version ``train(resume_from_checkpoint=value)`` means, if it is one:
+        True (the newest of this run), this run's path, ``path@step``, or any cryosnap run."""
+        if value is True:
+            return self.path, None
+        if not isinstance(value, (str, os.PathLike)):
+            return None
+        path, step = split_step(os.fspath(value))
+        if _same_path(path, self.path) or _holds_versions(path):
+            return path, step
+        return None
+
+
+def _snapshot(state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]) -> Any:
+    missing = [k for k in ("model", "optimizer", "lr_scheduler") if kwargs.get(k) is None]
+    if missing:
+        raise TypeError(
+            f"cannot checkpoint step {state.global_step}: the Trainer passed no {missing}"
+        )
+    return {
+        "model": kwargs["model"],
+        "optimizer": kwargs["optimizer"],
+        "lr_scheduler": kwargs["lr_scheduler"],
+        "trainer_state": _state_json(state, control),
+        "rng": RNGState(),
+    }
 
 
 def _state_json(state: TrainerState, control: TrainerControl) -> str:
@@ -156,6 +201,62 @@ def _state_json(state: TrainerState, control: TrainerControl) -> str:
         type(control).__name__: control.state(),
     }
     return json.dumps(fields, sort_keys=True)
+
+
+def _same_path(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _holds_versions(path: str) -> bool:
+    from .. import engine
+    from ..storage import open_store
+
+    try:
+        return bool(engine.list_steps(open_store(path)))
+    except (OSError, ValueError):
+        return False
+
+
+def _constructing_trainer(callback: CryosnapCallback) -> Trainer | None:
+    """The Trainer whose constructor is running ``on_init_end`` for ``callback``: the callback
+    API passes no trainer, and ``train(resume_from_checkpoint=<run>)`` needs one."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None)
+            if isinstance(candidate, Trainer) and callback in getattr(handler, "callbacks", ()):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _understand_runs(trainer: Trainer, callback: CryosnapCallback) -> None:
+    """Make ``trainer.train(resume_from_checkpoint=...)`` resume from cryosnap runs."""
+    original = trainer.train
+    if getattr(original, "_cryosnap", False):
+        return
+
+    @functools.wraps(original)
+    def train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        try:
+            target = callback._resume_target(resume_from_checkpoint)
+            if target is None:
+                return original(resume_from_checkpoint, *args, **kwargs)
+            path, step = target
+            return _train_from(trainer, original, path, step, callback.allow_pickle, **kwargs)
+        except BaseException:
+            callback._saver.abort()  # the Trainer has no failure hook: release the run here
+            raise
+
+    train._cryosnap = True  # type: ignore[attr-defined]
+    trainer.train = train  # type: ignore[method-assign]
 
 
 def resume(
@@ -170,7 +271,8 @@ def resume(
 
     ``path`` defaults to the run of the trainer's :class:`CryosnapCallback`; ``step`` None
     takes the newest version that verifies (a run without versions trains from the start).
-    Returns what ``trainer.train`` returns.
+    Returns what ``trainer.train`` returns. The same as
+    ``trainer.train(resume_from_checkpoint=True)`` / ``="path@step"`` with the callback.
     """
     if "resume_from_checkpoint" in train_kwargs:
         raise TypeError("resume() sets resume_from_checkpoint itself; do not pass it")
@@ -179,18 +281,32 @@ def resume(
         if not ours:
             raise TypeError("resume() needs path= or a CryosnapCallback in the trainer's callbacks")
         path = ours[0].path
+    train = getattr(trainer.train, "__wrapped__", trainer.train)
+    return _train_from(trainer, train, os.fspath(path), step, allow_pickle, **train_kwargs)
+
+
+def _train_from(
+    trainer: Trainer,
+    train: Callable[..., Any],
+    path: str,
+    step: int | None,
+    allow_pickle: bool,
+    **train_kwargs: Any,
+) -> Any:
+    """``train(resume_from_checkpoint=...)`` continuing from version ``step`` of ``path``
+    (``step`` None: the newest; a run without versions trains from the start)."""
     missing = [name for name in _LOADERS if not callable(getattr(trainer, name, None))]
     if missing:
         raise TypeError(
             f"cannot resume through this transformers version: Trainer has no {missing}"
         )
     try:
-        saved = load(os.fspath(path), step=step, allow_pickle=allow_pickle)
+        saved = load(path, step=step, allow_pickle=allow_pickle)
     except CheckpointNotFoundError:
         if step is not None:
             raise
-        log.info("cryosnap: %s holds no version yet, training from the start", os.fspath(path))
-        return trainer.train(**train_kwargs)
+        log.info("cryosnap: %s holds no version yet, training from the start", path)
+        return train(**train_kwargs)
     log.info(
         "cryosnap: resuming from step %s of %s",
         json.loads(saved["trainer_state"])["global_step"],
@@ -200,7 +316,7 @@ def resume(
         with open(os.path.join(tmp, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(saved["trainer_state"])
         with _loading_from(trainer, saved):
-            return trainer.train(resume_from_checkpoint=tmp, **train_kwargs)
+            return train(resume_from_checkpoint=tmp, **train_kwargs)
 
 
 def _part(obj: Any, name: str) -> Any:

@@ -60,12 +60,9 @@ def _buffers(sizes: list[int]) -> list[memoryview]:
     return out
 
 
-class StoreTests:
-    """The contract of :class:`cryosnap.storage.Store`, run against ``self.store``."""
-
-    @pytest.fixture
-    def store(self) -> Store:
-        raise NotImplementedError("a backend's test class provides an empty store")
+class _ReadWriteTests:
+    """Small writes and every way of reading them back (``store``: the fixture of
+    :class:`StoreTests`)."""
 
     # -- write / read ------------------------------------------------------------------------
 
@@ -172,6 +169,10 @@ class StoreTests:
         store.write("dir/file", b"x")
         assert not store.exists("dir")
 
+
+class _WriterTests:
+    """Streaming writers: invisible until commit, nothing left by abort."""
+
     # -- open_writer -------------------------------------------------------------------------
 
     def test_writer_streams_buffers(self, store: Store) -> None:
@@ -248,6 +249,10 @@ class StoreTests:
         a.abort()
         assert store.list() == ["data/b.dat"]
         assert store.read("data/b.dat") == b"B" * 20
+
+
+class _ListDeleteKeyTests:
+    """Listing, deleting, and the keys a store refuses."""
 
     # -- list --------------------------------------------------------------------------------
 
@@ -340,6 +345,10 @@ class StoreTests:
         with pytest.raises(ValueError, match="invalid storage key"):
             store.size(key)
 
+
+class _CapabilityTests:
+    """What a store declares in ``capabilities`` is true of it."""
+
     # -- capabilities ------------------------------------------------------------------------
 
     def test_capabilities_are_declared(self, store: Store) -> None:
@@ -389,6 +398,15 @@ class StoreTests:
         assert cas.replace("cas/k", b"four", tag2, timeout=t) is None  # gone
         cas.delete("cas/k", None, timeout=t)  # a missing key is no error
         assert store.list() == []
+
+
+class StoreTests(_ReadWriteTests, _WriterTests, _ListDeleteKeyTests, _CapabilityTests):
+    """The contract of :class:`cryosnap.storage.Store`, run against the ``store`` fixture a
+    backend's test class provides (an empty store, cleaned up afterwards)."""
+
+    @pytest.fixture
+    def store(self) -> Store:
+        raise NotImplementedError("a backend's test class provides an empty store")
 
     # -- a state machine against a dict model ------------------------------------------------
 
