@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 from . import _replicated, _signals, _validate, engine
 from ._capturing import Capturer, Job
 from ._chain import ChainIndex
+from ._policy_room import PolicyRoom
 from ._results import PendingSave, SaveInfo, Status
 from ._validate import step as validate_step
 from ._writer import Writer
@@ -165,7 +165,7 @@ class Checkpointer:
             )
         self.max_inflight = _validate.positive_int(max_inflight, "max_inflight")
         self.keep = as_retention(keep)
-        self.policy = _policy(policy)
+        policy = _policy(policy)
         signals = _signals.parse_signals(handle_signals)
         if keep_scratch is not None and scratch is None:
             raise ValueError(
@@ -176,8 +176,6 @@ class Checkpointer:
             2 if keep_scratch is None else _validate.positive_int(keep_scratch, "keep_scratch")
         )
         retry = _validate.seconds(flush_retry_seconds, "flush_retry_seconds", allow_zero=True)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         timeout = _validate.seconds(
             storage_timeout_seconds, "storage_timeout_seconds", allow_none=True
         )
@@ -187,13 +185,13 @@ class Checkpointer:
         self.coordinator = _coordinator(comm)
         # One channel per thread that issues collectives: the caller's (policy, restore),
         # the writer's and the hand-offs' never interleave.
-        self._policy_channel = self.coordinator.channel("policy")
+        self._policies = PolicyRoom(policy, clock=clock, coordinator=self.coordinator)
         self._restore_channel = self.coordinator.channel("restore")
         self.full_every = _validate.positive_int(full_every, "full_every")
         self.incremental = _validate.boolean(incremental, "incremental")
         self.allow_pickle = bool(allow_pickle)
         self.persistent, self.scratch = _open_stores(
-            path, scratch, storage_options or {}, timeout, self.coordinator
+            path, scratch, storage_options, timeout, self.coordinator
         )
         if self._run_id is not None:
             stores = [self.persistent] if self.scratch is None else [self.scratch, self.persistent]
@@ -206,31 +204,16 @@ class Checkpointer:
             rank=self.coordinator.rank,
         )
         self._levels = _open_levels(self, chain)
-        self._levels.observe = self._policy_reached
+        self._levels.observe = self._policies.reached
         self.store: Store = self._levels.first.store  # where versions are written first
         self._chain = chain
         self._capturer = Capturer(chunk_bytes=self.chunk_bytes, budget=budget, clock=clock)
-        self._policy_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(self.max_inflight)
         self._pending: list[PendingSave] = []
         self._closed = False
-        self.preempted = False
         self._signals: list[int] = []
         self._retry_seconds = retry
-        try:
-            self._levels.start_handoffs(
-                retry_seconds=retry, yield_to=self._capturer.wait_no_capture
-            )
-            self._pending.extend(self._levels.resume_unflushed(self.keep))
-            for signum in signals:
-                _signals.subscribe(signum, self)
-                self._signals.append(signum)
-        except BaseException:
-            self._levels.abandon()
-            self._levels.close_handoffs()
-            self._restore_handlers()
-            self._levels.release_locks()
-            raise
+        _start_background(self, signals)
         self._writer = Writer(
             levels=self._levels,
             chain=self._chain,
@@ -238,7 +221,7 @@ class Checkpointer:
             chunk_bytes=self.chunk_bytes,
             placement=self._placement,
             fence=self._levels.fence,
-            policy_event=self._policy_event,
+            policy_event=self._policies.event,
             clock=clock,
             inflight=self._inflight,
             run_id=self._run_id,
@@ -274,58 +257,33 @@ class Checkpointer:
         return self._run_id
 
     # policies and preemption ----------------------------------------------------------------
+    @property
+    def policy(self) -> SavePolicy | None:
+        """The save policy :meth:`should_save` asks (None: saves only when called)."""
+        return self._policies.policy
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption signal arrived (``handle_signals``); settable by the program."""
+        return self._policies.preempted
+
+    @preempted.setter
+    def preempted(self, value: bool) -> None:
+        self._policies.preempted = bool(value)
+
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: asks the save policy (call once per iteration); always
         true once the run is preempted. Every participant gets the same answer: rank 0's
         policy, or yes when any participant is preempted."""
-        validate_step(step)
-        due = self.preempted
-        if self.policy is not None:
-            with self._policy_lock:
-                due = self.policy.should_save(step, now=self._clock()) or due
-        elif not self.preempted and self.coordinator.world_size == 1:
-            raise ValueError(
-                "should_save needs a save policy: Checkpointer(..., policy=cryosnap.policy."
-                "EveryNSteps(n) / EveryNSeconds(s) / Adaptive(max_overhead))"
-            )
-        if self.coordinator.world_size == 1:
-            return due
-        votes = self._policy_channel.all_gather([due, self.preempted])
-        return bool(votes[0][0] or any(preempted for _due, preempted in votes))
+        return self._policies.should_save(validate_step(step))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.preempted = True
-        log.warning("received %s: the run is preempted, save and exit", signal.Signals(signum).name)
+        self._policies.on_signal(signum)
 
     def _restore_handlers(self) -> None:
         signals, self._signals = self._signals, []
         for signum in signals:
             _signals.unsubscribe(signum, self)
-
-    def _top_level(self, step: int) -> int:
-        """How far up the levels this version goes: the policy's say (``MultiLevel``), else
-        every level."""
-        last = len(self._levels.levels) - 1
-        top = getattr(self.policy, "top_level", None)
-        if top is None:
-            return last
-        with self._policy_lock:
-            return max(0, min(int(top(step)), last))
-
-    def _policy_reached(self, step: int, level: str, seconds: float) -> None:
-        reached = getattr(self.policy, "reached", None)
-        if reached is not None:
-            with self._policy_lock:
-                reached(step, level=level, now=self._clock(), seconds=seconds)
-
-    def _policy_event(self, event: str, step: int, **figures: float) -> None:
-        policy = self.policy
-        if policy is None:
-            return
-        with self._policy_lock:
-            method = getattr(policy, event, None)
-            if method is not None:
-                method(step, now=self._clock(), **figures)
 
     # saving --------------------------------------------------------------------------------------
     def save(
@@ -362,7 +320,7 @@ class Checkpointer:
                 if error is not None:
                     job.pending.mark_delivered()
                     raise error
-            self._policy_event("saved", step, stall_seconds=job.stall_clock)
+            self._policies.event("saved", step, stall_seconds=job.stall_clock)
         except KeyboardInterrupt as exc:
             _note_interrupt(exc, job)
             raise
@@ -406,7 +364,8 @@ class Checkpointer:
         self._pending = [p for p in self._pending if not p.done() or p.failed_undelivered()]
         tracker = CaptureTracker(len(flat.blobs))
         names = self._levels.names
-        pending = PendingSave(step, tracker, t0, names[: self._top_level(step) + 1], names)
+        top = self._policies.top_level(step, len(names) - 1)
+        pending = PendingSave(step, tracker, t0, names[: top + 1], names)
         job = Job(step, flat, pending, queue.SimpleQueue(), metrics, clock0=clock0, replicated=keys)
         self._pending.append(pending)
         self._writer.submit(job)
@@ -510,21 +469,43 @@ def _note_interrupt(exc: KeyboardInterrupt, job: Job) -> None:
         log.error("%s", what)
 
 
+def _start_background(ckpt: Checkpointer, signals: list[int]) -> None:
+    """Start the hand-offs (resuming flushes a crash interrupted) and the signal handlers;
+    on failure undo what was started and release the locks."""
+    levels = ckpt._levels
+    try:
+        levels.start_handoffs(
+            retry_seconds=ckpt._retry_seconds, yield_to=ckpt._capturer.wait_no_capture
+        )
+        ckpt._pending.extend(levels.resume_unflushed(ckpt.keep))
+        for signum in signals:
+            _signals.subscribe(signum, ckpt)
+            ckpt._signals.append(signum)
+    except BaseException:
+        levels.abandon()
+        levels.close_handoffs()
+        ckpt._restore_handlers()
+        levels.release_locks()
+        raise
+
+
 def _open_stores(
     path: PathLike,
     scratch: object,
-    storage_options: dict[str, Any],
+    storage_options: object,
     timeout: float | None,
     coord: Coordinator,
 ) -> tuple[Store, StripedStore | None]:
     """The persistent store and the scratch devices as one striped store (or None)."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
     devices = _scratch_tiers(scratch)
     if devices and coord.world_size > 1:
         raise ValueError(
             "scratch tiers with several participants arrive with distributed runs: give "
             "each participant only the persistent path for now"
         )
-    persistent = open_store(path, timeout_seconds=timeout, **storage_options)
+    persistent = open_store(path, timeout_seconds=timeout, **(storage_options or {}))
     stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
     _check_distinct(persistent, stores)
     if not stores:

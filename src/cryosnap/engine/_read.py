@@ -406,6 +406,11 @@ def caller_stacklevel() -> int:
     return level
 
 
+def _listings(list_steps: Callable[[], Sequence[int]], n: int) -> Iterator[list[int]]:
+    for _ in range(n):
+        yield list(list_steps())
+
+
 # How often a reader starts over when the writer's retention removed versions under it.
 _RELIST_LIMIT = 16
 
@@ -423,6 +428,10 @@ def newest_restorable(
     damaged: dict[int, str] = {}
     for _ in range(_RELIST_LIMIT):
         steps = [s for s in list_steps() if s not in damaged]
+        if not steps and not damaged:
+            # A listing is not atomic: it can miss the version the writer just committed and
+            # the one it retired meanwhile. A run that has versions shows them on a new look.
+            steps = next((found for found in _listings(list_steps, 3) if found), [])
         if not steps and not damaged:
             raise CheckpointNotFoundError(f"no committed version in {where}")
         retired = False

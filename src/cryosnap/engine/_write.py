@@ -279,7 +279,123 @@ class _Appender:
             self._writer = None
 
 
-class PartWriter:
+class _Shares:
+    """The part of a :class:`PartWriter` that deals with replicated state written by several
+    ranks: where this rank's share lies, and references to the shares of the others."""
+
+    step: int
+    rank: int
+    flat: FlatState
+    chunk_bytes: int
+    base: ResolvedPart | None
+    files: list[str]
+    shares: dict[int, Owners]
+    _builders: list[_BlobBuilder]
+    _external: set[int]
+    _base_files: np.ndarray[Any, np.dtype[np.int64]] | None
+
+    def _file(self, key: str) -> int:
+        raise NotImplementedError
+
+    def owned_locations(self) -> list[tuple[int, int, int, str, int]]:
+        """Where this rank's share of the replicated blobs lies, every piece added: runs
+        ``(blob, first chunk, chunks, data file, offset)`` of chunks back to back in one file
+        (new, referenced or inherited: every chunk of the share)."""
+        cb = self.chunk_bytes
+        out: list[tuple[int, int, int, str, int]] = []
+        for i, owners in self.shares.items():
+            idx = np.flatnonzero(owners == self.rank)
+            if not len(idx):
+                continue
+            files, offsets = self._chunk_locations(i)
+            f, o = files[idx], offsets[idx]
+            cut = (np.diff(idx) != 1) | (np.diff(f) != 0) | (np.diff(o) != cb)
+            starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+            for s, e in zip(starts, [*starts[1:], len(idx)], strict=True):
+                out.append((i, int(idx[s]), e - s, self.files[int(f[s])], int(o[s])))
+        return out
+
+    def _chunk_locations(
+        self, i: int
+    ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+        """Per chunk of blob ``i``: its file (index into ``files``; -1: another rank's) and
+        offset."""
+        cb = self.chunk_bytes
+        n = chunk_count(self.flat.blobs[i].nbytes, cb)
+        files = np.full(n, -1, np.int64)
+        offsets = np.zeros(n, np.int64)
+        pos = 0
+        for seg in self._builders[i].segments:
+            if seg[0] == STORED:
+                k = chunk_count(seg[3], cb)
+                files[pos : pos + k] = seg[1]
+                offsets[pos : pos + k] = seg[2] + np.arange(k, dtype=np.int64) * cb
+            elif seg[0] == INHERITED:
+                assert self.base is not None
+                k = seg[3]
+                src = self.base.blobs[seg[1]]
+                files[pos : pos + k] = self._base_file_map()[src.files[seg[2] : seg[2] + k]]
+                offsets[pos : pos + k] = src.offsets[seg[2] : seg[2] + k]
+            else:
+                k = seg[3]
+            pos += k
+        return files, offsets
+
+    def _base_file_map(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The base's file indices as indices into ``files`` (unused ones never reach the
+        manifest: it lists only the files its stored segments use)."""
+        if self._base_files is None:
+            assert self.base is not None
+            self._base_files = np.array([self._file(f) for f in self.base.files], np.int64)
+        return self._base_files
+
+    def place_external(self, runs: Sequence[tuple[int, int, int, str, int]]) -> None:
+        """The other ranks' shares: runs ``(blob, first chunk, chunks, data file, offset)``
+        (their :meth:`owned_locations`) become stored segments of this part, with the hashes
+        this rank computed itself (every chunk is still verified on read)."""
+        cb = self.chunk_bytes
+        by_blob: dict[int, list[tuple[int, int, int, str, int]]] = {}
+        for run in runs:
+            by_blob.setdefault(run[0], []).append(run)
+        for i in sorted(self._external):
+            blob = self.flat.blobs[i]
+            n = chunk_count(blob.nbytes, cb)
+            files = np.full(n, -1, np.int64)
+            offsets = np.zeros(n, np.int64)
+            for _i, first, count, key, offset in by_blob.get(i, ()):
+                if first < 0 or count <= 0 or first + count > n or offset < 0:
+                    raise CheckpointError(
+                        f"step {self.step}: leaf {blob.path}: another rank reported chunks "
+                        f"{first}..{first + count - 1} of a blob of {n} chunks"
+                    )
+                files[first : first + count] = self._file(key)
+                offsets[first : first + count] = offset + np.arange(count, dtype=np.int64) * cb
+            builder = self._builders[i]
+            hashes = b"".join(builder.hashes)
+            segments: list[list[Any]] = []
+            for seg in builder.segments:
+                if seg[0] != EXTERNAL:
+                    segments.append(seg)
+                    continue
+                _kind, rank, first, count = seg
+                f, o = files[first : first + count], offsets[first : first + count]
+                if (f < 0).any():
+                    raise CheckpointError(
+                        f"step {self.step}: leaf {blob.path}: rank {rank} did not say where "
+                        f"chunks {first}..{first + count - 1} of its share lie"
+                    )
+                cut = (np.diff(f) != 0) | (np.diff(o) != cb)
+                starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+                for s, e in zip(starts, [*starts[1:], count], strict=True):
+                    c0, k = first + s, e - s
+                    nbytes = min(k * cb, blob.nbytes - c0 * cb)
+                    chunk_hashes = hashes[c0 * HASH_BYTES : (c0 + k) * HASH_BYTES]
+                    segments.append([STORED, int(f[s]), int(o[s]), nbytes, [chunk_hashes]])
+            builder.segments = segments
+        self._external.clear()
+
+
+class PartWriter(_Shares):
     """Streams one rank's part of a version: new chunks into one packed data file (one per
     device with a ``placement`` over several scratch devices), then the manifest (durable, not
     yet committed).
@@ -500,103 +616,6 @@ class PartWriter:
     def blob_root(self, i: int) -> bytes:
         """The Merkle root of blob ``i`` (every piece added)."""
         return merkle_root(b"".join(self._builders[i].hashes))
-
-    def owned_locations(self) -> list[tuple[int, int, int, str, int]]:
-        """Where this rank's share of the replicated blobs lies, every piece added: runs
-        ``(blob, first chunk, chunks, data file, offset)`` of chunks back to back in one file
-        (new, referenced or inherited: every chunk of the share)."""
-        cb = self.chunk_bytes
-        out: list[tuple[int, int, int, str, int]] = []
-        for i, owners in self.shares.items():
-            idx = np.flatnonzero(owners == self.rank)
-            if not len(idx):
-                continue
-            files, offsets = self._chunk_locations(i)
-            f, o = files[idx], offsets[idx]
-            cut = (np.diff(idx) != 1) | (np.diff(f) != 0) | (np.diff(o) != cb)
-            starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
-            for s, e in zip(starts, [*starts[1:], len(idx)], strict=True):
-                out.append((i, int(idx[s]), e - s, self.files[int(f[s])], int(o[s])))
-        return out
-
-    def _chunk_locations(
-        self, i: int
-    ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
-        """Per chunk of blob ``i``: its file (index into ``files``; -1: another rank's) and
-        offset."""
-        cb = self.chunk_bytes
-        n = chunk_count(self.flat.blobs[i].nbytes, cb)
-        files = np.full(n, -1, np.int64)
-        offsets = np.zeros(n, np.int64)
-        pos = 0
-        for seg in self._builders[i].segments:
-            if seg[0] == STORED:
-                k = chunk_count(seg[3], cb)
-                files[pos : pos + k] = seg[1]
-                offsets[pos : pos + k] = seg[2] + np.arange(k, dtype=np.int64) * cb
-            elif seg[0] == INHERITED:
-                assert self.base is not None
-                k = seg[3]
-                src = self.base.blobs[seg[1]]
-                files[pos : pos + k] = self._base_file_map()[src.files[seg[2] : seg[2] + k]]
-                offsets[pos : pos + k] = src.offsets[seg[2] : seg[2] + k]
-            else:
-                k = seg[3]
-            pos += k
-        return files, offsets
-
-    def _base_file_map(self) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """The base's file indices as indices into ``files`` (unused ones never reach the
-        manifest: it lists only the files its stored segments use)."""
-        if self._base_files is None:
-            assert self.base is not None
-            self._base_files = np.array([self._file(f) for f in self.base.files], np.int64)
-        return self._base_files
-
-    def place_external(self, runs: Sequence[tuple[int, int, int, str, int]]) -> None:
-        """The other ranks' shares: runs ``(blob, first chunk, chunks, data file, offset)``
-        (their :meth:`owned_locations`) become stored segments of this part, with the hashes
-        this rank computed itself (every chunk is still verified on read)."""
-        cb = self.chunk_bytes
-        by_blob: dict[int, list[tuple[int, int, int, str, int]]] = {}
-        for run in runs:
-            by_blob.setdefault(run[0], []).append(run)
-        for i in sorted(self._external):
-            blob = self.flat.blobs[i]
-            n = chunk_count(blob.nbytes, cb)
-            files = np.full(n, -1, np.int64)
-            offsets = np.zeros(n, np.int64)
-            for _i, first, count, key, offset in by_blob.get(i, ()):
-                if first < 0 or count <= 0 or first + count > n or offset < 0:
-                    raise CheckpointError(
-                        f"step {self.step}: leaf {blob.path}: another rank reported chunks "
-                        f"{first}..{first + count - 1} of a blob of {n} chunks"
-                    )
-                files[first : first + count] = self._file(key)
-                offsets[first : first + count] = offset + np.arange(count, dtype=np.int64) * cb
-            builder = self._builders[i]
-            hashes = b"".join(builder.hashes)
-            segments: list[list[Any]] = []
-            for seg in builder.segments:
-                if seg[0] != EXTERNAL:
-                    segments.append(seg)
-                    continue
-                _kind, rank, first, count = seg
-                f, o = files[first : first + count], offsets[first : first + count]
-                if (f < 0).any():
-                    raise CheckpointError(
-                        f"step {self.step}: leaf {blob.path}: rank {rank} did not say where "
-                        f"chunks {first}..{first + count - 1} of its share lie"
-                    )
-                cut = (np.diff(f) != 0) | (np.diff(o) != cb)
-                starts = [0, *(np.flatnonzero(cut) + 1).tolist()]
-                for s, e in zip(starts, [*starts[1:], count], strict=True):
-                    c0, k = first + s, e - s
-                    nbytes = min(k * cb, blob.nbytes - c0 * cb)
-                    chunk_hashes = hashes[c0 * HASH_BYTES : (c0 + k) * HASH_BYTES]
-                    segments.append([STORED, int(f[s]), int(o[s]), nbytes, [chunk_hashes]])
-            builder.segments = segments
-        self._external.clear()
 
     def finish(self) -> PartResult:
         # The manifest is built while the I/O threads fsync the data, and written after.
