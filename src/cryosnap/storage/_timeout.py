@@ -269,11 +269,15 @@ class TimeoutStore(WrapperStore):
                 f"have not returned after {self.timeout_seconds:g} s; the tier is unresponsive"
             )
         call = _Call(self, fn, late)
-        _pool.submit(call)
         seconds = self.timeout_seconds if limit is None else limit
+        submitted = False
         try:
+            _pool.submit(call)
+            submitted = True
             ended = call.done.acquire(timeout=seconds)
         except BaseException:
+            if not submitted:
+                raise
             # Interrupted while waiting (KeyboardInterrupt): the call goes on without a caller,
             # like one that timed out (a writer's abort must wait for it, not race it).
             self._abandon(call, writer)

@@ -277,17 +277,33 @@ def test_interrupted_writer_call_is_abandoned_like_a_timeout(local: LocalStore) 
     import signal
 
     stall = Stall("writer.write")
-    faulty = FaultyStore(local, fault=stall)
+    entered = threading.Event()
+
+    def fault(op: str, key: str) -> None:
+        if op == "writer.write":
+            entered.set()
+        stall(op, key)
+
+    faulty = FaultyStore(local, fault=fault)
     store = TimeoutStore(faulty, 30)
     w = store.open_writer("data/x.dat")
-    # Ctrl-C while the caller waits (a real signal: it interrupts the wait).
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+
+    def interrupt() -> None:
+        # Once the write is stuck in the store (the caller is waiting for it), not before:
+        # on a loaded machine a fixed delay can fire before the call even started.
+        if entered.wait(30):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    # Python's own Ctrl-C handler, whatever an earlier test (a framework) left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             w.write([b"abc"])
     finally:
-        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+        sender.join(30)
     assert store.stuck_calls == 1
     w.abort()  # must not close the file under the write still running
     assert files(local.root) == ["data/x.dat.partial"]
