@@ -486,7 +486,7 @@ def check_depth(skeleton: Json, where: str) -> None:
         if not isinstance(node, dict):
             continue  # malformed: the walk that meets it says so
         t = node.get("t")
-        if t in _CONTAINERS:
+        if isinstance(t, str) and t in _CONTAINERS:  # a list there is not hashable
             vals = node.get("v")
             if isinstance(vals, list):
                 stack.extend((v, depth + 1) for v in vals if isinstance(v, dict))

@@ -854,3 +854,14 @@ def test_any_number_anywhere_is_refused_or_read(full_template: Path, data: st.Da
         attempt("load", lambda: cryosnap.load(root, step=2), report)
         attempt("verify", lambda: engine.verify_part(LocalStore(root), 2), report)
         assert report["escapes"] == []
+
+
+def test_a_node_type_that_is_not_a_string_is_malformed() -> None:
+    """Found by Hypothesis under CPU load: ``{"t": []}`` reached a set lookup (TypeError)."""
+    from cryosnap.tree import check_depth
+
+    check_depth({"t": [], "v": [{"t": {}}]}, "here")  # nothing to refuse at this depth
+    restorer = cryosnap.tree.Restorer({"t": []}, [], allow_pickle=False)
+    with pytest.raises(CheckpointFormatError):
+        restorer.allocate()
+        restorer.build()
