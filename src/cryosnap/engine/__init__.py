@@ -7,7 +7,7 @@ One private module per pipeline; imports point one way (each only to those above
   (:class:`ResolvedPart`); no data is read.
 - ``_write``: :class:`PartWriter` (hash, diff against the base, append new chunks; of
   replicated blobs only this rank's share (:func:`assign_shares`), the others' placed after
-  the ranks' exchange) and :func:`commit_version`; the Checkpointer's background thread.
+  the ranks' exchange); the Checkpointer's background thread.
 - ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
 - ``_fetch``: read the data files into the leaves in large runs and verify every chunk.
 - ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
@@ -34,7 +34,7 @@ from ._resolved import (
 )
 from ._resolved import _resolve_one as _resolve_one
 from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
-from ._write import PartResult, PartWriter, assign_shares, commit_version
+from ._write import PartResult, PartWriter, assign_shares
 from ._write import _split_pieces as _split_pieces
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "RetirePlan",
     "caller_stacklevel",
     "chain_manifests",
-    "commit_version",
     "ignore_files",
     "list_steps",
     "newest_restorable",

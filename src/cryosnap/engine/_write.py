@@ -1,5 +1,6 @@
-"""Write: stream one rank's part of a version (:class:`PartWriter`), then make the version
-visible (:func:`commit_version`).
+"""Write: stream one rank's part of a version (:class:`PartWriter`); the commit record that
+makes the version visible is built from every rank's summary by the writer (_writer.py,
+``CommitRecord.of_parts``).
 
 Hash the chunks of each captured batch; compare them with the *base* version (the previous one)
 chunk by chunk: an unchanged run becomes one ``Inherited`` reference; a chunk whose content is
@@ -41,7 +42,6 @@ from ..manifest import (
     STORED,
     BaseRef,
     BlobEntry,
-    CommitRecord,
     Manifest,
     ManifestRef,
     Replicated,
@@ -54,10 +54,9 @@ from ..storage import Store
 from ..storage.base import BlobWriter
 from ..storage.tiers import Placement
 from ..tree import FlatState
-from ._records import _no_fence
 from ._resolved import ResolvedPart, _Loc, _resolve_one
 
-__all__ = ["Owners", "PartResult", "PartWriter", "assign_shares", "commit_version"]
+__all__ = ["Owners", "PartResult", "PartWriter", "assign_shares"]
 
 log = logging.getLogger("cryosnap")
 
@@ -733,39 +732,3 @@ def _split_pieces(pieces: Sequence[Piece], limit: int, chunk_bytes: int) -> list
                 groups.append([])
                 size = 0
     return [g for g in groups if g]
-
-
-def commit_version(
-    store: Store,
-    step: int,
-    parts: Sequence[PartResult],
-    *,
-    chunk_bytes: int,
-    metrics: dict[str, float] | None = None,
-    fence: Callable[[], None] = _no_fence,
-) -> CommitRecord:
-    """Write the commit record that makes ``step`` visible; every part must be durable.
-
-    ``fence()`` runs just before the record is written: it raises (``LockLostError``) when this
-    writer no longer holds the run's lock, so a writer that lost it makes nothing visible.
-    """
-    parts = sorted(parts, key=lambda p: p.ref.rank)
-    record = CommitRecord(
-        step=step,
-        world_size=len(parts),
-        manifests=tuple(p.ref for p in parts),
-        data_files=tuple(sorted({f for p in parts for f in p.used_files()})),
-        logical_bytes=sum(p.logical_bytes for p in parts),
-        written_bytes=sum(p.written_bytes for p in parts),
-        leaves=sum(p.leaves for p in parts),
-        chunk_bytes=chunk_bytes,
-        root=merkle_root([p.root for p in parts]).hex(),
-        created_unix=now_unix(),
-        incremental=any(p.incremental for p in parts),
-        chain=tuple(sorted({s for p in parts for s in p.chain()})),
-        metrics=metrics or None,
-    )
-    fence()
-    store.write(commit_key(step), record.to_json())
-    log.debug("committed step %d in %s", step, store.url)
-    return record
