@@ -383,8 +383,13 @@ def main(scenario: str, out: Path) -> None:
     else:
         got = _checkpointer(out, scenario.removeprefix("checkpointer-"))
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))
-    if scenario not in ("dead", "killed"):
-        dist.destroy_process_group()
+    if scenario in ("dead", "killed"):
+        # A peer vanished: gloo's groups are broken, and torch may abort at interpreter exit
+        # (a std::thread destroyed while joinable: "terminate called without an active
+        # exception", seen in CI). What is tested is reported above; leave without teardown.
+        sys.stdout.flush()
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
