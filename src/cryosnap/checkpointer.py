@@ -29,6 +29,7 @@ from typing import Any
 from . import _replicated, _signals, _validate, engine
 from ._capturing import Capturer, Job
 from ._chain import ChainIndex
+from ._devcopy import target_device
 from ._policy_room import PolicyRoom
 from ._results import PendingSave, SaveInfo, Status
 from ._validate import step as validate_step
@@ -397,10 +398,15 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def restore(
-        self, step: int | None = None, *, into: Any = None, replicated_only: bool = False
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        replicated_only: bool = False,
+        map_location: Any = None,
     ) -> Any:
         """The state of ``step`` (default: the newest version that verifies, the same on every
-        participant); see :func:`load`.
+        participant); see :func:`load` (``map_location`` too).
 
         ``replicated_only``: only the keys saved as replicated (a dict of them; ``into``, a
         dict holding them, gets them filled and its other keys are left alone), on any number
@@ -411,14 +417,16 @@ class Checkpointer:
         if step is not None:
             validate_step(step)
         only = _validate.boolean(replicated_only, "replicated_only")
+        device = _map_location(map_location, into)
         stores = self._levels.stores()
         rank = self.coordinator.rank
+        pickle = self.allow_pickle
         if step is not None or self.coordinator.world_size == 1:
             return _restore_tiers(
-                stores, step, into=into, rank=rank, allow_pickle=self.allow_pickle, only=only
+                stores, step, into=into, rank=rank, allow_pickle=pickle, only=only, device=device
             )
         return _restore_agreed(
-            self._restore_channel, stores, into=into, allow_pickle=self.allow_pickle, only=only
+            self._restore_channel, stores, into=into, allow_pickle=pickle, only=only, device=device
         )
 
     def close(self) -> None:
@@ -560,12 +568,22 @@ def _restore_tiers(
     rank: int,
     allow_pickle: bool,
     only: bool = False,
+    device: Any = None,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
     one that verifies, without ``step``); a damaged copy falls back to the next tier.
-    ``only``: the replicated keys only (engine.read_part's ``replicated_only``)."""
+    ``only``: the replicated keys only (engine.read_part's ``replicated_only``); ``device``:
+    where the torch leaves go (engine.read_part's)."""
     if len(tiers) == 1:
-        return _restore(tiers[0], step, into=into, rank=rank, allow_pickle=allow_pickle, only=only)
+        return _restore(
+            tiers[0],
+            step,
+            into=into,
+            rank=rank,
+            allow_pickle=allow_pickle,
+            only=only,
+            device=device,
+        )
     where = " + ".join(t.url for t in tiers)
 
     def listed() -> list[int]:
@@ -579,7 +597,13 @@ def _restore_tiers(
         for store in stores:
             try:
                 return engine.read_part(
-                    store, s, rank=rank, into=into, allow_pickle=allow_pickle, replicated_only=only
+                    store,
+                    s,
+                    rank=rank,
+                    into=into,
+                    allow_pickle=allow_pickle,
+                    replicated_only=only,
+                    device=device,
                 )
             except CheckpointError as exc:
                 if store is not stores[-1]:
@@ -601,10 +625,17 @@ def _restore(
     rank: int,
     allow_pickle: bool,
     only: bool = False,
+    device: Any = None,
 ) -> Any:
     def attempt(s: int) -> Any:
         return engine.read_part(
-            store, s, rank=rank, into=into, allow_pickle=allow_pickle, replicated_only=only
+            store,
+            s,
+            rank=rank,
+            into=into,
+            allow_pickle=allow_pickle,
+            replicated_only=only,
+            device=device,
         )
 
     def listed() -> list[int]:
@@ -655,18 +686,36 @@ def load(
     into: Any = None,
     rank: int | None = None,
     allow_pickle: bool = False,
+    map_location: Any = None,
 ) -> Any:
     """Load version ``step`` (default: the newest that verifies) of the run at ``path``.
 
     Without ``into`` the saved tree comes back (torch tensors on the CPU, numpy arrays, stateful
-    objects as their state dicts). With ``into`` tensors and arrays are filled in place and
-    ``load_state_dict`` is called; a mismatch or damaged data raises before anything changes.
-    ``rank`` reads another rank's part of a distributed version. Takes no lock.
+    objects as their state dicts). With ``into`` tensors and arrays are filled in place (on
+    their own devices) and ``load_state_dict`` is called; a mismatch or damaged data raises
+    before anything changes. ``map_location`` (a str or ``torch.device``: ``"cuda"``,
+    ``"cuda:1"``) puts every torch tensor of the returned tree on that device, once every chunk
+    verified (not with ``into``). ``rank`` reads another rank's part of a distributed version.
+    Takes no lock.
     """
     if step is not None:
         validate_step(step)
     part = 0 if rank is None else validate_step(rank, "rank")
-    return _restore(open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle)
+    device = _map_location(map_location, into)
+    return _restore(
+        open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle, device=device
+    )
+
+
+def _map_location(map_location: object, into: Any) -> Any:
+    """The ``torch.device`` restored tensors go to (None: the CPU); refused with ``into``."""
+    device = target_device(map_location, "map_location")
+    if device is not None and into is not None:
+        raise ValueError(
+            f"map_location={map_location!r} cannot be combined with into=: the tensors of "
+            "into= are filled where they are, on their own devices"
+        )
+    return device
 
 
 def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -760,7 +809,13 @@ def _metrics(metrics: object) -> dict[str, float] | None:
 
 
 def _restore_agreed(
-    coord: Coordinator, stores: Sequence[Store], *, into: Any, allow_pickle: bool, only: bool
+    coord: Coordinator,
+    stores: Sequence[Store],
+    *,
+    into: Any,
+    allow_pickle: bool,
+    only: bool,
+    device: Any = None,
 ) -> Any:
     """The newest version every participant can restore: the steps complete for all of them,
     tried newest first until every participant read its part (damage on any one falls back
@@ -772,7 +827,13 @@ def _restore_agreed(
     for step in reversed(common):
         try:
             state = _restore_tiers(
-                stores, step, into=None, rank=coord.rank, allow_pickle=allow_pickle, only=only
+                stores,
+                step,
+                into=None,
+                rank=coord.rank,
+                allow_pickle=allow_pickle,
+                only=only,
+                device=device,
             )
             error, missing = "", False
         except (IntegrityError, CheckpointFormatError, CheckpointNotFoundError) as exc:

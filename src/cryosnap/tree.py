@@ -6,7 +6,8 @@ None and *stateful* objects (anything with ``state_dict()`` and ``load_state_dic
 dtypes, shapes, inline scalars) and a list of :class:`Blob` (the raw bytes of every tensor, array
 and bytes leaf). :class:`Restorer` does the reverse in two phases, so the caller can read the
 blob bytes straight into the final tensors: ``allocate()`` creates empty leaves and hands out a
-writable byte view per blob, ``build()`` assembles the tree once they are filled.
+writable byte view per blob, ``build()`` assembles the tree once they are filled; in between,
+``to_device()`` may move the torch leaves to a GPU (restore's ``map_location``).
 
 Tensors that share storage (tied weights, views of one buffer) become *one* blob that covers the
 bytes they use; each tensor records its byte offset and strides inside it, and they come back
@@ -17,7 +18,8 @@ Leaf paths name leaves in messages: the keys from the root joined by ``/``
 (``optim/state/0/exp_avg``). No pickle is involved unless ``allow_pickle=True``: then unknown
 objects are pickled into a blob and only unpickled by a load that also allows it.
 
-Pure, no I/O; runs on the caller's thread. torch is imported only when a tensor is met.
+Pure, no I/O (``to_device`` aside, a copy to a GPU); runs on the caller's thread. torch is
+imported only when a tensor is met.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ._devcopy import copy_to_device, to_device
 from ._gc import paused_gc
 from .errors import CheckpointError, CheckpointFormatError, StateMismatchError
 
@@ -562,6 +565,29 @@ def _expect_bytes(shape: tuple[int, ...], itemsize: int, have: int, path: str) -
         )
 
 
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def _view_of(base: Any, dtype: Any, geometry: _Geometry) -> Any:
+    """A tensor of ``dtype`` over the storage of ``base`` at ``geometry`` (offset in elements,
+    shape, stride), on the device of ``base``."""
+    offset, shape, stride = geometry
+    t = _torch().empty(0, dtype=dtype, device=base.device)
+    return t.set_(base.untyped_storage(), offset, shape, stride)
+
+
+def _as_leaf(t: Any, node: dict[str, Any], path: str) -> Any:
+    """``t`` as the saved leaf was: a Parameter, or requiring grad, if it was."""
+    try:
+        if node.get("param"):
+            return _torch().nn.Parameter(t, requires_grad=bool(node.get("grad")))
+        if node.get("grad"):
+            t.requires_grad_(True)
+    except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
+        raise CheckpointFormatError(f"leaf {path}: {exc}") from exc
+    return t
+
+
 class Restorer:
     """Rebuilds a tree from its skeleton, with leaves filled from blob bytes.
 
@@ -576,6 +602,9 @@ class Restorer:
         self.blob_paths: list[str] = [""] * len(blob_sizes)
         self._dest: list[Any] = [None] * len(blob_sizes)
         self._values: dict[int, Any] = {}
+        # Every torch leaf: its node, its blob and, for a view of a shared storage, its
+        # (offset in elements, shape, stride) in that storage.
+        self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
 
     # phase 1 -------------------------------------------------------------------------------
     def allocate(self) -> list[memoryview]:
@@ -659,6 +688,7 @@ class Restorer:
             self._claim(
                 b, memoryview(flat.numpy()) if flat is not None else memoryview(bytearray()), path
             )
+            self._tensors.append((node, b, None))
         else:
             if not isinstance(view, dict):
                 raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
@@ -680,20 +710,35 @@ class Restorer:
                 base_t = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
                 self._claim(b, memoryview(base_t.numpy()), path)
                 self._values[-b - 1] = base_t  # keep the shared storage for its views
-            base_t = self._values[-b - 1]
-            t = torch.empty(0, dtype=dtype)
+            geometry = (offset // item, shape, tuple(stride))
             try:
-                t.set_(base_t.untyped_storage(), offset // item, shape, stride)
+                t = _view_of(self._values[-b - 1], dtype, geometry)
             except RuntimeError as exc:
                 raise CheckpointFormatError(f"leaf {path}: malformed view {view!r:.80}") from exc
-        try:
-            if node.get("param"):
-                t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
-            elif node.get("grad"):
-                t.requires_grad_(True)
-        except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
-            raise CheckpointFormatError(f"leaf {path}: {exc}") from exc
-        self._values[id(node)] = t
+            self._tensors.append((node, b, geometry))
+        self._values[id(node)] = _as_leaf(t, node, path)
+
+    def to_device(self, device: Any) -> None:
+        """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
+        and before :meth:`build`: through the pinned slabs of :mod:`._devcopy`. Leaves that
+        shared a storage share one storage there; Parameters stay Parameters. (The leaves are
+        copied even when ``device`` is the CPU: callers skip that case.)"""
+        if not self._tensors:
+            return
+        plain = [(node, b) for node, b, geometry in self._tensors if geometry is None]
+        bases = sorted({b for _node, b, geometry in self._tensors if geometry is not None})
+        sources = [self._values[id(node)].detach() for node, _b in plain]
+        sources += [self._values[-b - 1] for b in bases]
+        moved = to_device(sources, device)
+        for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
+            self._values[id(node)] = _as_leaf(t, node, "")
+        for b, base in zip(bases, moved[len(plain) :], strict=True):
+            self._values[-b - 1] = base
+        for node, b, geometry in self._tensors:
+            if geometry is not None:
+                dtype = self._values[id(node)].dtype
+                view = _view_of(self._values[-b - 1], dtype, geometry)
+                self._values[id(node)] = _as_leaf(view, node, "")
 
     # phase 2 -------------------------------------------------------------------------------
     def build(self) -> Any:
@@ -878,8 +923,9 @@ def apply_into(node: Json, loaded: Any, into: Any) -> Any:
     """Fill ``into`` from the verified ``loaded`` tree; return the tree as restored.
 
     Stateful objects get ``load_state_dict`` first (the only step that can still refuse), then
-    tensors and arrays are copied in place and mutable containers (dict, list) get the new
-    values of their non-fillable leaves.
+    tensors and arrays are copied in place (those on a GPU in one batch through the pinned slabs
+    of :mod:`._devcopy`) and mutable containers (dict, list) get the new values of their
+    non-fillable leaves.
     """
     loads: list[tuple[tuple[str | int, ...], Any, Any]] = []
     fills: list[tuple[Any, Any]] = []
@@ -894,12 +940,16 @@ def apply_into(node: Json, loaded: Any, into: Any) -> Any:
                 f"{type(obj).__name__}.load_state_dict refused it: {exc}"
             ) from exc
     torch = sys.modules.get("torch")
+    on_device = []
     for dst, src in fills:
         if isinstance(dst, np.ndarray):
             np.copyto(dst, src)
+        elif dst.device.type != "cpu":
+            on_device.append((src, dst))  # one batch through pinned slabs, below
         else:
             with torch.no_grad():  # type: ignore[union-attr]
                 dst.copy_(src)
+    copy_to_device(on_device)
     for container, key, value in sets:
         container[key] = value
     return result

@@ -256,19 +256,27 @@ def read_part(
     into: Any = None,
     allow_pickle: bool = False,
     replicated_only: bool = False,
+    device: Any = None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
 
     ``replicated_only``: only the keys saved as replicated, read from any saved rank's part
     (they are the same on every rank), whatever ``rank`` is: see :func:`_read_replicated`.
+    ``device``: a ``torch.device`` the torch leaves go to once verified (None: the CPU; the
+    facade refuses it together with ``into``, whose tensors stay where they are).
     """
     if replicated_only:
-        return _read_replicated(store, step, rank=rank, into=into, allow_pickle=allow_pickle)
+        return _read_replicated(
+            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+        )
     t0 = time.perf_counter()
     part, restorer = _read_verified(
         store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
     )
     manifest = part.manifest
+    if device is not None and device.type != "cpu":
+        # Not wrapped: running out of device memory is no damage of the version.
+        restorer.to_device(device)
     try:
         tree = restorer.build()
     except (MemoryError, RecursionError) as exc:
@@ -333,7 +341,9 @@ def _replicated_skeleton(skeleton: Any, keys: Replicated, where: str) -> Any:
     return {**skeleton, "k": [encode_key(k) for k in keys], "v": [items[k] for k in keys]}
 
 
-def _read_replicated(store: Store, step: int, *, rank: int, into: Any, allow_pickle: bool) -> Any:
+def _read_replicated(
+    store: Store, step: int, *, rank: int, into: Any, allow_pickle: bool, device: Any
+) -> Any:
     """The keys of ``step`` saved as replicated (True: the whole state), read from saved part
     ``rank % world_size`` (ranks spread their reads over the parts: they hold the same
     content) and verified. Returns a dict of those keys; ``into`` (a dict holding at least
@@ -361,7 +371,7 @@ def _read_replicated(store: Store, step: int, *, rank: int, into: Any, allow_pic
         target = {k: into[k] for k in keys}
     if target is not None:
         _check_into(skeleton, target, where)
-    tree = read_part(store, step, rank=source, allow_pickle=allow_pickle)
+    tree = read_part(store, step, rank=source, allow_pickle=allow_pickle, device=device)
     if keys is not True:
         tree = {k: tree[k] for k in keys}
     if target is None:
