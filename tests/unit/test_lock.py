@@ -45,8 +45,15 @@ def held() -> Iterator[list[RunLock]]:
 
 
 def _lock_info(store: Any) -> dict[str, Any]:
-    info: dict[str, Any] = json.loads(store.read(LOCK_KEY))
-    return info
+    """The lock object as a reader sees it: a holder's heartbeat rewrites it, and on a store
+    without atomic writes a read can catch it half-written (as lock._read_settled allows)."""
+    for _ in range(50):
+        try:
+            info: dict[str, Any] = json.loads(store.read(LOCK_KEY))
+            return info
+        except ValueError:
+            time.sleep(0.02)
+    raise AssertionError(f"{LOCK_KEY} never read whole")
 
 
 # --- local runs: flock -----------------------------------------------------------------------
