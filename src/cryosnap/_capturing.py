@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import engine
+from ._devdiff import DeviceDiff, DiffPlan
 from ._gc import paused_gc
 from ._results import PendingSave
 from .capture import Batch, StagingPool, capture_to_slabs, direct_batches
@@ -51,6 +54,13 @@ class Job:
     stall_clock: float = 0.0
     # Top-level keys identical on every rank (save(replicated=...), checked by the facade).
     replicated: Replicated = None
+    # Set by the capture before its first batch (change detection on the device): the step
+    # the unchanged runs refer to, or a version that must be written full.
+    diff_base: int | None = None
+    full: bool = False
+    captured_bytes: int = 0
+    ticket: int = -1  # this capture's turn with the DeviceDiff
+    ready: Any = None  # CUDA event on the caller's stream at save(): the capture waits for it
 
     def drain(self) -> None:
         """Give back every captured batch still queued (the version is abandoned)."""
@@ -63,10 +73,24 @@ class Job:
 
 
 class Capturer:
-    """Captures versions into a staging pool (budgeted, pooled, pinned for CUDA sources)."""
+    """Captures versions into a staging pool (budgeted, pooled, pinned for CUDA sources).
 
-    def __init__(self, *, chunk_bytes: int, budget: int | None, clock: Callable[[], float]) -> None:
+    CUDA tensors are copied on a stream of the capturer's own, ordered after the caller's
+    stream at ``save()`` by an event; with ``diff`` only the chunks that changed on the device
+    since the previous version are copied (_devdiff.py).
+    """
+
+    def __init__(
+        self,
+        *,
+        chunk_bytes: int,
+        budget: int | None,
+        clock: Callable[[], float],
+        diff: DeviceDiff | None = None,
+    ) -> None:
         self.chunk_bytes = chunk_bytes
+        self.diff = diff
+        self._stream: Any = None
         self._clock = clock
         slab = 64 << 20 if budget is None else max(budget // 4, chunk_bytes)
         slab = max(slab // chunk_bytes, 1) * chunk_bytes
@@ -80,12 +104,24 @@ class Capturer:
 
     # -- the program's side --------------------------------------------------------------------
 
+    def _begin(self, job: Job) -> None:
+        """On the caller's thread, in save order: take the capture's turn and mark where the
+        caller's CUDA stream is (the copies must see every kernel queued before save())."""
+        if self.diff is not None:
+            job.ticket = self.diff.ticket()
+        torch = sys.modules.get("torch")
+        if torch is not None and any(_is_cuda(b.source) for b in job.flat.blobs):
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+
     def eager(self, job: Job) -> None:
         """Copy the state now, on the caller's thread."""
+        self._begin(job)
         self._capture(job, [], lazy=False)
 
     def lazy(self, job: Job, t0: float) -> None:
         """Start copying on a thread of its own; optimizer steps wait for their leaves."""
+        self._begin(job)
         hooks = self._optimizer_hooks(job)
         # Set before the capture can end: the writer reads it once the batches are done.
         job.stall_seconds = time.perf_counter() - t0
@@ -97,10 +133,18 @@ class Capturer:
             name=f"cryosnap-capture-{job.step}",
             daemon=True,
         )
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            if self.diff is not None:
+                self.diff.finish(job.ticket)
+            raise
 
     def direct(self, job: Job) -> None:
         """No staging: hand the live memory to the writer (the caller waits until durable)."""
+        job.captured_bytes = job.flat.logical_bytes
+        if self.diff is not None:
+            self.diff.skip(self.diff.ticket())
         try:
             with paused_gc():
                 for batch in direct_batches(job.flat, batch_bytes=engine.IO_BATCH_BYTES):
@@ -134,13 +178,17 @@ class Capturer:
         with self._cond:
             self._captures += 1
         try:
-            torch = sys.modules.get("torch")
-            if lazy and torch is not None and torch.cuda.is_available():
-                # Lazy capture overlaps the program's kernels: copy on a stream of our own.
-                with torch.cuda.stream(torch.cuda.Stream()):
-                    self._copy(job)
+            if job.ready is not None:
+                # Copy on a stream of our own (lazy capture overlaps the program's kernels),
+                # after everything the caller queued before save().
+                torch = sys.modules["torch"]
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream()
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(job.ready)
+                    self._copy(job, lazy)
             else:
-                self._copy(job)
+                self._copy(job, lazy)
         except BaseException as exc:
             error = exc
             job.batches.put(exc)
@@ -153,6 +201,8 @@ class Capturer:
             with self._cond:
                 self._captures -= 1
                 self._cond.notify_all()
+            if self.diff is not None:
+                self.diff.finish(job.ticket)
             job.batches.put(END)
             tracker.finish(error)
             # The hooks are not removed here: optimizer.step() may be iterating over them on
@@ -161,8 +211,14 @@ class Capturer:
             with self._hooks_lock:
                 self._spent_hooks.extend(hooks)
 
-    def _copy(self, job: Job) -> None:
-        capture_to_slabs(
+    def _copy(self, job: Job, lazy: bool) -> None:
+        plan: DiffPlan | None = None
+        if self.diff is not None:
+            # A lazy capture's optimizer guard orders the step after each blob's copies only,
+            # so its fingerprints are computed before them, on the same stream.
+            plan = self.diff.plan(job.ticket, job.flat, overlap=not lazy)
+            job.diff_base, job.full = plan.base, plan.full
+        job.captured_bytes = capture_to_slabs(
             job.flat,
             self.pool,
             chunk_bytes=self.chunk_bytes,
@@ -170,7 +226,14 @@ class Capturer:
             tracker=job.pending._tracker,
             abort=job.pending.abort_requested,
             hold=True,
+            changed=plan.changed if plan is not None else None,
+            events=lazy,
         )
+        if plan is not None:
+            if plan.ready is not None:
+                plan.ready.synchronize()  # the caller may change the state once we return
+            assert self.diff is not None
+            self.diff.adopt(job.step, plan, job.pending)
 
     def _optimizer_hooks(self, job: Job) -> list[Any]:
         torch = sys.modules.get("torch")
@@ -186,6 +249,10 @@ class Capturer:
                 needed = _blobs_mutated_by(obj, by_origin, torch)
                 hooks.append(obj.register_step_pre_hook(_step_guard(job.pending, needed)))
         return hooks
+
+
+def _is_cuda(source: Any) -> bool:
+    return not isinstance(source, (bytes, np.ndarray)) and bool(source.is_cuda)
 
 
 def _blobs_mutated_by(opt: Any, by_origin: dict[int, list[int]], torch: Any) -> list[int]:

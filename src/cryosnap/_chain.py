@@ -43,15 +43,34 @@ class ChainIndex:
         """The next version is written in full (a flusher found the chain damaged)."""
         self._reset = True
 
-    def base_for_next(self, store: Store) -> engine.ResolvedPart | None:
-        """The resolved base of the next version, or None when it must be full."""
+    def base_for_next(
+        self, store: Store, *, full: bool = False, exact: int | None = None
+    ) -> engine.ResolvedPart | None:
+        """The resolved base of the next version, or None when it must be full.
+
+        ``full``: the capture asks for a full version. ``exact``: the capture left out chunks
+        it found unchanged since version ``exact``, so the base must be that version, whatever
+        the chain's depth; when it is not (that version failed, or the chain was reset) the
+        version cannot be written: :class:`~cryosnap.CheckpointError`.
+        """
         if self._reset:
             self._reset = False
             self.forget()
         if not self._loaded:
             self._load(store)
         base = self._base if self.incremental else None
-        if base is None or base.depth >= self.full_every:
+        if full:
+            return None
+        if exact is not None:
+            have = None if base is None else base.manifest.step
+            if have != exact:
+                raise CheckpointError(
+                    f"the chunks found unchanged on the device since step {exact} were not "
+                    f"copied, but step {exact} is not the base of this version (it failed or "
+                    f"the chain was reset; the base is {have}): the version is lost, the next "
+                    "one is captured in full"
+                )
+        elif base is None or base.depth >= self.full_every:
             return None  # full: no chain yet, or the chain is long enough
         if isinstance(base, engine.PartResult):
             # Resolved only when it is a base: a run that saves once, writes only full versions

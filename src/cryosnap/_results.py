@@ -27,7 +27,9 @@ class SaveInfo:
     ``written_bytes`` counts the data this rank wrote to its first tier; ``stall_seconds`` is how
     long the program was blocked by the save (the ``save`` call, plus any optimizer step that
     waited for a lazy capture); ``seconds`` runs from the ``save`` call until the version was
-    durable; ``tiers`` names the tiers (storage levels) the version reached, fastest first.
+    durable; ``tiers`` names the tiers (storage levels) the version reached, fastest first;
+    ``captured_bytes`` counts the bytes copied out of the program's memory (from a GPU: over
+    PCIe), below ``logical_bytes`` when change detection on the device skipped unchanged chunks.
     """
 
     step: int
@@ -39,6 +41,7 @@ class SaveInfo:
     seconds: float
     incremental: bool
     tiers: tuple[str, ...]
+    captured_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,10 @@ class PendingSave:
     def done(self) -> bool:
         """Whether the version is durable on every tier or has failed."""
         return self._done.is_set()
+
+    def failed(self) -> bool:
+        """Whether the version has failed (it is done and will never be durable)."""
+        return self._done.is_set() and self._error is not None
 
     def result(self, timeout: float | None = None, *, tier: str | None = None) -> SaveInfo:
         """The :class:`SaveInfo` once durable on every tier; re-raises the failure of this

@@ -145,13 +145,24 @@ class Writer:
         store = self.levels.first.store
         writer: engine.PartWriter | None = None
         ended = False
+        held: Batch | None = None  # taken from the queue, not yet handed to the part writer
         # Every rank of a distributed save takes part in the replicas' exchange once.
         exchanged = self.coord.world_size == 1
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
         try:
             world = self.coord.world_size
             plan = _replicated.plan(job.flat, job.replicated, world, self.chunk_bytes)
-            base = self.chain.base_for_next(store)
+            # The capture decides (before its first batch) whether the version is full or
+            # must build on exactly one version: change detection on the device.
+            item = job.batches.get()
+            if item is END:
+                ended = True
+            elif isinstance(item, Batch):
+                held = item
+            try:
+                base = self.chain.base_for_next(store, full=job.full, exact=job.diff_base)
+            except CheckpointError as exc:
+                raise CheckpointError(f"step {job.step}: {exc}") from exc
             writer = engine.PartWriter(
                 store,
                 job.step,
@@ -164,21 +175,22 @@ class Writer:
                 shares=plan.shares,
                 replicated=plan.keys,
             )
-            while True:
-                item = job.batches.get()
-                if item is END:
-                    ended = True
-                    break
+            while item is not END:
                 if isinstance(item, BaseException):
                     raise item
                 batch: Batch = item
+                held = None
                 writer.add(batch.pieces, batch.release)
                 progress.update(batch.nbytes)
+                item = job.batches.get()
+            ended = True
             if not exchanged:
                 exchanged = True
                 _replicated.exchange(self.coord, job.step, job.flat, writer, plan)
             part = writer.finish()
         except BaseException as exc:
+            if held is not None:
+                held.release()
             if writer is not None:
                 writer.abort()
             if not ended:
@@ -217,6 +229,7 @@ class Writer:
             seconds=seconds,
             incremental=part.incremental,
             tiers=(self.levels.first.name,),
+            captured_bytes=job.captured_bytes,
         )
         return info, part
 

@@ -8,6 +8,11 @@ writer gives the slab back once its bytes are on storage. When the budget is sma
 state, capture therefore streams: it waits for a slab to come back, and the version is still
 exact, because every byte was copied before ``save`` returned.
 
+With ``changed`` (per blob, which chunks differ from the previous version, as found on the
+device by _devdiff.py) only those chunks are copied; each run of unchanged chunks becomes an
+:class:`Unchanged` item among the batch's pieces, in blob order, which the writer inherits from
+the base version without hashing.
+
 ``direct_batches`` is the zero-copy variant used by the synchronous ``cryosnap.save``: the caller
 blocks until the version is durable, so the writer may read the live memory itself.
 
@@ -21,6 +26,7 @@ slabs are released by the writer thread. Torch copies release the GIL.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +42,7 @@ __all__ = [
     "CaptureTracker",
     "Piece",
     "StagingPool",
+    "Unchanged",
     "capture_to_slabs",
     "direct_batches",
 ]
@@ -55,15 +62,28 @@ class Piece:
 
 
 @dataclass(slots=True)
-class Batch:
-    """Pieces to write back to back; ``release`` runs once they are on storage (or dropped)."""
+class Unchanged:
+    """Chunks ``first .. first + count - 1`` of blob ``blob`` are the same as in the version
+    the capture compared with (never copied); ``nbytes`` of them."""
 
-    pieces: list[Piece]
+    blob: int
+    first: int
+    count: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Batch:
+    """Pieces to write back to back (and unchanged runs, in blob order); ``release`` runs once
+    they are on storage (or dropped)."""
+
+    pieces: list[Piece | Unchanged]
     release: Callable[[], None] = field(default=lambda: None)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.view.nbytes for p in self.pieces)
+        """The state's bytes this batch covers (unchanged runs included)."""
+        return sum(p.nbytes if isinstance(p, Unchanged) else p.view.nbytes for p in self.pieces)
 
 
 class _Slab:
@@ -140,6 +160,9 @@ class CaptureTracker:
 
     def __init__(self, nblobs: int) -> None:
         self._done = bytearray(nblobs)
+        # CUDA events recorded after a blob's device-to-host copies were issued: a waiter
+        # orders its own stream after them instead of blocking until they complete.
+        self._events: dict[int, Any] = {}
         self._all = threading.Event()
         self._cond = threading.Condition()
         self.error: BaseException | None = None
@@ -149,6 +172,12 @@ class CaptureTracker:
     def mark(self, blob: int) -> None:
         with self._cond:
             self._done[blob] = 1
+            self._cond.notify_all()
+
+    def issued(self, blob: int, event: Any) -> None:
+        """The copies of ``blob`` are queued on a CUDA stream; ``event`` completes after them."""
+        with self._cond:
+            self._events[blob] = event
             self._cond.notify_all()
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -164,14 +193,24 @@ class CaptureTracker:
         return self._all.wait(timeout)
 
     def wait_blobs(self, blobs: list[int]) -> None:
+        """Return once ``blobs`` may be mutated: copied, or (CUDA) their copies queued, with the
+        caller's current stream made to wait for them on the device."""
         with self._cond:
-            while not self._all.is_set() and not all(self._done[b] for b in blobs):
+            while not self._all.is_set() and not all(
+                self._done[b] or b in self._events for b in blobs
+            ):
                 self._cond.wait()
+            pending = [self._events[b] for b in blobs if not self._done[b] and b in self._events]
+        if pending:
+            stream = sys.modules["torch"].cuda.current_stream()
+            for event in pending:
+                stream.wait_event(event)
 
 
-def _pieces(blob: Blob, start: int, space: int, chunk_bytes: int) -> int:
-    """How many bytes of ``blob`` from ``start`` fit in ``space``, ending on a chunk boundary."""
-    left = blob.nbytes - start
+def _pieces(end: int, start: int, space: int, chunk_bytes: int) -> int:
+    """How many bytes from ``start`` (up to ``end``) fit in ``space``, ending on a chunk
+    boundary."""
+    left = end - start
     if left <= space:
         return left
     return space // chunk_bytes * chunk_bytes
@@ -196,8 +235,16 @@ def capture_to_slabs(
     tracker: CaptureTracker,
     abort: Callable[[], BaseException | None] = lambda: None,
     hold: bool = False,
-) -> None:
-    """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order.
+    changed: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
+    events: bool = False,
+) -> int:
+    """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order; the
+    bytes copied.
+
+    ``changed`` (blob index -> per chunk, whether it changed) limits the copy of those blobs to
+    their changed chunks; the others become :class:`Unchanged` runs. With ``events`` (lazy
+    capture) a CUDA event is recorded after each CUDA blob's copies are queued, so that an
+    optimizer step waits on the device for them, not on the host for its whole slab.
 
     With ``hold`` the batches are emitted only once everything is copied, or when the staging
     budget runs out: the writer's hashing and I/O then do not compete with the copy for cores
@@ -215,7 +262,8 @@ def capture_to_slabs(
 
     slab: _Slab | None = None
     fill = 0
-    pieces: list[Piece] = []
+    pieces: list[Piece | Unchanged] = []
+    copied = 0
     small: list[tuple[int, Blob, int, int]] = []  # (slab offset, blob, start, n)
     pending_marks: list[int] = []
     gpu = False
@@ -244,7 +292,7 @@ def capture_to_slabs(
 
     def seal() -> None:
         nonlocal slab, fill, pieces, pending_marks
-        if slab is None:
+        if slab is None and not pieces:
             return
         flush_small()
         if gpu:
@@ -255,38 +303,65 @@ def capture_to_slabs(
         done, pieces, pending_marks = pieces, [], []
         s = slab
         slab, fill = None, 0
-        emit(Batch(done, lambda: pool.release(s)))
+        emit(Batch(done, (lambda: pool.release(s)) if s is not None else (lambda: None)))
 
     for index, blob in enumerate(flat.blobs):
         if blob.nbytes == 0:
             tracker.mark(index)
             continue
-        if not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda:
-            gpu = True
-        start = 0
-        while start < blob.nbytes:
-            if slab is None:
-                slab = pool.acquire(abort, flush_held)
-            n = _pieces(blob, start, slab.nbytes - fill, chunk_bytes)
-            if n == 0:
-                seal()
+        cuda = not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda
+        gpu = gpu or cuda
+        mask = changed.get(index) if changed else None
+        for lo, hi, copy in _runs(blob.nbytes, mask, chunk_bytes):
+            if not copy:
+                first = lo // chunk_bytes
+                pieces.append(Unchanged(index, first, -(-(hi - lo) // chunk_bytes), hi - lo))
                 continue
-            if n < _SMALL_PIECE_BYTES:
-                small.append((fill, blob, start, n))
-            else:
-                flush_small()
-                _copy(slab, fill, blob, start, n)
-            pieces.append(Piece(index, start, slab.array[fill : fill + n].data))
-            fill += n
-            start += n
+            start = lo
+            while start < hi:
+                if slab is None:
+                    slab = pool.acquire(abort, flush_held)
+                n = _pieces(hi, start, slab.nbytes - fill, chunk_bytes)
+                if n == 0:
+                    seal()
+                    continue
+                if n < _SMALL_PIECE_BYTES:
+                    small.append((fill, blob, start, n))
+                else:
+                    flush_small()
+                    _copy(slab, fill, blob, start, n)
+                pieces.append(Piece(index, start, slab.array[fill : fill + n].data))
+                fill += n
+                start += n
+                copied += n
+        if cuda and events:
+            flush_small()
+            event = sys.modules["torch"].cuda.Event()
+            event.record()
+            tracker.issued(index, event)
         pending_marks.append(index)
     seal()
     flush_held()
+    return copied
+
+
+def _runs(
+    nbytes: int, mask: np.ndarray[Any, np.dtype[np.bool_]] | None, chunk_bytes: int
+) -> list[tuple[int, int, bool]]:
+    """Byte ranges ``(lo, hi, changed)`` of a blob: runs of changed and unchanged chunks."""
+    if mask is None or mask.all():
+        return [(0, nbytes, True)]
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    bounds = [0, *edges.tolist(), len(mask)]
+    return [
+        (a * chunk_bytes, min(b * chunk_bytes, nbytes), bool(mask[a]))
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 def direct_batches(flat: FlatState, *, batch_bytes: int) -> Iterator[Batch]:
     """Batches that view the live blob memory: zero copy, for callers that block until durable."""
-    pieces: list[Piece] = []
+    pieces: list[Piece | Unchanged] = []
     size = 0
     for index, blob in enumerate(flat.blobs):
         if blob.nbytes == 0:

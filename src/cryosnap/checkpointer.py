@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from . import _replicated, _signals, _validate, engine
 from ._capturing import Capturer, Job
 from ._chain import ChainIndex
 from ._devcopy import target_device
+from ._devdiff import DeviceDiff
 from ._policy_room import PolicyRoom
 from ._results import PendingSave, SaveInfo, Status
 from ._validate import step as validate_step
@@ -133,6 +135,15 @@ class Checkpointer:
         run id, or none), opening raises :class:`~cryosnap.CheckpointError`: a new training
         goes to a new path; resuming one passes its id (:func:`run_id_of`). None: no check,
         versions carry no id.
+    device_diff
+        Find the chunks that changed since the previous version where the tensors live
+        (128-bit fingerprints computed on the device, kept there), and copy only those to the
+        host: for GPU state, only changed chunks cross PCIe. None (default): for CUDA tensors
+        of 4 MiB or more, when CUDA is available; True: for torch tensors on any device,
+        the CPU included; False: never. Needs ``incremental`` and a ``chunk_bytes`` of whole
+        32-bit words. Such a version builds on exactly the previous one: the first version of
+        a session and one every ``full_every`` are full, and if a version fails, one captured
+        against it meanwhile fails too (the next is captured in full).
     """
 
     def __init__(
@@ -156,6 +167,7 @@ class Checkpointer:
         comm: Coordinator | None = None,
         clock: Callable[[], float] = time.monotonic,
         run_id: str | None = None,
+        device_diff: bool | None = None,
     ) -> None:
         self._run_id = _validate_run_id(run_id)
         self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
@@ -208,7 +220,12 @@ class Checkpointer:
         self._levels.observe = self._policies.reached
         self.store: Store = self._levels.first.store  # where versions are written first
         self._chain = chain
-        self._capturer = Capturer(chunk_bytes=self.chunk_bytes, budget=budget, clock=clock)
+        self._capturer = Capturer(
+            chunk_bytes=self.chunk_bytes,
+            budget=budget,
+            clock=clock,
+            diff=_device_diff(device_diff, self.incremental, self.chunk_bytes, self.full_every),
+        )
         self._inflight = threading.BoundedSemaphore(self.max_inflight)
         self._pending: list[PendingSave] = []
         self._closed = False
@@ -459,6 +476,28 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
+
+
+def _device_diff(
+    wanted: object, incremental: bool, chunk_bytes: int, full_every: int
+) -> DeviceDiff | None:
+    """The change detection on the device that ``Checkpointer(device_diff=...)`` asks for."""
+    if wanted is not None and not isinstance(wanted, bool):
+        raise TypeError(f"device_diff must be None, True or False, got {wanted!r}")
+    if wanted is None:
+        torch = sys.modules.get("torch")
+        cuda = torch is not None and torch.cuda.is_available()
+        if not (cuda and incremental and DeviceDiff.usable(chunk_bytes)):
+            return None
+    elif not wanted:
+        return None
+    elif not incremental:
+        raise ValueError("device_diff=True needs incremental=True (it skips unchanged chunks)")
+    elif not DeviceDiff.usable(chunk_bytes):
+        raise ValueError(
+            f"device_diff=True needs chunk_bytes of whole 32-bit words, got {chunk_bytes}"
+        )
+    return DeviceDiff(chunk_bytes, full_every=full_every, cpu=wanted is True)
 
 
 def _note_interrupt(exc: KeyboardInterrupt, job: Job) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 import xxhash
 
 from .._gc import paused_gc
-from ..capture import Piece
+from ..capture import Piece, Unchanged
 from ..chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
@@ -481,9 +481,13 @@ class PartWriter(_Shares):
     def written_bytes(self) -> int:
         return sum(self._offsets)
 
-    def add(self, pieces: Sequence[Piece], release: Callable[[], None] = lambda: None) -> None:
+    def add(
+        self, pieces: Sequence[Piece | Unchanged], release: Callable[[], None] = lambda: None
+    ) -> None:
         """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
-        calls ``release`` once it no longer needs the pieces' memory (also on failure)."""
+        calls ``release`` once it no longer needs the pieces' memory (also on failure).
+        :class:`~cryosnap.capture.Unchanged` runs (found on the device) are inherited from the
+        base, which must be the version the capture compared with."""
         if self.placement is None:
             try:
                 out = self._diff(pieces)
@@ -506,7 +510,7 @@ class PartWriter(_Shares):
         for i, group in enumerate(groups):
             queued = False
             try:
-                logical = sum(p.view.nbytes for p in group)
+                logical = sum(p.view.nbytes for p in group if isinstance(p, Piece))
                 device = self.placement.choose(int(logical * self._new_share), reserve=logical)
                 self._device = device
                 out = self._diff(group)
@@ -525,9 +529,12 @@ class PartWriter(_Shares):
                     release_one()
                 raise
 
-    def _diff(self, pieces: Sequence[Piece]) -> list[memoryview]:
+    def _diff(self, pieces: Sequence[Piece | Unchanged]) -> list[memoryview]:
         out: list[memoryview] = []
         for p in pieces:
+            if isinstance(p, Unchanged):
+                self._unchanged(p)
+                continue
             owners = self.shares.get(p.blob) if self.shares else None
             if owners is None:
                 self._diff_piece(p, out)
@@ -563,6 +570,22 @@ class PartWriter(_Shares):
         edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
         bounds = [0, *edges.tolist(), n]
         return digests, first, j, [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
+
+    def _unchanged(self, u: Unchanged) -> None:
+        """Chunks the capture found unchanged since the base: inherited, with the base's
+        hashes (the chunks are the same bytes), whoever's share they are."""
+        j = self._base_blob[u.blob]
+        base = self.base
+        if j is None or base is None or u.first + u.count > len(base.blobs[j].hashes):
+            raise CheckpointError(
+                f"step {self.step}: leaf {self.flat.blobs[u.blob].path}: chunks {u.first}.."
+                f"{u.first + u.count - 1} were found unchanged on the device, but the base "
+                f"version {'(none)' if base is None else base.step} does not hold them"
+            )
+        builder = self._builders[u.blob]
+        builder.hashes.append(base.blobs[j].hashes[u.first : u.first + u.count].tobytes())
+        builder.inherit(j, u.first, u.count)
+        self.chunks += u.count
 
     def _foreign(self, p: Piece, rank: int) -> None:
         """Chunks of a replicated blob that ``rank`` writes: hashed and diffed, not written."""
@@ -715,12 +738,18 @@ class PartWriter(_Shares):
                 self.placement.release()
 
 
-def _split_pieces(pieces: Sequence[Piece], limit: int, chunk_bytes: int) -> list[list[Piece]]:
-    """``pieces`` in groups of about ``limit`` bytes; pieces are cut on chunk boundaries."""
+def _split_pieces(
+    pieces: Sequence[Piece | Unchanged], limit: int, chunk_bytes: int
+) -> list[list[Piece | Unchanged]]:
+    """``pieces`` in groups of about ``limit`` bytes; pieces are cut on chunk boundaries
+    (unchanged runs cost nothing and stay in order)."""
     step = max(limit // chunk_bytes, 1) * chunk_bytes
-    groups: list[list[Piece]] = [[]]
+    groups: list[list[Piece | Unchanged]] = [[]]
     size = 0
     for p in pieces:
+        if isinstance(p, Unchanged):
+            groups[-1].append(p)
+            continue
         lo, n = 0, p.view.nbytes
         while lo < n:
             room = max((step - size) // chunk_bytes, 1) * chunk_bytes
