@@ -60,7 +60,9 @@ class Fingerprinter:
             raise ValueError(f"chunk_bytes={chunk_bytes} is not a whole number of 32-bit words")
         self.chunk_bytes = chunk_bytes
         self.words = chunk_bytes // 4
-        rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little") if seed is None else seed)
+        rng = np.random.default_rng(
+            int.from_bytes(os.urandom(16), "little") if seed is None else seed
+        )
         keys = rng.integers(0, 2**64, size=(2, self.words), dtype=np.uint64, endpoint=False)
         self._keys_host = keys.view(np.int64)
         self._keys: dict[str, Any] = {}  # device -> (2, words) int64 tensor
