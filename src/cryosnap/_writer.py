@@ -30,7 +30,7 @@ from ._results import SaveInfo
 from .capture import Batch
 from .chunks import merkle_root
 from .dist import Coordinator
-from .errors import CheckpointError, StorageTimeoutError
+from .errors import CheckpointError, CoordinationError, StorageTimeoutError
 from .levels import Levels
 from .manifest import CommitRecord, PartSummary, commit_key, manifest_key
 from .progress import Progress, human_bytes
@@ -87,6 +87,10 @@ class Writer:
         # Steps whose commit record write timed out (it may still land): save them again under
         # another step only. Their files are reserved on the first level.
         self.in_doubt: set[int] = set()
+        # Set once a collective of the writer channel failed (a participant died or did not
+        # arrive in time): the channel is broken for good (gloo, MPI), so this writer stops
+        # saving, as one that lost its lock does.
+        self.disagreed: CoordinationError | None = None
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
         self._thread.start()
@@ -109,6 +113,7 @@ class Writer:
                 info, part = self._write(job)
             except BaseException as exc:
                 log.error("checkpoint of step %d failed: %s", job.step, exc)
+                self._note_disagreement(exc)
                 job.pending.fail(exc)
             finally:
                 self.inflight.release()
@@ -129,12 +134,21 @@ class Writer:
                 seconds=self.clock() - job.clock0,
                 stall_seconds=job.stall_clock + job.pending.stall_seconds,
             )
-        except Exception:
+        except Exception as exc:
             # The version is committed; a failing retention or policy must not stop the
-            # writer (the next version is full: the base may be half-retired).
+            # writer (the next version is full: the base may be half-retired), unless the
+            # participants no longer agree.
             log.exception("after committing step %d", job.step)
+            self._note_disagreement(exc)
             self.chain.forget()
         self.levels.reached(0, job.step, job.pending, info)
+
+    def _note_disagreement(self, exc: BaseException) -> None:
+        while exc is not None and self.disagreed is None:
+            if isinstance(exc, CoordinationError):
+                self.disagreed = exc
+                log.error("the run's participants no longer agree (%s); this writer stops", exc)
+            exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
     def _tell_policy(self, event: str, step: int, **figures: float) -> None:
         self.policy_event(event, step, **figures)
@@ -150,6 +164,8 @@ class Writer:
         exchanged = self.coord.world_size == 1
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
         try:
+            if self.disagreed is not None:
+                raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
             world = self.coord.world_size
             plan = _replicated.plan(job.flat, job.replicated, world, self.chunk_bytes)
             # The capture decides (before its first batch) whether the version is full or
@@ -199,15 +215,14 @@ class Writer:
                 job.pending.request_abort(exc)
                 job.drain()
             # The others wait for this part in the exchange and the commit: tell them it failed.
-            try:
-                if not exchanged:
-                    _replicated.send_failure(self.coord, exc)
-            except CheckpointError as agree:
-                log.error("step %d: telling the other participants failed: %s", job.step, agree)
-            try:
-                self._agree_commit(job, None, exc)
-            except CheckpointError as agree:
-                log.error("step %d: telling the other participants failed: %s", job.step, agree)
+            if self.disagreed is None and not isinstance(exc, CoordinationError):
+                try:
+                    if not exchanged:
+                        _replicated.send_failure(self.coord, exc)
+                    self._agree_commit(job, None, exc)
+                except CheckpointError as agree:
+                    log.error("step %d: telling the other participants failed: %s", job.step, agree)
+                    self._note_disagreement(agree)
             raise
         finally:
             progress.close()

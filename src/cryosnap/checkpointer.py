@@ -44,6 +44,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CoordinationError,
     IntegrityError,
     LockLostError,
 )
@@ -365,6 +366,11 @@ class Checkpointer:
         self._raise_undelivered()
         if self._levels.lock_lost is not None:
             raise LockLostError(f"this writer stopped saving: {self._levels.lock_lost}")
+        if self._writer.disagreed is not None:
+            raise CoordinationError(
+                f"step {step}: this writer stopped saving: the run's participants no longer "
+                f"agree ({self._writer.disagreed}); restart the job (every rank reopens the run)"
+            )
         if step in self._writer.in_doubt:
             raise CheckpointExistsError(
                 f"step {step}: the commit record of an earlier save timed out and may still "

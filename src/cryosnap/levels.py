@@ -29,7 +29,7 @@ from ._chain import ChainIndex
 from ._results import PendingSave, SaveInfo, Status
 from .capture import CaptureTracker
 from .dist import Coordinator
-from .errors import CheckpointError, LockLostError
+from .errors import CheckpointError, CoordinationError, LockLostError
 from .flush import Flusher, SourceDamagedError, flush_keys
 from .lock import RunLock
 from .manifest import commit_key
@@ -241,6 +241,8 @@ class Levels:
                 )
         except LockLostError:
             return  # recorded by the fence; nothing was deleted
+        except CoordinationError:
+            raise  # the participants no longer agree: the writer stops (_writer.py)
         except CheckpointError as exc:
             # Versions are committed; a failed clean-up is finished by the next pass.
             log.warning("retention on %s failed: %s", level.store.url, exc)

@@ -243,3 +243,37 @@ def test_scratch_with_several_participants_is_refused_clearly(tmp_path: Path) ->
     group = InProcessGroup(2)
     with pytest.raises(ValueError, match="scratch tiers with several participants"):
         cryosnap.Checkpointer(tmp_path / "p", scratch=tmp_path / "s", comm=group.coordinator(0))
+
+
+def test_a_writer_whose_participants_stopped_agreeing_stops_saving(tmp_path: Path) -> None:
+    # Rank 1 is stuck writing its part of step 1 past the collective timeout: rank 0's commit
+    # agreement fails, and the channel is broken for good (as gloo's and MPI's are). Both
+    # writers stop saving with a CoordinationError instead of timing out at every save.
+    released = threading.Event()
+
+    def body(c: Coordinator) -> Any:
+        def fault(op: str, key: str) -> None:
+            if c.rank == 1 and op == "writer.commit" and key.startswith("data/000000000001"):
+                released.wait(30)
+
+        store = FaultyStore(LocalStore(tmp_path), fault=fault)
+        got: dict[str, str] = {}
+        with cryosnap.Checkpointer(store, comm=c, chunk_bytes=4096) as ckpt:
+            ckpt.save(0, state_of(c.rank, 0)).result(timeout=60)
+            pending = ckpt.save(1, state_of(c.rank, 1))
+            if c.rank == 0:
+                with pytest.raises(CoordinationError):
+                    pending.result(timeout=60)
+                released.set()
+            else:
+                with pytest.raises(CheckpointError):
+                    pending.result(timeout=60)
+            with pytest.raises(CoordinationError, match="stopped saving") as stopped:
+                ckpt.save(2, state_of(c.rank, 2))
+            got["stopped"] = str(stopped.value)
+        return got
+
+    results = run_ranks(2, body, timeout=1.0)
+    for got in results:
+        assert "restart the job" in got["stopped"]
+    assert engine.list_steps(LocalStore(tmp_path)) == [0]
