@@ -880,7 +880,8 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
         items = dict_items(node, format_path(path))
         saved = [k for k, _v in items]
         missing = [k for k in saved if k not in into]
-        extra = [k for k in into if k not in set(saved)]
+        known = set(saved)
+        extra = [k for k in into if k not in known]
         if missing or extra:
             raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
         for k, v in items:
