@@ -29,7 +29,7 @@ import pickle
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +47,7 @@ __all__ = [
     "blob_paths",
     "check_into",
     "decode_key",
+    "direct_targets",
     "dict_items",
     "encode_key",
     "flatten",
@@ -593,6 +594,10 @@ class Restorer:
 
     ``allocate()`` creates every tensor/array empty and returns, per blob, a writable flat byte
     view of the memory its bytes go to. Fill them, then ``build()`` returns the tree.
+
+    ``allocate(targets)`` (from :func:`direct_targets`) allocates nothing for those leaves: the
+    view of such a blob is the memory of ``into=``'s own tensor or array (``direct[b]`` is
+    True), which the built tree holds, so :func:`apply_into` has nothing to copy for it.
     """
 
     def __init__(self, skeleton: Json, blob_sizes: list[int], *, allow_pickle: bool) -> None:
@@ -600,14 +605,17 @@ class Restorer:
         self.blob_sizes = blob_sizes
         self.allow_pickle = allow_pickle
         self.blob_paths: list[str] = [""] * len(blob_sizes)
+        self.direct: list[bool] = [False] * len(blob_sizes)
         self._dest: list[Any] = [None] * len(blob_sizes)
         self._values: dict[int, Any] = {}
+        self._targets: Mapping[int, Any] = {}
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
 
     # phase 1 -------------------------------------------------------------------------------
-    def allocate(self) -> list[memoryview]:
+    def allocate(self, targets: Mapping[int, Any] | None = None) -> list[memoryview]:
+        self._targets = targets or {}
         self._alloc(self.skeleton, ())
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
@@ -656,6 +664,12 @@ class Restorer:
             order: Literal["C", "F"] = "F" if node.get("order") == "F" else "C"
             b = self._blob(node, p)
             _expect_bytes(shape, dtype.itemsize, self.blob_sizes[b], p)
+            target = self._targets.get(id(node))
+            if target is not None:  # into='s own C-contiguous array (direct_targets)
+                self._claim(b, target.reshape(-1).view(np.uint8).data, p)
+                self.direct[b] = True
+                self._values[id(node)] = target
+                return
             arr = np.empty(shape, dtype=dtype, order=order)
             flat = arr.T.reshape(-1) if order == "F" else arr.reshape(-1)
             self._claim(b, flat.view(np.uint8).data if flat.size else memoryview(bytearray()), p)
@@ -683,6 +697,13 @@ class Restorer:
         item = torch.empty(0, dtype=dtype).element_size()
         if view is None:
             _expect_bytes(shape, item, self.blob_sizes[b], path)
+            target = self._targets.get(id(node))
+            if target is not None:  # into='s own contiguous CPU tensor (direct_targets)
+                flat = target.detach().reshape(-1).view(torch.uint8)
+                self._claim(b, memoryview(flat.numpy()), path)
+                self.direct[b] = True
+                self._values[id(node)] = target
+                return
             t = torch.empty(shape, dtype=dtype)
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else None
             self._claim(
@@ -920,13 +941,109 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     # Scalars, strings, bytes, None: nothing to fill in place; the loaded value replaces them.
 
 
-def apply_into(node: Json, loaded: Any, into: Any) -> Any:
+def direct_targets(skeleton: Json, into: Any) -> dict[int, Any]:
+    """The leaves of ``into`` (checked by :func:`check_into`) that a restore may read straight
+    into: ``id`` of the skeleton node -> ``into``'s tensor or array.
+
+    Those are the tensors and arrays :func:`apply_into` would fill by a plain copy (not those
+    inside stateful objects, which ``load_state_dict`` fills), that are on the CPU, C-contiguous,
+    writable, non-empty, of a plain type (``torch.Tensor``, ``nn.Parameter``, ``np.ndarray``;
+    no inference tensor) and not a view of a shared saved storage, and whose memory overlaps
+    no other leaf's that apply_into fills: where two overlap, the order of their copies decides
+    what is left, so both keep the copy.
+    """
+    found: list[tuple[int, Any]] = []
+    spans: list[tuple[int, int, int]] = []  # (first byte, end, index in found or -1)
+    _targets(skeleton, into, found, spans)
+    spans.sort()
+    shared: set[int] = set()
+    reach = -1
+    for i, (lo, hi, which) in enumerate(spans):
+        overlaps = lo < reach or (i + 1 < len(spans) and spans[i + 1][0] < hi)
+        if overlaps and which >= 0:
+            shared.add(which)
+        reach = max(reach, hi)
+    return {key: leaf for i, (key, leaf) in enumerate(found) if i not in shared}
+
+
+def _targets(
+    node: Json, into: Any, found: list[tuple[int, Any]], spans: list[tuple[int, int, int]]
+) -> None:
+    t = node["t"]
+    if _is_object(into):
+        return  # filled by its load_state_dict
+    if t in ("dict", "odict"):
+        for k, v in dict_items(node, ""):
+            _targets(v, into[k], found, spans)
+        return
+    if t in ("list", "tuple"):
+        for i, v in enumerate(node["v"]):
+            _targets(v, into[i], found, spans)
+        return
+    if not _fillable(into):
+        return
+    span = _span(into)
+    if span is None:
+        return  # on a GPU, or empty
+    direct = _direct(node, into)
+    spans.append((*span, len(found) if direct else -1))
+    if direct:
+        found.append((id(node), into))
+
+
+def _span(leaf: Any) -> tuple[int, int] | None:
+    """The bytes ``leaf`` (a tensor or array) spans in host memory; None on a GPU or empty."""
+    if isinstance(leaf, np.ndarray):
+        if not leaf.size:
+            return None
+        addr, item, strides = leaf.ctypes.data, leaf.itemsize, leaf.strides
+        shape: tuple[int, ...] = leaf.shape
+    else:
+        if leaf.device.type != "cpu" or not leaf.numel():
+            return None
+        addr, item = leaf.data_ptr(), leaf.element_size()
+        strides, shape = tuple(s * item for s in leaf.stride()), tuple(leaf.shape)
+    lo = addr + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
+    hi = addr + item + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0)
+    return lo, hi
+
+
+def _direct(node: dict[str, Any], leaf: Any) -> bool:
+    """Whether a restore may read the bytes of ``node`` straight into ``leaf``."""
+    if isinstance(leaf, np.ndarray):
+        return (
+            node["t"] == "numpy"
+            and node.get("order") != "F"
+            and type(leaf) is np.ndarray
+            and leaf.flags.c_contiguous
+            and leaf.flags.writeable
+            and list(leaf.shape) == node["shape"]
+        )
+    torch = _torch()
+    return (
+        node["t"] == "torch"
+        and "view" not in node
+        and type(leaf) in (torch.Tensor, torch.nn.Parameter)
+        and leaf.layout == torch.strided
+        and leaf.is_contiguous()
+        and not leaf.is_inference()
+        and not leaf.is_conj()
+        and not leaf.is_neg()
+        and str(leaf.dtype).removeprefix("torch.") == node["dtype"]
+        and list(leaf.shape) == node["shape"]
+    )
+
+
+def apply_into(
+    node: Json, loaded: Any, into: Any, *, fill_direct: Callable[[], None] | None = None
+) -> Any:
     """Fill ``into`` from the verified ``loaded`` tree; return the tree as restored.
 
     Stateful objects get ``load_state_dict`` first (the only step that can still refuse), then
-    tensors and arrays are copied in place (those on a GPU in one batch through the pinned slabs
-    of :mod:`._devcopy`) and mutable containers (dict, list) get the new values of their
-    non-fillable leaves.
+    ``fill_direct`` fills the leaves that ``loaded`` shares with ``into`` (read straight into
+    them: :func:`direct_targets`), then the other tensors and arrays are copied in place (those
+    on a GPU in one batch through the pinned slabs of :mod:`._devcopy`) and mutable containers
+    (dict, list) get the new values of their non-fillable leaves.
     """
     loads: list[tuple[tuple[str | int, ...], Any, Any]] = []
     fills: list[tuple[Any, Any]] = []
@@ -940,10 +1057,17 @@ def apply_into(node: Json, loaded: Any, into: Any) -> Any:
                 f"into= does not match the checkpoint at {format_path(path)}: "
                 f"{type(obj).__name__}.load_state_dict refused it: {exc}"
             ) from exc
+    if fill_direct is not None:
+        fill_direct()
     torch = sys.modules.get("torch")
     on_device = []
     for dst, src in fills:
-        if isinstance(dst, np.ndarray):
+        if dst is src:
+            # Read straight into it: what a copy_ would have done to its version counter
+            # (autograd's check for tensors saved for backward), done here.
+            if torch is not None and isinstance(dst, torch.Tensor):
+                torch.autograd.graph.increment_version(dst)
+        elif isinstance(dst, np.ndarray):
             np.copyto(dst, src)
         elif dst.device.type != "cpu":
             on_device.append((src, dst))  # one batch through pinned slabs, below

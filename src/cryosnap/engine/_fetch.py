@@ -1,20 +1,40 @@
-"""Fetch: fill one rank's freshly allocated leaves from the data files of a resolved version,
-then verify every chunk's hash.
+"""Fetch: fill one rank's leaves from the data files of a resolved version, verifying every
+chunk's hash as its read lands.
 
-A plan first (:class:`_BlobReader`): per data file, the pieces of leaves that lie back to back
-become runs, read in large contiguous ``preadv`` calls (a small gap between two pieces is read
-into a scratch buffer rather than split the read); a leaf whose chunks are scattered over many
-small runs (the end of an incremental chain over sparse updates) is read by windowed gathers
-instead. Several reads are in flight on a thread pool of this module's own. Runs on the
-caller's thread (the one restoring or verifying) and that pool; no collectives here.
+A plan first (:class:`_BlobReader`), vectorized over every chunk of the part: the chunks of a
+blob that lie back to back in a data file become *pieces* (whole chunks, at most about a task's
+bytes each), sorted by file and offset; pieces that follow each other in a file, or lie a small
+gap apart (the gap is read into a scratch buffer), join one *run* (one ``preadv`` of many
+buffers), and runs join *tasks* of about ``_TASK_BYTES`` (local stores; ``IO_BATCH_BYTES``
+elsewhere), one ``read_ranges`` call (one open) each. A task hashes its pieces right after its
+read returns, while their bytes are still in the CPU's cache. A blob whose chunks are scattered
+over many small runs (the end of an incremental chain over sparse updates) is read by windowed
+gathers instead. Tasks run on a thread pool of this module's own: copying out of the page cache,
+faulting in fresh pages and a remote store's latencies overlap on every core.
+
+*Direct* blobs (``into=``'s own tensors, :func:`cryosnap.tree.direct_targets`) are filled in
+two passes, so that nothing in them changes before every chunk of the part verified: the first
+reads their pieces into a per-thread bounce buffer and only verifies them; the second
+(:meth:`Fetched.fill`, once the caller is ready) reads them again into the bounce buffer,
+verifies each piece again and only then copies it into place. Every byte that lands in
+``into=`` was verified; a data file that changes (or disappears) between the passes fails the
+second pass, with ``into=`` partly filled with verified bytes. A scattered direct blob is
+gathered once into a private buffer and copied from it.
+
+Errors are deterministic: every task runs to its end; a failed read (in task order) wins over a
+mismatch, and of the mismatches the first chunk in blob order is named, as a sequential reader
+would. Runs on the caller's thread (the one restoring or verifying) and that pool; no
+collectives here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,12 +44,17 @@ from ..chunks import HASH_BYTES, hash_chunks
 from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 from ..storage import Store
 from ..storage.base import TruncatedError
-from ._resolved import ResolvedBlob, ResolvedPart
+from ._resolved import ResolvedPart
 
-__all__ = ["IO_BATCH_BYTES", "read_blobs"]
+__all__ = ["IO_BATCH_BYTES", "Fetched", "read_blobs"]
 
-# Bytes handed to one writev/preadv call: large enough for sequential bandwidth.
+# Bytes handed to one read_ranges call on a store without a local path (one open each: an
+# object store's request): large enough for sequential bandwidth.
 IO_BATCH_BYTES = 64 << 20
+# The same for a local store: small enough that a task's bytes are still in the CPU's cache when
+# they are hashed (a few tasks in flight stay within a shared L3), large enough that opening
+# the file is noise.
+_TASK_BYTES = 8 << 20
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 # Pieces of a data file at most this far apart are read in one go, the gap thrown away.
 _GAP_BYTES = 64 << 10
@@ -38,10 +63,9 @@ _GAP_BYTES = 64 << 10
 _FRAGMENTED_RUNS = 256
 _GATHER_WINDOW_BYTES = 4 << 20
 
-_Piece = tuple[int, int, int, int]  # (offset in its data file, blob, start in blob, nbytes)
-# (offset, buffers, the blob of each buffer or -1 for a skipped gap): one contiguous read.
-_Run = tuple[int, list[memoryview], list[int]]
-_Group = tuple[str, list[_Run]]  # runs of one data file, read by one task (one open)
+# (file offset, piece ids, gap bytes before each piece): one contiguous preadv.
+_Run = tuple[int, list[int], list[int]]
+_Task = tuple[int, list[_Run]]  # (file index, runs): one read_ranges call (one open)
 _Gather = tuple[int, int, np.ndarray[Any, Any]]  # (blob, file, chunk indices)
 _Window = tuple[int, int, int, int]  # (first, end) chunks of a gather, (lo, hi) bytes
 
@@ -52,15 +76,39 @@ def read_blobs(
     views: Sequence[memoryview],
     *,
     on_bytes: Callable[[int], None] = lambda n: None,
-) -> None:
-    """Fill ``views`` from the data files in large runs, then verify every chunk."""
-    _BlobReader(store, part, views, on_bytes).run()
+    direct: Sequence[bool] = (),
+) -> Fetched:
+    """Fill ``views`` from the data files and verify every chunk as it lands; raise on the first
+    damage (in blob order). The views marked in ``direct`` are verified but left untouched:
+    the returned :class:`Fetched` fills them."""
+    reader = _BlobReader(store, part, views, on_bytes, direct)
+    reader.first_pass()
+    return Fetched(reader)
+
+
+class Fetched:
+    """A part whose every chunk verified; :meth:`fill` puts the direct blobs in place."""
+
+    __slots__ = ("_reader",)
+
+    def __init__(self, reader: _BlobReader) -> None:
+        self._reader: _BlobReader | None = reader
+
+    @property
+    def direct(self) -> bool:
+        """Whether some blobs are still to be filled by :meth:`fill`."""
+        return self._reader is not None and self._reader.has_direct
+
+    def fill(self) -> None:
+        """Read the direct blobs into place (once), each piece verified again before it is
+        copied there."""
+        reader, self._reader = self._reader, None
+        if reader is not None and reader.has_direct:
+            reader.second_pass()
 
 
 class _BlobReader:
     """The reads that fill the leaves (``views``) of one resolved part."""
-
-    __slots__ = ("cb", "on_bytes", "part", "step", "store", "views")
 
     def __init__(
         self,
@@ -68,6 +116,7 @@ class _BlobReader:
         part: ResolvedPart,
         views: Sequence[memoryview],
         on_bytes: Callable[[int], None],
+        direct: Sequence[bool],
     ) -> None:
         self.store = store
         self.part = part
@@ -75,142 +124,323 @@ class _BlobReader:
         self.on_bytes = on_bytes
         self.cb = part.manifest.chunk_bytes
         self.step = part.step
+        blobs = part.blobs
+        self.direct = [bool(d) for d in direct] if direct else [False] * len(blobs)
+        self.has_direct = any(self.direct)
+        counts = np.fromiter((len(b.files) for b in blobs), np.int64, len(blobs))
+        self.first = np.zeros(len(blobs) + 1, np.int64)  # first chunk of each blob, and the end
+        np.cumsum(counts, out=self.first[1:])
+        self.first_list: list[int] = self.first.tolist()
+        # Every chunk's expected hash, blob after blob: one bytes object, sliced per piece.
+        self.expected = b"".join(b.hashes.tobytes() for b in blobs)
+        local = store.capabilities.local_path is not None
+        self.task_bytes = _TASK_BYTES if local else IO_BATCH_BYTES
+        self.scratch = memoryview(bytearray(_GAP_BYTES))  # gap bytes, shared: never read
+        self.tls = threading.local()
+        self.lock = threading.Lock()
+        # Pieces, as parallel lists: blob, start in the blob, bytes, offset in the data file.
+        self.p_blob: list[int] = []
+        self.p_start: list[int] = []
+        self.p_nbytes: list[int] = []
+        self.p_offset: list[int] = []
+        self.p_file: list[int] = []
+        self.gathers: list[_Gather] = []
+        self.staged: dict[int, np.ndarray[Any, Any]] = {}  # scattered direct blobs, gathered
+        self.failures: list[tuple[int, BaseException]] = []  # (task number, what it raised)
+        self.bad: list[tuple[int, int]] = []  # (blob, chunk) that did not match its hash
 
-    def run(self) -> None:
-        pieces, gathers = self._plan()
-        tasks: list[Callable[[], None]] = [
-            functools.partial(self._read, g) for g in self._groups(pieces)
+    # -- passes
+
+    def first_pass(self) -> None:
+        self._check_counts()
+        self._plan()
+        tasks = self._make_tasks(range(len(self.p_blob)))
+        work: list[Callable[[], None]] = [
+            functools.partial(self._task, i, task, False) for i, task in enumerate(tasks)
         ]
-        tasks += [functools.partial(self._gather, t) for t in gathers]
+        n = len(tasks)
+        work += [functools.partial(self._gather, n + i, g) for i, g in enumerate(self.gathers)]
+        self._run(work)
+
+    def second_pass(self) -> None:
+        for blob, staged in self.staged.items():
+            _copy(self.views[blob], staged)
+        direct, p_blob = self.direct, self.p_blob
+        tasks = self._make_tasks([p for p in range(len(p_blob)) if direct[p_blob[p]]])
+        self._run([functools.partial(self._task, i, t, True) for i, t in enumerate(tasks)])
+
+    def _run(self, work: list[Callable[[], None]]) -> None:
         # Several reads in flight: copying out of the page cache and faulting in fresh pages
         # run on every core, and a remote store overlaps its latencies.
-        if len(tasks) > 1:
+        if len(work) > 1:
             with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cryosnap-read") as pool:
-                for _ in pool.map(lambda task: task(), tasks):
+                for _ in pool.map(lambda task: task(), work):
                     pass
         else:
-            for task in tasks:
+            for task in work:
                 task()
-        for b, view in zip(self.part.blobs, self.views, strict=True):
-            _verify_blob(self.store, self.step, self.cb, b, view)
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.failures:
+            _n, exc = min(self.failures, key=lambda f: f[0])
+            raise exc
+        if self.bad:
+            blob, chunk = min(self.bad)
+            b = self.part.blobs[blob]
+            lo = chunk * self.cb
+            hi = min(lo + self.cb, b.nbytes)
+            raise IntegrityError(
+                f"step {self.step}, tier {self.store.url}: leaf {b.path}: chunk {chunk} "
+                f"(bytes {lo}-{hi}) does not match its hash"
+            )
 
     # -- plan
 
-    def _plan(self) -> tuple[dict[int, list[_Piece]], list[_Gather]]:
-        """Per data file its pieces, from runs of chunks that lie back to back (so adjacent
-        pieces become one preadv of many buffers); and the gathers of scattered blobs."""
-        pieces: dict[int, list[_Piece]] = {}
-        gathers: list[_Gather] = []
-        for i, b in enumerate(self.part.blobs):
-            self._plan_blob(i, b, pieces, gathers)
-        return pieces, gathers
-
-    def _plan_blob(
-        self, i: int, b: ResolvedBlob, pieces: dict[int, list[_Piece]], gathers: list[_Gather]
-    ) -> None:
+    def _plan(self) -> None:
+        """Pieces from runs of chunks that lie back to back (vectorized over every chunk of the
+        part), tasks of runs of nearby pieces, and the gathers of scattered blobs."""
+        blobs = self.part.blobs
         cb = self.cb
-        n = len(b.files)
-        if not n:
+        total = self.first_list[-1]
+        if not total:
             return
-        breaks = np.flatnonzero(
-            (b.files[1:] != b.files[:-1]) | (b.offsets[1:] != b.offsets[:-1] + cb)
+        nb = len(blobs)
+        files = np.concatenate([b.files for b in blobs]).astype(np.int64)
+        offs = np.concatenate([b.offsets for b in blobs]).astype(np.int64)
+        counts = self.first[1:] - self.first[:-1]
+        blob_of = np.repeat(np.arange(nb, dtype=np.int64), counts)
+        within = np.arange(total, dtype=np.int64) - np.repeat(self.first[:-1], counts)
+        new = np.ones(total, bool)
+        new[1:] = (
+            (blob_of[1:] != blob_of[:-1]) | (files[1:] != files[:-1]) | (offs[1:] != offs[:-1] + cb)
         )
-        if len(breaks) > _FRAGMENTED_RUNS and b.nbytes < (len(breaks) + 1) * _GAP_BYTES:
-            # Scattered chunks (the end of an incremental chain over sparse updates): read
-            # windows of each file and copy the chunks out with one vectorized gather each,
-            # instead of one Python-level piece per chunk. A short last chunk goes the usual
-            # way.
-            whole = n if b.nbytes % cb == 0 else n - 1
-            for f in np.unique(b.files[:whole]).tolist():
-                gathers.append((i, f, np.flatnonzero(b.files[:whole] == f)))
-            if whole < n:
-                pieces.setdefault(int(b.files[-1]), []).append(
-                    (int(b.offsets[-1]), i, whole * cb, b.nbytes - whole * cb)
+        starts = np.flatnonzero(new)
+        ends = np.append(starts[1:], total)
+        sizes = np.fromiter((b.nbytes for b in blobs), np.int64, nb)
+        runs = np.bincount(blob_of[starts], minlength=nb)
+        scattered = (runs - 1 > _FRAGMENTED_RUNS) & (sizes < runs * _GAP_BYTES)
+        keep = ~scattered[blob_of[starts]]
+        s, e = starts[keep], ends[keep]
+        # Pieces of at most a task's worth of whole chunks: a large blob is read by several
+        # tasks in parallel, each hashed while it is in the cache.
+        per = max(self.task_bytes // cb, 1)
+        nsub = -(-(e - s) // per)
+        sub = np.repeat(s, nsub) + per * (
+            np.arange(int(nsub.sum()), dtype=np.int64) - np.repeat(np.cumsum(nsub) - nsub, nsub)
+        )
+        sub_end = np.minimum(sub + per, np.repeat(e, nsub))
+        p_blob = blob_of[sub]
+        p_start = within[sub] * cb
+        p_nbytes = np.minimum(within[sub_end - 1] * cb + cb, sizes[p_blob]) - p_start
+        p_file = files[sub]
+        p_offset = offs[sub]
+        for i in np.flatnonzero(scattered).tolist():
+            extra = self._plan_gathers(i)
+            if extra is not None:  # the short last chunk of a scattered blob: a piece
+                p_blob = np.append(p_blob, i)
+                p_start = np.append(p_start, extra[0])
+                p_nbytes = np.append(p_nbytes, extra[1])
+                p_file = np.append(p_file, extra[2])
+                p_offset = np.append(p_offset, extra[3])
+        # Files in the order the blobs first use them (the order reads fail in), then offsets;
+        # pieces at one offset (content stored once, used twice) keep their blob order.
+        _u, first_use = np.unique(files, return_index=True)
+        rank = np.empty(int(files.max()) + 1, np.int64)
+        rank[_u] = np.argsort(np.argsort(first_use))
+        order = np.lexsort((p_offset, rank[p_file]))
+        self.p_blob = p_blob[order].tolist()
+        self.p_start = p_start[order].tolist()
+        self.p_nbytes = p_nbytes[order].tolist()
+        self.p_offset = p_offset[order].tolist()
+        self.p_file = p_file[order].tolist()
+
+    def _check_counts(self) -> None:
+        """Every blob has as many chunk hashes as its bytes make chunks (resolution makes it
+        so; the plan relies on it)."""
+        cb = self.cb
+        for i, b in enumerate(self.part.blobs):
+            if self.first_list[i + 1] - self.first_list[i] != -(-b.nbytes // cb):
+                raise IntegrityError(
+                    f"step {self.step}, tier {self.store.url}: leaf {b.path}: wrong chunk count"
                 )
-            return
-        starts = [0, *(breaks + 1).tolist()]
-        ends = [*(breaks + 1).tolist(), n]
-        for s, e in zip(starts, ends, strict=True):
-            lo, hi = s * cb, min(e * cb, b.nbytes)
-            pieces.setdefault(int(b.files[s]), []).append((int(b.offsets[s]), i, lo, hi - lo))
 
-    def _groups(self, pieces: dict[int, list[_Piece]]) -> list[_Group]:
-        """Pieces that follow each other in a file join one run; so do pieces a small gap
-        apart (the gap is read into a scratch buffer): a fragmented incremental chain reads its
-        old data files in a few large reads instead of one per changed region. Runs of one
-        file come in groups of about IO_BATCH_BYTES, each group one task that opens the file
-        once."""
-        scratch = memoryview(bytearray(_GAP_BYTES))
-        groups: list[_Group] = []
-        for f, plist in pieces.items():
-            plist.sort()
-            groups += self._file_groups(self.part.files[f], plist, scratch)
-        return groups
-
-    def _file_groups(self, key: str, plist: list[_Piece], scratch: memoryview) -> list[_Group]:
-        groups: list[_Group] = []
+    def _make_tasks(self, pids: Iterable[int]) -> list[_Task]:
+        """Pieces (``pids``, in file and offset order) that follow each other in a file join one
+        run; so do pieces a small gap apart (the gap is read into scratch): a fragmented
+        incremental chain reads its old data files in a few large reads instead of one per
+        changed region. Runs of one file join tasks of about ``task_bytes``, each one
+        read_ranges call (one open)."""
+        cap = self.task_bytes
+        tasks: list[_Task] = []
+        f_cur = -1
         runs: list[_Run] = []
         end = -1
-        size = 0
-        group_bytes = 0
-        for offset, blob, start, nbytes in plist:
-            view = self.views[blob][start : start + nbytes]
+        task_bytes = 0
+        for pid in pids:
+            f, offset, nbytes = self.p_file[pid], self.p_offset[pid], self.p_nbytes[pid]
+            if f != f_cur or task_bytes >= cap:
+                if runs:
+                    tasks.append((f_cur, runs))
+                f_cur, runs, task_bytes, end = f, [], 0, -1
             gap = offset - end
-            if runs and 0 <= gap <= _GAP_BYTES and size < IO_BATCH_BYTES:
-                if gap:
-                    runs[-1][1].append(scratch[:gap])
-                    runs[-1][2].append(-1)
-                runs[-1][1].append(view)
-                runs[-1][2].append(blob)
-                size += gap + nbytes
+            if runs and 0 <= gap <= _GAP_BYTES:
+                runs[-1][1].append(pid)
+                runs[-1][2].append(gap)
             else:
                 # A new run: a far piece, or content stored once and used twice
                 # (de-duplicated: the piece starts before the run's end).
-                if group_bytes >= IO_BATCH_BYTES:
-                    groups.append((key, runs))
-                    runs, group_bytes = [], 0
-                runs.append((offset, [view], [blob]))
-                size = nbytes
-            group_bytes += nbytes
+                runs.append((offset, [pid], [0]))
+            task_bytes += nbytes
             end = offset + nbytes
         if runs:
-            groups.append((key, runs))
-        return groups
+            tasks.append((f_cur, runs))
+        return tasks
 
-    # -- reads (on the pool's threads)
+    def _plan_gathers(self, i: int) -> tuple[int, int, int, int] | None:
+        """Scattered chunks (the end of an incremental chain over sparse updates): windows of
+        each file are read and the chunks copied out with one vectorized gather each, instead
+        of one Python-level piece per chunk. Returns the short last chunk, which goes the usual
+        way, as (start, nbytes, file, offset), or None."""
+        b = self.part.blobs[i]
+        cb = self.cb
+        n = len(b.files)
+        whole = n if b.nbytes % cb == 0 else n - 1
+        for f in np.unique(b.files[:whole]).tolist():
+            self.gathers.append((i, f, np.flatnonzero(b.files[:whole] == f)))
+        if self.direct[i]:
+            # Gathered into a private buffer, verified there, copied into place by the second
+            # pass: the destination is into='s own memory.
+            self.staged[i] = np.empty(whole * cb, np.uint8)
+        if whole == n:
+            return None
+        return whole * cb, b.nbytes - whole * cb, int(b.files[-1]), int(b.offsets[-1])
 
-    def _read(self, group: _Group) -> None:
-        key, runs = group
+    # -- tasks (on the pool's threads)
+
+    def _bounce(self, nbytes: int) -> memoryview:
+        """This thread's bounce buffer, at least ``nbytes`` long (reused: fresh pages cost
+        faults)."""
+        buf: np.ndarray[Any, Any] | None = getattr(self.tls, "bounce", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self.tls.bounce = np.empty(max(nbytes, 1 << 20), np.uint8)
+        return buf.data
+
+    def _task(self, number: int, task: _Task, second: bool) -> None:
+        f, runs = task
+        key = self.part.files[f]
+        direct, p_blob, p_start, p_nbytes = self.direct, self.p_blob, self.p_start, self.p_nbytes
+        bounced = sum(p_nbytes[p] for _o, pids, _g in runs for p in pids if direct[p_blob[p]])
+        bounce = self._bounce(bounced) if bounced else self.scratch
+        dests: list[memoryview] = []
+        ranges: list[tuple[int, list[memoryview]]] = []
+        at = 0
+        for offset, pids, gaps in runs:
+            bufs: list[memoryview] = []
+            for pid, gap in zip(pids, gaps, strict=True):
+                if gap:
+                    bufs.append(self.scratch[:gap])
+                blob, start, nbytes = p_blob[pid], p_start[pid], p_nbytes[pid]
+                if direct[blob]:
+                    dest = bounce[at : at + nbytes]
+                    at += nbytes
+                else:
+                    dest = self.views[blob][start : start + nbytes]
+                bufs.append(dest)
+                dests.append(dest)
+            ranges.append((offset, bufs))
         try:
-            self.store.read_ranges(key, [(offset, bufs) for offset, bufs, _ in runs])
-        except (TruncatedError, CheckpointNotFoundError) as exc:
-            victim = runs[0][2][0]
-            if isinstance(exc, TruncatedError):
-                victim = self._cut_off(key, runs, victim)
-            raise self._unreadable(key, exc, self.part.blobs[victim].path) from exc
-        self.on_bytes(sum(v.nbytes for _, bufs, _owners in runs for v in bufs))
+            self.store.read_ranges(key, ranges)
+        except BaseException as exc:
+            # A read that failed may still land later (a timed-out call goes on): this thread's
+            # bounce buffer is never used again.
+            self.tls.bounce = None
+            if isinstance(exc, (TruncatedError, CheckpointNotFoundError)):
+                exc = self._unreadable_run(key, runs, exc)
+            with self.lock:
+                self.failures.append((number, exc))
+            return
+        self._verify(runs, dests, second)
+        if not second:
+            self.on_bytes(sum(v.nbytes for v in dests))
+
+    def _verify(self, runs: list[_Run], dests: list[memoryview], second: bool) -> None:
+        cb, expected, first = self.cb, self.expected, self.first_list
+        p_blob, p_start = self.p_blob, self.p_start
+        d = 0
+        for _offset, pids, _gaps in runs:
+            for pid in pids:
+                dest = dests[d]
+                d += 1
+                blob = p_blob[pid]
+                lo = (first[blob] + p_start[pid] // cb) * HASH_BYTES
+                got = hash_chunks(dest, cb)
+                want = expected[lo : lo + len(got)]
+                if got != want:
+                    self._mismatch(blob, p_start[pid] // cb, got, want)
+                    continue
+                if second:
+                    _copy(self.views[blob][p_start[pid] : p_start[pid] + dest.nbytes], dest)
+
+    def _mismatch(self, blob: int, chunk: int, got: bytes, want: bytes) -> None:
+        """Record the first chunk of a piece (starting at ``chunk``) that does not match."""
+        c = 0
+        while got[c : c + HASH_BYTES] == want[c : c + HASH_BYTES]:
+            c += HASH_BYTES
+        with self.lock:
+            self.bad.append((blob, chunk + c // HASH_BYTES))
+
+    def _unreadable_run(self, key: str, runs: list[_Run], exc: Exception) -> IntegrityError:
+        """The error naming the leaf whose bytes ``key`` lacks: for a truncated file the blob
+        the end of the file cuts off (not the first one of the read), when its size can be
+        had."""
+        victim = self.p_blob[runs[0][1][0]]
+        if isinstance(exc, TruncatedError):
+            victim = self._cut_off(key, runs, victim)
+        return self._unreadable(key, exc, self.part.blobs[victim].path)
 
     def _cut_off(self, key: str, runs: list[_Run], default: int) -> int:
-        """The blob whose bytes the truncated file ``key`` cuts off (not the first one of the
-        read), or ``default`` when its size cannot be had."""
+        """The blob whose bytes the truncated file ``key`` cuts off, or ``default`` when its
+        size cannot be had."""
         with contextlib.suppress(CheckpointError):
             size = self.store.size(key)
-            for offset, bufs, owners in runs:
+            for offset, pids, gaps in runs:
                 at = offset
-                for buf, blob in zip(bufs, owners, strict=True):
-                    if blob >= 0 and at + buf.nbytes > size:
-                        return blob
-                    at += buf.nbytes
+                for pid, gap in zip(pids, gaps, strict=True):
+                    at += gap
+                    if at + self.p_nbytes[pid] > size:
+                        return self.p_blob[pid]
+                    at += self.p_nbytes[pid]
         return default
 
     def _unreadable(self, key: str, exc: Exception, leaf: str) -> IntegrityError:
         what = "truncated" if isinstance(exc, TruncatedError) else "missing"
-        return IntegrityError(
+        error = IntegrityError(
             f"step {self.step}, tier {self.store.url}: data file {key} is {what}; "
             f"leaf {leaf} cannot be read"
         )
+        error.__cause__ = exc
+        return error
 
-    def _gather(self, task: _Gather) -> None:
+    def _gather(self, number: int, task: _Gather) -> None:
+        try:
+            self._gather_reads(task)
+        except BaseException as exc:
+            with self.lock:
+                self.failures.append((number, exc))
+            return
+        i, _f, idx = task
+        dest = self.staged.get(i)
+        view = dest.data if dest is not None else self.views[i]
+        cb, lo = self.cb, self.first_list[i] * HASH_BYTES
+        expected = self.expected
+        for c in idx.tolist():
+            got = hash_chunks(view[c * cb : (c + 1) * cb], cb)
+            if got != expected[lo + c * HASH_BYTES : lo + (c + 1) * HASH_BYTES]:
+                with self.lock:
+                    self.bad.append((i, c))
+
+    def _gather_reads(self, task: _Gather) -> None:
         i, f, idx = task
         cb = self.cb
         b, key = self.part.blobs[i], self.part.files[f]
@@ -218,7 +448,9 @@ class _BlobReader:
         order = np.argsort(offs, kind="stable")
         idx, offs = idx[order], offs[order]
         whole = b.nbytes // cb
-        dest = np.frombuffer(self.views[i], np.uint8)[: whole * cb].reshape(whole, cb)
+        staged = self.staged.get(i)
+        flat = staged if staged is not None else np.frombuffer(self.views[i], np.uint8)
+        dest = flat[: whole * cb].reshape(whole, cb)
         per_copy = max(_GATHER_WINDOW_BYTES // cb, 1)
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every batch cost faults
         for batch, size in _window_batches(_gather_windows(offs, cb)):
@@ -247,6 +479,14 @@ class _BlobReader:
                     e = min(s + per_copy, z)
                     dest[idx[s:e]] = rows[offs[s:e] - lo]
                 self.on_bytes((z - a) * cb)
+
+
+def _copy(dest: memoryview, source: memoryview | np.ndarray[Any, Any]) -> None:
+    """Copy ``source`` over the start of ``dest`` (flat bytes), without holding the GIL."""
+    src = np.frombuffer(source, np.uint8) if isinstance(source, memoryview) else source
+    n = min(len(src), dest.nbytes)
+    if n:
+        ctypes.memmove(np.frombuffer(dest, np.uint8).ctypes.data, src.ctypes.data, n)
 
 
 def _gather_windows(offs: np.ndarray[Any, Any], cb: int) -> list[_Window]:
@@ -280,22 +520,3 @@ def _window_batches(windows: list[_Window]) -> Iterator[tuple[list[_Window], int
             batch.append(windows[w])
             w += 1
         yield batch, size
-
-
-def _verify_blob(
-    store: Store, step: int, chunk_bytes: int, b: ResolvedBlob, view: memoryview
-) -> None:
-    hashes = hash_chunks(view, chunk_bytes)
-    expected = b.hashes.tobytes()
-    if hashes == expected:
-        return
-    for c in range(0, len(hashes), HASH_BYTES):
-        if hashes[c : c + HASH_BYTES] != expected[c : c + HASH_BYTES]:
-            chunk = c // HASH_BYTES
-            lo = chunk * chunk_bytes
-            hi = min(lo + chunk_bytes, b.nbytes)
-            raise IntegrityError(
-                f"step {step}, tier {store.url}: leaf {b.path}: chunk {chunk} "
-                f"(bytes {lo}-{hi}) does not match its hash"
-            )
-    raise IntegrityError(f"step {step}, tier {store.url}: leaf {b.path}: wrong chunk count")

@@ -39,8 +39,16 @@ from ..errors import (
 from ..manifest import STORED, CommitRecord, Manifest, Replicated
 from ..progress import Progress, human_bytes
 from ..storage import Store
-from ..tree import Restorer, apply_into, blob_paths, check_into, dict_items, encode_key
-from ._fetch import read_blobs
+from ..tree import (
+    Restorer,
+    apply_into,
+    blob_paths,
+    check_into,
+    dict_items,
+    direct_targets,
+    encode_key,
+)
+from ._fetch import Fetched, read_blobs
 from ._records import read_commit, read_manifest
 from ._resolved import ResolvedPart, _check_claimed_bytes, chain_manifests, resolve
 
@@ -184,42 +192,53 @@ def _read_verified(
     allow_pickle: bool,
     into: Any = None,
     progress: bool = False,
-) -> tuple[ResolvedPart, Restorer]:
+) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
-    (with a progress line on a terminal if ``progress``)."""
+    (with a progress line on a terminal if ``progress``).
+
+    With ``into`` on a store with a local path, the leaves :func:`direct_targets` picks are not
+    allocated: their chunks are verified, and the returned :class:`Fetched` reads them into
+    ``into``'s own memory when the caller is ready (:func:`read_part`, through apply_into).
+    Reading a local file twice from the page cache costs less than a fresh copy of the
+    state: its pages to fault in, then a second copy into ``into``. Elsewhere a read is a
+    request to a remote store: the leaves are read once and copied."""
     with paused_gc():
         record = read_commit(store, step)
         if rank >= record.world_size:
             raise _no_part(store, record, rank)
         manifest, ref = read_manifest(store, record, rank)
         where = f"step {step}, tier {store.url}: {ref.key}"
+        targets: dict[int, Any] = {}
         if into is not None:
             _check_into(manifest.skeleton, into, where)
+            if store.capabilities.local_path is not None:
+                targets = _direct_targets(manifest.skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
         # Every size, offset and count the chain claims is checked before any allocation.
         checked = _check_chain_claims(store, chain, set(record.data_files))
         restorer = Restorer(
             manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
         )
-        views = _allocate(restorer, where)
+        views = _allocate(restorer, where, targets)
+        fresh = [v for v, direct in zip(views, restorer.direct, strict=True) if not direct]
         # The leaves are allocated before the chain is applied so that the kernel maps their
         # fresh pages (a cost as large as reading the data from the page cache) on another
         # core while this one resolves the chain.
-        with _prefaulted(views if manifest.base is not None else ()):
+        with _prefaulted(fresh if manifest.base is not None else ()):
             part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain)
         _check_used_files(store, part, checked)
     try:
         if not progress:
-            read_blobs(store, part, views)
-            return part, restorer
+            fetched = read_blobs(store, part, views, direct=restorer.direct)
+            return part, restorer, fetched
         line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
         try:
-            read_blobs(store, part, views, on_bytes=line.update)
+            fetched = read_blobs(store, part, views, on_bytes=line.update, direct=restorer.direct)
         finally:
             line.close()
     except MemoryError as exc:
         raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
-    return part, restorer
+    return part, restorer, fetched
 
 
 def _check_into(skeleton: Any, into: Any, where: str) -> None:
@@ -232,14 +251,23 @@ def _check_into(skeleton: Any, into: Any, where: str) -> None:
         raise CheckpointFormatError(f"{where}: malformed state tree ({exc!r:.120})") from exc
 
 
+def _direct_targets(skeleton: Any, into: Any, where: str) -> dict[int, Any]:
+    try:
+        return direct_targets(skeleton, into)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        raise CheckpointFormatError(f"{where}: malformed state tree ({exc!r:.120})") from exc
+
+
 # What allocating a claimed leaf raises when the claim is absurd or memory runs out: Python's
 # MemoryError, torch's RuntimeError, numpy's ValueError ("array is too big"), OverflowError.
 _ALLOC_ERRORS = (MemoryError, RuntimeError, ValueError, OverflowError)
 
 
-def _allocate(restorer: Restorer, where: str) -> list[memoryview]:
+def _allocate(restorer: Restorer, where: str, targets: dict[int, Any]) -> list[memoryview]:
     try:
-        return restorer.allocate()
+        return restorer.allocate(targets)
     except CheckpointError:
         raise
     except _ALLOC_ERRORS as exc:
@@ -270,7 +298,7 @@ def read_part(
             store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
         )
     t0 = time.perf_counter()
-    part, restorer = _read_verified(
+    part, restorer, fetched = _read_verified(
         store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
     )
     manifest = part.manifest
@@ -293,7 +321,7 @@ def read_part(
     if into is None:
         return tree
     try:
-        return apply_into(manifest.skeleton, tree, into)
+        return apply_into(manifest.skeleton, tree, into, fill_direct=fetched.fill)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -391,7 +419,7 @@ def _read_replicated(
 def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
     """Read every chunk of one rank's part (through its whole chain) and check every hash and
     every Merkle root; raise on the first damage found."""
-    part, _restorer = _read_verified(store, step, rank=rank, allow_pickle=True)
+    part, _restorer, _fetched = _read_verified(store, step, rank=rank, allow_pickle=True)
     for b, entry in zip(part.blobs, part.manifest.blobs, strict=True):
         if merkle_root(b.hashes.tobytes()) != entry.root:
             raise IntegrityError(

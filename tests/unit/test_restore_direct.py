@@ -1,0 +1,400 @@
+"""Restores that read straight into ``into=``'s own tensors and arrays (``tree.direct_targets``,
+two passes in ``engine._fetch``), the reads verified as they land, and the fallbacks: nothing in
+``into`` changes before every chunk verified, overlapping or non-contiguous targets keep the
+copy, and errors name the first damage in blob order whatever the read order."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cryosnap
+from cryosnap import engine
+from cryosnap.engine import _fetch
+from cryosnap.manifest import Manifest, manifest_key
+from cryosnap.storage import LocalStore, Store, open_store
+from cryosnap.testing import FaultyStore
+from cryosnap.tree import blob_paths, check_into, direct_targets, flatten
+
+from .support import snapshot
+
+CHUNK = 4096
+STEP = 3
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "big": torch.from_numpy(rng.standard_normal(50_000).astype(np.float32)),  # 49 chunks
+        "half": torch.from_numpy(rng.standard_normal((30, 70)).astype(np.float32)).bfloat16(),
+        "arr": rng.standard_normal((40, 60)),
+        "ints": np.arange(5000, dtype=np.int16),
+        "param": torch.nn.Parameter(torch.from_numpy(rng.standard_normal(3000).astype(np.float32))),
+        "list": [torch.arange(7), np.arange(3.0)],
+        "step": 7,
+    }
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    def zero(x: Any) -> Any:
+        if isinstance(x, torch.nn.Parameter):
+            return torch.nn.Parameter(torch.zeros_like(x), requires_grad=x.requires_grad)
+        if isinstance(x, torch.Tensor):
+            return torch.zeros_like(x)
+        if isinstance(x, np.ndarray):
+            return np.zeros_like(x)
+        if isinstance(x, list):
+            return [zero(v) for v in x]
+        return x
+
+    return {k: zero(v) for k, v in state.items()}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return bool(torch.equal(a.detach(), b.detach()))
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    if isinstance(a, list):
+        return all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.fixture(params=["local", "memory"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    loc = str(tmp_path / "run") if request.param == "local" else f"memory://{uuid.uuid4()}"
+    cryosnap.save(loc, _state(), step=STEP, chunk_bytes=CHUNK)
+    return loc
+
+
+def _data_file(location: str) -> tuple[Store, str, Manifest]:
+    store = open_store(location)
+    manifest = Manifest.from_json(store.read(manifest_key(STEP, 0)), "test")
+    (key,) = manifest.data_files
+    return store, key, manifest
+
+
+def _segment(manifest: Manifest, leaf: str) -> tuple[int, int]:
+    """(offset, nbytes) of the one stored run of the blob of ``leaf`` (a full version)."""
+    blob = blob_paths(manifest.skeleton, len(manifest.blobs)).index(leaf)
+    rows = manifest.blobs[blob].table
+    assert len(rows) == 1
+    return int(rows[0][2]), int(rows[0][3])
+
+
+def _damage(location: str, pos: int) -> None:
+    store, key, _manifest = _data_file(location)
+    data = bytearray(store.read(key))
+    data[pos] ^= 0x5A
+    root = store.capabilities.local_path
+    if root is not None:
+        (root / key).write_bytes(bytes(data))
+    else:
+        store.write(key, bytes(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# which leaves are read into directly
+
+
+def test_direct_targets_picks_plain_contiguous_cpu_leaves() -> None:
+    state = _state()
+    skeleton = flatten(state).skeleton
+    into = _zeros_like(state)
+    found = direct_targets(skeleton, into)
+    assert {id(v) for v in found.values()} == {
+        id(into["big"]),
+        id(into["half"]),
+        id(into["arr"]),
+        id(into["ints"]),
+        id(into["param"]),
+        id(into["list"][0]),
+        id(into["list"][1]),
+    }
+
+
+def test_direct_targets_leaves_out_what_needs_the_copy() -> None:
+    state = _state()
+    skeleton = flatten(state).skeleton
+    into = _zeros_like(state)
+    into["arr"] = np.asfortranarray(into["arr"])  # not C-contiguous
+    wide = torch.zeros(2, 3000)
+    into["param"] = wide[0]  # contiguous view: kept
+    into["ints"] = np.zeros(10_000, np.int16)[::2]  # strided view: not contiguous
+    with torch.inference_mode():
+        into["half"] = torch.zeros(30, 70, dtype=torch.bfloat16)  # an inference tensor
+    check_into(skeleton, into)
+    chosen = {id(v) for v in direct_targets(skeleton, into).values()}
+    assert id(into["big"]) in chosen
+    assert id(into["param"]) in chosen  # a Parameter's place taken by a plain tensor
+    assert id(into["arr"]) not in chosen
+    assert id(into["ints"]) not in chosen
+    assert id(into["half"]) not in chosen
+
+
+def test_direct_targets_leave_overlapping_leaves_to_the_copy() -> None:
+    state = {"a": torch.arange(600.0), "b": torch.arange(600.0) + 1, "c": torch.zeros(10)}
+    skeleton = flatten(state).skeleton
+    base = torch.zeros(1000)
+    into = {"a": base[:600], "b": base[400:], "c": torch.zeros(10)}  # a and b overlap
+    chosen = {id(v) for v in direct_targets(skeleton, into).values()}
+    assert chosen == {id(into["c"])}
+    # Views of one storage that do not overlap are read into directly, both.
+    base = torch.zeros(1300)
+    into = {"a": base[:600], "b": base[600:1200], "c": base[1290:]}
+    assert len(direct_targets(skeleton, into)) == 3
+    # An array sharing memory with a tensor counts as an overlap, as does one leaf used twice.
+    t = torch.zeros(600)
+    into = {"a": t, "b": t, "c": torch.zeros(10)}
+    assert {id(v) for v in direct_targets(skeleton, into).values()} == {id(into["c"])}
+    arr = np.zeros(600, np.float32)
+    into = {"a": torch.from_numpy(arr), "b": torch.zeros(600), "c": torch.zeros(10)}
+    assert len(direct_targets(skeleton, into)) == 3
+    state["c"] = np.zeros(600, np.float32)
+    skeleton = flatten(state).skeleton
+    into = {"a": torch.from_numpy(arr), "b": torch.zeros(600), "c": arr}
+    assert {id(v) for v in direct_targets(skeleton, into).values()} == {id(into["b"])}
+
+
+def test_direct_targets_skip_stateful_objects() -> None:
+    model = torch.nn.Linear(4, 3)
+    state = {"model": model, "w": torch.ones(3)}
+    skeleton = flatten(state).skeleton
+    into = {"model": torch.nn.Linear(4, 3), "w": torch.zeros(3)}
+    assert {id(v) for v in direct_targets(skeleton, into).values()} == {id(into["w"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# restores into
+
+
+def test_into_is_filled_in_place(location: str) -> None:
+    into = _zeros_like(_state())
+    leaves = {k: v for k, v in into.items() if k != "step"}
+    version = into["param"]._version
+    out = cryosnap.load(location, into=into)
+    assert out is into
+    for k, v in leaves.items():
+        assert into[k] is v
+        assert _equal(_state()[k], v), k
+    assert isinstance(into["param"], torch.nn.Parameter) and into["param"].requires_grad
+    # As a copy_ would: autograd sees the in-place change.
+    assert into["param"]._version > version
+
+
+def test_the_direct_path_reads_each_byte_twice_through_the_store(tmp_path: Path) -> None:
+    cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
+    read: list[int] = []
+    store = FaultyStore(LocalStore(tmp_path))
+    inner = store.read_ranges
+
+    def counting(key: str, ranges: Any) -> None:
+        inner(key, ranges)
+        read.append(sum(v.nbytes for _o, bufs in ranges for v in bufs))
+
+    store.read_ranges = counting  # type: ignore[method-assign]
+    into = _zeros_like(_state())
+    engine.read_part(store, STEP, into=into)
+    logical = Manifest.from_json(store.read(manifest_key(STEP, 0)), "t").logical_bytes
+    assert logical <= sum(read) <= 2 * logical + 4 * (64 << 10)
+    assert all(_equal(_state()[k], into[k]) for k in into)
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_damage_anywhere_leaves_into_untouched(location: str, where: str) -> None:
+    _store, _key, manifest = _data_file(location)
+    offset, nbytes = _segment(manifest, "big")  # 49 chunks
+    pos = {"start": offset, "middle": offset + nbytes // 2, "end": offset + nbytes - 1}[where]
+    _damage(location, pos)
+    into = _zeros_like(_state())
+    before = snapshot(into)
+    with pytest.raises(cryosnap.IntegrityError) as info:
+        cryosnap.load(location, step=STEP, into=into)
+    chunk = (pos - offset) // CHUNK
+    assert f"leaf big: chunk {chunk} " in str(info.value)
+    assert snapshot(into) == before
+
+
+def test_the_first_damage_in_blob_order_is_named(location: str) -> None:
+    _store, _key, manifest = _data_file(location)
+    # Two damaged blobs: the message names the one first in blob order, whatever order the
+    # reads ran in.
+    paths = blob_paths(manifest.skeleton, len(manifest.blobs))
+    for leaf in ("big", "ints"):
+        offset, nbytes = _segment(manifest, leaf)
+        _damage(location, offset + nbytes - 1)
+    first = min(("big", "ints"), key=paths.index)
+    chunk = {"big": 48, "ints": 2}[first]
+    with pytest.raises(cryosnap.IntegrityError, match=f"leaf {first}: chunk {chunk} "):
+        cryosnap.load(location, step=STEP)
+    with pytest.raises(cryosnap.IntegrityError, match=f"leaf {first}: chunk {chunk} "):
+        cryosnap.load(location, step=STEP, into=_zeros_like(_state()))
+
+
+def test_truncated_file_leaves_into_untouched(tmp_path: Path) -> None:
+    cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
+    _store, key, manifest = _data_file(str(tmp_path))
+    offset, _n = _segment(manifest, "arr")
+    path = tmp_path / key
+    path.write_bytes(path.read_bytes()[: offset + 100])
+    into = _zeros_like(_state())
+    before = snapshot(into)
+    with pytest.raises(cryosnap.IntegrityError, match=r"truncated.*leaf arr cannot be read"):
+        cryosnap.load(tmp_path, step=STEP, into=into)
+    assert snapshot(into) == before
+
+
+def test_a_refusing_load_state_dict_comes_before_any_direct_fill(tmp_path: Path) -> None:
+    class Refuses:
+        def state_dict(self) -> dict[str, Any]:
+            return {"x": 1}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise ValueError("no")
+
+    cryosnap.save(tmp_path, {"obj": Refuses(), "w": torch.arange(5000.0)}, chunk_bytes=CHUNK)
+    into = {"obj": Refuses(), "w": torch.zeros(5000)}
+    with pytest.raises(cryosnap.StateMismatchError, match="refused"):
+        cryosnap.load(tmp_path, into=into)
+    assert not into["w"].any()
+
+
+def test_a_file_that_changes_between_the_passes_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second pass verifies every read again: bytes that changed since the first pass never
+    reach into=, and the restore fails."""
+    cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
+    _store, _key, manifest = _data_file(str(tmp_path))
+    offset, nbytes = _segment(manifest, "big")
+    second = _fetch._BlobReader.second_pass
+
+    def damage_then_fill(self: Any) -> None:
+        _damage(str(tmp_path), offset + nbytes // 2)
+        second(self)
+
+    monkeypatch.setattr(_fetch._BlobReader, "second_pass", damage_then_fill)
+    into = _zeros_like(_state())
+    with pytest.raises(cryosnap.IntegrityError, match="leaf big: chunk 24 "):
+        cryosnap.load(tmp_path, step=STEP, into=into)
+    # Whatever reached "big" is the version's own bytes (verified), the damaged chunk is not.
+    want = _state()["big"].view(torch.uint8).reshape(-1)
+    got = into["big"].view(torch.uint8).reshape(-1)
+    written = got != 0
+    assert torch.equal(got[written], want[written])
+    bad = slice(24 * CHUNK, 25 * CHUNK)
+    assert not got[bad].any()
+
+
+def test_overlapping_into_views_are_filled_in_tree_order(location: str) -> None:
+    state = {"a": torch.arange(3000.0), "b": -torch.arange(3000.0), "c": np.ones(2000)}
+    cryosnap.save(location, state, step=STEP + 1, chunk_bytes=CHUNK)
+    base = torch.zeros(5000)
+    into = {"a": base[:3000], "b": base[2000:], "c": np.zeros(2000)}
+    cryosnap.load(location, step=STEP + 1, into=into)
+    want = torch.cat([torch.arange(2000.0), -torch.arange(3000.0)])
+    assert torch.equal(base, want)  # a first, then b over the overlap: as copies in order
+    assert (into["c"] == 1).all()
+
+
+def test_non_contiguous_into_falls_back_to_the_copy(location: str) -> None:
+    into = _zeros_like(_state())
+    into["arr"] = np.asfortranarray(into["arr"])
+    into["half"] = torch.zeros(70, 30, dtype=torch.bfloat16).t()
+    arr, half = into["arr"], into["half"]
+    cryosnap.load(location, step=STEP, into=into)
+    assert into["arr"] is arr and into["half"] is half
+    assert _equal(_state()["arr"], arr) and _equal(_state()["half"], half)
+
+
+def test_inference_tensor_into_fails_as_before(location: str) -> None:
+    into = _zeros_like(_state())
+    with torch.inference_mode():
+        into["big"] = torch.zeros(50_000)
+    with pytest.raises(cryosnap.CheckpointError, match="filling into= failed"):
+        cryosnap.load(location, step=STEP, into=into)
+
+
+def test_scattered_chain_restores_into_and_damage_leaves_it_untouched(tmp_path: Path) -> None:
+    # The gathered path (a blob scattered over many runs of its chain) into into=: gathered
+    # into a private buffer, verified there, copied in place.
+    rng = np.random.default_rng(5)
+    arr = rng.standard_normal(1_000_003).astype(np.float32)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, full_every=16) as ckpt:
+        for step in range(4):
+            arr[rng.choice(arr.size, 400, replace=False)] += 1
+            arr[-1] += 1
+            ckpt.save(step, {"x": arr, "t": torch.from_numpy(arr[:5000].copy())}).result()
+    store = LocalStore(tmp_path)
+    part = engine.resolve_version(store, 3)
+    runs = 1 + int(np.count_nonzero(np.diff(part.blobs[0].offsets) != CHUNK))
+    assert runs > engine._FRAGMENTED_RUNS
+    into = {"x": np.zeros_like(arr), "t": torch.zeros(5000)}
+    x = into["x"]
+    cryosnap.load(tmp_path, step=3, into=into)
+    assert into["x"] is x
+    np.testing.assert_array_equal(x, arr)
+    assert torch.equal(into["t"], torch.from_numpy(arr[:5000]))
+    # Damage in a chunk gathered from the base's data file.
+    base_key = engine.read_commit(store, 0).data_files[0]
+    blob = part.blobs[0]
+    live = np.flatnonzero(blob.files == part.files.index(base_key))
+    raw = bytearray((tmp_path / base_key).read_bytes())
+    raw[int(blob.offsets[live[len(live) // 2]]) + 7] ^= 0xFF
+    (tmp_path / base_key).write_bytes(bytes(raw))
+    into = {"x": np.zeros_like(arr), "t": torch.zeros(5000)}
+    with pytest.raises(cryosnap.IntegrityError, match="leaf x"):
+        cryosnap.load(tmp_path, step=3, into=into)
+    assert not into["x"].any() and not into["t"].any()
+
+
+def test_stores_without_a_local_path_read_once(location: str) -> None:
+    store = open_store(location)
+    into = _zeros_like(_state())
+    engine.read_part(store, STEP, into=into)
+    assert all(_equal(_state()[k], into[k]) for k in into)
+
+
+# ---------------------------------------------------------------------------------------------
+# many small leaves, large leaves split across tasks
+
+
+def test_many_small_leaves_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fetch, "_TASK_BYTES", 64 << 10)  # many tasks, leaves split over them
+    rng = np.random.default_rng(1)
+    state: dict[str, Any] = {
+        f"t{i}": torch.from_numpy(rng.standard_normal(int(rng.integers(0, 3000))).astype("f4"))
+        for i in range(300)
+    }
+    state["large"] = torch.from_numpy(rng.standard_normal(100_000).astype(np.float32))
+    cryosnap.save(tmp_path, state, chunk_bytes=CHUNK)
+    out = cryosnap.load(tmp_path)
+    assert all(torch.equal(state[k], out[k]) for k in state)
+    into = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    cryosnap.load(tmp_path, into=into)
+    assert all(torch.equal(state[k], into[k]) for k in state)
+
+
+def test_deduplicated_content_is_read_for_every_leaf(tmp_path: Path) -> None:
+    state = {"a": torch.ones(5000), "b": torch.ones(5000), "c": torch.zeros(20_000)}
+    info = cryosnap.save(tmp_path, state, chunk_bytes=CHUNK)
+    assert info.written_bytes < 30_000 * 4 // 4  # stored once, referenced from several places
+    into = {k: torch.full_like(v, 3.0) for k, v in state.items()}
+    cryosnap.load(tmp_path, into=into)
+    assert all(torch.equal(state[k], into[k]) for k in state)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_thread_count_restores(
+    location: str, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(_fetch, "_READ_THREADS", threads)
+    monkeypatch.setattr(_fetch, "_TASK_BYTES", 16 << 10)
+    into = _zeros_like(_state())
+    cryosnap.load(location, step=STEP, into=into)
+    assert all(_equal(_state()[k], into[k]) for k in into)
