@@ -546,6 +546,13 @@ def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
 
 def _shape(node: dict[str, Any], path: str) -> tuple[int, ...]:
     shape = node.get("shape")
+    # The common case (vectors, matrices) in a few operations: well inside every limit.
+    if (
+        type(shape) is list
+        and len(shape) <= 2
+        and all(type(s) is int and 0 <= s < _SMALL_DIM for s in shape)
+    ):
+        return tuple(shape)
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_NDIM
@@ -554,6 +561,9 @@ def _shape(node: dict[str, Any], path: str) -> tuple[int, ...]:
     ):
         raise CheckpointFormatError(f"leaf {path}: invalid shape {shape!r:.120}")
     return tuple(shape)
+
+
+_SMALL_DIM = 2**31  # two such dimensions multiply to less than MAX_ELEMENTS
 
 
 def _expect_bytes(shape: tuple[int, ...], itemsize: int, have: int, path: str) -> None:
@@ -575,6 +585,33 @@ def _view_of(base: Any, dtype: Any, geometry: _Geometry) -> Any:
     offset, shape, stride = geometry
     t = _torch().empty(0, dtype=dtype, device=base.device)
     return t.set_(base.untyped_storage(), offset, shape, stride)
+
+
+_ITEMSIZE: dict[Any, int] = {}
+_NUMPY_DTYPES: frozenset[Any] = frozenset()
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element of a torch dtype (no tensor made for it after the first time)."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = _torch().empty(0, dtype=dtype).element_size()
+    return size
+
+
+def _byte_view(t: Any) -> memoryview:
+    """A flat writable byte view of the fresh contiguous CPU tensor ``t``, which it keeps
+    alive (a read that outlives a failed restore writes into memory still owned)."""
+    global _NUMPY_DTYPES
+    if not t.numel():
+        return memoryview(bytearray())
+    if not _NUMPY_DTYPES:
+        torch = _torch()
+        names = "float16 float32 float64 complex64 complex128 bool uint8 int8 int16 int32 int64"
+        _NUMPY_DTYPES = frozenset(getattr(torch, n) for n in names.split())
+    if t.dtype in _NUMPY_DTYPES:
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(_torch().uint8).numpy())
 
 
 def _as_leaf(t: Any, node: dict[str, Any], path: str) -> Any:
@@ -616,7 +653,7 @@ class Restorer:
     # phase 1 -------------------------------------------------------------------------------
     def allocate(self, targets: Mapping[int, Any] | None = None) -> list[memoryview]:
         self._targets = targets or {}
-        self._alloc(self.skeleton, ())
+        self._alloc(self.skeleton, "")
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -641,25 +678,27 @@ class Restorer:
             )
         self._dest[b] = view
 
-    def _alloc(self, node: Json, path: tuple[str | int, ...]) -> None:
+    def _alloc(self, node: Json, where: str) -> None:
+        """Allocate the leaves under ``node``, at ``where`` (its path as format_path writes it,
+        built key by key on the way down; the root's is empty)."""
         if not isinstance(node, dict):
-            raise CheckpointFormatError(f"leaf {format_path(path)}: malformed node {node!r:.80}")
+            raise CheckpointFormatError(f"leaf {where or '<root>'}: malformed node {node!r:.80}")
         t = node.get("t")
         if t in ("dict", "odict"):
-            for k, v in dict_items(node, format_path(path)):
-                self._alloc(v, (*path, k))
+            for k, v in dict_items(node, where or "<root>"):
+                self._alloc(v, f"{where}/{_key_text(k)}" if where else _key_text(k))
         elif t in ("list", "tuple"):
             vals = node.get("v")
             if not isinstance(vals, list):
-                raise CheckpointFormatError(f"{format_path(path)}: malformed {t} node")
+                raise CheckpointFormatError(f"{where or '<root>'}: malformed {t} node")
             for i, v in enumerate(vals):
-                self._alloc(v, (*path, i))
+                self._alloc(v, f"{where}/{i}" if where else str(i))
         elif t == "stateful":
-            self._alloc(node.get("v"), path)
+            self._alloc(node.get("v"), where)
         elif t == "torch":
-            self._alloc_tensor(node, format_path(path))
+            self._alloc_tensor(node, where or "<root>")
         elif t == "numpy":
-            p = format_path(path)
+            p = where or "<root>"
             dtype, shape = _np_dtype(node.get("dtype"), p), _shape(node, p)
             order: Literal["C", "F"] = "F" if node.get("order") == "F" else "C"
             b = self._blob(node, p)
@@ -675,7 +714,7 @@ class Restorer:
             self._claim(b, flat.view(np.uint8).data if flat.size else memoryview(bytearray()), p)
             self._values[id(node)] = arr
         elif t in ("bytes", "bytearray", "pickle"):
-            p = format_path(path)
+            p = where or "<root>"
             if t == "pickle" and not self.allow_pickle:
                 # Not damage: the version is fine, the caller has to opt in.
                 raise CheckpointError(
@@ -687,14 +726,14 @@ class Restorer:
             self._claim(b, memoryview(buf), p)
             self._values[id(node)] = buf
         elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
-            raise CheckpointFormatError(f"leaf {format_path(path)}: unknown node type {t!r}")
+            raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
 
     def _alloc_tensor(self, node: dict[str, Any], path: str) -> None:
         torch = _torch()
         dtype, shape = _torch_dtype(node.get("dtype"), path), _shape(node, path)
         b = self._blob(node, path)
         view = node.get("view")
-        item = torch.empty(0, dtype=dtype).element_size()
+        item = _itemsize(dtype)
         if view is None:
             _expect_bytes(shape, item, self.blob_sizes[b], path)
             target = self._targets.get(id(node))
@@ -705,10 +744,7 @@ class Restorer:
                 self._values[id(node)] = target
                 return
             t = torch.empty(shape, dtype=dtype)
-            flat = t.reshape(-1).view(torch.uint8) if t.numel() else None
-            self._claim(
-                b, memoryview(flat.numpy()) if flat is not None else memoryview(bytearray()), path
-            )
+            self._claim(b, _byte_view(t), path)
             self._tensors.append((node, b, None))
         else:
             if not isinstance(view, dict):

@@ -225,7 +225,9 @@ def _read_verified(
         # fresh pages (a cost as large as reading the data from the page cache) on another
         # core while this one resolves the chain.
         with _prefaulted(fresh if manifest.base is not None else ()):
-            part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain)
+            part = resolve(
+                store, manifest, ref.key, ref.xxh3, chain=chain, paths=restorer.blob_paths
+            )
         _check_used_files(store, part, checked)
     try:
         if not progress:

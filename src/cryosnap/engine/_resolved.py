@@ -201,8 +201,16 @@ class _Chain:
             self.files.append(key)
         return i
 
-    def part(self, manifest: Manifest, key: str, xxh3: str, chain: tuple[int, ...]) -> ResolvedPart:
-        """The per-blob arrays of the version applied last."""
+    def part(
+        self,
+        manifest: Manifest,
+        key: str,
+        xxh3: str,
+        chain: tuple[int, ...],
+        paths: list[str] | None = None,
+    ) -> ResolvedPart:
+        """The per-blob arrays of the version applied last (``paths``: each blob's leaf path,
+        when the caller has them already)."""
         assert self.ids is not None
         ids = self.ids
         if len(self._hashes) == 1 and len(ids) == len(self._hashes[0]):
@@ -215,7 +223,8 @@ class _Chain:
             # 16-byte rows as one opaque item each: one gather instead of a 2-D one.
             raw = np.concatenate(self._hashes).view(f"V{HASH_BYTES}").reshape(-1)
             hashes = raw[ids].view(np.uint8).reshape(-1, HASH_BYTES)
-        paths = blob_paths(manifest.skeleton, len(manifest.blobs))
+        if paths is None or len(paths) != len(manifest.blobs):
+            paths = blob_paths(manifest.skeleton, len(manifest.blobs))
         s = self.starts.tolist()
         blobs = [
             ResolvedBlob(
@@ -268,9 +277,11 @@ def resolve(
     xxh3: str,
     *,
     chain: list[tuple[Manifest, str, str]] | None = None,
+    paths: list[str] | None = None,
 ) -> ResolvedPart:
     """Apply ``manifest``'s chain of bases (``chain``, as :func:`chain_manifests` gives it, or
-    read here); reads manifests only, verified hash by hash."""
+    read here); reads manifests only, verified hash by hash. ``paths``: the leaf path of each
+    blob (:func:`cryosnap.tree.blob_paths`), when the caller has walked the skeleton already."""
     if chain is None:
         chain = chain_manifests(store, manifest, key, xxh3)
     # Compact resolution up the chain; the per-blob arrays only for the version asked for.
@@ -278,7 +289,7 @@ def resolve(
     for m, _k, _h in reversed(chain):
         state.apply(m, f"{store.url}: {_k}")
     steps = tuple(m.step for m, _k, _h in reversed(chain))
-    return state.part(manifest, key, xxh3, steps)
+    return state.part(manifest, key, xxh3, steps, paths)
 
 
 def chain_manifests(
