@@ -46,8 +46,9 @@ test: lint typecheck pytest
 demo: $(RUNTIME)
 	$(PY) -m cryosnap.demo
 
-bench: $(DEV)
-	$(PY) bench/bench_save_load.py --state all
+bench: $(RUNTIME)
+	$(PY) -m cryosnap bench --workload dense
+	$(PY) -m cryosnap bench --workload many-small
 
 # demo-run goes only if the demo made it (its marker file): clean deletes no directory of yours.
 clean:

@@ -1,30 +1,65 @@
-"""Shared helpers for the benchmark scripts in bench/: timing, fsync, page cache, peak RSS, tables.
+"""Shared helpers for the benchmark scripts in bench/: timing, tables, the script's surroundings.
 
-Runs in the benchmark's own process (and in the small child processes it starts to measure peak
-memory). Imports nothing heavy: no torch, no numpy, no cryosnap, so that a child process pays only
-for what it measures.
+The measuring helpers (fsync, page cache, peak RSS, medians) live in :mod:`cryosnap.benchmark`,
+which ``cryosnap bench`` runs; they are re-exported here for the scripts that are not (yet) part
+of it. cryosnap is taken from the interpreter, or else from the checkout's ``src/``.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-_READ_BLOCK_BYTES = 8 << 20
-_KIB = 1024
+
+def import_cryosnap() -> ModuleType:
+    """cryosnap, from the interpreter or else from the checkout's src/."""
+    try:
+        import cryosnap
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+        import cryosnap
+    return cryosnap
 
 
-# --------------------------------------------------------------------------------------- timing
+import_cryosnap()
+
+from cryosnap.benchmark import (  # noqa: E402  (after the src/ fallback above)
+    current_rss_bytes,
+    fsync_path,
+    iter_files,
+    median,
+    peak_rss_bytes,
+    reset_peak_rss,
+    settle_disk,
+    tree_bytes,
+    warm_page_cache,
+)
+
+__all__ = [
+    "Check",
+    "current_rss_bytes",
+    "format_bytes",
+    "format_table",
+    "fsync_path",
+    "import_cryosnap",
+    "iter_files",
+    "median",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "rmtree",
+    "settle_disk",
+    "timed",
+    "tree_bytes",
+    "warm_page_cache",
+    "warn_if_busy",
+]
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
@@ -37,142 +72,6 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
-
-
-def median(samples: Sequence[float]) -> float:
-    """Median of the samples; NaN when there are none (a peer that failed or was skipped)."""
-    return statistics.median(samples) if samples else float("nan")
-
-
-# ---------------------------------------------------------------------------- files, page cache
-
-
-def fsync_path(path: Path) -> None:
-    """fsync one file (or directory) by path; on Linux an fsync on a read-only fd is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def iter_files(root: Path) -> Iterator[Path]:
-    """Every regular file under ``root`` (or ``root`` itself when it is a file), sorted."""
-    if root.is_file():
-        yield root
-        return
-    for dirpath, _dirnames, filenames in sorted(os.walk(root)):
-        for name in sorted(filenames):
-            yield Path(dirpath) / name
-
-
-def tree_bytes(root: Path) -> int:
-    """Bytes on disk (apparent size) of every file under ``root``."""
-    return sum(path.stat().st_size for path in iter_files(root))
-
-
-def settle_disk() -> None:
-    """Flush every file system (untimed) so that the next peer starts on a quiet disk.
-
-    Removing a checkpoint leaves journal work behind (and, on a file system mounted with
-    ``discard``, TRIMs) that would otherwise land in the next peer's fsync.
-    """
-    os.sync()
-
-
-def warm_page_cache(root: Path) -> int:
-    """Read every file under ``root`` once so that later timed loads all start warm.
-
-    We cannot drop the page cache here (no root in general, and other tenants share the disk), so
-    instead every peer's files are made equally warm: read once, after the save and before the
-    timed loads. Returns the bytes read.
-    """
-    buffer = bytearray(_READ_BLOCK_BYTES)
-    view = memoryview(buffer)
-    total = 0
-    for path in iter_files(root):
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                total += n
-    return total
-
-
-# ------------------------------------------------------------------------------------ peak RSS
-
-
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise LookupError(f"{field} not in /proc/self/status")
-
-
-def current_rss_bytes() -> int:
-    """Resident set size of this process now (VmRSS)."""
-    return _proc_status_kib("VmRSS") * _KIB
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM) to its current RSS; False where the kernel cannot.
-
-    Writing 5 to /proc/self/clear_refs (Linux >= 4.0) resets the high-water mark, so the peak read
-    afterwards belongs to what ran afterwards and not to the imports before it.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (VmHWM).
-
-    Not ``getrusage().ru_maxrss``: a child started from a process that holds gigabytes inherits
-    that process's high-water mark across fork and exec (ru_maxrss is the max over the signal
-    struct, which exec fills from the old address space), so a fresh child would report the
-    benchmark's own footprint. VmHWM belongs to the child's own address space only.
-    """
-    return _proc_status_kib("VmHWM") * _KIB
-
-
-@dataclass(frozen=True, slots=True)
-class PeakRss:
-    """Peak memory of one call, measured in a fresh child process."""
-
-    rss_before_bytes: int
-    peak_rss_bytes: int
-    loaded_bytes: int
-    hwm_reset: bool
-
-    @property
-    def peak_delta_bytes(self) -> int:
-        """Peak RSS during the call minus the RSS just before it: what the call itself cost."""
-        return self.peak_rss_bytes - self.rss_before_bytes
-
-
-def run_peak_rss_child(argv: Sequence[str], *, timeout_seconds: float = 600.0) -> PeakRss:
-    """Run ``python argv...`` in a fresh process that prints one JSON line of PeakRss fields last.
-
-    The child must measure itself (current_rss_bytes / reset_peak_rss / peak_rss_bytes around the
-    call) and print ``json.dumps(dataclasses.asdict(PeakRss(...)))`` as its last line of stdout.
-    """
-    completed = subprocess.run(
-        [sys.executable, *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout_seconds,
-        check=False,
-    )
-    if completed.returncode != 0:
-        raise ChildProcessError(
-            f"peak-RSS child {list(argv)} exited {completed.returncode}:\n{completed.stderr}"
-        )
-    last_line = completed.stdout.strip().splitlines()[-1]
-    fields = json.loads(last_line)
-    return PeakRss(**fields)
 
 
 # ---------------------------------------------------------------------------------- formatting
@@ -206,17 +105,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 # -------------------------------------------------------------------- the script's surroundings
-
-
-def import_cryosnap() -> ModuleType:
-    """cryosnap, from the interpreter or else from the checkout's src/ (imported on call only:
-    child processes that measure peak memory do not pay for it)."""
-    try:
-        import cryosnap
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-        import cryosnap
-    return cryosnap
 
 
 def rmtree(path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``.
+"""The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``,
+``plan`` and ``bench``.
 
 Owns argument parsing (typer), rendering (rich tables when stdout is a terminal, plain aligned
 text otherwise, JSON with ``--json``) and exit codes; the export formats are
@@ -6,7 +7,8 @@ text otherwise, JSON with ``--json``) and exit codes; the export formats are
 :mod:`cryosnap.engine` and :mod:`cryosnap.export`, and takes no lock; ``gc`` deletes versions
 and takes the run's write lock, as a writer does. It knows nothing of the on-disk layout beyond
 the manifest and commit record types and the skeleton's node types (:mod:`cryosnap.tree`),
-which ``inspect`` and ``diff`` walk without reading any data.
+which ``inspect`` and ``diff`` walk without reading any data. ``bench`` renders what
+:mod:`cryosnap.benchmark` measures.
 
 Exit codes::
 
@@ -34,6 +36,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
@@ -90,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str]) -> int:
-    global _JSON_ERRORS
-    # With --json, an error is also one JSON object on stdout (scripts read stdout only).
-    _JSON_ERRORS = "--json" in args
+    global _JSON_ERRORS, _ARGS
+    _ARGS = list(args)
+    # With --json, an error is also one JSON object on stdout (scripts read stdout only); bench's
+    # --json names a file, and its stdout is the table.
+    _JSON_ERRORS = "--json" in args and args[:1] != ["bench"]
     try:
         import typer
     except ImportError:
@@ -149,6 +154,7 @@ def _one_line(message: str) -> str:
 
 
 _JSON_ERRORS = False
+_ARGS: list[str] = []  # the command line being run (bench records it)
 
 
 def _error(message: str, code: int, kind: str = "error") -> int:
@@ -173,7 +179,8 @@ def _build_app() -> "typer.Typer":
 
     app = typer.Typer(
         name=PROG,
-        help="List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints.",
+        help="List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints; "
+        "plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
@@ -315,6 +322,7 @@ def _build_app() -> "typer.Typer":
             raise typer.Exit(code)
 
     _add_plan_command(app)
+    _add_bench_command(app)
     return app
 
 
@@ -1306,3 +1314,198 @@ def _plan_plot(levels: list[Any], failures: list[Any], result: Any, out: str) ->
     except (OSError, ValueError) as exc:
         raise CliUsageError(f"--plot {out}: cannot write the plot: {exc}") from None
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# bench: cryosnap against its peers on this machine (cryosnap.benchmark does the measuring)
+
+
+def _add_bench_command(app: "typer.Typer") -> None:
+    import typer
+
+    @app.command("bench")
+    def bench_command(
+        size: Annotated[
+            str | None,
+            typer.Option(
+                "--size",
+                metavar="SIZE",
+                help="State size, e.g. 512MiB, 1GiB, 300MB (default 1GiB; training 288MiB).",
+            ),
+        ] = None,
+        workload: Annotated[
+            str,
+            typer.Option("--workload", help="dense, many-small, sparse or training."),
+        ] = "dense",
+        repeat: Annotated[
+            int, typer.Option("--repeat", help="Timed rounds; tables show medians.")
+        ] = 3,
+        warmup: Annotated[
+            int, typer.Option("--warmup", help="Untimed rounds before the timed ones.")
+        ] = 1,
+        json_file: Annotated[
+            str | None,
+            typer.Option(
+                "--json", metavar="FILE", help="Write machine, command, every sample to FILE."
+            ),
+        ] = None,
+        plot: Annotated[
+            str | None,
+            typer.Option("--plot", metavar="OUT.png", help="Draw a bar chart (needs matplotlib)."),
+        ] = None,
+        directory: Annotated[
+            str | None,
+            typer.Option(
+                "--dir",
+                metavar="PATH",
+                help="Where to write: a temporary folder inside it, deleted at the end "
+                "(default: the system temp dir).",
+            ),
+        ] = None,
+        tensors: Annotated[
+            int, typer.Option("--tensors", help="many-small: how many tensors.")
+        ] = 20_000,
+        steps: Annotated[
+            int, typer.Option("--steps", help="training: timed steps per method and interval.")
+        ] = 20,
+        step_seconds: Annotated[
+            float,
+            typer.Option("--step-seconds", help="training: the batch is tuned for this step time."),
+        ] = 1.0,
+        cold: Annotated[
+            bool,
+            typer.Option(
+                "--cold/--no-cold",
+                help="Also restore from a dropped page cache (needs root; drops it machine-wide).",
+            ),
+        ] = True,
+    ) -> None:
+        """Measure cryosnap against torch.save, safetensors, DCP (and torchsnapshot) on the same
+        state, beside this machine's limits (memcpy, raw write+fsync, raw read)."""
+        cmd_bench(
+            size=size,
+            workload=workload,
+            repeat=repeat,
+            warmup=warmup,
+            json_file=json_file,
+            plot=plot,
+            directory=directory,
+            tensors=tensors,
+            steps=steps,
+            step_seconds=step_seconds,
+            cold=cold,
+        )
+
+
+def cmd_bench(
+    *,
+    size: str | None = None,
+    workload: str = "dense",
+    repeat: int = 3,
+    warmup: int = 1,
+    json_file: str | None = None,
+    plot: str | None = None,
+    directory: str | None = None,
+    tensors: int = 20_000,
+    steps: int = 20,
+    step_seconds: float = 1.0,
+    cold: bool = True,
+) -> None:
+    """Run :func:`cryosnap.benchmark.run`, print the table, write ``--json`` and ``--plot``.
+
+    Every argument is checked before anything is measured: a bad one costs no benchmark time.
+    """
+    from . import benchmark
+
+    try:
+        config = benchmark.BenchConfig(
+            workload=workload,
+            size_bytes=None if size is None else benchmark.parse_size(size),
+            repeat=repeat,
+            warmup=warmup,
+            directory=None if directory is None else Path(directory),
+            tensors=tensors,
+            steps=steps,
+            step_seconds=step_seconds,
+            cold=cold,
+        )
+        benchmark.require_torch()
+        if plot:
+            benchmark.check_plot_available()
+            _plan_check_plot(plot)
+    except (benchmark.BenchError, benchmark.MissingDependencyError) as exc:
+        raise CliUsageError(str(exc)) from None
+    if json_file:
+        _bench_check_out(json_file, "--json")
+    show = _BenchProgress()
+    try:
+        result = benchmark.run(config, command=_bench_command(), progress=show)
+    finally:
+        show.close()
+    summary = result.summary()
+    for line in summary[:2]:
+        _print(line)
+    _print()
+    columns, rows = result.table()
+    table = _Table([_Column(title, right=right) for title, right in columns])
+    for row in rows:
+        table.add(*row)
+    table.render()
+    _print()
+    for line in summary[2:]:
+        _print(line)
+    if json_file:
+        try:
+            with open(json_file, "w") as f:
+                json.dump(result.to_json(), f, indent=2)
+                f.write("\n")
+        except OSError as exc:
+            raise CliUsageError(f"--json {json_file}: cannot write: {exc}") from None
+        _print(f"wrote {json_file}")
+    if plot:
+        try:
+            benchmark.plot(result, plot)
+        except (OSError, ValueError) as exc:
+            raise CliUsageError(f"--plot {plot}: cannot write the plot: {exc}") from None
+        _print(f"wrote {plot}")
+
+
+def _bench_check_out(out: str, option: str) -> None:
+    """Refuse an output that could not be written before spending minutes measuring."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise CliUsageError(f"{option} {out}: no such directory {folder}")
+    if os.path.isdir(out):
+        raise CliUsageError(f"{option} {out}: is a directory")
+
+
+def _bench_command() -> str:
+    import shlex
+
+    return shlex.join([PROG, *_ARGS])
+
+
+class _BenchProgress:
+    """Progress on stderr: one line redrawn in place on a terminal; elsewhere a line every
+    30 seconds and one at the end (logs stay short)."""
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+        self._width = 0
+
+    def __call__(self, step: Any) -> None:
+        line = f"{PROG} bench: {step.done}/{step.total} {step.what} ({step.elapsed_seconds:.0f} s)"
+        if self._tty:
+            text = _truncate(line, 120)
+            sys.stderr.write("\r" + text.ljust(self._width))
+            self._width = len(text)
+        elif step.done == step.total or step.elapsed_seconds - self._last >= 30:
+            self._last = step.elapsed_seconds
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._tty and self._width:
+            sys.stderr.write("\r" + " " * self._width + "\r")
+            sys.stderr.flush()

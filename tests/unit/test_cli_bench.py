@@ -1,0 +1,263 @@
+"""``cryosnap bench``: every workload end to end on a tiny state, the JSON, the table, the plot,
+usage errors, and the temporary files gone afterwards (also after Ctrl-C).
+
+In process through ``cryosnap.cli.main(argv)`` (torch is imported once for the whole file); the
+usage errors also as a user types them, ``python -m cryosnap bench ...``. No test asserts a
+timing or a ratio of timings: the figures of a 4 MiB state on a shared machine are noise. The
+page cache is never really dropped here: the cold path runs with ``drop_page_cache`` stubbed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cryosnap import benchmark
+from cryosnap.cli import main
+
+TINY = ["--size", "4MiB", "--repeat", "1", "--warmup", "0"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def expected_peers() -> set[str]:
+    """Every peer that imports here, and the two limits."""
+    keys = {"memcpy", "raw", "torch", "cryosnap_eager", "cryosnap_lazy"}
+    if importlib.util.find_spec("safetensors") is not None:
+        keys.add("safetensors")
+    if benchmark._dcp_available():
+        keys |= {"dcp", "dcp_async"}
+    if importlib.util.find_spec("torchsnapshot") is not None:
+        keys.add("torchsnapshot")
+    return keys
+
+
+@pytest.fixture(autouse=True)
+def no_real_drop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As root, the real drop would empty the page cache of the whole (shared) machine.
+    monkeypatch.setattr(benchmark, "drop_page_cache", lambda: True)
+
+
+def bench(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str
+) -> tuple[dict[str, Any], str]:
+    """Run ``cryosnap bench ARGS --dir D --json F``; return (the JSON, stdout); D is left empty."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "bench.json"
+    code = main(["bench", *args, "--dir", str(work), "--json", str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert list(work.iterdir()) == [], "the run's temporary folder was not removed"
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("cryosnap bench ")
+    assert {"cpus", "platform", "python", "torch"} <= set(doc["machine"])
+    assert doc["date"] and doc["machine"]["cpus"] >= 1
+    assert f"wrote {out}" in stdout
+    return doc, stdout
+
+
+def peers_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {p["key"]: p for p in doc["peers"]}
+
+
+def check_save_load(doc: dict[str, Any], stdout: str, *, incremental: bool) -> None:
+    peers = peers_of(doc)
+    assert set(peers) == expected_peers() | ({"cryosnap"} if not incremental else set())
+    state_bytes = doc["state"]["bytes"]
+    for key, peer in peers.items():
+        assert peer["error"] is None, (key, peer["error"])
+        assert peer["label"] in stdout, f"{key} has no row in the table"
+        medians = peer["medians"]
+        assert medians["stall_seconds"] > 0
+        if key == "memcpy":
+            continue
+        assert medians["durable_seconds"] > 0
+        assert medians["durable_seconds"] >= medians["stall_seconds"]
+        assert medians["cpu_seconds"] >= 0
+        if incremental and key.startswith("cryosnap"):
+            assert 0 < medians["written_bytes"] < state_bytes / 2  # 1 chunk of 16
+        else:
+            assert medians["written_bytes"] >= state_bytes
+        restores = [m for m in ("restore_seconds", "restore_into_seconds") if m in medians]
+        if key not in ("dcp_async", "cryosnap_lazy"):
+            assert restores, f"{key} measured no restore"
+        for metric in restores:
+            assert medians[metric] > 0
+    for metric in ("memcpy_seconds", "write_fsync_seconds", "read_warm_seconds"):
+        assert doc["limits"][metric] > 0
+    assert peers["cryosnap_eager"]["medians"]["restore_into_seconds"] > 0
+    header = stdout.splitlines()[3].split()
+    assert header[:3] == ["peer", "stall", "durable"]
+
+
+def test_dense_json_table_cold_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "dense.png"
+    doc, stdout = bench(capsys, tmp_path, *TINY, "--plot", str(png))
+    assert doc["config"]["workload"] == "dense" and doc["state"]["tensors"] == 16
+    assert doc["state"]["bytes"] == 4 << 20
+    check_save_load(doc, stdout, incremental=False)
+    # The stubbed drop counts as a dropped page cache: every restoring peer has a cold read.
+    assert doc["cold"].startswith("the page cache is dropped")
+    assert doc["limits"]["read_cold_seconds"] > 0
+    assert peers_of(doc)["cryosnap"]["medians"]["restore_cold_seconds"] > 0
+    assert "restore cold" in stdout
+    assert doc["memory_method"]
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    assert f"wrote {png}" in stdout
+
+
+def test_many_small(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    doc, stdout = bench(capsys, tmp_path, *TINY, "--workload", "many-small", "--tensors", "100")
+    assert 80 <= doc["state"]["tensors"] <= 100
+    check_save_load(doc, stdout, incremental=False)
+
+
+def test_sparse_saves_incrementally(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    doc, stdout = bench(capsys, tmp_path, *TINY, "--workload", "sparse", "--no-cold")
+    check_save_load(doc, stdout, incremental=True)
+    assert doc["cold"] == "not measured (--no-cold)"
+    assert "cold: not measured (--no-cold)" in stdout
+
+
+def test_training(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "training.png"
+    doc, stdout = bench(
+        capsys, tmp_path, "--workload", "training", "--size", "2MiB", "--repeat", "1",
+        "--steps", "1", "--step-seconds", "0.01", "--plot", str(png),
+    )  # fmt: skip
+    methods = {(m["key"], m["every"]): m for m in doc["training"]["methods"]}
+    keys = {"none", "cryosnap_eager", "cryosnap_lazy", "torch"}
+    if benchmark._dcp_available():
+        keys.add("dcp_async")
+    assert set(methods) == {(k, every) for k in keys for every in (1, 10)}
+    for (key, _every), m in methods.items():
+        assert m["error"] is None, (key, m["error"])
+        assert m["samples"]["step_seconds"] and min(m["samples"]["step_seconds"]) > 0
+        assert m["label"] in stdout
+        if key != "none":
+            assert m["saves"] == 1
+            assert m["medians"]["written_bytes"] > 0
+            assert m["overhead_percent"] is not None
+    assert stdout.splitlines()[3].split()[:2] == ["method", "every"]
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_ctrl_c_removes_the_temporary_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(self: object, work: Path, state: object) -> None:
+        assert any(work.parent.parent.iterdir())  # the run's folder exists while it runs
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmark.TorchSavePeer, "save", interrupted)
+    code = main(["bench", *TINY, "--dir", str(tmp_path), "--no-cold"])
+    assert code == 130
+    assert list(tmp_path.iterdir()) == []
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_wrapped_by_a_peer_still_stops_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP catches the KeyboardInterrupt of a Ctrl-C and raises its own exception instead.
+    def wrapping(self: object, work: Path, state: object) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the signal arrives before this ends
+        except BaseException as exc:
+            raise RuntimeError(f"wrapped: {exc!r}") from exc
+
+    monkeypatch.setattr(benchmark.TorchSavePeer, "save", wrapping)
+    started = time.monotonic()
+    code = main(["bench", *TINY, "--dir", str(tmp_path), "--no-cold"])
+    assert code == 130
+    assert time.monotonic() - started < 60
+    assert list(tmp_path.iterdir()) == []
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ usage errors
+
+
+def one_error_line(err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("cryosnap: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_shell_bad_size_exits_2_with_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cryosnap", "bench", "--size", "1XB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    one_error_line(proc.stderr, "--size", "'1XB'", "not a size")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--workload", "huge"], ["--workload", "'huge'", "dense, many-small, sparse, training"]),
+        (["--size", "12"], ["--size", "smallest"]),
+        (["--size", "GiB"], ["--size", "not a size"]),
+        (["--repeat", "0"], ["--repeat", ">= 1"]),
+        (["--repeat", "two"], ["--repeat"]),
+        (["--dir", "/nonexistent/bench"], ["--dir", "not an existing directory"]),
+        (["--json", "/nonexistent/out.json"], ["--json", "no such directory"]),
+        (["--plot", "chart.nope"], ["--plot", "unknown image format"]),
+    ],
+)
+def test_bad_arguments_exit_2_before_measuring(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    fragments: list[str],
+) -> None:
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a bad argument must be refused before the benchmark runs")
+
+    monkeypatch.setattr(benchmark, "run", never)
+    code = main(["bench", *args])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    one_error_line(err, *fragments)
+
+
+def test_plot_without_matplotlib_says_how_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    assert main(["bench", "--plot", "out.png"]) == 2
+    one_error_line(capsys.readouterr().err, "--plot needs matplotlib (pip install cryosnap[demo])")
+
+
+def test_parse_size() -> None:
+    assert benchmark.parse_size("1GiB") == 1 << 30
+    assert benchmark.parse_size("512MiB") == 512 << 20
+    assert benchmark.parse_size("300MB") == 300 * 10**6
+    assert benchmark.parse_size("4M") == 4 << 20
+    assert benchmark.parse_size("1.5gib") == 3 << 29
+    assert benchmark.parse_size("2097152") == 2 << 20
+    for bad in ("1XB", "", "-1GiB", "1 G B", "GiB"):
+        with pytest.raises(benchmark.BenchError, match="not a size"):
+            benchmark.parse_size(bad)
