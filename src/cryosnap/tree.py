@@ -738,8 +738,7 @@ class Restorer:
             _expect_bytes(shape, item, self.blob_sizes[b], path)
             target = self._targets.get(id(node))
             if target is not None:  # into='s own contiguous CPU tensor (direct_targets)
-                flat = target.detach().reshape(-1).view(torch.uint8)
-                self._claim(b, memoryview(flat.numpy()), path)
+                self._claim(b, _byte_view(target.detach()), path)
                 self.direct[b] = True
                 self._values[id(node)] = target
                 return
@@ -1033,11 +1032,15 @@ def _span(leaf: Any) -> tuple[int, int] | None:
         if not leaf.size:
             return None
         addr, item, strides = leaf.ctypes.data, leaf.itemsize, leaf.strides
+        if leaf.flags.c_contiguous:
+            return addr, addr + leaf.nbytes
         shape: tuple[int, ...] = leaf.shape
     else:
         if leaf.device.type != "cpu" or not leaf.numel():
             return None
         addr, item = leaf.data_ptr(), leaf.element_size()
+        if leaf.is_contiguous():
+            return addr, addr + leaf.numel() * item
         strides, shape = tuple(s * item for s in leaf.stride()), tuple(leaf.shape)
     lo = addr + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
     hi = addr + item + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0)
@@ -1097,12 +1100,11 @@ def apply_into(
         fill_direct()
     torch = sys.modules.get("torch")
     on_device = []
+    direct = []
     for dst, src in fills:
         if dst is src:
-            # Read straight into it: what a copy_ would have done to its version counter
-            # (autograd's check for tensors saved for backward), done here.
-            if torch is not None and isinstance(dst, torch.Tensor):
-                torch.autograd.graph.increment_version(dst)
+            if not isinstance(dst, np.ndarray):
+                direct.append(dst)
         elif isinstance(dst, np.ndarray):
             np.copyto(dst, src)
         elif dst.device.type != "cpu":
@@ -1111,6 +1113,10 @@ def apply_into(
             with torch.no_grad():  # type: ignore[union-attr]
                 dst.copy_(src)
     copy_to_device(on_device)
+    if direct:
+        # Read straight into them: what a copy_ would have done to their version counters
+        # (autograd's check of the tensors it saved for backward), done here.
+        torch.autograd.graph.increment_version(direct)  # type: ignore[union-attr]
     for container, key, value in sets:
         container[key] = value
     return result

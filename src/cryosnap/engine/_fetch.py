@@ -146,6 +146,7 @@ class _BlobReader:
         self.p_file: list[int] = []
         self.gathers: list[_Gather] = []
         self.staged: dict[int, np.ndarray[Any, Any]] = {}  # scattered direct blobs, gathered
+        self.address: list[int] = []  # second pass: the address of each direct blob's view
         self.failures: list[tuple[int, BaseException]] = []  # (task number, what it raised)
         self.bad: list[tuple[int, int]] = []  # (blob, chunk) that did not match its hash
 
@@ -164,7 +165,10 @@ class _BlobReader:
 
     def second_pass(self) -> None:
         for blob, staged in self.staged.items():
-            _copy(self.views[blob], staged)
+            _copy(_address(self.views[blob]), staged.data)
+        # Where each direct blob's bytes go (into='s own memory), taken once.
+        pairs = zip(self.views, self.direct, strict=True)
+        self.address = [_address(v) if d else 0 for v, d in pairs]
         direct, p_blob = self.direct, self.p_blob
         tasks = self._make_tasks([p for p in range(len(p_blob)) if direct[p_blob[p]]])
         self._run([functools.partial(self._task, i, t, True) for i, t in enumerate(tasks)])
@@ -380,7 +384,7 @@ class _BlobReader:
                     self._mismatch(blob, p_start[pid] // cb, got, want)
                     continue
                 if second:
-                    _copy(self.views[blob][p_start[pid] : p_start[pid] + dest.nbytes], dest)
+                    _copy(self.address[blob] + p_start[pid], dest)
 
     def _mismatch(self, blob: int, chunk: int, got: bytes, want: bytes) -> None:
         """Record the first chunk of a piece (starting at ``chunk``) that does not match."""
@@ -481,12 +485,15 @@ class _BlobReader:
                 self.on_bytes((z - a) * cb)
 
 
-def _copy(dest: memoryview, source: memoryview | np.ndarray[Any, Any]) -> None:
-    """Copy ``source`` over the start of ``dest`` (flat bytes), without holding the GIL."""
-    src = np.frombuffer(source, np.uint8) if isinstance(source, memoryview) else source
-    n = min(len(src), dest.nbytes)
-    if n:
-        ctypes.memmove(np.frombuffer(dest, np.uint8).ctypes.data, src.ctypes.data, n)
+def _address(view: memoryview) -> int:
+    """The address of the first byte of ``view`` (a flat writable byte view)."""
+    return np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0
+
+
+def _copy(dest: int, source: memoryview) -> None:
+    """Copy ``source`` to address ``dest``, without holding the GIL (ctypes releases it)."""
+    if source.nbytes:
+        ctypes.memmove(dest, _address(source), source.nbytes)
 
 
 def _gather_windows(offs: np.ndarray[Any, Any], cb: int) -> list[_Window]:
