@@ -976,9 +976,9 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     # Scalars, strings, bytes, None: nothing to fill in place; the loaded value replaces them.
 
 
-def direct_targets(skeleton: Json, into: Any) -> dict[int, Any]:
-    """The leaves of ``into`` (checked by :func:`check_into`) that a restore may read straight
-    into: ``id`` of the skeleton node -> ``into``'s tensor or array.
+def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int, Any]:
+    """The leaves of ``into`` (checked by :func:`check_into`) of at least ``min_bytes`` that a
+    restore may read straight into: ``id`` of the skeleton node -> ``into``'s tensor or array.
 
     Those are the tensors and arrays :func:`apply_into` would fill by a plain copy (not those
     inside stateful objects, which ``load_state_dict`` fills), that are on the CPU, C-contiguous,
@@ -989,7 +989,7 @@ def direct_targets(skeleton: Json, into: Any) -> dict[int, Any]:
     """
     found: list[tuple[int, Any]] = []
     spans: list[tuple[int, int, int]] = []  # (first byte, end, index in found or -1)
-    _targets(skeleton, into, found, spans)
+    _targets(skeleton, into, found, spans, min_bytes)
     spans.sort()
     shared: set[int] = set()
     reach = -1
@@ -1002,25 +1002,29 @@ def direct_targets(skeleton: Json, into: Any) -> dict[int, Any]:
 
 
 def _targets(
-    node: Json, into: Any, found: list[tuple[int, Any]], spans: list[tuple[int, int, int]]
+    node: Json,
+    into: Any,
+    found: list[tuple[int, Any]],
+    spans: list[tuple[int, int, int]],
+    min_bytes: int,
 ) -> None:
     t = node["t"]
     if _is_object(into):
         return  # filled by its load_state_dict
     if t in ("dict", "odict"):
         for k, v in dict_items(node, ""):
-            _targets(v, into[k], found, spans)
+            _targets(v, into[k], found, spans, min_bytes)
         return
     if t in ("list", "tuple"):
         for i, v in enumerate(node["v"]):
-            _targets(v, into[i], found, spans)
+            _targets(v, into[i], found, spans, min_bytes)
         return
     if not _fillable(into):
         return
     span = _span(into)
     if span is None:
         return  # on a GPU, or empty
-    direct = _direct(node, into)
+    direct = span[1] - span[0] >= min_bytes and _direct(node, into)
     spans.append((*span, len(found) if direct else -1))
     if direct:
         found.append((id(node), into))

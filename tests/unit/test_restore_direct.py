@@ -15,7 +15,7 @@ import torch
 
 import cryosnap
 from cryosnap import engine
-from cryosnap.engine import _fetch
+from cryosnap.engine import _fetch, _read
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
@@ -25,6 +25,12 @@ from .support import snapshot
 
 CHUNK = 4096
 STEP = 3
+
+
+@pytest.fixture(autouse=True)
+def _direct_small_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The states here are small: every leaf may be read into directly."""
+    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
@@ -161,6 +167,15 @@ def test_direct_targets_leave_overlapping_leaves_to_the_copy() -> None:
     assert {id(v) for v in direct_targets(skeleton, into).values()} == {id(into["b"])}
 
 
+def test_direct_targets_keep_the_copy_for_small_leaves() -> None:
+    state = {"a": torch.zeros(1000), "b": torch.zeros(100_000)}
+    skeleton = flatten(state).skeleton
+    into = {"a": torch.ones(1000), "b": torch.ones(100_000)}
+    assert len(direct_targets(skeleton, into)) == 2
+    chosen = direct_targets(skeleton, into, min_bytes=4001)
+    assert [id(v) for v in chosen.values()] == [id(into["b"])]
+
+
 def test_direct_targets_skip_stateful_objects() -> None:
     model = torch.nn.Linear(4, 3)
     state = {"model": model, "w": torch.ones(3)}
@@ -185,6 +200,28 @@ def test_into_is_filled_in_place(location: str) -> None:
     assert isinstance(into["param"], torch.nn.Parameter) and into["param"].requires_grad
     # As a copy_ would: autograd sees the in-place change.
     assert into["param"]._version > version
+
+
+def test_small_leaves_are_read_once_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.undo()  # the default threshold
+    assert _state()["big"].nbytes < _read._DIRECT_MIN_BYTES  # the largest leaf
+    cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
+    read: list[int] = []
+    store = FaultyStore(LocalStore(tmp_path))
+    inner = store.read_ranges
+
+    def counting(key: str, ranges: Any) -> None:
+        inner(key, ranges)
+        read.append(sum(v.nbytes for _o, bufs in ranges for v in bufs))
+
+    store.read_ranges = counting  # type: ignore[method-assign]
+    into = _zeros_like(_state())
+    engine.read_part(store, STEP, into=into)
+    logical = Manifest.from_json(store.read(manifest_key(STEP, 0)), "t").logical_bytes
+    assert sum(read) < logical + 4 * (64 << 10)
+    assert all(_equal(_state()[k], into[k]) for k in into)
 
 
 def test_the_direct_path_reads_each_byte_twice_through_the_store(tmp_path: Path) -> None:

@@ -253,9 +253,14 @@ def _check_into(skeleton: Any, into: Any, where: str) -> None:
         raise CheckpointFormatError(f"{where}: malformed state tree ({exc!r:.120})") from exc
 
 
+# Leaves of into= smaller than this keep the copy: a fresh small leaf comes from the allocator's
+# heap (no fresh pages), and a second read costs more per leaf than the copy it saves.
+_DIRECT_MIN_BYTES = 256 << 10
+
+
 def _direct_targets(skeleton: Any, into: Any, where: str) -> dict[int, Any]:
     try:
-        return direct_targets(skeleton, into)
+        return direct_targets(skeleton, into, min_bytes=_DIRECT_MIN_BYTES)
     except CheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
