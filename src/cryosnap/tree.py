@@ -645,6 +645,7 @@ class Restorer:
         self.direct: list[bool] = [False] * len(blob_sizes)
         self._dest: list[Any] = [None] * len(blob_sizes)
         self._values: dict[int, Any] = {}
+        self._items: dict[int, list[tuple[str | int, Json]]] = {}  # each dict node's, decoded
         self._targets: Mapping[int, Any] = {}
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
@@ -685,7 +686,8 @@ class Restorer:
             raise CheckpointFormatError(f"leaf {where or '<root>'}: malformed node {node!r:.80}")
         t = node.get("t")
         if t in ("dict", "odict"):
-            for k, v in dict_items(node, where or "<root>"):
+            items = self._items[id(node)] = dict_items(node, where or "<root>")
+            for k, v in items:
                 self._alloc(v, f"{where}/{_key_text(k)}" if where else _key_text(k))
         elif t in ("list", "tuple"):
             vals = node.get("v")
@@ -803,8 +805,15 @@ class Restorer:
     def _build(self, node: dict[str, Any], path: tuple[str | int, ...]) -> Any:
         t = node["t"]
         if t in ("dict", "odict"):
-            items = dict_items(node, format_path(path))
-            built = {k: self._build(v, (*path, k)) for k, v in items}
+            items = self._items.get(id(node))
+            if items is None:
+                items = dict_items(node, format_path(path))
+            values = self._values
+            # A leaf allocated by allocate() is taken as it is, without a call per leaf.
+            built = {
+                k: values[id(v)] if v["t"] in _ALLOCATED else self._build(v, (*path, k))
+                for k, v in items
+            }
             return OrderedDict(built) if t == "odict" else built
         if t == "list":
             return [self._build(v, (*path, i)) for i, v in enumerate(node["v"])]
@@ -812,13 +821,16 @@ class Restorer:
             return tuple(self._build(v, (*path, i)) for i, v in enumerate(node["v"]))
         if t == "stateful":
             return self._build(node["v"], path)
-        if t in ("torch", "numpy", "bytearray"):
+        if t in _ALLOCATED:
             return self._values[id(node)]
         if t == "bytes":
             return bytes(self._values[id(node)])
         if t == "pickle":
             return pickle.loads(self._values[id(node)])
         return _scalar(node, format_path(path))
+
+
+_ALLOCATED = frozenset(("torch", "numpy", "bytearray"))
 
 
 def _scalar(node: dict[str, Any], path: str) -> Any:
