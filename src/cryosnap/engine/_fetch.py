@@ -94,11 +94,6 @@ class Fetched:
     def __init__(self, reader: _BlobReader) -> None:
         self._reader: _BlobReader | None = reader
 
-    @property
-    def direct(self) -> bool:
-        """Whether some blobs are still to be filled by :meth:`fill`."""
-        return self._reader is not None and self._reader.has_direct
-
     def fill(self) -> None:
         """Read the direct blobs into place (once), each piece verified again before it is
         copied there."""

@@ -6,7 +6,9 @@ against memory and against the real sizes of the data files before anything is a
 allocate every leaf empty (an incremental version's fresh pages are faulted in on another core
 while its chain resolves), resolve, fetch and verify every chunk (:mod:`._fetch`), then build
 the tree. ``into=`` is checked before any byte is read and filled only after every chunk
-verified.
+verified and every ``load_state_dict`` accepted; on a local store its large plain tensors and
+arrays are not allocated again but read a second time straight into place
+(:func:`cryosnap.tree.direct_targets`, :class:`._fetch.Fetched`).
 
 Runs on the caller's thread (plus the fetch's read pool and a prefault thread); no collectives
 here.
