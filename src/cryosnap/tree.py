@@ -1001,7 +1001,10 @@ def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int
     """
     found: list[tuple[int, Any]] = []
     spans: list[tuple[int, int, int]] = []  # (first byte, end, index in found or -1)
-    _targets(skeleton, into, found, spans, min_bytes)
+    try:
+        _targets(skeleton, into, found, spans, min_bytes)
+    except _Unknown:
+        return {}  # a leaf whose memory cannot be told: every leaf keeps the copy
     spans.sort()
     shared: set[int] = set()
     reach = -1
@@ -1042,8 +1045,13 @@ def _targets(
         found.append((id(node), into))
 
 
+class _Unknown(Exception):
+    """A leaf of into= whose host memory cannot be told (direct_targets then picks none)."""
+
+
 def _span(leaf: Any) -> tuple[int, int] | None:
-    """The bytes ``leaf`` (a tensor or array) spans in host memory; None on a GPU or empty."""
+    """The bytes ``leaf`` (a tensor or array) spans in host memory; None on a GPU, empty or not
+    strided (sparse)."""
     if isinstance(leaf, np.ndarray):
         if not leaf.size:
             return None
@@ -1052,8 +1060,11 @@ def _span(leaf: Any) -> tuple[int, int] | None:
             return addr, addr + leaf.nbytes
         shape: tuple[int, ...] = leaf.shape
     else:
-        if leaf.device.type != "cpu" or not leaf.numel():
+        torch = _torch()
+        if leaf.device.type != "cpu" or leaf.layout != torch.strided or not leaf.numel():
             return None
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+            raise _Unknown  # a subclass (DTensor, fake tensors...): its memory is its own business
         addr, item = leaf.data_ptr(), leaf.element_size()
         if leaf.is_contiguous():
             return addr, addr + leaf.numel() * item

@@ -176,6 +176,30 @@ def test_direct_targets_keep_the_copy_for_small_leaves() -> None:
     assert [id(v) for v in chosen.values()] == [id(into["b"])]
 
 
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_direct_targets_pick_none_beside_a_tensor_subclass() -> None:
+    state = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+    skeleton = flatten(state).skeleton
+    into = {"a": torch.ones(1000), "b": torch.ones(1000).as_subclass(_Sub)}
+    assert direct_targets(skeleton, into) == {}
+
+
+@pytest.mark.parametrize("kind", ["sparse", "subclass"])
+def test_unusual_into_tensors_behave_as_before(tmp_path: Path, kind: str) -> None:
+    cryosnap.save(tmp_path, {"w": torch.arange(10_000.0).reshape(100, 100)}, chunk_bytes=CHUNK)
+    if kind == "sparse":
+        with pytest.raises(cryosnap.CheckpointError, match="filling into= failed"):
+            cryosnap.load(tmp_path, into={"w": torch.zeros(100, 100).to_sparse()})
+        return
+    w = torch.zeros(100, 100).as_subclass(_Sub)
+    out = cryosnap.load(tmp_path, into={"w": w})
+    assert out["w"] is w
+    assert torch.equal(w.as_subclass(torch.Tensor), torch.arange(10_000.0).reshape(100, 100))
+
+
 def test_direct_targets_skip_stateful_objects() -> None:
     model = torch.nn.Linear(4, 3)
     state = {"model": model, "w": torch.ones(3)}
