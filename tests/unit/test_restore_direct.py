@@ -426,7 +426,9 @@ def test_stores_without_a_local_path_read_once(location: str) -> None:
 
 
 def test_many_small_leaves_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_fetch, "_TASK_BYTES", 64 << 10)  # many tasks, leaves split over them
+    # Many tasks, leaves split over them.
+    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 64 << 10)
+    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 32 << 10)
     rng = np.random.default_rng(1)
     state: dict[str, Any] = {
         f"t{i}": torch.from_numpy(rng.standard_normal(int(rng.integers(0, 3000))).astype("f4"))
@@ -455,7 +457,8 @@ def test_any_thread_count_restores(
     location: str, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
     monkeypatch.setattr(_fetch, "_READ_THREADS", threads)
-    monkeypatch.setattr(_fetch, "_TASK_BYTES", 16 << 10)
+    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 16 << 10)
+    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 8 << 10)
     into = _zeros_like(_state())
     cryosnap.load(location, step=STEP, into=into)
     assert all(_equal(_state()[k], into[k]) for k in into)

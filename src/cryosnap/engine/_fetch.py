@@ -2,19 +2,21 @@
 chunk's hash as its read lands.
 
 A plan first (:class:`_BlobReader`), vectorized over every chunk of the part: the chunks of a
-blob that lie back to back in a data file become *pieces* (whole chunks, at most about a task's
-bytes each), sorted by file and offset; pieces that follow each other in a file, or lie a small
-gap apart (the gap is read into a scratch buffer), join one *run* (one ``preadv`` of many
-buffers), and runs join *tasks* of about ``_TASK_BYTES`` (local stores; ``IO_BATCH_BYTES``
-elsewhere), one ``read_ranges`` call (one open) each. A task hashes its pieces right after its
-read returns, while their bytes are still in the CPU's cache. A blob whose chunks are scattered
-over many small runs (the end of an incremental chain over sparse updates) is read by windowed
-gathers instead. Tasks run on a thread pool of this module's own: copying out of the page cache,
-faulting in fresh pages and a remote store's latencies overlap on every core.
+blob that lie back to back in a data file become *pieces* (whole chunks, at most about
+``_BOUNCE_BYTES`` each), sorted by file and offset; pieces that follow each other in a file, or
+lie a small gap apart (the gap is read into a scratch buffer), join one *run* (one ``preadv`` of
+many buffers), and runs join *tasks* of about ``IO_BATCH_BYTES``, one ``read_ranges`` call (one
+open) each. A task hashes its pieces as soon as its read returns, instead of one serial hashing
+pass over the whole state after every read. A blob whose chunks are scattered over many small
+runs (the end of an incremental chain over sparse updates) is read by windowed gathers instead.
+Tasks run on a thread pool of this module's own: copying out of the page cache, faulting in
+fresh pages, hashing and a remote store's latencies overlap on every core.
 
 *Direct* blobs (``into=``'s own tensors, :func:`cryosnap.tree.direct_targets`) are filled in
 two passes, so that nothing in them changes before every chunk of the part verified: the first
-reads their pieces into a per-thread bounce buffer and only verifies them; the second
+reads their pieces into a per-thread bounce buffer (in tasks of about ``_BOUNCE_BYTES``, which
+stay in the CPU's cache between the read, the hash and the copy) and only verifies them; the
+second
 (:meth:`Fetched.fill`, once the caller is ready) reads them again into the bounce buffer,
 verifies each piece again and only then copies it into place. Every byte that lands in
 ``into=`` was verified; a data file that changes (or disappears) between the passes fails the
@@ -48,13 +50,14 @@ from ._resolved import ResolvedPart
 
 __all__ = ["IO_BATCH_BYTES", "Fetched", "read_blobs"]
 
-# Bytes handed to one read_ranges call on a store without a local path (one open each: an
-# object store's request): large enough for sequential bandwidth.
+# Bytes handed to one read_ranges call (one open: on an object store a request; through a
+# TimeoutStore a hand-off to a storage thread): large enough for sequential bandwidth and for
+# those costs to be noise.
 IO_BATCH_BYTES = 64 << 20
-# The same for a local store: small enough that a task's bytes are still in the CPU's cache when
-# they are hashed (a few tasks in flight stay within a shared L3), large enough that opening
-# the file is noise.
-_TASK_BYTES = 8 << 20
+# Bytes of a task that goes through a thread's bounce buffer (into='s own leaves), and of a
+# piece: small enough to stay in the CPU's cache (a few in flight within a shared L3) from the
+# read to the copy into place.
+_BOUNCE_BYTES = 8 << 20
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 # Pieces of a data file at most this far apart are read in one go, the gap thrown away.
 _GAP_BYTES = 64 << 10
@@ -128,8 +131,6 @@ class _BlobReader:
         self.first_list: list[int] = self.first.tolist()
         # Every chunk's expected hash, blob after blob: one bytes object, sliced per piece.
         self.expected = b"".join(b.hashes.tobytes() for b in blobs)
-        local = store.capabilities.local_path is not None
-        self.task_bytes = _TASK_BYTES if local else IO_BATCH_BYTES
         self.scratch = memoryview(bytearray(_GAP_BYTES))  # gap bytes, shared: never read
         self.tls = threading.local()
         self.lock = threading.Lock()
@@ -223,7 +224,7 @@ class _BlobReader:
         s, e = starts[keep], ends[keep]
         # Pieces of at most a task's worth of whole chunks: a large blob is read by several
         # tasks in parallel, each hashed while it is in the cache.
-        per = max(self.task_bytes // cb, 1)
+        per = max(_BOUNCE_BYTES // cb, 1)
         nsub = -(-(e - s) // per)
         sub = np.repeat(s, nsub) + per * (
             np.arange(int(nsub.sum()), dtype=np.int64) - np.repeat(np.cumsum(nsub) - nsub, nsub)
@@ -268,20 +269,24 @@ class _BlobReader:
         """Pieces (``pids``, in file and offset order) that follow each other in a file join one
         run; so do pieces a small gap apart (the gap is read into scratch): a fragmented
         incremental chain reads its old data files in a few large reads instead of one per
-        changed region. Runs of one file join tasks of about ``task_bytes``, each one
-        read_ranges call (one open)."""
-        cap = self.task_bytes
+        changed region. Runs of one file join tasks of about ``IO_BATCH_BYTES`` (a task that
+        holds a direct piece: ``_BOUNCE_BYTES``), each one read_ranges call (one open)."""
+        direct, p_blob = self.direct, self.p_blob
         tasks: list[_Task] = []
         f_cur = -1
         runs: list[_Run] = []
         end = -1
         task_bytes = 0
+        cap = IO_BATCH_BYTES
         for pid in pids:
             f, offset, nbytes = self.p_file[pid], self.p_offset[pid], self.p_nbytes[pid]
-            if f != f_cur or task_bytes >= cap:
+            bounced = direct[p_blob[pid]]
+            if f != f_cur or task_bytes >= cap or (bounced and task_bytes >= _BOUNCE_BYTES):
                 if runs:
                     tasks.append((f_cur, runs))
-                f_cur, runs, task_bytes, end = f, [], 0, -1
+                f_cur, runs, task_bytes, end, cap = f, [], 0, -1, IO_BATCH_BYTES
+            if bounced:
+                cap = _BOUNCE_BYTES
             gap = offset - end
             if runs and 0 <= gap <= _GAP_BYTES:
                 runs[-1][1].append(pid)
