@@ -591,7 +591,10 @@ class MemcpyLimit(Peer):
 
 
 class RawLimit(Peer):
-    """Every tensor's bytes back to back in one file: no format, the limit of the disk."""
+    """Every tensor's bytes back to back in one file: no format, the limit of the disk.
+
+    The file is sized first (``ftruncate``, as safetensors does), so no write extends it.
+    """
 
     key = "raw"
     label = "raw write+fsync / readinto (limit)"
@@ -601,6 +604,7 @@ class RawLimit(Peer):
 
     def save(self, work: Path, state: StateDict) -> FinishFn | None:
         with open(work / self._file, "wb", buffering=0) as f:
+            os.ftruncate(f.fileno(), state_nbytes(state))
             for tensor in state.values():
                 view = _byte_view(tensor)
                 while view:  # a raw write may be short
