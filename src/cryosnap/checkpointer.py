@@ -630,6 +630,7 @@ def _restore_tiers(
             device=device,
         )
     where = " + ".join(t.url for t in tiers)
+    read = _reader(rank=rank, into=into, allow_pickle=allow_pickle, only=only, device=device)
 
     def listed() -> list[int]:
         return sorted({s for store in tiers for s in engine.list_steps(store)})
@@ -641,15 +642,7 @@ def _restore_tiers(
         first: CheckpointError | None = None
         for store in stores:
             try:
-                return engine.read_part(
-                    store,
-                    s,
-                    rank=rank,
-                    into=into,
-                    allow_pickle=allow_pickle,
-                    replicated_only=only,
-                    device=device,
-                )
+                return read(store, s)
             except CheckpointError as exc:
                 if store is not stores[-1]:
                     log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
@@ -672,16 +665,10 @@ def _restore(
     only: bool = False,
     device: Any = None,
 ) -> Any:
+    read = _reader(rank=rank, into=into, allow_pickle=allow_pickle, only=only, device=device)
+
     def attempt(s: int) -> Any:
-        return engine.read_part(
-            store,
-            s,
-            rank=rank,
-            into=into,
-            allow_pickle=allow_pickle,
-            replicated_only=only,
-            device=device,
-        )
+        return read(store, s)
 
     def listed() -> list[int]:
         return engine.list_steps(store)
@@ -689,6 +676,25 @@ def _restore(
     if step is not None:
         return _explicit(store.url, attempt, listed, step)
     return engine.newest_restorable(store.url, attempt, listed)
+
+
+def _reader(
+    *, rank: int, into: Any, allow_pickle: bool, only: bool, device: Any
+) -> Callable[[Store, int], Any]:
+    """``read(store, step)``: one rank's part of a version from one store, as asked."""
+
+    def read(store: Store, step: int) -> Any:
+        return engine.read_part(
+            store,
+            step,
+            rank=rank,
+            into=into,
+            allow_pickle=allow_pickle,
+            replicated_only=only,
+            device=device,
+        )
+
+    return read
 
 
 def _explicit(
