@@ -7,6 +7,7 @@ to ``OUT_DIR/rank-N.json`` and the test checks it; a scenario that raises fails 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -50,6 +51,25 @@ def state_of(rank: int, step: int) -> dict[str, Any]:
     return {"w": w, "rank": rank, "step": step}
 
 
+# What each rank receives in the "exchange" scenario, by channel: (source, bytes) by receiver.
+# Rank 0 sends 64 MiB + 3 bytes (callers window large files at 64 MiB); rank 2 sends to both
+# others; on "bytes", one payload is empty and rank 1 sends to itself.
+BIG = (64 << 20) + 3
+EXCHANGED = {
+    "main": [[(2, 5000)], [(0, BIG), (2, 7)], [(1, 1000)]],
+    "bytes": [[(1, 10)], [(1, 3), (2, 20)], [(0, 0)]],
+}
+
+
+def payload(src: int, dst: int, nbytes: int) -> bytes:
+    """A deterministic payload of its own for each (source, destination) pair."""
+    return np.random.default_rng([src, dst]).bytes(nbytes)
+
+
+def digest(data: bytes) -> list[Any]:
+    return [len(data), hashlib.sha256(data).hexdigest()]
+
+
 # -- the tests ----------------------------------------------------------------------------------
 
 
@@ -65,11 +85,24 @@ def test_collectives_of_three_ranks(tmp_path: Path) -> None:
         assert "JSON-like" in got["not_json"]
 
 
+def test_exchange_of_three_ranks(tmp_path: Path) -> None:
+    results = launch("exchange", 3, tmp_path)
+    for rank, got in enumerate(results):
+        for channel in ("main", "bytes"):
+            expected = {str(s): digest(payload(s, rank, n)) for s, n in EXCHANGED[channel][rank]}
+            assert got[channel] == expected, (rank, channel)
+        assert got["after"] == [0, 1, 2]
+
+
 def test_a_rank_that_never_arrives_is_an_error_on_the_others(tmp_path: Path) -> None:
     survivor, _ = launch("absent", 2, tmp_path)
     assert survivor["absent"] == (
         "CoordinationError: rank 0: barrier 1 on MPI channel 'main/late' did not complete "
         f"within {SHORT:g} s (a participant hangs or did not arrive)"
+    )
+    assert survivor["absent_exchange"] == (
+        "CoordinationError: rank 0: exchange 1 on MPI channel 'main/late-bytes' did not "
+        f"complete within {SHORT:g} s (a participant hangs or did not arrive)"
     )
 
 
@@ -131,18 +164,44 @@ def _collectives(comm: Any) -> dict[str, Any]:
     return got
 
 
+def _exchange(comm: Any) -> dict[str, Any]:
+    from cryosnap.dist import MPICoordinator
+
+    c = MPICoordinator(comm, timeout=TIMEOUT)
+    rank = c.rank
+    side = c.channel("bytes")
+    got: dict[str, Any] = {}
+    for channel, coord in (("main", c), ("bytes", side)):
+        sends = {
+            dst: payload(src, dst, n)
+            for dst, senders in enumerate(EXCHANGED[channel])
+            for src, n in senders
+            if src == rank
+        }
+        if rank == 1:  # a writable buffer, as well as bytes
+            sends = {dst: bytearray(data) for dst, data in sends.items()}
+        received = coord.exchange(sends)
+        got[channel] = {str(src): digest(data) for src, data in received.items()}
+    got["after"] = c.all_gather(rank)  # the exchange was one collective on each channel
+    return got
+
+
 def _absent(comm: Any) -> dict[str, Any]:
     from cryosnap.dist import MPICoordinator
     from cryosnap.errors import CoordinationError
 
     c = MPICoordinator(comm, timeout=TIMEOUT)
-    late, done = c.channel("late"), c.channel("done")
+    late, late_bytes, done = c.channel("late"), c.channel("late-bytes"), c.channel("done")
     got: dict[str, Any] = {}
     if c.rank == 0:
         try:
             late.barrier(timeout=SHORT)
         except CoordinationError as exc:
             got["absent"] = f"CoordinationError: {exc}"
+        try:
+            late_bytes.exchange({1: b"for a rank that never comes"}, timeout=SHORT)
+        except CoordinationError as exc:
+            got["absent_exchange"] = f"CoordinationError: {exc}"
     done.barrier()  # rank 1 never enters the barrier on "late"
     return got
 
@@ -182,7 +241,12 @@ def main(scenario: str, out: Path) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    scenarios = {"collectives": _collectives, "absent": _absent, "checkpointer": _checkpointer}
+    scenarios = {
+        "collectives": _collectives,
+        "exchange": _exchange,
+        "absent": _absent,
+        "checkpointer": _checkpointer,
+    }
     got = scenarios[scenario](comm)
     (out / f"rank-{comm.Get_rank()}.json").write_text(json.dumps(got))
 

@@ -8,6 +8,7 @@ and the test checks it. A scenario that raises makes its process exit non-zero.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -84,6 +85,25 @@ def state_of(rank: int, step: int) -> dict[str, Any]:
     return {"w": w, "rank": rank, "step": step}
 
 
+# What each rank receives in the "exchange" scenario, by channel: (source, bytes) by receiver.
+# Rank 0 sends 64 MiB + 3 bytes (callers window large files at 64 MiB); rank 2 sends to both
+# others; on "bytes", one payload is empty and rank 1 sends to itself.
+BIG = (64 << 20) + 3
+EXCHANGED = {
+    "main": [[(2, 5000)], [(0, BIG), (2, 7)], [(1, 1000)]],
+    "bytes": [[(1, 10)], [(1, 3), (2, 20)], [(0, 0)]],
+}
+
+
+def payload(src: int, dst: int, nbytes: int) -> bytes:
+    """A deterministic payload of its own for each (source, destination) pair."""
+    return np.random.default_rng([src, dst]).bytes(nbytes)
+
+
+def digest(data: bytes) -> list[Any]:
+    return [len(data), hashlib.sha256(data).hexdigest()]
+
+
 # -- the tests ----------------------------------------------------------------------------------
 
 
@@ -102,12 +122,23 @@ def test_collectives_of_three_processes(tmp_path: Path) -> None:
     assert "not in group [0, 2]" in results[1]["subgroup"]
 
 
+def test_exchange_of_three_processes(tmp_path: Path) -> None:
+    results = launch("exchange", 3, tmp_path)
+    for rank, got in enumerate(results):
+        for channel in ("main", "bytes"):
+            expected = {str(s): digest(payload(s, rank, n)) for s, n in EXCHANGED[channel][rank]}
+            assert got[channel] == expected, (rank, channel)
+        assert got["after"] == [0, 1, 2]
+
+
 def test_a_rank_that_never_arrives_or_died_is_an_error_on_the_others(tmp_path: Path) -> None:
     survivor, _ = launch("dead", 2, tmp_path)
     assert survivor["absent"].startswith("CoordinationError: rank 0/2: barrier 1 on channel")
     assert "'main/late'" in survivor["absent"]
     assert survivor["dead"].startswith("CoordinationError: rank 0/2: all_gather 1 on channel")
     assert "'main/gone'" in survivor["dead"]
+    assert survivor["dead_exchange"].startswith("CoordinationError: rank 0/2: exchange 1 on")
+    assert "'main/gone-bytes'" in survivor["dead_exchange"]
 
 
 def test_a_rank_killed_between_saves_fails_the_next_version_on_the_survivor(
@@ -243,13 +274,35 @@ def _subgroup(rank: int) -> Any:
     ]
 
 
+def _exchange(out: Path) -> dict[str, Any]:
+    from cryosnap.dist import TorchCoordinator
+
+    rank, _ = _init()
+    c = TorchCoordinator(timeout=TIMEOUT)
+    side = c.channel("bytes")
+    got: dict[str, Any] = {}
+    for channel, coord in (("main", c), ("bytes", side)):
+        sends = {
+            dst: payload(src, dst, n)
+            for dst, senders in enumerate(EXCHANGED[channel])
+            for src, n in senders
+            if src == rank
+        }
+        if rank == 1:  # a writable buffer is sent without a copy
+            sends = {dst: bytearray(data) for dst, data in sends.items()}
+        received = coord.exchange(sends)
+        got[channel] = {str(src): digest(data) for src, data in received.items()}
+    got["after"] = c.all_gather(rank)  # the exchange was one collective on each channel
+    return got
+
+
 def _dead(out: Path) -> dict[str, Any]:
     from cryosnap.dist import TorchCoordinator
     from cryosnap.errors import CoordinationError
 
     rank, _ = _init()
     c = TorchCoordinator(timeout=TIMEOUT)
-    late, gone = c.channel("late"), c.channel("gone")
+    late, gone, gone_bytes = c.channel("late"), c.channel("gone"), c.channel("gone-bytes")
     c.barrier()
     got: dict[str, Any] = {}
     if rank == 1:
@@ -267,6 +320,10 @@ def _dead(out: Path) -> dict[str, Any]:
         gone.all_gather(rank, timeout=TIMEOUT)  # rank 1 is gone: its sockets closed
     except CoordinationError as exc:
         got["dead"] = f"CoordinationError: {exc}"
+    try:
+        gone_bytes.exchange({1: b"for a rank that is gone"}, timeout=TIMEOUT)
+    except CoordinationError as exc:
+        got["dead_exchange"] = f"CoordinationError: {exc}"
     return got
 
 
@@ -380,6 +437,8 @@ def main(scenario: str, out: Path) -> None:
         got = _killed(out)
     elif scenario == "replicated":
         got = _replicated(out)
+    elif scenario == "exchange":
+        got = _exchange(out)
     else:
         got = _checkpointer(out, scenario.removeprefix("checkpointer-"))
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))

@@ -119,6 +119,80 @@ def test_local_coordinator_is_a_world_of_one() -> None:
     assert isinstance(c, Coordinator)
 
 
+def test_exchange_in_a_ring_and_to_one_rank() -> None:
+    def body(c: Coordinator) -> Any:
+        nxt = (c.rank + 1) % c.world_size
+        ring = c.exchange({nxt: bytes([c.rank]) * (1000 + c.rank)})
+        # Every rank to rank 0, in three kinds of buffer; rank 2's payload is empty.
+        kinds: list[bytes | bytearray | memoryview] = [b"zero", bytearray(b"one"), memoryview(b"")]
+        many = c.channel("side").exchange({0: kinds[c.rank]})
+        nothing = c.exchange({})
+        return ring, many, nothing
+
+    results = run_ranks(3, body)
+    for rank, (ring, _, nothing) in enumerate(results):
+        prev = (rank - 1) % 3
+        assert ring == {prev: bytes([prev]) * (1000 + prev)}
+        assert nothing == {}
+    assert results[0][1] == {0: b"zero", 1: b"one", 2: b""}
+    assert all(type(v) is bytes for v in results[0][1].values())
+    assert results[1][1] == results[2][1] == {}
+
+
+def test_exchange_counts_as_one_collective_and_keeps_payloads_apart() -> None:
+    def body(c: Coordinator) -> Any:
+        sent = bytearray(b"mine")
+        got = c.exchange({1 - c.rank: sent, c.rank: memoryview(sent)[1:3]})
+        sent[:] = b"XXXX"  # the receiver's bytes are its own
+        return got, c.all_gather(c.rank)
+
+    (got0, gathered0), (got1, _) = run_ranks(2, body)
+    assert got0 == {0: b"in", 1: b"mine"} and got1 == {0: b"mine", 1: b"in"}
+    assert gathered0 == [0, 1]
+
+
+def test_exchange_with_a_rank_that_never_arrives() -> None:
+    def body(c: Coordinator) -> str | None:
+        if c.rank == 2:
+            return None  # never calls exchange
+        with pytest.raises(CoordinationError) as info:
+            c.exchange({1 - c.rank: b"x"}, timeout=0.2)
+        return str(info.value)
+
+    for message in run_ranks(3, body)[:2]:
+        assert "collective 1 on channel 'main': rank(s) [2] did not arrive" in message
+
+
+def test_exchange_checks_its_arguments_before_communicating() -> None:
+    group = InProcessGroup(2)
+    c = group.coordinator(0)
+    with pytest.raises(ValueError, match="destination rank=2 is invalid"):
+        c.exchange({2: b"x"})
+    with pytest.raises(ValueError, match="destination rank=-1 is invalid"):
+        c.exchange({-1: b"x"})
+    with pytest.raises(TypeError, match=r"sends\[1\] must be bytes, bytearray or memoryview"):
+        c.exchange({1: "text"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="sends must be a mapping"):
+        c.exchange([b"x"])  # type: ignore[arg-type]
+    # Nothing was issued: the next collective is still number 1.
+    with pytest.raises(CoordinationError, match="collective 1 "):
+        c.barrier(timeout=0.05)
+
+
+def test_local_coordinator_exchanges_with_itself_only() -> None:
+    c = LocalCoordinator()
+    data = b"payload"
+    assert c.exchange({}) == {}
+    assert c.exchange({0: data})[0] is data  # bytes are immutable: returned as is
+    assert c.exchange({0: bytearray(b"ab")}) == {0: b"ab"}
+    assert c.exchange({0: memoryview(b"")}) == {0: b""}
+    assert c.exchange({0: np.arange(6, dtype=np.uint8)[::2]}) == {0: b"\x00\x02\x04"}
+    with pytest.raises(ValueError, match="destination rank=1 is invalid"):
+        c.exchange({1: b"x"})
+    with pytest.raises(TypeError, match=r"sends\[0\] must be bytes"):
+        c.exchange({0: 5})  # type: ignore[dict-item]
+
+
 def test_bad_comm_and_bad_group_arguments(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"comm must be None or a cryosnap\.dist\.Coordinator"):
         cryosnap.Checkpointer(tmp_path, comm="gloo")  # type: ignore[arg-type]

@@ -16,15 +16,18 @@ Implementations:
   (``Checkpointer(comm=None)`` picks it when torch.distributed is initialized).
 - :class:`MPICoordinator`: the ranks of an mpi4py communicator, over duplicates of it.
 
-Collectives carry small JSON-like objects (ints, strings, lists, dicts), never tensors, and each
-has a timeout: a participant that does not arrive becomes a :class:`~cryosnap.CoordinationError`
-on the others, never a hang. Each background thread of a Checkpointer uses its own *channel*
+Collectives carry small JSON-like objects (ints, strings, lists, dicts), never tensors, except
+:meth:`Coordinator.exchange`, which moves raw bytes point-to-point (each rank to the ranks it
+names, under 2 GiB per message) for data the ranks hand each other. Each collective has a
+timeout: a participant that does not arrive becomes a :class:`~cryosnap.CoordinationError` on
+the others, never a hang. Each background thread of a Checkpointer uses its own *channel*
 (:meth:`Coordinator.channel`), so collectives issued by the writer and by a flusher never
 interleave.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from ._common import DEFAULT_TIMEOUT_SECONDS
@@ -67,6 +70,27 @@ class Coordinator(Protocol):
 
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
         """``root``'s ``obj`` on every participant (the others' ``obj`` is ignored)."""
+        ...
+
+    def exchange(
+        self, sends: Mapping[int, bytes | bytearray | memoryview], *, timeout: float | None = None
+    ) -> dict[int, bytes]:
+        """Send ``sends[dst]`` to each rank ``dst``; what every rank sent this one, by source.
+
+        Collective: every participant calls it, in the same order as its other collectives
+        (``{}`` when it sends nothing), and it is one collective in the channel's numbering.
+        Only the sizes reach every rank; each payload goes straight from its sender to its
+        receiver, so a rank holds only what is addressed to it. The result holds exactly the
+        ranks that sent this one a payload, in rank order; an empty payload counts (``b""``).
+        A payload to this rank itself is handed back (as bytes) without communication.
+
+        Payloads are bytes-like (bytes, bytearray, memoryview; any buffer), at most
+        ``2**31 - 1`` bytes each: send larger data in windows. A destination outside
+        ``0 .. world_size - 1`` is a ``ValueError`` and a payload that is not bytes-like a
+        ``TypeError``, raised on the rank that passed it before it communicates anything, so
+        the other ranks then fail this collective with a ``CoordinationError`` at their
+        timeout.
+        """
         ...
 
     def channel(self, name: str) -> Coordinator:

@@ -7,7 +7,8 @@ Duplicating is collective: every rank constructs the coordinator and asks for th
 channels in the same order, as a Checkpointer does on every rank.
 
 Every collective is nonblocking (``Ibarrier``, ``Iallgather`` + ``Iallgatherv`` of JSON bytes,
-``Ibcast``) and polled until its deadline; one that does not complete in time raises
+``Ibcast``; ``exchange`` is ``Ialltoall`` of the sizes, then an ``Isend``/``Irecv`` of raw bytes
+per payload) and polled until its deadline; one that does not complete in time raises
 :class:`~cryosnap.CoordinationError` on the ranks that wait. MPI cannot cancel a collective:
 the request and its buffers are kept, and the channel is unusable after that (a run whose
 participants no longer agree stops saving). A rank that *dies* usually takes the whole job
@@ -24,19 +25,24 @@ import copy
 import json
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .._validate import integer, seconds
 from ..errors import CoordinationError
-from ._common import DEFAULT_TIMEOUT_SECONDS
+from ._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
 
 __all__ = ["MPICoordinator"]
 
 # Polling interval of a pending collective: starts short (a healthy collective completes in
 # microseconds) and backs off, so a long wait costs no CPU the training needs.
 _POLL_FIRST, _POLL_MAX = 50e-6, 5e-3
+
+# MPI guarantees tags up to 32767 (MPI_TAG_UB may be larger). An exchange tags its messages with
+# its number on the channel, so one left over from an exchange that failed is not the next one's.
+_TAG_LIMIT = 32768
 
 
 class MPICoordinator:
@@ -136,6 +142,43 @@ class MPICoordinator:
         call.wait(self._comm.Ibcast([buf, MPI.BYTE], root=root), (buf,))
         return _decode(buf.tobytes())
 
+    def exchange(
+        self, sends: Mapping[int, bytes | bytearray | memoryview], *, timeout: float | None = None
+    ) -> dict[int, bytes]:
+        views = outgoing(sends, self._world)
+        MPI = self._MPI
+        call = _Call(self, "exchange", timeout)
+        got: dict[int, bytes] = {}
+        if self._rank in views:
+            got[self._rank] = to_bytes(views.pop(self._rank))
+        mine = np.full(self._world, -1, dtype=np.int64)  # -1: nothing for that rank
+        for dst, view in views.items():
+            mine[dst] = view.nbytes
+        sizes = np.empty(self._world, dtype=np.int64)
+        request = self._comm.Ialltoall([mine, MPI.INT64_T], [sizes, MPI.INT64_T])
+        call.wait(request, (mine, sizes))
+        incoming = {
+            src: np.empty(int(n), dtype=np.uint8)
+            for src, n in enumerate(sizes)
+            if n >= 0 and src != self._rank
+        }
+        tag = call.number % _TAG_LIMIT
+        # Every receive and send is posted before any is waited for; an empty payload is told
+        # by its size alone.
+        requests = [
+            self._comm.Irecv([buf, MPI.BYTE], source=src, tag=tag)
+            for src, buf in incoming.items()
+            if buf.size
+        ]
+        requests += [
+            self._comm.Isend([view, MPI.BYTE], dest=dst, tag=tag)
+            for dst, view in views.items()
+            if view.nbytes
+        ]
+        call.wait(_All(MPI, requests), (incoming, views))
+        got.update((src, buf.tobytes()) for src, buf in incoming.items())
+        return dict(sorted(got.items()))
+
     def _next(self) -> int:
         self._issued += 1
         return self._issued
@@ -150,7 +193,8 @@ class _Call:
         self.coord = coord
         self.limit = coord.timeout if timeout is None else seconds(timeout, "timeout")
         self.deadline = time.monotonic() + self.limit
-        self.what = what if rank is not None else f"{what} {coord._next()}"
+        self.number = 0 if rank is not None else coord._next()
+        self.what = what if rank is not None else f"{what} {self.number}"
         self.rank = coord._rank if rank is None else rank
 
     def wait(self, request: Any, buffers: tuple[Any, ...]) -> None:
@@ -168,6 +212,17 @@ class _Call:
                 )
             time.sleep(min(pause, left))
             pause = min(pause * 2, _POLL_MAX)
+
+
+class _All:
+    """Several requests polled as one (``_Call.wait`` keeps it, and so them, on a timeout)."""
+
+    def __init__(self, MPI: Any, requests: list[Any]) -> None:
+        self._MPI = MPI
+        self.requests = requests
+
+    def Test(self) -> bool:  # mpi4py's name: _Call.wait polls either kind
+        return bool(self._MPI.Request.Testall(self.requests))
 
 
 def _mpi4py() -> Any:

@@ -4,7 +4,8 @@ Each participant holds its own coordinator (``group.coordinator(rank)``) and cal
 collectives in the same order, as ranks of a real job do. A collective is a numbered slot per
 channel: a participant drops its value in and waits until every participant did; the last one
 to read a slot removes it. Values are deep-copied on the way in, as a real transport would
-serialise them, so no participant sees another's object.
+serialise them, so no participant sees another's object. :meth:`~_Participant.exchange` drops
+its payloads as ``bytes`` (immutable: the copies are of the dicts around them, not the data).
 
 A participant that does not arrive within the timeout makes the collective raise
 :class:`~cryosnap.CoordinationError` on the others, naming the missing ranks; :meth:`abort`
@@ -16,11 +17,12 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from .._validate import integer, positive_int, seconds
 from ..errors import CoordinationError
-from ._common import DEFAULT_TIMEOUT_SECONDS
+from ._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
 
 __all__ = ["InProcessGroup"]
 
@@ -121,6 +123,13 @@ class _Participant:
         integer(root, "root", minimum=0, maximum=self.world_size - 1)
         mine = obj if self._rank == root else None
         return self._group._exchange(self._next(), self._rank, mine, timeout)[root]
+
+    def exchange(
+        self, sends: Mapping[int, bytes | bytearray | memoryview], *, timeout: float | None = None
+    ) -> dict[int, bytes]:
+        mine = {dst: to_bytes(view) for dst, view in outgoing(sends, self.world_size).items()}
+        everyone = self._group._exchange(self._next(), self._rank, mine, timeout)
+        return {src: got[self._rank] for src, got in enumerate(everyone) if self._rank in got}
 
     def channel(self, name: str) -> _Participant:
         return _Participant(self._group, self._rank, f"{self._name}/{name}")

@@ -10,10 +10,13 @@ Creating a group is collective (``torch.distributed.new_group``): every process 
 constructs the coordinator and asks for the same channels in the same order, as a Checkpointer
 does on every rank (policy and restore at open, then the writer). Channels are cached by name.
 
-Objects travel as JSON (UTF-8 bytes in uint8 tensors: the lengths are gathered first). Every
-collective is bounded by a timeout passed to gloo itself: a participant that died (its sockets
-close) or never arrives makes the collective raise :class:`~cryosnap.CoordinationError` on the
-others, naming the collective and the channel. A group whose collective failed stays failed.
+Objects travel as JSON (UTF-8 bytes in uint8 tensors: the lengths are gathered first).
+:meth:`TorchCoordinator.exchange` moves raw bytes: the sizes go all to all, then every payload
+with gloo's point-to-point send and receive on the channel's group, all posted at once and
+waited for together. Every collective is bounded by a timeout passed to gloo itself: a
+participant that died (its sockets close) or never arrives makes the collective raise
+:class:`~cryosnap.CoordinationError` on the others, naming the collective and the channel. A
+group whose collective failed stays failed.
 
 Runs on whichever thread calls it; each channel must be used by one thread at a time.
 torch is imported on construction, so importing cryosnap.dist does not import it.
@@ -26,14 +29,21 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from .._validate import integer, seconds
 from ..errors import CoordinationError
-from ._common import DEFAULT_TIMEOUT_SECONDS
+from ._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
 
 __all__ = ["TorchCoordinator", "initialized_world"]
+
+_T = TypeVar("_T")
+
+# gloo's tags are non-negative C ints; an exchange tags its messages with its number on the
+# channel, so a message left over from one that failed can never be taken for the next one's.
+_TAG_LIMIT = 2**31
 
 
 def initialized_world() -> bool:
@@ -72,6 +82,9 @@ class TorchCoordinator:
         self._issued = 0
         self._channels: dict[str, TorchCoordinator] = {}
         self._lock = threading.Lock()
+        # Exchanges that failed: their sends and receives may still be pending in gloo, which
+        # reads and writes the tensors they hold; kept, as the group is broken for good anyway.
+        self._abandoned: list[Any] = []
 
     def _new_group(self, name: str) -> Any:
         try:
@@ -118,6 +131,7 @@ class TorchCoordinator:
         out._group = self._new_group(name)
         out._issued = 0
         out._channels, out._lock = {}, threading.Lock()
+        out._abandoned = []
         return out
 
     # -- collectives ---------------------------------------------------------------------------
@@ -153,6 +167,44 @@ class TorchCoordinator:
         call.run(lambda left: self._group.broadcast(buf, root, timeout=left))
         return _decode(buf.numpy().tobytes())
 
+    def exchange(
+        self, sends: Mapping[int, bytes | bytearray | memoryview], *, timeout: float | None = None
+    ) -> dict[int, bytes]:
+        views = outgoing(sends, self._world)
+        torch = self._torch()
+        call = _Call(self, "exchange", timeout)
+        got: dict[int, bytes] = {}
+        if self._rank in views:
+            got[self._rank] = to_bytes(views.pop(self._rank))
+        mine = torch.full((self._world,), -1, dtype=torch.int64)  # -1: nothing for that rank
+        for dst, view in views.items():
+            mine[dst] = view.nbytes
+        sizes = torch.empty(self._world, dtype=torch.int64)
+        call.run(lambda left: self._group.alltoall_base(sizes, mine, [], [], timeout=left))
+        incoming = {
+            src: torch.empty(n, dtype=torch.uint8)
+            for src, n in enumerate(sizes.tolist())
+            if n >= 0 and src != self._rank
+        }
+        tag = call.number % _TAG_LIMIT
+        works: list[Any] = []
+        try:
+            # Every receive and send is posted before any is waited for: ranks that send to
+            # each other never wait on one another's order.
+            for src, buf in incoming.items():
+                if buf.numel():  # an empty payload is told by its size alone
+                    works.append(call.post(self._group.recv, [buf], src, tag))
+            for dst, view in views.items():
+                if view.nbytes:
+                    works.append(call.post(self._group.send, [_uint8(torch, view)], dst, tag))
+            for work in works:
+                call.wait(work)
+        except CoordinationError:
+            self._abandoned.append((works, incoming, views))
+            raise
+        got.update((src, buf.numpy().tobytes()) for src, buf in incoming.items())
+        return dict(sorted(got.items()))
+
     def _torch(self) -> Any:
         return sys.modules["torch"]
 
@@ -168,17 +220,35 @@ class _Call:
         self.coord = coord
         self.limit = coord.timeout if timeout is None else seconds(timeout, "timeout")
         self.deadline = time.monotonic() + self.limit
-        self.what = f"{what} {coord._next()}"
+        self.number = coord._next()
+        self.what = f"{what} {self.number}"
 
-    def run(self, start: Any) -> None:
+    def run(self, start: Callable[[timedelta], Any]) -> None:
         """Start one gloo operation with the time left and wait for it."""
+        # gloo enforces the timeout itself (a send or receive that does not complete in time
+        # fails), so wait() never blocks longer than that.
+        self.step(lambda left: start(left).wait())
+
+    def post(self, start: Callable[..., Any], *args: Any) -> Any:
+        """Start a gloo send or receive (``start(*args)``) to be waited for with :meth:`wait`."""
+        return self.step(lambda _left: start(*args))
+
+    def wait(self, work: Any) -> None:
+        """Wait for an operation started earlier (a send, a receive) with the time left."""
+
+        def finish(left: timedelta) -> None:
+            if not work.wait(left):
+                raise TimeoutError("the operation did not complete in the time left")
+
+        self.step(finish)
+
+    def step(self, action: Callable[[timedelta], _T]) -> _T:
+        """``action(time left)``, its gloo failure or the deadline as CoordinationError."""
         left = self.deadline - time.monotonic()
         try:
             if left <= 0:
                 raise TimeoutError("no time left for its next step")
-            # gloo enforces the timeout itself (a send or receive that does not complete in
-            # time fails), so wait() never blocks longer than that.
-            start(timedelta(seconds=left)).wait()
+            return action(timedelta(seconds=left))
         except (RuntimeError, TimeoutError) as exc:
             c = self.coord
             raise CoordinationError(
@@ -186,6 +256,12 @@ class _Call:
                 f"participant died, or did not arrive within {self.limit:g} s): "
                 f"{_first_line(exc)}"
             ) from exc
+
+
+def _uint8(torch: Any, view: memoryview) -> Any:
+    """A uint8 tensor of ``view``'s bytes, sharing its memory when it is writable. torch warns
+    about a read-only buffer (it cannot mark a tensor read-only), so ``bytes`` are copied once."""
+    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
 
 
 def _torch_distributed() -> Any:
