@@ -106,15 +106,16 @@ def test_a_rank_that_never_arrives_is_an_error_on_the_others(tmp_path: Path) -> 
     )
 
 
-def test_a_checkpointer_on_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_checkpointer_on_every_rank(tmp_path: Path, world: int) -> None:
     import cryosnap
     from cryosnap import engine
     from cryosnap.storage import LocalStore
 
-    results = launch("checkpointer", 2, tmp_path)
+    results = launch("checkpointer", world, tmp_path)
     run = tmp_path / "run"
     assert engine.list_steps(LocalStore(run)) == [3, 4, 5]
-    assert engine.read_commit(LocalStore(run), 5).world_size == 2
+    assert engine.read_commit(LocalStore(run), 5).world_size == world
     for rank, got in enumerate(results):
         assert got["due"] == [0, 2, 4, 5]  # rank 0's policy (every 2), rank 1 preempted at 5
         assert got["incremental"][-1] and not got["incremental"][0]
