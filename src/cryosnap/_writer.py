@@ -26,17 +26,20 @@ from typing import Any
 from . import _replicated, engine
 from ._capturing import END, Job
 from ._chain import ChainIndex
-from ._results import SaveInfo
-from .capture import Batch
+from ._partner import Partners
+from ._results import PendingSave, SaveInfo
+from .capture import Batch, CaptureTracker, direct_batches
 from .chunks import merkle_root
 from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, StorageTimeoutError
+from .flush import SourceDamagedError
 from .levels import Levels
 from .manifest import CommitRecord, PartSummary, commit_key, manifest_key
 from .progress import Progress, human_bytes
+from .storage import Store
 from .storage.tiers import Placement
 
-__all__ = ["Writer", "summary_of"]
+__all__ = ["Rewriter", "Writer", "summary_of"]
 
 log = logging.getLogger("cryosnap")
 
@@ -73,10 +76,22 @@ class Writer:
         clock: Callable[[], float],
         inflight: threading.BoundedSemaphore,
         run_id: str | None = None,
+        level: int = 0,
+        channel: str = "writer",
+        partners: Partners | None = None,
+        thread: bool = True,
     ) -> None:
         self.levels = levels
         self.chain = chain
-        self.coord = coordinator.channel("writer")
+        self.coord = coordinator.channel(channel)
+        # The level this writer commits versions on (0: the first; a distributed run with
+        # scratch writes the persistent level again from each rank's scratch copy: levels.py).
+        self.level = level
+        # A private first level of a distributed run (node-local scratch): each rank writes
+        # its whole part there as a run of its own (rank 0 of a world of one), commits it
+        # itself once every rank's part is durable, and copies it to its partner.
+        self.private = not levels.levels[level].shared and coordinator.world_size > 1
+        self.partners = partners
         self.chunk_bytes = chunk_bytes
         self.placement = placement
         self.fence = fence
@@ -92,15 +107,22 @@ class Writer:
         # saving, as one that lost its lock does.
         self.disagreed: CoordinationError | None = None
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
+            self._thread.start()
+
+    @property
+    def store(self) -> Store:
+        return self.levels.levels[self.level].store
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
 
     def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
@@ -127,7 +149,9 @@ class Writer:
             # Retention before the version is reported, so that a caller sees the run as
             # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
             self.chain.advance(part)
-            self.levels.retire(0, protect={job.step})
+            self.levels.retire(self.level, protect={job.step})
+            if self.partners is not None:
+                self.partners.retire(self.levels.levels[self.level].keep)
             self._tell_policy(
                 "durable",
                 job.step,
@@ -141,7 +165,7 @@ class Writer:
             log.exception("after committing step %d", job.step)
             self._note_disagreement(exc)
             self.chain.forget()
-        self.levels.reached(0, job.step, job.pending, info)
+        self.levels.reached(self.level, job.step, job.pending, info)
 
     def _note_disagreement(self, exc: BaseException) -> None:
         while exc is not None and self.disagreed is None:
@@ -155,18 +179,34 @@ class Writer:
 
     # -- one version ---------------------------------------------------------------------------
 
+    def write(self, job: Job) -> tuple[SaveInfo, engine.PartResult]:
+        """Write ``job`` on this thread (a writer without a thread of its own); raises when
+        the version is not committed."""
+        return self._write(job)
+
+    def fail(self, step: int, exc: BaseException) -> None:
+        """This rank cannot write ``step`` at all: take part in the version's collectives,
+        saying so, so that every rank fails it alike (a writer without a thread)."""
+        if self.disagreed is None and not isinstance(exc, CoordinationError):
+            try:
+                _replicated.send_failure(self.coord, exc)
+                self._agree_commit(step, None, exc)
+            except CheckpointError as agree:
+                self._note_disagreement(agree)
+
     def _write(self, job: Job) -> tuple[SaveInfo, engine.PartResult]:
-        store = self.levels.first.store
+        store = self.store
         writer: engine.PartWriter | None = None
         ended = False
         held: Batch | None = None  # taken from the queue, not yet handed to the part writer
         # Every rank of a distributed save takes part in the replicas' exchange once.
         exchanged = self.coord.world_size == 1
+        copied = self.partners is None  # the partner copy, collective like the exchange
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
         try:
             if self.disagreed is not None:
                 raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
-            world = self.coord.world_size
+            world = 1 if self.private else self.coord.world_size
             plan = _replicated.plan(job.flat, job.replicated, world, self.chunk_bytes)
             # The capture decides (before its first batch) whether the version is full or
             # must build on exactly one version: change detection on the device.
@@ -187,7 +227,7 @@ class Writer:
                 base=base,
                 index=self.chain.index if base is not None else None,
                 placement=self.placement,
-                rank=self.coord.rank,
+                rank=0 if self.private else self.coord.rank,
                 shares=plan.shares,
                 replicated=plan.keys,
             )
@@ -204,6 +244,10 @@ class Writer:
                 exchanged = True
                 _replicated.exchange(self.coord, job.step, job.flat, writer, plan)
             part = writer.finish()
+            if self.partners is not None:
+                copied = True
+                keys = [*part.used_files(), *(manifest_key(s, 0) for s in part.chain())]
+                self.partners.copy_files(self.coord, store, job.step, [*keys, part.ref.key])
         except BaseException as exc:
             if held is not None:
                 held.release()
@@ -219,14 +263,16 @@ class Writer:
                 try:
                     if not exchanged:
                         _replicated.send_failure(self.coord, exc)
-                    self._agree_commit(job, None, exc)
+                    if self.partners is not None and not copied:
+                        self.partners.copy_files(self.coord, store, job.step, [])
+                    self._agree_commit(job.step, None, exc, job)
                 except CheckpointError as agree:
                     log.error("step %d: telling the other participants failed: %s", job.step, agree)
                     self._note_disagreement(agree)
             raise
         finally:
             progress.close()
-        self._agree_commit(job, part, None)
+        self._agree_commit(job.step, part, None, job)
         seconds = time.perf_counter() - job.pending.started
         log.info(
             "step %d durable in %.3f s: %s written",
@@ -243,7 +289,7 @@ class Writer:
             stall_seconds=job.stall_seconds + job.pending.stall_seconds,
             seconds=seconds,
             incremental=part.incremental,
-            tiers=(self.levels.first.name,),
+            tiers=(self.levels.levels[self.level].name,),
             captured_bytes=job.captured_bytes,
         )
         return info, part
@@ -251,18 +297,26 @@ class Writer:
     # -- the global commit ---------------------------------------------------------------------
 
     def _agree_commit(
-        self, job: Job, part: engine.PartResult | None, error: BaseException | None
+        self,
+        step: int,
+        part: engine.PartResult | None,
+        error: BaseException | None,
+        job: Job | None = None,
     ) -> None:
-        """Gather every participant's part; rank 0 commits once all are durable; everyone
-        learns the outcome. Raises when this version is not committed."""
+        """Gather every participant's part; once all are durable rank 0 commits (a private
+        level: every rank commits its own); everyone learns the outcome. Raises when this
+        version is not committed."""
         mine: dict[str, Any] = (
             {"part": summary_of(part).to_json()} if part is not None else {"error": str(error)}
         )
         gathered = self.coord.all_gather(mine)
+        if self.private:
+            self._commit_private(step, part, error, job, gathered)
+            return
         outcome: dict[str, Any] = {}
         raised: CheckpointError | None = None
         if self.coord.rank == 0:
-            raised = self._commit(job, gathered)
+            raised = self._commit(step, job, gathered)
             outcome = {"ok": True} if raised is None else {"error": str(raised)}
         outcome = self.coord.broadcast(outcome)
         if error is not None:
@@ -270,40 +324,148 @@ class Writer:
         if raised is not None:
             raise raised  # rank 0: the commit's own error, with its type
         if "error" in outcome:
-            raise CheckpointError(f"step {job.step} was not committed: {outcome['error']}")
+            raise CheckpointError(f"step {step} was not committed: {outcome['error']}")
 
-    def _commit(self, job: Job, gathered: list[dict[str, Any]]) -> CheckpointError | None:
+    def _commit_private(
+        self,
+        step: int,
+        part: engine.PartResult | None,
+        error: BaseException | None,
+        job: Job | None,
+        gathered: list[dict[str, Any]],
+    ) -> None:
+        """Every rank writes its own commit record (and its partner's copy of it) once every
+        part is durable; a second gather tells whether all records landed, and a rank whose
+        record landed while another's did not takes it back, so a version is on every rank's
+        scratch or on none (a rank killed in between: the ranks agree at the next open)."""
+        failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
+        body: bytes | None = None
+        problem = ""
+        if not failed and part is not None:
+            try:
+                record = self._record(step, job, [summary_of(part)])
+                body = record.to_json()
+                self.fence()
+                self.store.write(commit_key(step), body)
+            except CheckpointError as exc:
+                problem, body = str(exc), None
+        if self.partners is not None:
+            errors = self.partners.copy_record(self.coord, step, body)
+            problem = problem or "; ".join(errors)
+        told = self.coord.all_gather(problem)
+        bad = [(r, e) for r, e in enumerate(told) if e]
+        if bad:
+            self._take_back(step, own=body is not None)
+        if error is not None:
+            return
+        if failed or bad:
+            reason = "; ".join(f"rank {r}: {e}" for r, e in [*failed, *bad])
+            raise CheckpointError(f"step {step} was not committed: {reason}")
+        log.debug("committed step %d in %s", step, self.store.url)
+
+    def _take_back(self, step: int, *, own: bool) -> None:
+        """Remove this rank's commit record of ``step`` (``own``) and those of the copies it
+        holds for its partners: another rank's did not land."""
+        stores = [self.store] if own else []
+        stores += list(self.partners.held.values()) if self.partners is not None else []
+        for store in stores:
+            try:
+                if store.exists(commit_key(step)):
+                    store.delete(commit_key(step))
+            except CheckpointError as exc:
+                log.error(
+                    "step %d: removing its commit record on %s failed: %s", step, store.url, exc
+                )
+
+    def _record(self, step: int, job: Job | None, parts: list[PartSummary]) -> CommitRecord:
+        return CommitRecord.of_parts(
+            step,
+            parts,
+            chunk_bytes=self.chunk_bytes,
+            root=merkle_root([bytes.fromhex(p.root) for p in parts]).hex(),
+            metrics=job.metrics if job is not None else None,
+            run_id=self.run_id,
+        )
+
+    def _commit(
+        self, step: int, job: Job | None, gathered: list[dict[str, Any]]
+    ) -> CheckpointError | None:
         """Rank 0: write the commit record if every part is durable; the failure, if any."""
         failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
         if failed:
             reason = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            return CheckpointError(f"step {job.step} was not committed: {reason}")
-        store = self.levels.first.store
-        where = f"{store.url}: step {job.step}"
+            return CheckpointError(f"step {step} was not committed: {reason}")
+        store = self.store
+        where = f"{store.url}: step {step}"
         try:
             parts = [PartSummary.from_json(g["part"], where) for g in gathered]
         except CheckpointError as exc:
             return exc
         try:
-            record = CommitRecord.of_parts(
-                job.step,
-                parts,
-                chunk_bytes=self.chunk_bytes,
-                root=merkle_root([bytes.fromhex(p.root) for p in parts]).hex(),
-                metrics=job.metrics,
-                run_id=self.run_id,
-            )
+            record = self._record(step, job, parts)
             self.fence()
-            store.write(commit_key(job.step), record.to_json())
+            store.write(commit_key(step), record.to_json())
         except StorageTimeoutError as exc:
             # The write may still land after we gave up: until then every file it names stays,
             # so a late commit record never makes a broken version visible.
-            self.in_doubt.add(job.step)
+            self.in_doubt.add(step)
             keys = {p.ref.key for p in parts} | {f for p in parts for f in p.data_files}
             keys |= {manifest_key(s, p.ref.rank) for p in parts for s in p.chain}
-            self.levels.first.reserved.update(keys)
+            self.levels.levels[self.level].reserved.update(keys)
             return exc
         except CheckpointError as exc:
             return exc
-        log.debug("committed step %d in %s", job.step, store.url)
+        log.debug("committed step %d in %s", step, store.url)
         return None
+
+
+class Rewriter:
+    """The flush into the persistent level of a distributed run with node-local scratch.
+
+    Each rank's scratch holds its whole part, so a node restores alone; the persistent level
+    must hold the replicated state once in total. So instead of copying files, every rank reads
+    its part of the version back from its scratch (every chunk verified) and the ranks write it
+    on the persistent level exactly as a distributed save without scratch does: replicated
+    state split across them, divergence checked, rank 0 committing once every part is durable.
+    ``writer`` is a :class:`Writer` of that level without a thread of its own (its channel is
+    the hand-off's); ``chain`` its chain on that level. Runs on the hand-off thread, one
+    version after the other in the order every rank committed them on scratch.
+    """
+
+    def __init__(self, writer: Writer, chain: ChainIndex) -> None:
+        self.writer = writer
+        self.chain = chain
+
+    def __call__(
+        self,
+        src: Store,
+        dst: Store,
+        step: int,
+        *,
+        yield_to: Callable[[], None],
+        fence: Callable[[], None],
+    ) -> int:
+        yield_to()
+        try:
+            flat, record, manifest = engine.read_flat(src, step)
+        except CheckpointError as exc:
+            self.writer.fail(step, exc)
+            raise SourceDamagedError(f"step {step} on scratch {src.url}: {exc}") from exc
+        tracker = CaptureTracker(0)
+        tracker.finish()
+        names = (self.writer.levels.levels[self.writer.level].name,)
+        pending = PendingSave(step, tracker, time.perf_counter(), names, names)
+        job = Job(
+            step,
+            flat,
+            pending,
+            queue.SimpleQueue(),
+            record.metrics,
+            replicated=manifest.replicated,
+        )
+        for batch in direct_batches(flat, batch_bytes=engine.IO_BATCH_BYTES):
+            job.batches.put(batch)
+        job.batches.put(END)
+        _, part = self.writer.write(job)
+        self.chain.advance(part)
+        return part.written_bytes

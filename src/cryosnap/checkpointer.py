@@ -32,10 +32,11 @@ from ._capturing import Capturer, Job
 from ._chain import ChainIndex
 from ._devcopy import target_device
 from ._devdiff import DeviceDiff
+from ._partner import Partners, rebuild
 from ._policy_room import PolicyRoom
 from ._results import PendingSave, SaveInfo, Status
 from ._validate import step as validate_step
-from ._writer import Writer
+from ._writer import Rewriter, Writer
 from .capture import CaptureTracker
 from .chunks import validate_chunk_bytes
 from .dist import Coordinator, LocalCoordinator
@@ -50,7 +51,7 @@ from .errors import (
 )
 from .levels import Level, Levels
 from .lock import RunLock, acquire_run_lock
-from .manifest import RUN_ID_PATTERN, CommitRecord
+from .manifest import RUN_ID_PATTERN, CommitRecord, commit_key
 from .policy import RetentionPolicy, SavePolicy, as_retention
 from .storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store, unwrap
 from .storage.tiers import Placement, StripedStore, Tier
@@ -127,7 +128,15 @@ class Checkpointer:
         :class:`cryosnap.dist.Coordinator` (``TorchCoordinator``, ``MPICoordinator``)
         (e.g. one rank of :class:`cryosnap.dist.InProcessGroup`). Every participant saves its
         own part of each version; rank 0 takes the write lock and commits once every part is
-        durable. With several participants the run has one tier (no ``scratch`` yet).
+        durable. With ``scratch`` each participant keeps its whole part on its node's scratch
+        (under ``<scratch>/rank-<r>``), and the persistent level gets each version written
+        again from there, its replicated state split across the participants
+        (docs/DISTRIBUTED.md).
+    partner
+        With several participants and ``scratch``: also copy each participant's scratch part
+        to the scratch of a participant on another node (node: the host name, or
+        ``$CRYOSNAP_NODE``), as part of the scratch commit. A participant whose scratch lost
+        versions its partner holds gets them back when the run is opened again.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -169,6 +178,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
         run_id: str | None = None,
         device_diff: bool | None = None,
+        partner: bool = False,
     ) -> None:
         self._run_id = _validate_run_id(run_id)
         self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
@@ -204,6 +214,12 @@ class Checkpointer:
         self.full_every = _validate.positive_int(full_every, "full_every")
         self.incremental = _validate.boolean(incremental, "incremental")
         self.allow_pickle = bool(allow_pickle)
+        partner = _validate.boolean(partner, "partner")
+        if partner and (scratch is None or self.coordinator.world_size == 1):
+            raise ValueError(
+                "partner=True copies each participant's scratch to another node's: it needs "
+                "scratch= and several participants (comm=)"
+            )
         self.persistent, self.scratch = _open_stores(
             path, scratch, storage_options, timeout, self.coordinator
         )
@@ -215,9 +231,11 @@ class Checkpointer:
             incremental=self.incremental,
             full_every=self.full_every,
             chunk_bytes=self.chunk_bytes,
-            rank=self.coordinator.rank,
+            # A distributed run's scratch holds each rank's part as a run of its own (rank 0).
+            rank=self.coordinator.rank if self.scratch is None else 0,
         )
         self._levels = _open_levels(self, chain)
+        self._partners = _open_partners(self, scratch, timeout) if partner else None
         self._levels.observe = self._policies.reached
         self.store: Store = self._levels.first.store  # where versions are written first
         self._chain = chain
@@ -244,6 +262,7 @@ class Checkpointer:
             clock=clock,
             inflight=self._inflight,
             run_id=self._run_id,
+            partners=self._partners,
         )
 
     # context manager ---------------------------------------------------------------------------
@@ -442,15 +461,27 @@ class Checkpointer:
         only = _validate.boolean(replicated_only, "replicated_only")
         device = _map_location(map_location, into)
         stores = self._levels.stores()
-        rank = self.coordinator.rank
+        rank = self._part_ranks()
         pickle = self.allow_pickle
         if step is not None or self.coordinator.world_size == 1:
             return _restore_tiers(
                 stores, step, into=into, rank=rank, allow_pickle=pickle, only=only, device=device
             )
         return _restore_agreed(
-            self._restore_channel, stores, into=into, allow_pickle=pickle, only=only, device=device
+            self._restore_channel,
+            stores,
+            rank,
+            into=into,
+            allow_pickle=pickle,
+            only=only,
+            device=device,
         )
+
+    def _part_ranks(self) -> list[int]:
+        """Per level, the part this participant reads: its rank on a shared level, part 0 of
+        its own run on a private one (a distributed run's node-local scratch)."""
+        me = self.coordinator.rank
+        return [me if level.shared else 0 for level in self._levels.levels]
 
     def close(self) -> None:
         """Drain every pending save, stop the writer, release the write lock.
@@ -527,8 +558,12 @@ def _start_background(ckpt: Checkpointer, signals: list[int]) -> None:
     on failure undo what was started and release the locks."""
     levels = ckpt._levels
     try:
+        if ckpt.scratch is not None and ckpt.coordinator.world_size > 1:
+            _drop_partial_scratch(ckpt)
         levels.start_handoffs(
-            retry_seconds=ckpt._retry_seconds, yield_to=ckpt._capturer.wait_no_capture
+            retry_seconds=ckpt._retry_seconds,
+            yield_to=ckpt._capturer.wait_no_capture,
+            rewrite=lambda index: _rewriter(ckpt, index),
         )
         ckpt._pending.extend(levels.resume_unflushed(ckpt.keep))
         for signum in signals:
@@ -540,6 +575,62 @@ def _start_background(ckpt: Checkpointer, signals: list[int]) -> None:
         ckpt._restore_handlers()
         levels.release_locks()
         raise
+
+
+def _rewriter(ckpt: Checkpointer, index: int) -> Rewriter:
+    """The flush into level ``index`` when every rank writes it again (levels.py)."""
+    chain = ChainIndex(
+        incremental=ckpt.incremental,
+        full_every=ckpt.full_every,
+        chunk_bytes=ckpt.chunk_bytes,
+        rank=ckpt.coordinator.rank,
+    )
+    ckpt._levels.chains[index] = chain
+    writer = Writer(
+        levels=ckpt._levels,
+        chain=chain,
+        coordinator=ckpt.coordinator,
+        chunk_bytes=ckpt.chunk_bytes,
+        placement=None,
+        fence=ckpt._levels.fence,
+        policy_event=_ignore_event,
+        clock=ckpt._clock,
+        inflight=threading.BoundedSemaphore(1),
+        run_id=ckpt._run_id,
+        level=index,
+        channel=f"flush-{index}",
+        thread=False,
+    )
+    return Rewriter(writer, chain)
+
+
+def _ignore_event(event: str, step: int, **figures: float) -> None:
+    return None
+
+
+def _drop_partial_scratch(ckpt: Checkpointer) -> None:
+    """At open (collective): a version committed on some ranks' scratch only (a rank was
+    killed between the commit records) exists for no restore; unless the persistent level
+    has it, its commit record goes from this rank's scratch (and from the partner copies this
+    rank holds), so it is saved again normally."""
+    coord = ckpt.coordinator
+    scratch = ckpt._levels.first.store
+    own = engine.list_steps(scratch)
+    told = coord.all_gather(own)
+    common = set.intersection(*(set(t) for t in told))
+    persistent = set(engine.list_steps(ckpt.persistent))
+    stores = [scratch, *(ckpt._partners.held.values() if ckpt._partners is not None else ())]
+    for store in stores:
+        for step in engine.list_steps(store):
+            if step in common or step in persistent:
+                continue
+            log.warning(
+                "step %d is on %s but not on every rank's scratch: a rank stopped while it was "
+                "committed; removing it there",
+                step,
+                store.url,
+            )
+            store.delete(commit_key(step))
 
 
 def _open_stores(
@@ -554,16 +645,52 @@ def _open_stores(
         raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
     devices = _scratch_tiers(scratch)
     if devices and coord.world_size > 1:
-        raise ValueError(
-            "scratch tiers with several participants arrive with distributed runs: give "
-            "each participant only the persistent path for now"
-        )
+        # Node-local: ranks of one node may share a scratch path, each keeps its own run.
+        devices = [Tier(_rank_dir(t, coord.rank), t.capacity_bytes) for t in devices]
     persistent = open_store(path, timeout_seconds=timeout, **(storage_options or {}))
     stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
     _check_distinct(persistent, stores)
     if not stores:
         return persistent, None
     return persistent, StripedStore(stores, [t.capacity_bytes for t in devices])
+
+
+def _rank_dir(tier: Tier, rank: int) -> str:
+    """``<tier>/rank-<r>``: where rank ``r`` keeps its scratch part."""
+    if isinstance(tier.path, Store):
+        raise ValueError(
+            f"scratch={tier.path!r}: with several participants give scratch as a path or URL "
+            "(each rank keeps its part under <scratch>/rank-<r>), not a Store"
+        )
+    root = os.fspath(tier.path)
+    return (
+        f"{root.rstrip('/')}/{_rank_name(rank)}"
+        if "://" in root
+        else os.path.join(root, _rank_name(rank))
+    )
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _open_partners(ckpt: Checkpointer, scratch: object, timeout: float | None) -> Partners:
+    """Agree on the partners, open the copies this rank holds (their locks go with the
+    scratch level's), and get back from the partner what this rank's scratch lost."""
+    root = _scratch_tiers(scratch)[0].path
+    assert not isinstance(root, Store)  # refused by _rank_dir
+    levels = ckpt._levels
+    try:
+        partners = Partners.open(
+            ckpt.coordinator, os.fspath(root), open_store=open_store, timeout=timeout
+        )
+        levels.first.locks.extend(partners.locks)
+        partners.locks = []
+        rebuild(ckpt.coordinator, levels.first.store, partners)
+    except BaseException:
+        levels.release_locks()
+        raise
+    return partners
 
 
 def _open_levels(ckpt: Checkpointer, chain: ChainIndex) -> Levels:
@@ -610,41 +737,49 @@ def _restore_tiers(
     step: int | None,
     *,
     into: Any,
-    rank: int,
+    rank: int | Sequence[int],
     allow_pickle: bool,
     only: bool = False,
     device: Any = None,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
     one that verifies, without ``step``); a damaged copy falls back to the next tier.
+    ``rank``: the part to read, or per tier (a distributed run's scratch holds each rank's
+    part as part 0 of a run of its own).
     ``only``: the replicated keys only (engine.read_part's ``replicated_only``); ``device``:
     where the torch leaves go (engine.read_part's)."""
+    ranks = [rank] * len(tiers) if isinstance(rank, int) else list(rank)
     if len(tiers) == 1:
         return _restore(
             tiers[0],
             step,
             into=into,
-            rank=rank,
+            rank=ranks[0],
             allow_pickle=allow_pickle,
             only=only,
             device=device,
         )
     where = " + ".join(t.url for t in tiers)
-    read = _reader(rank=rank, into=into, allow_pickle=allow_pickle, only=only, device=device)
+    readers = [
+        _reader(rank=r, into=into, allow_pickle=allow_pickle, only=only, device=device)
+        for r in ranks
+    ]
 
     def listed() -> list[int]:
         return sorted({s for store in tiers for s in engine.list_steps(store)})
 
     def attempt(s: int) -> Any:
-        stores = [t for t in tiers if engine.step_exists(t, s)]
+        stores = [
+            (t, read) for t, read in zip(tiers, readers, strict=True) if engine.step_exists(t, s)
+        ]
         if not stores:
             raise CheckpointNotFoundError(f"step {s} not found on any tier ({where})")
         first: CheckpointError | None = None
-        for store in stores:
+        for store, read in stores:
             try:
                 return read(store, s)
             except CheckpointError as exc:
-                if store is not stores[-1]:
+                if store is not stores[-1][0]:
                     log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
                 first = first or exc
         assert first is not None
@@ -862,6 +997,7 @@ def _metrics(metrics: object) -> dict[str, float] | None:
 def _restore_agreed(
     coord: Coordinator,
     stores: Sequence[Store],
+    ranks: Sequence[int],
     *,
     into: Any,
     allow_pickle: bool,
@@ -881,7 +1017,7 @@ def _restore_agreed(
                 stores,
                 step,
                 into=None,
-                rank=coord.rank,
+                rank=ranks,
                 allow_pickle=allow_pickle,
                 only=only,
                 device=device,
@@ -899,7 +1035,7 @@ def _restore_agreed(
             if into is None:
                 return state
             return _restore_tiers(
-                stores, step, into=into, rank=coord.rank, allow_pickle=allow_pickle, only=only
+                stores, step, into=into, rank=ranks, allow_pickle=allow_pickle, only=only
             )
         log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0])
     raise CheckpointNotFoundError(

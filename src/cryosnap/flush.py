@@ -294,7 +294,14 @@ class Flusher:
         on_done: Callable[[int, BaseException | None], None],
         yield_to: Callable[[], None] = _no_wait,
         fence: Callable[[], None] = _no_fence,
+        flush: Callable[..., int] = flush_version,
+        retry: bool = True,
     ) -> None:
+        # ``flush(src, dst, step, yield_to=, fence=)`` copies one version; without ``retry`` a
+        # failure is final at once (a flush whose attempts are collectives: every rank must
+        # make the same number of them).
+        self._flush_one = flush
+        self.retry = retry
         self.src = src
         self.yield_to = yield_to
         self.fence = fence
@@ -345,12 +352,12 @@ class Flusher:
             attempt += 1
             try:
                 t0 = time.perf_counter()
-                nbytes = flush_version(
+                nbytes = self._flush_one(
                     self.src, self.dst, step, yield_to=self.yield_to, fence=self.fence
                 )
             except (CheckpointError, OSError) as exc:
                 self.last_error = exc
-                if isinstance(exc, (SourceDamagedError, LockLostError)):
+                if isinstance(exc, (SourceDamagedError, LockLostError)) or not self.retry:
                     log.error("step %d cannot be flushed: %s", step, exc)
                     return exc
                 give_up = min(deadline, self._closing_deadline)

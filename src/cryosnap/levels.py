@@ -30,7 +30,7 @@ from ._results import PendingSave, SaveInfo, Status
 from .capture import CaptureTracker
 from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, LockLostError
-from .flush import Flusher, SourceDamagedError, flush_keys
+from .flush import Flusher, SourceDamagedError, flush_keys, flush_version
 from .lock import RunLock
 from .manifest import commit_key
 from .policy import KeepLast, RetentionPolicy
@@ -72,8 +72,12 @@ class Handoff:
         *,
         retry_seconds: float,
         yield_to: Callable[[], None],
+        flush: Callable[..., int] | None = None,
     ) -> None:
         self._levels = levels
+        # A flush made of collectives (every rank rewrites its part: see Levels.rewrite) is
+        # tried once, and the versions to resume at open are agreed.
+        self.collective = flush is not None
         self.src = levels.levels[index]
         self.dst = levels.levels[index + 1]
         self.index = index
@@ -89,6 +93,8 @@ class Handoff:
             on_done=self._done,
             yield_to=yield_to,
             fence=levels.fence,
+            flush=flush if flush is not None else flush_version,
+            retry=flush is None,
         )
 
     def submit(self, step: int, pending: PendingSave, info: SaveInfo | None) -> None:
@@ -146,6 +152,9 @@ class Levels:
         self.observe: Callable[[int, str, float], None] = _ignore_reached
         # Set once a lock check finds this writer no longer holds the run: it stops saving.
         self.lock_lost: LockLostError | None = None
+        # Per level written by a writer of its own, that writer's chain: retention makes it
+        # forget files before deleting them (the first level's is ``chain``).
+        self.chains: dict[int, ChainIndex] = {0: chain}
 
     def fence(self) -> None:
         """Raise :class:`LockLostError` unless this writer still holds every level's lock;
@@ -172,9 +181,33 @@ class Levels:
     def stores(self) -> list[Store]:
         return [level.store for level in self.levels]
 
-    def start_handoffs(self, *, retry_seconds: float, yield_to: Callable[[], None]) -> None:
+    def start_handoffs(
+        self,
+        *,
+        retry_seconds: float,
+        yield_to: Callable[[], None],
+        rewrite: Callable[[int], Callable[..., int]] | None = None,
+    ) -> None:
+        """One hand-off per pair of levels. ``rewrite(i)``: the flush into level ``i`` when
+        the ranks write it again (a shared level after a private one in a distributed run)."""
         for i in range(len(self.levels) - 1):
-            self.handoffs.append(Handoff(self, i, retry_seconds=retry_seconds, yield_to=yield_to))
+            flush = None
+            if rewrite is not None and self.rewritten(i + 1):
+                flush = rewrite(i + 1)
+            self.handoffs.append(
+                Handoff(self, i, retry_seconds=retry_seconds, yield_to=yield_to, flush=flush)
+            )
+
+    def rewritten(self, index: int) -> bool:
+        """Whether versions reach level ``index`` by being written again rather than copied:
+        a shared level after a private one with several participants (each rank's scratch
+        holds its whole part; the shared level gets the replicated state split)."""
+        return (
+            self.coordinator.world_size > 1
+            and index > 0
+            and self.levels[index].shared
+            and not self.levels[index - 1].shared
+        )
 
     # -- a version moving up -------------------------------------------------------------------
 
@@ -196,6 +229,10 @@ class Levels:
             on_dst = handoff.dst.steps()
             handoff.delivered.update(on_dst)
             missing = [s for s in handoff.src.steps() if s not in handoff.delivered]
+            if handoff.collective:
+                # Every rank flushes the same versions in the same order: those all still have.
+                told = self.coordinator.all_gather(missing)
+                missing = sorted(set.intersection(*(set(m) for m in told)))
             if isinstance(handoff.dst.keep, KeepLast):
                 wanted = set(sorted({*on_dst, *missing})[-handoff.dst.keep.n :])
                 missing = [s for s in missing if s in wanted]
@@ -226,7 +263,8 @@ class Levels:
         keep_also = set(protect)
         if index < len(self.handoffs):
             keep_also |= self.handoffs[index].unfinished()
-        forget = self.chain.forget_files if index == 0 else engine.ignore_files
+        chain = self.chains.get(index)
+        forget = chain.forget_files if chain is not None else engine.ignore_files
         try:
             if level.shared and self.coordinator.world_size > 1:
                 self._retire_shared(level, keep_also, forget)

@@ -44,6 +44,7 @@ __all__ = [
     "FlatState",
     "Restorer",
     "apply_into",
+    "blob_keys",
     "blob_paths",
     "check_into",
     "decode_key",
@@ -496,6 +497,36 @@ def check_depth(skeleton: Json, where: str) -> None:
                 stack.extend((v, depth + 1) for v in vals if isinstance(v, dict))
         elif t == "stateful":
             stack.append((node.get("v"), depth + 1))
+
+
+def blob_keys(skeleton: Json, nblobs: int) -> list[tuple[str | int, ...]]:
+    """The key path of the leaf that first refers to each blob, as :func:`flatten` names a
+    blob's owner (``Blob.key``); a blob no leaf refers to is a :class:`CheckpointFormatError`."""
+    keys: list[tuple[str | int, ...] | None] = [None] * nblobs
+    stack: list[tuple[Json, tuple[str | int, ...]]] = [(skeleton, ())]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            raise CheckpointFormatError(f"leaf {format_path(path)}: malformed node")
+        t = node.get("t")
+        if t in ("dict", "odict"):
+            items = dict_items(node, format_path(path))
+            stack.extend(((v, (*path, k)) for k, v in reversed(items)))
+        elif t in ("list", "tuple"):
+            vals = node.get("v")
+            if not isinstance(vals, list):
+                raise CheckpointFormatError(f"{format_path(path)}: malformed {t} node")
+            stack.extend(((v, (*path, i)) for i, v in reversed(list(enumerate(vals)))))
+        elif t == "stateful":
+            stack.append((node.get("v"), path))
+        else:
+            b = node.get("b")
+            if type(b) is int and 0 <= b < nblobs and keys[b] is None:
+                keys[b] = path
+    missing = [i for i, k in enumerate(keys) if k is None]
+    if missing:
+        raise CheckpointFormatError(f"blob {missing[0]} is referenced by no leaf")
+    return [k for k in keys if k is not None]
 
 
 def blob_paths(skeleton: Json, nblobs: int) -> list[str]:

@@ -208,6 +208,40 @@ def test_replicated_state_is_written_once_split_across_two_processes(tmp_path: P
         engine.verify_part(LocalStore(run), 1, rank=rank)
 
 
+def test_node_local_scratch_with_partner_copies_survives_a_wiped_node(tmp_path: Path) -> None:
+    """Two processes on two "nodes" ($CRYOSNAP_NODE), each with its node's scratch: every
+    version is on the rank's scratch, on its partner's, and (replicated state split) on the
+    persistent level. Node 0's scratch is wiped and the newest version is taken from the
+    persistent level: the restarted ranks get it back from the partner copy."""
+    import shutil
+
+    import cryosnap
+    from cryosnap import engine
+    from cryosnap.manifest import commit_key
+    from cryosnap.storage import LocalStore
+
+    saved = launch("partner-save", 2, tmp_path)
+    run = tmp_path / "run"
+    for rank, got in enumerate(saved):
+        assert got["tiers"] == ["scratch", "persistent"]
+        own = tmp_path / f"node-{rank}" / f"rank-{rank:05d}"
+        copy = tmp_path / f"node-{1 - rank}" / "partner" / f"rank-{rank:05d}"
+        for where in (own, copy):
+            assert engine.list_steps(LocalStore(where)) == [1, 2]
+            assert cryosnap.load(where, step=2)["own"] == rank
+        assert cryosnap.load(run, step=2, rank=rank)["own"] == rank
+    # The persistent level holds the model once: each rank's first version is about half.
+    record = engine.read_commit(LocalStore(run), 0)
+    sizes = [(run / k).stat().st_size for k in record.data_files]
+    assert len(sizes) == 2 and abs(sizes[0] - sizes[1]) <= 0.1 * max(sizes), sizes
+    shutil.rmtree(tmp_path / "node-0")
+    (run / commit_key(2)).unlink()
+    restored = launch("partner-restore", 2, tmp_path / "restart")
+    for rank, got in enumerate(restored):
+        assert got["step"] == 2 and got["own"] == rank and got["same"]
+        assert got["scratch"] == [1, 2]
+
+
 # -- the ranks' side ------------------------------------------------------------------------------
 
 
@@ -426,6 +460,39 @@ def _replicated(out: Path) -> dict[str, Any]:
     return got
 
 
+def _partner_state(rank: int, step: int) -> dict[str, Any]:
+    model, _opt = _replicated_model()
+    with __import__("torch").no_grad():
+        model[0].weight[0, : step + 1] += 1.0
+    return {"model": model.state_dict(), "own": rank, "step": step}
+
+
+def _partner(out: Path, restart: bool) -> dict[str, Any]:
+    import torch
+
+    import cryosnap
+
+    rank, _ = _init()
+    os.environ["CRYOSNAP_NODE"] = f"node-{rank}"  # two "nodes" on this machine
+    root = out.parent if restart else out
+    scratch = root / f"node-{rank}"
+    got: dict[str, Any] = {}
+    with cryosnap.Checkpointer(
+        root / "run", scratch=scratch, partner=True, chunk_bytes=4096, keep_scratch=2
+    ) as ckpt:
+        if not restart:
+            for step in range(3):
+                info = ckpt.save(step, _partner_state(rank, step), replicated=["model"]).result()
+            got["tiers"] = list(info.tiers)
+            return got
+        state = ckpt.restore()
+        want = _partner_state(rank, state["step"])
+        got["step"], got["own"] = state["step"], state["own"]
+        got["same"] = all(torch.equal(state["model"][k], v) for k, v in want["model"].items())
+        got["scratch"] = ckpt.status().steps["scratch"]
+    return got
+
+
 def main(scenario: str, out: Path) -> None:
     import torch.distributed as dist
 
@@ -439,6 +506,8 @@ def main(scenario: str, out: Path) -> None:
         got = _replicated(out)
     elif scenario == "exchange":
         got = _exchange(out)
+    elif scenario.startswith("partner-"):
+        got = _partner(out, restart=scenario == "partner-restore")
     else:
         got = _checkpointer(out, scenario.removeprefix("checkpointer-"))
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))

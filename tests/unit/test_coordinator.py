@@ -313,10 +313,15 @@ def test_the_lock_is_taken_once_for_every_rank(tmp_path: Path) -> None:
         holder.close()
 
 
-def test_scratch_with_several_participants_is_refused_clearly(tmp_path: Path) -> None:
+def test_scratch_given_as_a_store_with_several_participants_is_refused_clearly(
+    tmp_path: Path,
+) -> None:
+    # Each rank keeps its part under <scratch>/rank-<r>: a Store object has no such subpath.
     group = InProcessGroup(2)
-    with pytest.raises(ValueError, match="scratch tiers with several participants"):
-        cryosnap.Checkpointer(tmp_path / "p", scratch=tmp_path / "s", comm=group.coordinator(0))
+    with pytest.raises(ValueError, match="not a Store"):
+        cryosnap.Checkpointer(
+            tmp_path / "p", scratch=LocalStore(tmp_path / "s"), comm=group.coordinator(0)
+        )
 
 
 def test_a_writer_whose_participants_stopped_agreeing_stops_saving(tmp_path: Path) -> None:

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from ._fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
 from ._fetch import IO_BATCH_BYTES
-from ._read import PartNotFoundError, caller_stacklevel, newest_restorable, read_part, verify_part
+from ._read import (
+    PartNotFoundError,
+    caller_stacklevel,
+    newest_restorable,
+    read_flat,
+    read_part,
+    verify_part,
+)
 from ._read import _prefaulted as _prefaulted
 from ._records import list_steps, read_commit, read_manifest, step_exists
 from ._resolved import (
@@ -52,6 +59,7 @@ __all__ = [
     "list_steps",
     "newest_restorable",
     "read_commit",
+    "read_flat",
     "read_manifest",
     "read_part",
     "resolve",

@@ -42,13 +42,17 @@ from ..manifest import STORED, CommitRecord, Manifest, Replicated
 from ..progress import Progress, human_bytes
 from ..storage import Store
 from ..tree import (
+    Blob,
+    FlatState,
     Restorer,
     apply_into,
+    blob_keys,
     blob_paths,
     check_into,
     dict_items,
     direct_targets,
     encode_key,
+    format_path,
 )
 from ._fetch import Fetched, read_blobs
 from ._records import read_commit, read_manifest
@@ -243,6 +247,45 @@ def _read_verified(
     except MemoryError as exc:
         raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
     return part, restorer, fetched
+
+
+def read_flat(
+    store: Store, step: int, *, rank: int = 0
+) -> tuple[FlatState, CommitRecord, Manifest]:
+    """One rank's part of ``step`` as it was flattened: the manifest's skeleton and every blob
+    read and verified into a buffer of its own (no tensor is built, whatever the leaves are).
+
+    What a hand-off needs to write the version again elsewhere, for instance split across the
+    ranks on the persistent level (levels.py); the record and manifest come along for their
+    metrics and replicated keys."""
+    with paused_gc():
+        record = read_commit(store, step)
+        if rank >= record.world_size:
+            raise _no_part(store, record, rank)
+        manifest, ref = read_manifest(store, record, rank)
+        where = f"step {step}, tier {store.url}: {ref.key}"
+        keys = blob_keys(manifest.skeleton, len(manifest.blobs))
+        chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
+        checked = _check_chain_claims(store, chain, set(record.data_files))
+        part = resolve(
+            store,
+            manifest,
+            ref.key,
+            ref.xxh3,
+            chain=chain,
+            paths=[format_path(k) for k in keys],
+        )
+        _check_used_files(store, part, checked)
+        try:
+            buffers = [np.empty(b.nbytes, dtype=np.uint8) for b in manifest.blobs]
+        except MemoryError as exc:
+            raise CheckpointFormatError(f"{where}: out of memory for its blobs") from exc
+    read_blobs(store, part, [b.data for b in buffers], direct=[False] * len(buffers))
+    blobs = [
+        Blob(key, b.nbytes, buf) for key, b, buf in zip(keys, manifest.blobs, buffers, strict=True)
+    ]
+    flat = FlatState(manifest.skeleton, blobs, manifest.leaves, manifest.logical_bytes)
+    return flat, record, manifest
 
 
 def _check_into(skeleton: Any, into: Any, where: str) -> None:

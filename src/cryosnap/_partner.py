@@ -1,0 +1,365 @@
+"""Partner copies: each rank's node-local scratch versions, also on a rank of another node.
+
+A distributed run with ``scratch=`` keeps each rank's part on the scratch of the node the rank
+runs on. A node that is lost takes those parts with it, and with them every version not yet
+persistent. With ``partner=True`` (as SCR's and VeloC's partner scheme) each rank's scratch
+files are also copied to the scratch of its *partner*, a rank on another node, as part of the
+scratch commit: a version is durable on the scratch level only once every rank's part is on its
+own node and on its partner's. When the job restarts and a rank's own scratch lacks the newest
+versions its partner holds (its node's scratch was wiped, or the rank now runs on a fresh
+node), the partner sends them back first (:func:`rebuild`), and the restore reads them from
+scratch as if nothing had happened, before falling back to the persistent level.
+
+Node identity is the host name, or the ``CRYOSNAP_NODE`` environment variable when set (tests
+run several "nodes" on one machine). A rank's partner is the next rank (in rank order, wrapping
+around) whose node differs; all ranks compute the same map from the gathered node names.
+Partner copies live under ``<first scratch path>/partner/rank-<r>``: a self-contained run of
+one participant, the same files as the owner's ``<scratch>/rank-<r>``, with its own write lock
+and the owner's scratch retention.
+
+Bytes move with :meth:`Coordinator.exchange` (point-to-point over the coordinator's own
+transport), in windows of :data:`WINDOW_BYTES`: offers (key, size), then the keys the receiver
+lacks, then the windows in rounds every rank takes part in, commit records last. A failure to
+read or write one side is reported after the rounds end, so the ranks' collectives stay in
+step. Runs on the writer thread (copies) and the caller's thread at open (rebuild).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import engine
+from .dist import Coordinator
+from .errors import CheckpointError, CoordinationError
+from .lock import RunLock, acquire_run_lock
+from .manifest import commit_key, manifest_key
+from .policy import RetentionPolicy
+from .storage import BlobWriter, Store
+
+__all__ = ["NODE_ENV", "WINDOW_BYTES", "Partners", "node_name", "partner_map", "rebuild"]
+
+log = logging.getLogger("cryosnap")
+
+NODE_ENV = "CRYOSNAP_NODE"
+WINDOW_BYTES = 64 << 20  # bytes per message: bounded memory on both sides
+_OK, _FAILED = b"\x00", b"\x01"
+
+
+def node_name() -> str:
+    """This process's node: ``$CRYOSNAP_NODE`` when set and not empty, else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+def partner_map(nodes: Sequence[str]) -> list[int]:
+    """Per rank, its partner: the next rank (wrapping around) on another node. A world whose
+    ranks all run on one node has no partners: :class:`ValueError`."""
+    n = len(nodes)
+    out: list[int] = []
+    for r in range(n):
+        for k in range(1, n):
+            q = (r + k) % n
+            if nodes[q] != nodes[r]:
+                out.append(q)
+                break
+        else:
+            raise ValueError(
+                f"partner=True needs ranks on at least two nodes, but all {n} run on "
+                f"{nodes[r]!r} (node identity: the host name, or ${NODE_ENV})"
+            )
+    return out
+
+
+@dataclass
+class Partners:
+    """This rank's side of the partner scheme: whom it copies to, whose copies it holds."""
+
+    rank: int
+    target: int  # the rank holding this rank's copies
+    held: dict[int, Store]  # owner rank -> the store of its copies on this node
+    locks: list[RunLock] = field(default_factory=list)
+
+    @classmethod
+    def open(
+        cls, coord: Coordinator, root: str, *, open_store: Any, timeout: float | None
+    ) -> Partners:
+        """Agree on the partner map (collective) and open the copies this rank holds under
+        ``root`` (its first scratch path), each with its write lock."""
+        nodes = coord.all_gather(node_name())
+        partners = partner_map(nodes)
+        held = {
+            r: open_store(_join(root, f"partner/rank-{r:05d}"), timeout_seconds=timeout)
+            for r, p in enumerate(partners)
+            if p == coord.rank
+        }
+        out = cls(coord.rank, partners[coord.rank], held)
+        try:
+            for store in held.values():
+                out.locks.append(acquire_run_lock(store))
+        except BaseException:
+            out.release()
+            raise
+        return out
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks.clear()
+
+    # -- the writer: copy a version's new files, then its commit record -----------------------
+
+    def copy_files(self, coord: Coordinator, src: Store, step: int, keys: Sequence[str]) -> None:
+        """Copy ``keys`` of ``src`` that the partner lacks to it, and receive the files of the
+        ranks this one holds (collective). Raises after the rounds if any side failed."""
+        errors = transfer(coord, {self.target: (src, list(keys))}, self.held)
+        if errors:
+            raise CheckpointError(f"step {step}: partner copy: {'; '.join(errors)}")
+
+    def copy_record(self, coord: Coordinator, step: int, record: bytes | None) -> list[str]:
+        """Send this version's commit record to the partner and write the ones received
+        (collective; ``record`` None: this rank has none to send). The failures, if any."""
+        got = coord.exchange({self.target: record} if record is not None else {})
+        errors: list[str] = []
+        for owner, body in got.items():
+            store = self.held.get(owner)
+            if store is None:
+                errors.append(f"rank {owner} sent a commit record to a rank not its partner")
+                continue
+            try:
+                store.write(commit_key(step), body)
+            except CheckpointError as exc:
+                errors.append(f"rank {owner}'s copy on {store.url}: {exc}")
+        return errors
+
+    def retire(self, keep: int | RetentionPolicy | None) -> None:
+        """The copies follow their owners' scratch retention (``keep_scratch``)."""
+        if keep is None:
+            return
+        for store in self.held.values():
+            try:
+                engine.retire(store, keep=keep)
+            except CheckpointError as exc:
+                log.warning("retention of partner copies on %s failed: %s", store.url, exc)
+
+
+def version_keys(store: Store, step: int) -> list[str]:
+    """The files version ``step`` of a one-participant run needs, commit record excluded."""
+    record = engine.read_commit(store, step)
+    chain = record.chain or (step,)
+    return [*record.data_files, *(manifest_key(s, 0) for s in chain)]
+
+
+def rebuild(coord: Coordinator, own: Store, partners: Partners) -> list[int]:
+    """At open (collective): a rank whose own scratch lacks the newest versions its partner
+    holds gets every file of them back from the partner. The steps this rank got back."""
+    newest = _newest(own)
+    mine = {"own": newest, "held": {str(r): _newest(s) for r, s in partners.held.items()}}
+    told = coord.all_gather(mine)
+    outgoing: dict[int, tuple[Store, list[str]]] = {}
+    for owner, store in partners.held.items():
+        if _newest(store) > told[owner]["own"]:
+            outgoing[owner] = (store, _files_newer_than(store, told[owner]["own"]))
+    holder = partners.target
+    have = told[holder]["held"].get(str(coord.rank), -1)
+    incoming = {holder: own} if have > newest else {}
+    steps: list[int] = []
+    errors = transfer(coord, outgoing, incoming)
+    if errors:
+        raise CheckpointError(f"rebuilding scratch from partner copies: {'; '.join(errors)}")
+    if incoming:
+        steps = [s for s in engine.list_steps(own) if s > newest]
+        log.warning(
+            "rank %d: scratch %s lacked versions %s; copied back from rank %d's partner copy",
+            coord.rank,
+            own.url,
+            steps,
+            holder,
+        )
+    return steps
+
+
+def _newest(store: Store) -> int:
+    steps = engine.list_steps(store)
+    return steps[-1] if steps else -1
+
+
+def _files_newer_than(store: Store, step: int) -> list[str]:
+    """Every file the versions after ``step`` need (their chains included), records last."""
+    keys: dict[str, None] = {}
+    newer = [s for s in engine.list_steps(store) if s > step]
+    for s in newer:
+        keys.update(dict.fromkeys(version_keys(store, s)))
+    keys.update(dict.fromkeys(commit_key(s) for s in newer))
+    return list(keys)
+
+
+# -- the transfer protocol ------------------------------------------------------------------------
+
+
+def transfer(
+    coord: Coordinator,
+    outgoing: Mapping[int, tuple[Store, list[str]]],
+    incoming: Mapping[int, Store],
+) -> list[str]:
+    """Copy files between ranks (collective: every rank calls it, maybe with nothing to do).
+
+    ``outgoing[dst] = (store, keys)``: offer ``keys`` of ``store`` to ``dst``; ``incoming[src]``:
+    the store the files offered by ``src`` go to. A file the receiver has at the same size is
+    not sent (data files are never rewritten under one name; manifests and records of a step
+    saved again are compared by size, and rewritten when it differs). Commit records are
+    written after every other file of the same sender. Returns the failures (both sides')."""
+    errors: list[str] = []
+    offers: dict[int, bytes] = {}
+    sizes: dict[int, dict[str, int]] = {}
+    for dst, (store, keys) in outgoing.items():
+        try:
+            sizes[dst] = {k: store.size(k) for k in keys}
+        except CheckpointError as exc:
+            errors.append(f"reading {store.url}: {exc}")
+            sizes[dst] = {}
+        offers[dst] = json.dumps(sizes[dst]).encode()
+    offered = {src: json.loads(body) for src, body in coord.exchange(offers).items()}
+    wants: dict[int, bytes] = {}
+    plan_in: dict[int, list[tuple[str, int]]] = {}
+    for src, files in offered.items():
+        into = incoming.get(src)
+        if into is None:
+            raise CoordinationError(f"rank {coord.rank}: rank {src} offered files unasked")
+        lacking = [(k, int(n)) for k, n in files.items() if not _has(into, k, int(n))]
+        lacking.sort(key=lambda kn: _is_record(kn[0]))  # records last
+        plan_in[src] = lacking
+        wants[src] = json.dumps([k for k, _ in lacking]).encode()
+    wanted = {dst: json.loads(body) for dst, body in coord.exchange(wants).items()}
+    senders = {
+        dst: _Sender(outgoing[dst][0], [(k, sizes[dst][k]) for k in keys if k in sizes[dst]])
+        for dst, keys in wanted.items()
+    }
+    receivers = {src: _Receiver(incoming[src], files) for src, files in plan_in.items()}
+    rounds = max(coord.all_gather(max((s.windows for s in senders.values()), default=0)))
+    for _ in range(rounds):
+        sends = {dst: s.next() for dst, s in senders.items() if not s.done}
+        for src, body in coord.exchange(sends).items():
+            receivers[src].take(body)
+    for dst, s in senders.items():
+        errors.extend(f"sending to rank {dst}: {e}" for e in s.errors)
+    for src, r in receivers.items():
+        errors.extend(f"receiving from rank {src}: {e}" for e in r.finish())
+    return errors
+
+
+def _is_record(key: str) -> bool:
+    return key.endswith("/COMMIT.json")
+
+
+def _has(store: Store, key: str, nbytes: int) -> bool:
+    try:
+        return store.exists(key) and store.size(key) == nbytes
+    except CheckpointError:
+        return False
+
+
+class _Sender:
+    """One destination's files, read window by window in order."""
+
+    def __init__(self, store: Store, files: list[tuple[str, int]]) -> None:
+        self.store = store
+        self.files = files
+        self.windows = sum(max(1, -(-n // WINDOW_BYTES)) for _, n in files)
+        self.errors: list[str] = []
+        self._file = 0
+        self._offset = 0
+        self._sent = 0
+
+    @property
+    def done(self) -> bool:
+        return self._sent >= self.windows
+
+    def next(self) -> bytes:
+        key, nbytes = self.files[self._file]
+        n = min(WINDOW_BYTES, nbytes - self._offset)
+        self._sent += 1
+        body = _OK
+        try:
+            buf = bytearray(n)
+            if n:
+                self.store.read_into(key, self._offset, [memoryview(buf)])
+            body = _OK + bytes(buf)
+        except CheckpointError as exc:
+            self.errors.append(f"{self.store.url}/{key}: {exc}")
+            body = _FAILED + str(exc).encode()
+        self._offset += n
+        if self._offset >= nbytes:
+            self._file, self._offset = self._file + 1, 0
+        return body
+
+
+class _Receiver:
+    """One sender's files, written window by window; commit records held until the end."""
+
+    def __init__(self, store: Store, files: list[tuple[str, int]]) -> None:
+        self.store = store
+        self.files = files
+        self.errors: list[str] = []
+        self._file = 0
+        self._got = 0
+        self._writer: BlobWriter | None = None
+        self._records: list[tuple[str, bytes]] = []
+        self._broken: set[str] = set()
+
+    def take(self, body: bytes) -> None:
+        key, nbytes = self.files[self._file]
+        data = memoryview(body)[1:]
+        if body[:1] != _OK:
+            self._broken.add(key)
+            self.errors.append(f"{key}: the sender could not read it: {bytes(data).decode()}")
+        elif key not in self._broken:
+            try:
+                if _is_record(key):
+                    self._records.append((key, bytes(data)))
+                else:
+                    if self._writer is None:
+                        self._writer = self.store.open_writer(key)
+                    self._writer.write([data])
+            except CheckpointError as exc:
+                self._broken.add(key)
+                self.errors.append(f"{self.store.url}/{key}: {exc}")
+                self._abort()
+        self._got += len(data)
+        if self._got >= nbytes:
+            if self._writer is not None and key not in self._broken:
+                try:
+                    self._writer.commit()
+                except CheckpointError as exc:
+                    self._broken.add(key)
+                    self.errors.append(f"{self.store.url}/{key}: {exc}")
+            self._writer = None
+            self._file, self._got = self._file + 1, 0
+
+    def _abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+    def finish(self) -> list[str]:
+        """Write the commit records, unless a file failed (a record never names a missing
+        file). The failures."""
+        self._abort()
+        if self._broken or self._file < len(self.files):
+            if self._file < len(self.files):
+                self.errors.append(f"{len(self.files) - self._file} file(s) never arrived")
+            return self.errors
+        for key, body in self._records:
+            try:
+                self.store.write(key, body)
+            except CheckpointError as exc:
+                self.errors.append(f"{self.store.url}/{key}: {exc}")
+        return self.errors
+
+
+def _join(root: str, sub: str) -> str:
+    return f"{root.rstrip('/')}/{sub}" if "://" in root else os.path.join(root, sub)

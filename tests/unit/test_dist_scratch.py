@@ -1,0 +1,187 @@
+"""Node-local scratch in a distributed run: each rank's whole part on its node, the persistent
+level written again with the replicated state split, partner copies on another node.
+
+The ranks are threads of this process (``InProcessGroup``); "nodes" are scratch directories,
+and the node each rank runs on is given through ``cryosnap._partner.node_name`` (a process
+sets ``$CRYOSNAP_NODE``; threads share one environment). tests/integration/test_dist_torch.py
+runs the same with gloo processes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cryosnap
+from cryosnap import _partner, engine
+from cryosnap.dist import Coordinator
+from cryosnap.manifest import commit_key
+from cryosnap.storage import LocalStore
+
+from .test_coordinator import run_ranks
+
+_NODE = threading.local()
+
+
+@pytest.fixture(autouse=True)
+def _nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_partner, "node_name", lambda: _NODE.name)
+
+
+def state_of(rank: int, step: int) -> dict[str, Any]:
+    model = np.arange(96 << 10, dtype=np.float32)
+    model[: 4096 * (step % 3)] += step  # the same sparse change on every rank
+    return {"model": model, "own": np.full(2048, rank * 100 + step, np.int64), "step": step}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (
+        np.array_equal(a["model"], b["model"])
+        and np.array_equal(a["own"], b["own"])
+        and a["step"] == b["step"]
+    )
+
+
+def _persistent_bytes_by_rank(run: Path, step: int) -> dict[int, int]:
+    """Bytes of the data files each rank wrote for ``step`` on the persistent level."""
+    out: dict[int, int] = {}
+    record = engine.read_commit(LocalStore(run), step)
+    for key in record.data_files:
+        name = Path(key).name
+        if name.startswith(f"{step:012d}-r"):
+            rank = int(name.split("-r")[1][:5])
+            out[rank] = out.get(rank, 0) + (run / key).stat().st_size
+    return out
+
+
+def test_scratch_holds_each_rank_whole_part_and_persistent_gets_the_split(
+    tmp_path: Path,
+) -> None:
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+
+    def body(c: Coordinator) -> list[Any]:
+        _NODE.name = "n0"
+        with cryosnap.Checkpointer(run, scratch=scratch, comm=c, chunk_bytes=4096) as ckpt:
+            for step in (1, 2, 3):
+                info = ckpt.save(step, state_of(c.rank, step), replicated=["model"]).result()
+                assert info.tiers == ("scratch", "persistent")
+            restored = ckpt.restore()
+        return [restored]
+
+    got = run_ranks(2, body)
+    for rank, (restored,) in enumerate(got):
+        assert same(restored, state_of(rank, 3))
+        own = scratch / f"rank-{rank:05d}"
+        # Each rank's scratch is a run of its own, with its whole part: it restores alone.
+        assert engine.list_steps(LocalStore(own)) == [2, 3]  # keep_scratch=2
+        assert same(cryosnap.load(own, step=3), state_of(rank, 3))
+        assert same(cryosnap.load(run, step=3, rank=rank), state_of(rank, 3))
+    # The first (full) version on the persistent level: the model written once, half each.
+    written = _persistent_bytes_by_rank(run, 1)
+    model = state_of(0, 1)["model"].nbytes
+    own = state_of(0, 1)["own"].nbytes
+    for rank in (0, 1):
+        assert abs(written[rank] - own - model / 2) <= 0.1 * model / 2
+    assert engine.list_steps(LocalStore(run)) == [1, 2, 3]
+
+
+def test_a_rank_restarting_without_its_scratch_reads_the_persistent_level(tmp_path: Path) -> None:
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+
+    def save(c: Coordinator) -> None:
+        _NODE.name = "n0"
+        with cryosnap.Checkpointer(run, scratch=scratch, comm=c) as ckpt:
+            for step in (1, 2):
+                ckpt.save(step, state_of(c.rank, step), replicated=["model"])
+
+    run_ranks(2, save)
+    shutil.rmtree(scratch / "rank-00001")
+
+    def restore(c: Coordinator) -> Any:
+        _NODE.name = "n0"
+        with cryosnap.Checkpointer(run, scratch=scratch, comm=c) as ckpt:
+            return ckpt.restore()
+
+    for rank, restored in enumerate(run_ranks(2, restore)):
+        assert same(restored, state_of(rank, 2))
+
+
+def test_partner_copy_restores_after_a_node_scratch_is_wiped(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+
+    def node_dir(rank: int) -> Path:
+        return tmp_path / f"node-{rank % 2}"  # ranks 0, 2 on node 0; 1, 3 on node 1
+
+    def save(c: Coordinator) -> None:
+        _NODE.name = f"n{c.rank % 2}"
+        with cryosnap.Checkpointer(
+            run, scratch=node_dir(c.rank), comm=c, partner=True, chunk_bytes=4096
+        ) as ckpt:
+            for step in (1, 2, 3):
+                ckpt.save(step, state_of(c.rank, step), replicated=["model"]).result()
+
+    run_ranks(4, save)
+    # Each rank's partner is the next rank on the other node: 0 -> 1, 1 -> 2, 2 -> 3, 3 -> 0.
+    for owner, holder in {0: 1, 1: 2, 2: 3, 3: 0}.items():
+        copy = node_dir(holder) / "partner" / f"rank-{owner:05d}"
+        assert same(cryosnap.load(copy, step=3), state_of(owner, 3))
+    # Node 0 loses its scratch, and the persistent level its newest version (not flushed
+    # yet, say): the restore must come from the partner copies.
+    shutil.rmtree(node_dir(0))
+    (run / commit_key(3)).unlink()
+
+    def restore(c: Coordinator) -> Any:
+        _NODE.name = f"n{c.rank % 2}"
+        with cryosnap.Checkpointer(run, scratch=node_dir(c.rank), comm=c, partner=True) as ckpt:
+            assert 3 in ckpt.status().steps["scratch"]
+            return ckpt.restore()
+
+    for rank, restored in enumerate(run_ranks(4, restore)):
+        assert same(restored, state_of(rank, 3))
+    for rank in (0, 2):
+        assert engine.list_steps(LocalStore(node_dir(rank) / f"rank-{rank:05d}"))[-1] == 3
+
+
+def test_a_version_on_some_ranks_scratch_only_is_dropped_at_open(tmp_path: Path) -> None:
+    """A rank killed between the ranks' scratch commit records: the version is on the others'
+    scratch only; at the next open it is removed there, and the ranks agree on the previous
+    one (and may save the step again)."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+
+    def save(c: Coordinator) -> None:
+        _NODE.name = "n0"
+        with cryosnap.Checkpointer(run, scratch=scratch, comm=c) as ckpt:
+            for step in (1, 2):
+                ckpt.save(step, state_of(c.rank, step)).result()
+
+    run_ranks(2, save)
+    (scratch / "rank-00001" / commit_key(2)).unlink()
+    (run / commit_key(2)).unlink()
+
+    def reopen(c: Coordinator) -> Any:
+        _NODE.name = "n0"
+        with cryosnap.Checkpointer(run, scratch=scratch, comm=c) as ckpt:
+            restored = ckpt.restore()
+            ckpt.save(2, state_of(c.rank, 2)).result()
+            return restored
+
+    for rank, restored in enumerate(run_ranks(2, reopen)):
+        assert same(restored, state_of(rank, 1))
+        assert engine.list_steps(LocalStore(scratch / f"rank-{rank:05d}")) == [1, 2]
+
+
+def test_partner_needs_scratch_and_two_nodes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="partner=True"):
+        cryosnap.Checkpointer(tmp_path / "a", partner=True)
+
+    def body(c: Coordinator) -> None:
+        _NODE.name = "n0"
+        with pytest.raises(ValueError, match="at least two nodes"):
+            cryosnap.Checkpointer(tmp_path / "b", scratch=tmp_path / "s", comm=c, partner=True)
+
+    run_ranks(2, body)
