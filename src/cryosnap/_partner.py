@@ -279,16 +279,16 @@ class _Sender:
     def done(self) -> bool:
         return self._sent >= self.windows
 
-    def next(self) -> bytes:
+    def next(self) -> bytes | bytearray:
         key, nbytes = self.files[self._file]
         n = min(WINDOW_BYTES, nbytes - self._offset)
         self._sent += 1
-        body = _OK
+        body: bytes | bytearray
         try:
-            buf = bytearray(n)
+            # The status byte (zero: _OK), then the window read straight into the message.
+            body = bytearray(1 + n)
             if n:
-                self.store.read_into(key, self._offset, [memoryview(buf)])
-            body = _OK + bytes(buf)
+                self.store.read_into(key, self._offset, [memoryview(body)[1:]])
         except CheckpointError as exc:
             self.errors.append(f"{self.store.url}/{key}: {exc}")
             body = _FAILED + str(exc).encode()

@@ -38,7 +38,7 @@ from ..errors import (
     IntegrityError,
     StateMismatchError,
 )
-from ..manifest import STORED, CommitRecord, Manifest, Replicated
+from ..manifest import STORED, CommitRecord, Manifest, ManifestRef, Replicated
 from ..progress import Progress, human_bytes
 from ..storage import Store
 from ..tree import (
@@ -190,6 +190,18 @@ def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
         thread.join()
 
 
+def _open_part(
+    store: Store, step: int, rank: int
+) -> tuple[CommitRecord, Manifest, ManifestRef, str]:
+    """The commit record of ``step``, rank's manifest and its ref, and where it is (for
+    messages); a rank the version has no part for is :func:`_no_part`'s error."""
+    record = read_commit(store, step)
+    if rank >= record.world_size:
+        raise _no_part(store, record, rank)
+    manifest, ref = read_manifest(store, record, rank)
+    return record, manifest, ref, f"step {step}, tier {store.url}: {ref.key}"
+
+
 def _read_verified(
     store: Store,
     step: int,
@@ -209,11 +221,7 @@ def _read_verified(
     state: its pages to fault in, then a second copy into ``into``. Elsewhere a read is a
     request to a remote store: the leaves are read once and copied."""
     with paused_gc():
-        record = read_commit(store, step)
-        if rank >= record.world_size:
-            raise _no_part(store, record, rank)
-        manifest, ref = read_manifest(store, record, rank)
-        where = f"step {step}, tier {store.url}: {ref.key}"
+        record, manifest, ref, where = _open_part(store, step, rank)
         targets: dict[int, Any] = {}
         if into is not None:
             _check_into(manifest.skeleton, into, where)
@@ -259,11 +267,7 @@ def read_flat(
     ranks on the persistent level (levels.py); the record and manifest come along for their
     metrics and replicated keys."""
     with paused_gc():
-        record = read_commit(store, step)
-        if rank >= record.world_size:
-            raise _no_part(store, record, rank)
-        manifest, ref = read_manifest(store, record, rank)
-        where = f"step {step}, tier {store.url}: {ref.key}"
+        record, manifest, ref, where = _open_part(store, step, rank)
         keys = blob_keys(manifest.skeleton, len(manifest.blobs))
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
         checked = _check_chain_claims(store, chain, set(record.data_files))
