@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -34,48 +33,13 @@ KEYS = ["model", "optim"]
 def launch(
     scenario: str, world: int, out: Path, *args: str, killed: frozenset[int] = frozenset()
 ) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` processes; what each rank reported, by rank (the ranks in
-    ``killed`` SIGKILL themselves and report nothing)."""
+    """Run one of this file's scenarios on ``world`` processes (test_dist_torch's launcher)."""
     pytest.importorskip("torch.distributed", reason="torch is not installed")
-    from tests.integration.test_dist_torch import free_port
+    from tests.integration import test_dist_torch
 
-    out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE), scenario, str(out), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        expected = -signal.SIGKILL if rank in killed else 0
-        assert p.returncode == expected, f"rank {rank} exited {p.returncode}:\n{log}"
-    return [
-        json.loads((out / f"rank-{r}.json").read_text()) if r not in killed else {}
-        for r in range(world)
-    ]
+    return test_dist_torch.launch(
+        scenario, world, out, *args, killed=killed, script=HERE, timeout=240
+    )
 
 
 def digest(tree: Any, path: str = "") -> dict[str, str]:

@@ -35,10 +35,16 @@ def free_port() -> int:
 
 
 def launch(
-    scenario: str, world: int, out: Path, *, killed: frozenset[int] = frozenset()
+    scenario: str,
+    world: int,
+    out: Path,
+    *args: str,
+    killed: frozenset[int] = frozenset(),
+    script: Path = HERE,
+    timeout: float = 180,
 ) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world`` processes; what each rank reported, by rank (the ranks in
-    ``killed`` SIGKILL themselves and report nothing)."""
+    """Run ``script scenario out *args`` on ``world`` processes; what each rank reported, by
+    rank (the ranks in ``killed`` SIGKILL themselves and report nothing)."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -54,7 +60,7 @@ def launch(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE), scenario, str(out)],
+                [sys.executable, str(script), scenario, str(out), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -64,7 +70,7 @@ def launch(
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=180)[0])
+            logs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
