@@ -26,6 +26,7 @@ import numpy as np
 from . import engine
 from ._devdiff import DeviceDiff, DiffPlan
 from ._gc import paused_gc
+from ._replicated import Plan
 from ._results import PendingSave
 from .capture import Batch, StagingPool, capture_to_slabs, direct_batches
 from .manifest import Replicated
@@ -54,6 +55,10 @@ class Job:
     stall_clock: float = 0.0
     # Top-level keys identical on every rank (save(replicated=...), checked by the facade).
     replicated: Replicated = None
+    # Who writes which chunks of the replicated blobs, and this rank's number among the
+    # writers (set by the facade): the capture copies only this rank's share.
+    plan: Plan | None = None
+    rank: int = 0
     # Set by the capture before its first batch (change detection on the device): the step
     # the unchanged runs refer to, or a version that must be written full.
     diff_base: int | None = None
@@ -227,6 +232,7 @@ class Capturer:
             abort=job.pending.abort_requested,
             hold=True,
             changed=plan.changed if plan is not None else None,
+            foreign=job.plan.foreign(job.rank) if job.plan is not None else None,
             events=lazy,
         )
         if plan is not None:

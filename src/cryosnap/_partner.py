@@ -136,13 +136,26 @@ class Partners:
                 errors.append(f"rank {owner}'s copy on {store.url}: {exc}")
         return errors
 
-    def retire(self, keep: int | RetentionPolicy | None) -> None:
-        """The copies follow their owners' scratch retention (``keep_scratch``)."""
+    def retire(self, keep: int | RetentionPolicy | None, persistent: Store | None) -> None:
+        """The copies follow their owners' scratch retention (``keep_scratch``), except that a
+        copy of a version the ``persistent`` level has not committed yet is kept: until then
+        it may be the only copy left of that version when its owner's node is lost (the
+        owner's own flush may lag behind this rank's)."""
         if keep is None:
+            return
+        try:
+            done = set(engine.list_steps(persistent)) if persistent is not None else None
+        except CheckpointError as exc:
+            log.warning("partner copies kept: listing %s failed: %s", persistent, exc)
             return
         for store in self.held.values():
             try:
-                engine.retire(store, keep=keep)
+                waiting = (
+                    {s for s in engine.list_steps(store) if s not in done}
+                    if done is not None
+                    else set()
+                )
+                engine.retire(store, keep=keep, protect=waiting)
             except CheckpointError as exc:
                 log.warning("retention of partner copies on %s failed: %s", store.url, exc)
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from . import engine
@@ -95,6 +96,11 @@ class Plan:
     blobs: list[int] = field(default_factory=list)
     # Blob -> the rank that writes each of its chunks (a world of one: empty, all its own).
     shares: dict[int, Owners] = field(default_factory=dict)
+
+    def foreign(self, rank: int) -> dict[int, np.ndarray[Any, np.dtype[np.bool_]]]:
+        """Blob -> per chunk, whether a rank other than ``rank`` writes it (the capture hashes
+        those in place instead of copying them)."""
+        return {b: owners != rank for b, owners in self.shares.items()}
 
 
 def _in(keys: Replicated, key: tuple[str | int, ...]) -> bool:

@@ -29,7 +29,8 @@ class SaveInfo:
     waited for a lazy capture); ``seconds`` runs from the ``save`` call until the version was
     durable; ``tiers`` names the tiers (storage levels) the version reached, fastest first;
     ``captured_bytes`` counts the bytes copied out of the program's memory (from a GPU: over
-    PCIe), below ``logical_bytes`` when change detection on the device skipped unchanged chunks.
+    PCIe), below ``logical_bytes`` when change detection on the device skipped unchanged chunks
+    or other ranks write part of the replicated state (their chunks are hashed, not copied).
     """
 
     step: int

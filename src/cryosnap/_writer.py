@@ -34,10 +34,11 @@ from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, StorageTimeoutError
 from .flush import SourceDamagedError
 from .levels import Levels
-from .manifest import CommitRecord, PartSummary, commit_key, manifest_key
+from .manifest import CommitRecord, PartSummary, Replicated, commit_key, manifest_key
 from .progress import Progress, human_bytes
 from .storage import Store
 from .storage.tiers import Placement
+from .tree import FlatState
 
 __all__ = ["Rewriter", "Writer", "summary_of"]
 
@@ -116,6 +117,16 @@ class Writer:
     def store(self) -> Store:
         return self.levels.levels[self.level].store
 
+    def plan(self, flat: FlatState, keys: Replicated) -> _replicated.Plan:
+        """Who writes which chunks of ``flat``'s replicated blobs on this writer's level (the
+        capture copies only this rank's share: it computes the plan before the writer)."""
+        world = 1 if self.private else self.coord.world_size
+        return _replicated.plan(flat, keys, world, self.chunk_bytes)
+
+    def own_rank(self) -> int:
+        """This rank's number in the parts this writer writes (0 on a private level)."""
+        return 0 if self.private else self.coord.rank
+
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
 
@@ -151,7 +162,10 @@ class Writer:
             self.chain.advance(part)
             self.levels.retire(self.level, protect={job.step})
             if self.partners is not None:
-                self.partners.retire(self.levels.levels[self.level].keep)
+                # Copies of versions the next level has not committed yet are kept.
+                levels = self.levels.levels
+                nxt = levels[self.level + 1].store if self.level + 1 < len(levels) else None
+                self.partners.retire(levels[self.level].keep, nxt)
             self._tell_policy(
                 "durable",
                 job.step,
@@ -206,8 +220,7 @@ class Writer:
         try:
             if self.disagreed is not None:
                 raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
-            world = 1 if self.private else self.coord.world_size
-            plan = _replicated.plan(job.flat, job.replicated, world, self.chunk_bytes)
+            plan = job.plan if job.plan is not None else self.plan(job.flat, job.replicated)
             # The capture decides (before its first batch) whether the version is full or
             # must build on exactly one version: change detection on the device.
             item = job.batches.get()
@@ -227,7 +240,7 @@ class Writer:
                 base=base,
                 index=self.chain.index if base is not None else None,
                 placement=self.placement,
-                rank=0 if self.private else self.coord.rank,
+                rank=self.own_rank(),
                 shares=plan.shares,
                 replicated=plan.keys,
             )

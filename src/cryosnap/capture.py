@@ -13,6 +13,14 @@ device by _devdiff.py) only those chunks are copied; each run of unchanged chunk
 :class:`Unchanged` item among the batch's pieces, in blob order, which the writer inherits from
 the base version without hashing.
 
+With ``foreign`` (per replicated blob, which chunks another rank writes: _replicated.py) those
+chunks of host memory are not copied either: they are hashed where they lie, while the program
+waits (hashing reads at about twice the speed a copy moves bytes), and become :class:`Hashed`
+items carrying their digests. The writer needs their hashes (the divergence check compares every
+replicated leaf's Merkle root, and the manifest lists every chunk) but never their bytes, so a
+rank's stall and staging memory hold 1/N of the replicated state. Chunks on a GPU are copied as
+before (their hashes are computed on the host).
+
 ``direct_batches`` is the zero-copy variant used by the synchronous ``cryosnap.save``: the caller
 blocks until the version is durable, so the writer may read the live memory itself.
 
@@ -35,11 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from .chunks import chunk_count, hash_chunks
 from .tree import Blob, FlatState
 
 __all__ = [
     "Batch",
     "CaptureTracker",
+    "Hashed",
     "Piece",
     "StagingPool",
     "Unchanged",
@@ -73,17 +83,32 @@ class Unchanged:
 
 
 @dataclass(slots=True)
-class Batch:
-    """Pieces to write back to back (and unchanged runs, in blob order); ``release`` runs once
-    they are on storage (or dropped)."""
+class Hashed:
+    """Bytes ``[offset, offset + nbytes)`` of blob ``blob`` (whole chunks, the last may be
+    short) that another rank writes: never copied, hashed in place; ``digests`` holds their
+    16-byte chunk hashes back to back."""
 
-    pieces: list[Piece | Unchanged]
+    blob: int
+    offset: int
+    nbytes: int
+    digests: bytes
+
+
+Item = Piece | Unchanged | Hashed
+
+
+@dataclass(slots=True)
+class Batch:
+    """Pieces to write back to back (and unchanged or hashed runs, in blob order); ``release``
+    runs once they are on storage (or dropped)."""
+
+    pieces: list[Item]
     release: Callable[[], None] = field(default=lambda: None)
 
     @property
     def nbytes(self) -> int:
-        """The state's bytes this batch covers (unchanged runs included)."""
-        return sum(p.nbytes if isinstance(p, Unchanged) else p.view.nbytes for p in self.pieces)
+        """The state's bytes this batch covers (unchanged and hashed runs included)."""
+        return sum(p.view.nbytes if isinstance(p, Piece) else p.nbytes for p in self.pieces)
 
 
 class _Slab:
@@ -236,13 +261,16 @@ def capture_to_slabs(
     abort: Callable[[], BaseException | None] = lambda: None,
     hold: bool = False,
     changed: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
+    foreign: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
     events: bool = False,
 ) -> int:
     """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order; the
     bytes copied.
 
     ``changed`` (blob index -> per chunk, whether it changed) limits the copy of those blobs to
-    their changed chunks; the others become :class:`Unchanged` runs. With ``events`` (lazy
+    their changed chunks; the others become :class:`Unchanged` runs. ``foreign`` (blob index ->
+    per chunk, whether another rank writes it) makes those chunks of a host blob
+    :class:`Hashed` runs: hashed in place, not copied. With ``events`` (lazy
     capture) a CUDA event is recorded after each CUDA blob's copies are queued, so that an
     optimizer step waits on the device for them, not on the host for its whole slab.
 
@@ -262,7 +290,7 @@ def capture_to_slabs(
 
     slab: _Slab | None = None
     fill = 0
-    pieces: list[Piece | Unchanged] = []
+    pieces: list[Item] = []
     copied = 0
     small: list[tuple[int, Blob, int, int]] = []  # (slab offset, blob, start, n)
     pending_marks: list[int] = []
@@ -312,10 +340,15 @@ def capture_to_slabs(
         cuda = not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda
         gpu = gpu or cuda
         mask = changed.get(index) if changed else None
-        for lo, hi, copy in _runs(blob.nbytes, mask, chunk_bytes):
-            if not copy:
+        others = foreign.get(index) if foreign and not cuda else None
+        for lo, hi, kind in _runs(blob.nbytes, mask, chunk_bytes, others):
+            if kind == _UNCHANGED:
                 first = lo // chunk_bytes
                 pieces.append(Unchanged(index, first, -(-(hi - lo) // chunk_bytes), hi - lo))
+                continue
+            if kind == _HASH:
+                view = blob.host_view()[lo:hi]
+                pieces.append(Hashed(index, lo, hi - lo, hash_chunks(view, chunk_bytes)))
                 continue
             start = lo
             while start < hi:
@@ -345,23 +378,36 @@ def capture_to_slabs(
     return copied
 
 
+_UNCHANGED, _COPY, _HASH = 0, 1, 2
+
+
 def _runs(
-    nbytes: int, mask: np.ndarray[Any, np.dtype[np.bool_]] | None, chunk_bytes: int
-) -> list[tuple[int, int, bool]]:
-    """Byte ranges ``(lo, hi, changed)`` of a blob: runs of changed and unchanged chunks."""
-    if mask is None or mask.all():
-        return [(0, nbytes, True)]
-    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
-    bounds = [0, *edges.tolist(), len(mask)]
+    nbytes: int,
+    mask: np.ndarray[Any, np.dtype[np.bool_]] | None,
+    chunk_bytes: int,
+    foreign: np.ndarray[Any, np.dtype[np.bool_]] | None = None,
+) -> list[tuple[int, int, int]]:
+    """Byte ranges ``(lo, hi, kind)`` of a blob: runs of unchanged chunks, chunks to copy, and
+    changed chunks another rank writes (to hash in place)."""
+    if (mask is None or mask.all()) and (foreign is None or not foreign.any()):
+        return [(0, nbytes, _COPY)]
+    n = chunk_count(nbytes, chunk_bytes)
+    kinds = np.full(n, _COPY, np.int8)
+    if foreign is not None:
+        kinds[foreign[:n]] = _HASH
+    if mask is not None:
+        kinds[~mask[:n]] = _UNCHANGED
+    edges = np.flatnonzero(np.diff(kinds)) + 1
+    bounds = [0, *edges.tolist(), n]
     return [
-        (a * chunk_bytes, min(b * chunk_bytes, nbytes), bool(mask[a]))
+        (a * chunk_bytes, min(b * chunk_bytes, nbytes), int(kinds[a]))
         for a, b in itertools.pairwise(bounds)
     ]
 
 
 def direct_batches(flat: FlatState, *, batch_bytes: int) -> Iterator[Batch]:
     """Batches that view the live blob memory: zero copy, for callers that block until durable."""
-    pieces: list[Piece | Unchanged] = []
+    pieces: list[Item] = []
     size = 0
     for index, blob in enumerate(flat.blobs):
         if blob.nbytes == 0:

@@ -410,6 +410,7 @@ class Checkpointer:
         top = self._policies.top_level(step, len(names) - 1)
         pending = PendingSave(step, tracker, t0, names[: top + 1], names)
         job = Job(step, flat, pending, queue.SimpleQueue(), metrics, clock0=clock0, replicated=keys)
+        job.plan, job.rank = self._writer.plan(flat, keys), self._writer.own_rank()
         self._pending.append(pending)
         self._writer.submit(job)
         return job

@@ -185,3 +185,22 @@ def test_partner_needs_scratch_and_two_nodes(tmp_path: Path) -> None:
             cryosnap.Checkpointer(tmp_path / "b", scratch=tmp_path / "s", comm=c, partner=True)
 
     run_ranks(2, body)
+
+
+def test_partner_copies_of_versions_not_yet_persistent_outlive_keep_scratch(
+    tmp_path: Path,
+) -> None:
+    """keep_scratch retires partner copies, but never one of a version the next level has not
+    committed: the owner's flush may lag, and the copy may be all that is left of it."""
+    copy, persistent = tmp_path / "copy", tmp_path / "persistent"
+    for step in (1, 2, 3, 4):
+        cryosnap.save(copy, {"x": np.full(64, step)}, step=step)
+    for step in (1, 2):
+        cryosnap.save(persistent, {"x": np.full(64, step)}, step=step)
+    partners = _partner.Partners(rank=0, target=1, held={1: LocalStore(copy)})
+    partners.retire(1, LocalStore(persistent))
+    assert engine.list_steps(LocalStore(copy)) == [3, 4]
+    # Once the next level has them, keep_scratch alone decides.
+    cryosnap.save(persistent, {"x": np.full(64, 3)}, step=3)
+    partners.retire(1, LocalStore(persistent))
+    assert engine.list_steps(LocalStore(copy)) == [4]

@@ -114,16 +114,19 @@ def test_shares_split_bytes_evenly_on_chunk_boundaries(world: int) -> None:
 # -- saving: written once in total, split across ranks ------------------------------------------
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("world", "lazy"), [(2, False), (3, False), (2, True)])
 def test_replicated_state_is_written_once_split_across_ranks(
-    tmp_path: Path, world: int, reference: Any
+    tmp_path: Path, world: int, lazy: bool, reference: Any
 ) -> None:
     run = tmp_path / "run"
 
     def body(c: Coordinator) -> Any:
         model, opt = replica(reference)
         with cryosnap.Checkpointer(run, comm=c, chunk_bytes=CHUNK) as ckpt:
-            first = ckpt.save(0, state_of(c.rank, model, opt), replicated=["model", "optim"])
+            first = ckpt.save(
+                0, state_of(c.rank, model, opt), replicated=["model", "optim"], lazy=lazy
+            )
+            first.wait_captured()
             info0 = first.result(timeout=60)
             with torch.no_grad():
                 model[0].weight[0, :4] += 1.0  # the same sparse change on every rank
@@ -144,6 +147,11 @@ def test_replicated_state_is_written_once_split_across_ranks(
     assert all(abs(s - mean) <= 0.1 * mean for s in shares), shares
     assert total - 64 <= sum(shares) <= total
     assert all(not i.incremental for i in firsts)
+    # Each rank copied only its own share out of the program's memory (the others' chunks it
+    # hashed in place): the ranks together copied the replicated state once.
+    copied = [i.captured_bytes - OWN_BYTES for i in firsts]
+    assert all(abs(c - total / world) <= 0.1 * total / world for c in copied), copied
+    assert sum(copied) == total
     # The sparse change: one chunk, written by the one rank whose share holds it.
     seconds = [info1 for _info0, info1, _sd in results]
     assert all(i.incremental for i in seconds)

@@ -34,7 +34,7 @@ import numpy as np
 import xxhash
 
 from .._gc import paused_gc
-from ..capture import Piece, Unchanged
+from ..capture import Hashed, Item, Piece, Unchanged
 from ..chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
@@ -406,8 +406,9 @@ class PartWriter(_Shares):
     boundaries. Runs on the background writer thread.
 
     ``shares`` (blob index -> the rank that writes each of its chunks, engine._shares) marks
-    replicated blobs: chunks of another rank's share are hashed and diffed against the base
-    (unchanged runs are inherited) but not written; once every piece is added,
+    replicated blobs: chunks of another rank's share are hashed (or arrive :class:`Hashed` by
+    the capture, which did not copy them) and diffed against the base (unchanged runs are
+    inherited) but not written; once every piece is added,
     :meth:`owned_locations` says where this rank's share lies and :meth:`place_external` takes
     where the other ranks' shares lie (external stored segments into their data files) before
     :meth:`finish`. ``replicated`` is recorded in the manifest.
@@ -481,9 +482,7 @@ class PartWriter(_Shares):
     def written_bytes(self) -> int:
         return sum(self._offsets)
 
-    def add(
-        self, pieces: Sequence[Piece | Unchanged], release: Callable[[], None] = lambda: None
-    ) -> None:
+    def add(self, pieces: Sequence[Item], release: Callable[[], None] = lambda: None) -> None:
         """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
         calls ``release`` once it no longer needs the pieces' memory (also on failure).
         :class:`~cryosnap.capture.Unchanged` runs (found on the device) are inherited from the
@@ -529,11 +528,14 @@ class PartWriter(_Shares):
                     release_one()
                 raise
 
-    def _diff(self, pieces: Sequence[Piece | Unchanged]) -> list[memoryview]:
+    def _diff(self, pieces: Sequence[Item]) -> list[memoryview]:
         out: list[memoryview] = []
         for p in pieces:
             if isinstance(p, Unchanged):
                 self._unchanged(p)
+                continue
+            if isinstance(p, Hashed):
+                self._hashed(p)
                 continue
             owners = self.shares.get(p.blob) if self.shares else None
             if owners is None:
@@ -554,22 +556,30 @@ class PartWriter(_Shares):
         """Hash ``p``'s chunks (kept by its blob's builder); its first chunk, its base blob,
         and runs ``(a, b, unchanged)`` of its chunks against the base."""
         digests = hash_chunks(p.view, self.chunk_bytes)
+        first = p.offset // self.chunk_bytes
+        j, runs = self._base_runs(p.blob, first, digests)
+        return digests, first, j, runs
+
+    def _base_runs(
+        self, blob: int, first: int, digests: bytes
+    ) -> tuple[int | None, list[tuple[int, int, bool]]]:
+        """Chunks ``first ..`` of ``blob`` with hashes ``digests`` (kept by the blob's
+        builder): its base blob and runs ``(a, b, unchanged)`` of them against the base."""
         n = len(digests) // HASH_BYTES
         self.chunks += n
-        first = p.offset // self.chunk_bytes
-        self._builders[p.blob].hashes.append(digests)
-        j = self._base_blob[p.blob]
+        self._builders[blob].hashes.append(digests)
+        j = self._base_blob[blob]
         if j is None:
-            return digests, first, j, [(0, n, False)]
+            return j, [(0, n, False)]
         assert self.base is not None
         old = self.base.blobs[j].hashes[first : first + n]
         if n == 1:
-            return digests, first, j, [(0, 1, digests == old.tobytes())]
+            return j, [(0, 1, digests == old.tobytes())]
         # Runs of unchanged / changed chunks: one reference per unchanged run.
         same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
         edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
         bounds = [0, *edges.tolist(), n]
-        return digests, first, j, [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
+        return j, [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
 
     def _unchanged(self, u: Unchanged) -> None:
         """Chunks the capture found unchanged since the base: inherited, with the base's
@@ -589,15 +599,38 @@ class PartWriter(_Shares):
 
     def _foreign(self, p: Piece, rank: int) -> None:
         """Chunks of a replicated blob that ``rank`` writes: hashed and diffed, not written."""
-        _digests, first, j, runs = self._hash_runs(p)
-        builder = self._builders[p.blob]
+        self._external_runs(
+            p.blob, p.offset // self.chunk_bytes, hash_chunks(p.view, self.chunk_bytes), rank
+        )
+
+    def _hashed(self, h: Hashed) -> None:
+        """Chunks the capture hashed in place because other ranks write them."""
+        owners = self.shares.get(h.blob)
+        cb = self.chunk_bytes
+        first = h.offset // cb
+        count = len(h.digests) // HASH_BYTES
+        runs = [] if owners is None else owner_runs(owners, first, count)
+        if h.offset % cb or not runs or any(rank == self.rank for _a, _n, rank in runs):
+            raise CheckpointError(
+                f"step {self.step}: leaf {self.flat.blobs[h.blob].path}: chunks {first}.."
+                f"{first + count - 1} were hashed as another rank's share, but rank "
+                f"{self.rank} writes some of them (the capture and the writer disagree on the "
+                "split of the replicated state)"
+            )
+        for a, n, rank in runs:
+            lo = (a - first) * HASH_BYTES
+            self._external_runs(h.blob, a, h.digests[lo : lo + n * HASH_BYTES], rank)
+
+    def _external_runs(self, blob: int, first: int, digests: bytes, rank: int) -> None:
+        j, runs = self._base_runs(blob, first, digests)
+        builder = self._builders[blob]
         for a, b, unchanged in runs:
             if unchanged:
                 assert j is not None
                 builder.inherit(j, first + a, b - a)
             else:
                 builder.external(rank, first + a, b - a)
-                self._external.add(p.blob)
+                self._external.add(blob)
 
     def _diff_piece(self, p: Piece, out: list[memoryview]) -> None:
         cb = self.chunk_bytes
@@ -738,16 +771,14 @@ class PartWriter(_Shares):
                 self.placement.release()
 
 
-def _split_pieces(
-    pieces: Sequence[Piece | Unchanged], limit: int, chunk_bytes: int
-) -> list[list[Piece | Unchanged]]:
+def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[list[Item]]:
     """``pieces`` in groups of about ``limit`` bytes; pieces are cut on chunk boundaries
-    (unchanged runs cost nothing and stay in order)."""
+    (unchanged and hashed runs cost nothing and stay in order)."""
     step = max(limit // chunk_bytes, 1) * chunk_bytes
-    groups: list[list[Piece | Unchanged]] = [[]]
+    groups: list[list[Item]] = [[]]
     size = 0
     for p in pieces:
-        if isinstance(p, Unchanged):
+        if not isinstance(p, Piece):
             groups[-1].append(p)
             continue
         lo, n = 0, p.view.nbytes
