@@ -30,6 +30,10 @@ the last rank's part of cryosnap's 1% version is loaded (``cryosnap.load(dir, ra
 and compared bit for bit with the state, and at N > 1 rank 0 also restores the replicated keys at
 another world size (a Checkpointer with a ``LocalCoordinator``, ``restore(replicated_only=True)``).
 
+For cryosnap the table also shows the bytes each save copied out of the program's memory
+(``SaveInfo.captured_bytes``, the most of any rank): a rank copies its own share of the
+replicated state and hashes the rest in place.
+
 Per-rank figures travel through JSON files in a temporary folder; the parent prints a table and
 writes every sample with ``--json FILE``. Nothing is asserted: the byte split (each rank's share
 of a full version within +-10% of 1/N of the state) is printed as PASS / FAIL.
@@ -211,6 +215,7 @@ class Rank:
             "durable_s": t2 - t0,
             "info_seconds": info.seconds,
             "written_bytes": info.written_bytes,
+            "captured_bytes": info.captured_bytes,
             "logical_bytes": info.logical_bytes,
             "new_chunks": info.new_chunks,
             "incremental": info.incremental,
@@ -391,6 +396,9 @@ def summarize(world: int, ranks: list[dict[str, Any]], state_bytes: int) -> list
         durable = per_round(samples, peer, "durable_s")
         cpu = per_round(samples, peer, "cpu_s")
         written = per_round(samples, peer, "written_bytes")
+        copied = [
+            s["captured_bytes"] for s in samples if s["peer"] == peer and "captured_bytes" in s
+        ]
         share = state_bytes / world
         rows.append(
             {
@@ -407,6 +415,8 @@ def summarize(world: int, ranks: list[dict[str, Any]], state_bytes: int) -> list
                 "share_min": min(min(r) for r in written) / share,
                 "share_max": max(max(r) for r in written) / share,
                 "written_total_over_state": h.median([sum(r) / state_bytes for r in written]),
+                # Bytes the save copied out of the program's memory, the most of any rank.
+                "copied_max": max(copied) if copied else None,
             }
         )
     return rows
@@ -420,6 +430,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "durable s",
         "CPU s/rank",
         "all ranks",
+        "copied/rank max",
         "written/rank min",
         "max",
         "% of state/N",
@@ -433,6 +444,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['durable_s']:.3f}",
             f"{r['cpu_s']:.2f}",
             f"{r['cpu_s_all_ranks']:.2f}",
+            "-" if r.get("copied_max") is None else h.format_bytes(r["copied_max"]),
             h.format_bytes(r["written_min"]),
             h.format_bytes(r["written_max"]),
             f"{100 * r['share_min']:.1f}-{100 * r['share_max']:.1f}",
