@@ -482,3 +482,14 @@ class Rewriter:
         _, part = self.writer.write(job)
         self.chain.advance(part)
         return part.written_bytes
+
+    def agree(self, step: int, retry: bool) -> bool:
+        """After a failed attempt at ``step`` (collective, on the hand-off's channel): True
+        when every rank will try again. A step whose commit record may still land is not
+        written again; a broken channel ends the flush on this rank without a collective (the
+        others' gather then times out and ends theirs)."""
+        writer = self.writer
+        if writer.disagreed is not None:
+            return False
+        told = writer.coord.all_gather(retry and step not in writer.in_doubt)
+        return all(told)

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import xxhash
@@ -278,6 +278,26 @@ def flush_version(
     return copied + len(body)
 
 
+class CollectiveFlush(Protocol):
+    """A flush whose attempts are collectives (every rank writes its part of the version:
+    _writer.Rewriter): every rank must make the same attempts, so whether to try again is
+    agreed."""
+
+    def __call__(
+        self,
+        src: Store,
+        dst: Store,
+        step: int,
+        *,
+        yield_to: Callable[[], None],
+        fence: Callable[[], None],
+    ) -> int: ...
+
+    def agree(self, step: int, retry: bool) -> bool:
+        """After a failed attempt at ``step`` (collective): True when every rank retries."""
+        ...
+
+
 class Flusher:
     """Flushes committed scratch versions to the persistent tier on a background thread.
 
@@ -294,14 +314,14 @@ class Flusher:
         on_done: Callable[[int, BaseException | None], None],
         yield_to: Callable[[], None] = _no_wait,
         fence: Callable[[], None] = _no_fence,
-        flush: Callable[..., int] = flush_version,
-        retry: bool = True,
+        flush: Callable[..., int] | CollectiveFlush = flush_version,
+        agree: Callable[[int, bool], bool] | None = None,
     ) -> None:
-        # ``flush(src, dst, step, yield_to=, fence=)`` copies one version; without ``retry`` a
-        # failure is final at once (a flush whose attempts are collectives: every rank must
-        # make the same number of them).
+        # ``flush(src, dst, step, yield_to=, fence=)`` copies one version. With ``agree`` its
+        # attempts are collectives: after a failed one, every rank says whether it would try
+        # again (not given up, not damaged, time left) and all retry only if all would.
         self._flush_one = flush
-        self.retry = retry
+        self.agree = agree
         self.src = src
         self.yield_to = yield_to
         self.fence = fence
@@ -357,11 +377,20 @@ class Flusher:
                 )
             except (CheckpointError, OSError) as exc:
                 self.last_error = exc
-                if isinstance(exc, (SourceDamagedError, LockLostError)) or not self.retry:
+                final = isinstance(exc, (SourceDamagedError, LockLostError))
+                give_up = min(deadline, self._closing_deadline)
+                out_of_time = self._stop.is_set() or time.monotonic() + delay > give_up
+                if self.agree is not None:
+                    try:
+                        again = self.agree(step, not (final or out_of_time))
+                    except CheckpointError as agree:
+                        log.error("step %d: agreeing on a retry failed: %s", step, agree)
+                        again = False
+                    final = final or not again
+                if final:
                     log.error("step %d cannot be flushed: %s", step, exc)
                     return exc
-                give_up = min(deadline, self._closing_deadline)
-                if self._stop.is_set() or time.monotonic() + delay > give_up:
+                if out_of_time:
                     log.error("step %d could not be flushed to %s: %s", step, self.dst.url, exc)
                     return StorageError(
                         f"step {step} is on scratch ({self.src.url}) but could not be flushed "

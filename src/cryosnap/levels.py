@@ -30,7 +30,7 @@ from ._results import PendingSave, SaveInfo, Status
 from .capture import CaptureTracker
 from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, LockLostError
-from .flush import Flusher, SourceDamagedError, flush_keys, flush_version
+from .flush import CollectiveFlush, Flusher, SourceDamagedError, flush_keys, flush_version
 from .lock import RunLock
 from .manifest import commit_key
 from .policy import KeepLast, RetentionPolicy
@@ -72,11 +72,11 @@ class Handoff:
         *,
         retry_seconds: float,
         yield_to: Callable[[], None],
-        flush: Callable[..., int] | None = None,
+        flush: CollectiveFlush | None = None,
     ) -> None:
         self._levels = levels
         # A flush made of collectives (every rank rewrites its part: see Levels.rewrite) is
-        # tried once, and the versions to resume at open are agreed.
+        # retried only when every rank agrees to, and the versions to resume at open are agreed.
         self.collective = flush is not None
         self.src = levels.levels[index]
         self.dst = levels.levels[index + 1]
@@ -94,7 +94,7 @@ class Handoff:
             yield_to=yield_to,
             fence=levels.fence,
             flush=flush if flush is not None else flush_version,
-            retry=flush is None,
+            agree=flush.agree if flush is not None else None,
         )
 
     def submit(self, step: int, pending: PendingSave, info: SaveInfo | None) -> None:
@@ -186,7 +186,7 @@ class Levels:
         *,
         retry_seconds: float,
         yield_to: Callable[[], None],
-        rewrite: Callable[[int], Callable[..., int]] | None = None,
+        rewrite: Callable[[int], CollectiveFlush] | None = None,
     ) -> None:
         """One hand-off per pair of levels. ``rewrite(i)``: the flush into level ``i`` when
         the ranks write it again (a shared level after a private one in a distributed run)."""

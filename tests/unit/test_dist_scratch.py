@@ -20,8 +20,10 @@ import pytest
 import cryosnap
 from cryosnap import _partner, engine
 from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointError, StorageError
 from cryosnap.manifest import commit_key
 from cryosnap.storage import LocalStore
+from cryosnap.testing import FaultyStore
 
 from .test_coordinator import run_ranks
 
@@ -204,3 +206,75 @@ def test_partner_copies_of_versions_not_yet_persistent_outlive_keep_scratch(
     cryosnap.save(persistent, {"x": np.full(64, 3)}, step=3)
     partners.retire(1, LocalStore(persistent))
     assert engine.list_steps(LocalStore(copy)) == [4]
+
+
+def test_a_failed_flush_is_retried_by_every_rank_alike(tmp_path: Path) -> None:
+    """The flush into the persistent level is made of collectives: when one rank's write fails
+    once, every rank's attempt fails, they agree to retry, and the second attempt lands."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    failed: list[str] = []
+
+    def fault(op: str, key: str) -> None:
+        if op == "open_writer" and "000000000002-r00001" in key and not failed:
+            failed.append(key)
+            raise StorageError(f"injected: {key}")
+
+    def body(c: Coordinator) -> list[Any]:
+        _NODE.name = "n0"
+        persistent = FaultyStore(LocalStore(run), fault=fault if c.rank == 1 else _no_fault)
+        with cryosnap.Checkpointer(
+            persistent, scratch=scratch, comm=c, chunk_bytes=4096, flush_retry_seconds=30
+        ) as ckpt:
+            infos = [
+                ckpt.save(step, state_of(c.rank, step), replicated=["model"]).result(
+                    tier="persistent"
+                )
+                for step in (1, 2, 3)
+            ]
+            restored = ckpt.restore()
+        return [infos, restored]
+
+    got = run_ranks(2, body, timeout=60)
+    assert failed, "the fault was injected"
+    assert engine.list_steps(LocalStore(run)) == [1, 2, 3]
+    for rank, (infos, restored) in enumerate(got):
+        assert [i.tiers for i in infos] == [("scratch", "persistent")] * 3
+        assert same(restored, state_of(rank, 3))
+        for step in (1, 2, 3):
+            assert same(cryosnap.load(run, step=step, rank=rank), state_of(rank, step))
+
+
+def test_a_flush_failing_on_one_rank_until_time_runs_out_fails_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    """Retries end alike: the version stays on scratch, reported failed on the persistent
+    level by every rank, and the next version goes up normally."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+
+    def fault(op: str, key: str) -> None:
+        if op == "open_writer" and "000000000002-r00001" in key:
+            raise StorageError(f"injected: {key}")
+
+    def body(c: Coordinator) -> list[Any]:
+        _NODE.name = "n0"
+        persistent = FaultyStore(LocalStore(run), fault=fault if c.rank == 1 else _no_fault)
+        with cryosnap.Checkpointer(
+            persistent, scratch=scratch, comm=c, chunk_bytes=4096, flush_retry_seconds=0.5
+        ) as ckpt:
+            ckpt.save(1, state_of(c.rank, 1), replicated=["model"]).result(tier="persistent")
+            second = ckpt.save(2, state_of(c.rank, 2), replicated=["model"])
+            with pytest.raises(CheckpointError, match="injected"):
+                second.result(tier="persistent")
+            assert second.result(tier="scratch").tiers == ("scratch",)
+            third = ckpt.save(3, state_of(c.rank, 3), replicated=["model"])
+            return [third.result(tier="persistent").tiers]
+
+    for (tiers,) in run_ranks(2, body, timeout=60):
+        assert tiers == ("scratch", "persistent")
+    assert engine.list_steps(LocalStore(run)) == [1, 3]
+    for rank in (0, 1):
+        assert engine.list_steps(LocalStore(scratch / f"rank-{rank:05d}"))[-2:] == [2, 3]
+
+
+def _no_fault(op: str, key: str) -> None:
+    return None
