@@ -17,6 +17,10 @@ fsynced): whatever fails, OUT is left as it was. Arguments are checked before an
 (``ValueError`` / ``TypeError``, see :mod:`cryosnap._validate`); reading raises what
 :func:`cryosnap.load` raises (``CheckpointNotFoundError``, ``IntegrityError``...).
 
+A version written through torch.distributed.checkpoint (:mod:`cryosnap.dcp`) is exported as
+DCP's ``dcp_to_torch_save`` would write it: the state dict with every tensor whole, every
+rank's shards assembled (:func:`cryosnap.dcp.full_state_dict`); ``rank`` must be 0.
+
 Also owns :func:`committed_steps`, the committed steps of a run with a hint when the path holds
 runs rather than being one (the CLI's commands share it). Runs on the caller's thread; reads the
 run through :func:`cryosnap.load` and takes no lock. torch is imported only for ``.pt`` and
@@ -53,9 +57,11 @@ __all__ = [
     "committed_steps",
     "export",
     "export_leaves",
+    "is_dcp_version",
 ]
 
 EXPORT_FORMATS = (".pt", ".safetensors", ".npz")
+_DCP_ROOT = "cryosnap.dcp"  # cryosnap.dcp._schema.ROOT (that package imports torch)
 
 
 class ExportError(CheckpointError):
@@ -105,7 +111,18 @@ def export(
     store = open_store(path)
     if step is None:
         step = committed_steps(store)[-1]
-    tree = load(store, step=step, rank=rank)
+    if is_dcp_version(store, step):
+        if rank != 0:
+            raise ValueError(
+                f"rank={rank} does not apply: step {step} of {store.url} was written through "
+                "torch.distributed.checkpoint (cryosnap.dcp) and is exported whole, every "
+                "rank's shards assembled"
+            )
+        from .dcp import full_state_dict
+
+        tree = full_state_dict(store, step)
+    else:
+        tree = load(store, step=step, rank=rank)
     leaves = export_leaves(tree)
     # Every conversion a format needs happens before its file is complete: a leaf it cannot
     # hold is an error and OUT is left as it was.
@@ -180,6 +197,16 @@ def committed_steps(store: Store) -> list[int]:
             raise CheckpointNotFoundError(f"no committed version in {store.url}")
         raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
     return steps
+
+
+def is_dcp_version(store: Store, step: int) -> bool:
+    """Whether ``step`` was written through torch.distributed.checkpoint (``cryosnap.dcp``):
+    rank 0's state is the one key ``cryosnap.dcp`` (its manifest only is read; no torch)."""
+    record = engine.read_commit(store, step)
+    skeleton = engine.read_manifest(store, record, 0)[0].skeleton
+    if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
+        return False
+    return skeleton.get("k") == [_DCP_ROOT]
 
 
 def _runs_inside(store: Store) -> list[str]:

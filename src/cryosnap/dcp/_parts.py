@@ -1,0 +1,134 @@
+"""How DCP's items lie in a cryosnap version: each rank's part, and reading items back.
+
+Every rank's part of a version written through :class:`cryosnap.dcp.StorageWriter` is one
+state tree under the key ``cryosnap.dcp``::
+
+    {"cryosnap.dcp": {
+        "rank": r,                          # the DCP rank that wrote this part
+        "tensors": {"<fqn>@<offsets>": uint8 array, ...},   # each tensor chunk's bytes
+        "bytes": {"<fqn>": bytes, ...},                     # DCP's BytesIO items, raw
+        "metadata": "<JSON>",               # rank 0 only: DCP's Metadata (_schema.py)
+    }}
+
+A tensor chunk is stored as the flat bytes of the contiguous chunk (its dtype and sizes are in
+the metadata), so every chunk is a blob of its own, whatever storage it shared in the program
+(a staged copy's slab, views of one buffer), and cryosnap's chunk hashes and de-duplication
+apply to it as to any leaf. :class:`PartReader` reads a subset of one part's items (only the
+blobs asked for, every chunk verified against its hash) through the engine's resolve and fetch.
+
+Runs on the caller's thread (DCP's load or save thread); no collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .. import engine
+from ..engine._fetch import read_blobs
+from ..storage import Store
+from ..tree import blob_keys, dict_items, format_path
+from ._schema import ROOT, DcpFormatError
+
+__all__ = ["PartReader", "dcp_node", "metadata_text", "part_state"]
+
+TENSORS, BYTES, METADATA = "tensors", "bytes", "metadata"
+
+
+def part_state(
+    rank: int, tensors: dict[str, Any], raw: dict[str, bytes], metadata: str | None
+) -> dict[str, Any]:
+    """The state one rank saves for one DCP version (``metadata``: rank 0's JSON)."""
+    node: dict[str, Any] = {"rank": rank, TENSORS: tensors, BYTES: raw}
+    if metadata is not None:
+        node[METADATA] = metadata
+    return {ROOT: node}
+
+
+def dcp_node(skeleton: Any, where: str) -> dict[str | int, Any] | None:
+    """The children of a part's ``cryosnap.dcp`` node by key; None when the version was not
+    written through cryosnap.dcp (no such key at the top)."""
+    if not isinstance(skeleton, dict) or skeleton.get("t") not in ("dict", "odict"):
+        return None
+    top = dict(dict_items(skeleton, where))
+    if set(top) != {ROOT}:
+        return None
+    node = top[ROOT]
+    if not isinstance(node, dict) or node.get("t") != "dict":
+        raise DcpFormatError(f"{where}: its {ROOT!r} node is not a dict")
+    return dict(dict_items(node, where))
+
+
+def metadata_text(store: Store, step: int) -> tuple[str, int]:
+    """Rank 0's DCP metadata JSON of ``step`` (read from its manifest: no data file is
+    opened) and the number of parts the version has."""
+    record = engine.read_commit(store, step)
+    manifest, _ref = engine.read_manifest(store, record, 0)
+    where = f"step {step} of {store.url}"
+    node = dcp_node(manifest.skeleton, where)
+    if node is None:
+        raise DcpFormatError(
+            f"{where} is not a torch.distributed.checkpoint version (it was not saved through "
+            "cryosnap.dcp.StorageWriter): read it with cryosnap.load"
+        )
+    meta = node.get(METADATA)
+    if not isinstance(meta, dict) or meta.get("t") != "str" or not isinstance(meta.get("v"), str):
+        raise DcpFormatError(f"{where}: rank 0's part holds no DCP metadata")
+    return meta["v"], record.world_size
+
+
+class PartReader:
+    """One rank's part of one version, resolved once; :meth:`read` fetches some of its items."""
+
+    def __init__(self, store: Store, step: int, rank: int) -> None:
+        record = engine.read_commit(store, step)
+        if rank >= record.world_size:
+            raise DcpFormatError(
+                f"step {step} of {store.url}: its DCP metadata names rank {rank}, but the "
+                f"version has {record.world_size} part(s)"
+            )
+        manifest, ref = engine.read_manifest(store, record, rank)
+        self.where = f"step {step} of {store.url}, rank {rank}"
+        self.store = store
+        node = dcp_node(manifest.skeleton, self.where)
+        if node is None:
+            raise DcpFormatError(f"{self.where}: not a part written through cryosnap.dcp")
+        self._nodes = {kind: _children(node, kind, self.where) for kind in (TENSORS, BYTES)}
+        keys = blob_keys(manifest.skeleton, len(manifest.blobs))
+        self._part = engine.resolve(
+            store, manifest, ref.key, ref.xxh3, paths=[format_path(k) for k in keys]
+        )
+
+    def read(self, wanted: list[tuple[str, str]]) -> dict[tuple[str, str], memoryview]:
+        """The bytes of each ``(kind, leaf name)`` asked for (kind ``tensors`` or ``bytes``),
+        every chunk verified; a leaf the part lacks is a :class:`DcpFormatError`."""
+        blobs = [self._blob(kind, name) for kind, name in wanted]
+        unique = sorted(set(blobs))
+        sub = dataclasses.replace(
+            self._part, blobs=[self._part.blobs[b] for b in unique], _by_path={}
+        )
+        buffers = [np.empty(self._part.blobs[b].nbytes, dtype=np.uint8) for b in unique]
+        read_blobs(self.store, sub, [buf.data for buf in buffers], direct=[False] * len(unique))
+        by_blob = dict(zip(unique, buffers, strict=True))
+        return {key: by_blob[b].data for key, b in zip(wanted, blobs, strict=True)}
+
+    def _blob(self, kind: str, name: str) -> int:
+        node = self._nodes[kind].get(name)
+        if node is None:
+            raise DcpFormatError(f"{self.where}: has no {kind} item {name!r}")
+        expected = "numpy" if kind == TENSORS else "bytes"
+        b = node.get("b") if isinstance(node, dict) else None
+        if node.get("t") != expected or type(b) is not int or not 0 <= b < len(self._part.blobs):
+            raise DcpFormatError(f"{self.where}: {kind} item {name!r} is malformed")
+        if kind == TENSORS and (node.get("dtype") != "|u1" or len(node.get("shape", ())) != 1):
+            raise DcpFormatError(f"{self.where}: tensor item {name!r} is not stored as bytes")
+        return int(b)
+
+
+def _children(node: dict[str | int, Any], kind: str, where: str) -> dict[str | int, Any]:
+    child = node.get(kind)
+    if not isinstance(child, dict) or child.get("t") != "dict":
+        raise DcpFormatError(f"{where}: its {kind!r} node is missing or not a dict")
+    return dict(dict_items(child, where))

@@ -1,0 +1,201 @@
+"""Staged copies for ``dcp.async_save``: the state dict copied into cryosnap's staging pool.
+
+``dcp.async_save`` first asks its stager for a copy of the state dict that training may not
+change, then saves that copy on a thread of its own. DCP's default stager allocates a new copy
+per call; :class:`Staging` copies every tensor (a DTensor's local shard included) into slabs of
+one :class:`cryosnap.capture.StagingPool`, reused from one save to the next and bounded by
+``staging_bytes``, and returns the same tree with tensors that are views of the slabs (DTensors
+rewrapped around their staged local shard, with their spec; other values deep-copied).
+
+A *generation* is the slabs of one staged copy. The save that writes it claims it when DCP sets
+the writer up (every copy staged before that save began) and releases it once its version is
+committed or failed. One copy is staged at a time: :meth:`Staging.stage` first waits until the
+previous copy was released (the previous async save finished writing), as a Checkpointer
+waits with ``max_inflight=1``. A copy is whole before ``stage`` returns, so a state larger than
+the budget is refused (:class:`~cryosnap.dcp.DcpError`) instead of streamed.
+
+Runs on the caller's thread (``stage``) and DCP's save thread (``claim``, ``release``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..capture import StagingPool
+from ._schema import DcpError
+
+__all__ = ["Staging"]
+
+_SLAB_BYTES = 64 << 20
+_ALIGN = 64  # every staged tensor starts on this boundary: any dtype can view it
+
+
+@dataclass(slots=True)
+class _Place:
+    slab: int
+    offset: int
+    nbytes: int
+
+
+class Staging:
+    """Staged copies in one budgeted pool; see the module docstring."""
+
+    def __init__(self, *, budget_bytes: int | None, timeout_seconds: float) -> None:
+        self.budget_bytes = budget_bytes
+        self.timeout_seconds = timeout_seconds
+        self._pool: StagingPool | None = None
+        self._cond = threading.Condition()
+        self._generations: dict[int, list[Any]] = {}  # id -> slabs
+        self._claimed: dict[int, int] = {}  # generation -> the save that claimed it
+        self._next = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory the pool holds (staged copies and free slabs)."""
+        return 0 if self._pool is None else self._pool.allocated_bytes
+
+    # -- caller's thread
+
+    def stage(self, state_dict: Any) -> Any:
+        """A copy of ``state_dict`` whose tensors live in the pool's slabs."""
+        self._wait_released()
+        leaves: list[Any] = []
+        _collect(state_dict, leaves)
+        sizes = [t.numel() * t.element_size() for t in leaves]
+        pool, places = self._plan(sizes)
+        slabs: list[Any] = []
+        try:
+            for _ in range(max((p.slab for p in places), default=-1) + 1):
+                slabs.append(pool.acquire())
+            staged = [_copy_into(t, slabs, p) for t, p in zip(leaves, places, strict=True)]
+            if any(t.is_cuda for t in leaves):
+                torch.cuda.synchronize()
+        except BaseException:
+            for slab in slabs:
+                pool.release(slab)
+            raise
+        with self._cond:
+            self._generations[self._next] = slabs
+            self._next += 1
+        return _rebuild(state_dict, iter(staged))
+
+    def _wait_released(self) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._generations, self.timeout_seconds):
+                raise DcpError(
+                    f"the previous async save's staged copy was not written within "
+                    f"{self.timeout_seconds:g} s: wait for each dcp.async_save to finish "
+                    "(or fail) before the next one"
+                )
+
+    def _plan(self, sizes: list[int]) -> tuple[StagingPool, list[_Place]]:
+        """Where each tensor goes: first fit in slabs of one size, large enough for the
+        largest tensor (the pool is made anew when a state brings a larger one)."""
+        slab_bytes = max(_SLAB_BYTES, -(-max(sizes, default=0) // (1 << 20)) << 20)
+        if self._pool is None or self._pool.slab_bytes < slab_bytes:
+            pin = torch.cuda.is_available()
+            self._pool = StagingPool(slab_bytes=slab_bytes, budget_bytes=self.budget_bytes, pin=pin)
+        slab_bytes = self._pool.slab_bytes
+        places: list[_Place] = []
+        fill: list[int] = []
+        for n in sizes:
+            index = next((i for i, f in enumerate(fill) if f + n <= slab_bytes), len(fill))
+            if index == len(fill):
+                fill.append(0)
+            places.append(_Place(index, fill[index], n))
+            fill[index] = -(-(fill[index] + n) // _ALIGN) * _ALIGN
+        needed = len(fill) * slab_bytes
+        if self.budget_bytes is not None and needed > max(self.budget_bytes, slab_bytes):
+            raise DcpError(
+                f"a staged copy of this state needs {needed} bytes of slabs ({sum(sizes)} bytes "
+                f"of tensors), more than staging_bytes={self.budget_bytes}: a copy for "
+                "dcp.async_save is whole before it returns; raise staging_bytes"
+            )
+        return self._pool, places
+
+    # -- DCP's save thread
+
+    def claim(self, save: int) -> None:
+        """Save ``save`` (a number per save) writes every copy staged so far; copies an
+        earlier save claimed and never released (it failed before writing) go back."""
+        with self._cond:
+            stale = [g for g, s in self._claimed.items() if s != save]
+            for g in stale:
+                self._drop(g)
+            for g in self._generations:
+                self._claimed.setdefault(g, save)
+            self._cond.notify_all()
+
+    def release(self, save: int) -> None:
+        """The copies ``save`` claimed are written (or failed): their slabs go back."""
+        with self._cond:
+            for g in [g for g, s in self._claimed.items() if s == save]:
+                self._drop(g)
+            self._cond.notify_all()
+
+    def _drop(self, generation: int) -> None:
+        self._claimed.pop(generation, None)
+        assert self._pool is not None
+        for slab in self._generations.pop(generation, []):
+            self._pool.release(slab)
+
+    def close(self) -> None:
+        """Drop the idle slabs (a copy still being written keeps its own)."""
+        with self._cond:
+            if self._pool is not None:
+                self._pool.clear()
+
+
+def _local(t: Any) -> Any:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _collect(obj: Any, out: list[Any]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(_local(obj))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, out)
+    elif _sequence(obj):
+        for v in obj:
+            _collect(v, out)
+
+
+def _sequence(obj: Any) -> bool:
+    """Containers walked for tensors: lists, tuples and namedtuples (not torch.Size)."""
+    return type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields"))
+
+
+def _copy_into(src: Any, slabs: list[Any], place: _Place) -> Any:
+    if place.nbytes == 0:
+        return torch.empty(src.shape, dtype=src.dtype)
+    raw = slabs[place.slab].tensor[place.offset : place.offset + place.nbytes]
+    dst = raw.view(src.dtype).view(src.shape)
+    with torch.no_grad():
+        dst.copy_(src.detach(), non_blocking=src.is_cuda)
+    return dst
+
+
+def _rebuild(obj: Any, staged: Any) -> Any:
+    """``obj`` with its tensors replaced, in :func:`_collect`'s order, by ``staged``."""
+    if isinstance(obj, DTensor):
+        return DTensor(next(staged), obj._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    if isinstance(obj, torch.Tensor):
+        return next(staged)
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _rebuild(v, staged)
+        return out
+    if _sequence(obj):
+        items = [_rebuild(v, staged) for v in obj]
+        if type(obj) is list:
+            return items
+        return tuple(items) if type(obj) is tuple else type(obj)(*items)  # a namedtuple
+    return copy.deepcopy(obj)
