@@ -1,14 +1,15 @@
 """The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``,
-``plan`` and ``bench``.
+``plan``, ``bench`` and ``import-dcp``.
 
 Owns argument parsing (typer), rendering (rich tables when stdout is a terminal, plain aligned
 text otherwise, JSON with ``--json``) and exit codes; the export formats are
-:mod:`cryosnap.export`'s. Every command but ``gc`` only reads a run, through
+:mod:`cryosnap.export`'s. Every command but ``gc`` and ``import-dcp`` only reads a run, through
 :mod:`cryosnap.engine` and :mod:`cryosnap.export`, and takes no lock; ``gc`` deletes versions
-and takes the run's write lock, as a writer does. It knows nothing of the on-disk layout beyond
-the manifest and commit record types and the skeleton's node types (:mod:`cryosnap.tree`),
-which ``inspect`` and ``diff`` walk without reading any data. ``bench`` renders what
-:mod:`cryosnap.benchmark` measures.
+and takes the run's write lock, as a writer does; ``import-dcp`` saves a version through
+:func:`cryosnap.dcp.import_dcp` (a Checkpointer: the write lock too). It knows nothing of the
+on-disk layout beyond the manifest and commit record types and the skeleton's node types
+(:mod:`cryosnap.tree`), which ``inspect`` and ``diff`` walk without reading any data.
+``bench`` renders what :mod:`cryosnap.benchmark` measures.
 
 Exit codes::
 
@@ -323,6 +324,7 @@ def _build_app() -> "typer.Typer":
 
     _add_plan_command(app)
     _add_bench_command(app)
+    _add_import_dcp_command(app)
     return app
 
 
@@ -840,7 +842,7 @@ def cmd_export(
         step = committed_steps(store)[-1]
     try:
         result = export(store, out, step=step, rank=rank, force=force)
-    except ExportError as exc:
+    except (ExportError, ValueError) as exc:  # ValueError: --rank of a DCP version
         raise CliUsageError(str(exc)) from exc
     _export_notes(result)
     if as_json:
@@ -877,6 +879,65 @@ def _export_notes(result: ExportResult) -> None:
             "load with weights_only=False or allow them with "
             "torch.serialization.add_safe_globals"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# import-dcp
+
+
+def _add_import_dcp_command(app: "typer.Typer") -> None:
+    import typer
+
+    @app.command("import-dcp")
+    def import_dcp_command(
+        directory: Annotated[
+            str, typer.Argument(help="A torch.distributed.checkpoint directory (FileSystemWriter).")
+        ],
+        path: Annotated[str, typer.Argument(help="The run to save it in (a directory or URL).")],
+        step: Annotated[
+            int | None,
+            typer.Option(
+                "--step", min=0, max=MAX_STEP, help="The version (default: after the newest)."
+            ),
+        ] = None,
+        json_output: Annotated[
+            bool, typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
+        ] = False,
+    ) -> None:
+        """Save a torch.distributed.checkpoint directory as one version of a run."""
+        cmd_import_dcp(directory, path, step=step, as_json=json_output)
+
+
+def cmd_import_dcp(directory: str, location: str, *, step: int | None, as_json: bool) -> None:
+    """Import the DCP checkpoint ``directory`` as version ``step`` of the run at ``location``
+    through :func:`cryosnap.dcp.import_dcp` (needs torch)."""
+    if not directory or not location:
+        raise CliUsageError("DIR and PATH must not be empty")
+    try:
+        from .dcp import import_dcp
+    except ImportError as exc:
+        raise CliUsageError(
+            f"import-dcp needs torch: pip install 'cryosnap[torch]' ({exc})"
+        ) from exc
+    result = import_dcp(directory, location, step=step)
+    if as_json:
+        _print_json(
+            {
+                "source": result.source,
+                "path": result.path,
+                "step": result.step,
+                "tensor_chunks": result.tensor_chunks,
+                "bytes_items": result.bytes_items,
+                "written_bytes": result.info.written_bytes,
+            }
+        )
+        return
+    _print(
+        f"imported {result.source} as step {result.step} of {result.path} "
+        f"({_plural(result.tensor_chunks, 'tensor chunk')}, "
+        f"{_plural(result.bytes_items, 'bytes item')}, "
+        f"{human_bytes(result.info.written_bytes)} written)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
@@ -41,8 +42,9 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .. import _validate
 from ..checkpointer import Checkpointer, PathLike, SaveInfo
+from ..errors import CheckpointError
 from ._parts import part_state
-from ._reader import StorageReader
+from ._reader import StorageReader, read_version_metadata
 from ._schema import DcpError, ItemKey, encode, item_key, leaf_name
 from ._writer import _tensor_bytes
 
@@ -72,14 +74,28 @@ class _WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
 def full_state_dict(path: PathLike, step: int) -> dict[str, Any]:
     """Version ``step`` of the run at ``path`` (written through cryosnap.dcp) as one state
     dict with whole tensors, as ``dcp_to_torch_save`` would write it."""
+    read_version_metadata(path, step)  # a version that is no DCP one fails here, plainly
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=StorageReader(path, step),
-        planner=_WeightsOnlyPlanner(),  # type: ignore[no-untyped-call]
-        no_dist=True,
-    )
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=StorageReader(path, step),
+            planner=_WeightsOnlyPlanner(),  # type: ignore[no-untyped-call]
+            no_dist=True,
+        )
+    except CheckpointException as exc:
+        raise _unwrapped(exc) from exc
     return state
+
+
+def _unwrapped(exc: CheckpointException) -> BaseException:
+    """The cryosnap error DCP wrapped (it collects every rank's failure into one exception),
+    or DCP's exception itself."""
+    for failure in exc.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+    return exc
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ class PartReader:
             raise DcpFormatError(f"{self.where}: has no {kind} item {name!r}")
         expected = "numpy" if kind == TENSORS else "bytes"
         b = node.get("b") if isinstance(node, dict) else None
-        if node.get("t") != expected or type(b) is not int or not 0 <= b < len(self._part.blobs):
+        if type(b) is not int or node.get("t") != expected or not 0 <= b < len(self._part.blobs):
             raise DcpFormatError(f"{self.where}: {kind} item {name!r} is malformed")
         if kind == TENSORS and (node.get("dtype") != "|u1" or len(node.get("shape", ())) != 1):
             raise DcpFormatError(f"{self.where}: tensor item {name!r} is not stored as bytes")
