@@ -17,6 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
+from torch.distributed.checkpoint import DefaultLoadPlanner  # noqa: E402
+from torch.distributed.checkpoint.planner import LoadPlan  # noqa: E402
+
 import cryosnap  # noqa: E402
 import cryosnap.dcp  # noqa: E402
 from cryosnap import engine  # noqa: E402
@@ -238,3 +241,23 @@ def test_import_dcp_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "rank=1 does not apply" in capsys.readouterr().err
     assert cli(["import-dcp", str(tmp_path), str(run)]) == 2
     assert "has no .metadata file" in capsys.readouterr().err
+
+
+def test_a_rank_that_read_another_version_than_the_coordinator_fails_the_load(
+    tmp_path: Path,
+) -> None:
+    """Without a step each rank reads the newest version's metadata itself; a version
+    committed in between would split them, so the coordinator's step travels with the plans."""
+    with cryosnap.dcp.StorageWriter(tmp_path) as writer:
+        save(state(), writer, checkpoint_id=1)
+        save(state(seed=2), writer, checkpoint_id=2)
+    coordinator = cryosnap.dcp.StorageReader(tmp_path, step=1)
+    coordinator.read_metadata()
+    (plan,) = coordinator.prepare_global_plan([LoadPlan([])])
+    rank = cryosnap.dcp.StorageReader(tmp_path)  # the newest: step 2
+    rank.read_metadata()
+    with pytest.raises(cryosnap.dcp.DcpError, match="step 2, the coordinator that of step 1"):
+        rank.read_data(plan, DefaultLoadPlanner())
+    target = state(seed=1)
+    load(target, cryosnap.dcp.StorageReader(tmp_path))  # one process: one version, the newest
+    assert same(target, state(seed=2))

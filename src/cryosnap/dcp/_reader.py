@@ -13,6 +13,7 @@ Runs on the caller's thread (DCP's load); takes no lock; no collectives of its o
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
@@ -28,7 +29,7 @@ from ..checkpointer import PathLike
 from ..export import committed_steps
 from ..storage import open_store
 from ._parts import BYTES, TENSORS, PartReader, metadata_text
-from ._schema import DcpFormatError, ItemKey, decode, item_key, leaf_name
+from ._schema import DcpError, DcpFormatError, ItemKey, decode, item_key, leaf_name
 from ._writer import step_of
 
 __all__ = ["StorageReader", "read_version_metadata"]
@@ -105,10 +106,20 @@ class StorageReader(_DcpStorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # Without a step every rank reads the newest version's metadata on its own; the
+        # coordinator's step travels with each rank's plan, so a rank that saw another version
+        # (one was committed during the load) fails the load instead of mixing versions.
+        return [dataclasses.replace(p, storage_data={_STEP: self._step}) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._metadata is not None and self._step is not None
+        told = plan.storage_data.get(_STEP) if isinstance(plan.storage_data, dict) else None
+        if told is not None and told != self._step:
+            raise DcpError(
+                f"{self._store.url}: this rank read the DCP metadata of step {self._step}, the "
+                f"coordinator that of step {told} (a version was committed during the load); "
+                "pass StorageReader(path, step=...) or checkpoint_id= to load one version"
+            )
         by_rank: dict[int, list[ReadItem]] = {}
         for item in plan.items:
             key = item_key(item.storage_index)
@@ -174,6 +185,9 @@ class StorageReader(_DcpStorageReader):
             return torch.empty(sizes, dtype=dtype)
         flat = torch.frombuffer(buf, dtype=torch.uint8)
         return flat.view(dtype).view(sizes)
+
+
+_STEP = "cryosnap_step"
 
 
 def _leaf(item: ReadItem) -> tuple[str, str]:
