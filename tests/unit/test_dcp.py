@@ -261,3 +261,20 @@ def test_a_rank_that_read_another_version_than_the_coordinator_fails_the_load(
     target = state(seed=1)
     load(target, cryosnap.dcp.StorageReader(tmp_path))  # one process: one version, the newest
     assert same(target, state(seed=2))
+
+
+def test_a_staged_copy_no_save_claimed_goes_back_once_dropped() -> None:
+    """An async save that failed before setting up the writer never claims its staged copy:
+    the next stage() takes its slabs back once nobody holds the copy, instead of waiting."""
+    from cryosnap.dcp._staging import Staging
+
+    staging = Staging(budget_bytes=None, timeout_seconds=0.2)
+    sd = state()
+    held = staging.stage(sd)
+    allocated = staging.allocated_bytes
+    with pytest.raises(cryosnap.dcp.DcpError, match=r"was not written within 0\.2 s"):
+        staging.stage(sd)  # the first copy is still referenced: it may still be written
+    del held
+    again = staging.stage(sd)
+    assert same(again, sd)
+    assert staging.allocated_bytes == allocated  # the same slabs, reused

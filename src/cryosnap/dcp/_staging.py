@@ -11,8 +11,11 @@ A *generation* is the slabs of one staged copy. The save that writes it claims i
 the writer up (every copy staged before that save began) and releases it once its version is
 committed or failed. One copy is staged at a time: :meth:`Staging.stage` first waits until the
 previous copy was released (the previous async save finished writing), as a Checkpointer
-waits with ``max_inflight=1``. A copy is whole before ``stage`` returns, so a state larger than
-the budget is refused (:class:`~cryosnap.dcp.DcpError`) instead of streamed.
+waits with ``max_inflight=1``. A copy whose save failed before it set the writer up is never
+claimed; it goes back once none of its tensors is referenced any more (DCP dropped it; a
+traceback kept with the failed Future's exception keeps it until that goes too). A copy is
+whole before ``stage`` returns, so a state larger than the budget is refused
+(:class:`~cryosnap.dcp.DcpError`) instead of streamed.
 
 Runs on the caller's thread (``stage``) and DCP's save thread (``claim``, ``release``).
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +39,7 @@ __all__ = ["Staging"]
 
 _SLAB_BYTES = 64 << 20
 _ALIGN = 64  # every staged tensor starts on this boundary: any dtype can view it
+_POLL_SECONDS = 0.05
 
 
 @dataclass(slots=True)
@@ -52,6 +58,9 @@ class Staging:
         self._pool: StagingPool | None = None
         self._cond = threading.Condition()
         self._generations: dict[int, list[Any]] = {}  # id -> slabs
+        # id -> weak references to the staged tensors: a copy no save claimed and nobody
+        # holds any more (its async save failed before setting up the writer) goes back.
+        self._staged: dict[int, list[weakref.ref[Any]]] = {}
         self._claimed: dict[int, int] = {}  # generation -> the save that claimed it
         self._next = 0
 
@@ -82,12 +91,27 @@ class Staging:
             raise
         with self._cond:
             self._generations[self._next] = slabs
+            self._staged[self._next] = [weakref.ref(t) for t in staged if t.numel()]
             self._next += 1
         return _rebuild(state_dict, iter(staged))
 
+    def _released(self) -> bool:
+        """Whether no staged copy is left, once the orphans went back (under the lock)."""
+        for g in list(self._generations):
+            if g not in self._claimed and all(r() is None for r in self._staged.get(g, [])):
+                self._drop(g)
+        return not self._generations
+
     def _wait_released(self) -> None:
+        deadline = time.monotonic() + self.timeout_seconds
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._generations, self.timeout_seconds):
+            # Polled: an orphan goes back when its last tensor is freed, which notifies nobody.
+            while not self._released():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, _POLL_SECONDS))
+            if self._generations:
                 raise DcpError(
                     f"the previous async save's staged copy was not written within "
                     f"{self.timeout_seconds:g} s: wait for each dcp.async_save to finish "
@@ -141,6 +165,7 @@ class Staging:
 
     def _drop(self, generation: int) -> None:
         self._claimed.pop(generation, None)
+        self._staged.pop(generation, None)
         assert self._pool is not None
         for slab in self._generations.pop(generation, []):
             self._pool.release(slab)
