@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -132,3 +133,25 @@ class Check:
     def line(self) -> str:
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
         return f"[{verdict}] {self.name}: {self.detail}"
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of ``world`` (gloo on 127.0.0.1, one
+    OpenMP thread per rank: the ranks share this machine's cores)."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

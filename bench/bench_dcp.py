@@ -32,7 +32,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from _harness import format_bytes, format_table, median, rmtree
+from _harness import format_bytes, format_table, free_port, median, rmtree, torchrun_env
 
 PEERS = ["DCP file, sync", "DCP file, async", "cryosnap, sync", "cryosnap, async"]
 TENSORS = 8
@@ -168,20 +167,10 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace, world: int, out: Path) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-        }
+        env = torchrun_env(rank, world, port)
         cmd = [sys.executable, __file__, "--rank-main", "--out", str(out)]
         cmd += ["--mib", str(args.mib), "--repeat", str(args.repeat), "--dir", args.dir]
         procs.append(subprocess.Popen(cmd, env=env))

@@ -53,7 +53,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -315,12 +314,6 @@ def worker(config_path: str) -> None:
 # -- the parent: launches, table, JSON ----------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(world: int, config: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
     """Run every round at ``world`` ranks; what each rank reported, by rank."""
     out = tmp / f"world-{world}"
@@ -329,19 +322,10 @@ def launch(world: int, config: dict[str, Any], tmp: Path) -> list[dict[str, Any]
     work.mkdir()
     config_path = out / "config.json"
     config_path.write_text(json.dumps({**config, "out": str(out), "work": str(work)}))
-    port = free_port()
+    port = h.free_port()
     procs, logs = [], []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
-        }
+        env = h.torchrun_env(rank, world, port)
         log = (out / f"rank-{rank}.log").open("w")
         logs.append(log)
         cmd = [sys.executable, str(HERE), "--worker", str(config_path)]

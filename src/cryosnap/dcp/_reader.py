@@ -30,7 +30,7 @@ from ..export import committed_steps
 from ..storage import open_store
 from ._parts import BYTES, TENSORS, PartReader, metadata_text
 from ._schema import DcpError, DcpFormatError, ItemKey, decode, item_key, leaf_name
-from ._writer import step_of
+from ._writer import is_step_id, step_of
 
 __all__ = ["StorageReader", "read_version_metadata"]
 
@@ -84,11 +84,7 @@ class StorageReader(_DcpStorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            step_of(checkpoint_id)
-        except (TypeError, ValueError):
-            return False
-        return True
+        return is_step_id(checkpoint_id)
 
     # No **kwargs: DCP would otherwise retry a failed read as "rank-local metadata".
     def read_metadata(self, *args: Any) -> Metadata:

@@ -68,6 +68,15 @@ def step_of(checkpoint_id: object, name: str = "checkpoint_id") -> int:
     )
 
 
+def is_step_id(checkpoint_id: object) -> bool:
+    """Whether ``checkpoint_id`` names a version (DCP's ``validate_checkpoint_id``)."""
+    try:
+        step_of(checkpoint_id)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 class StorageWriter(_DcpStorageWriter):
     """A ``torch.distributed.checkpoint`` storage writer that saves versions of a cryosnap run.
 
@@ -176,11 +185,7 @@ class StorageWriter(_DcpStorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            step_of(checkpoint_id)
-        except (TypeError, ValueError):
-            return False
-        return True
+        return is_step_id(checkpoint_id)
 
     def set_up_storage_writer(
         self,
