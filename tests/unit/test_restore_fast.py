@@ -1,0 +1,167 @@
+"""The restore's fast paths: chunks hashed with the GIL released (the same digests as
+``hash_chunks``), fresh leaves' pages mapped before their reads land, the bounced pieces of
+``into=``'s leaves read in one buffer per run; every chunk still verified on each of them."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import cryosnap
+from cryosnap import chunks
+from cryosnap.engine import _fetch, _read
+from cryosnap.manifest import Manifest, manifest_key
+from cryosnap.storage import open_store
+
+from .support import snapshot
+
+BIG_CHUNK = 256 << 10  # hashed by the native call
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 128 << 10, BIG_CHUNK, (1 << 20) + 3])
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 128 << 10, (128 << 10) + 1, (3 << 20) + 17])
+def test_released_hashing_gives_the_digests_of_hash_chunks(chunk_bytes: int, nbytes: int) -> None:
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    want = chunks.hash_chunks(data.data, chunk_bytes)
+    assert chunks.hash_chunks_released(data.data, chunk_bytes) == want
+    data.flags.writeable = False
+    assert chunks.hash_chunks_released(data.data, chunk_bytes) == want
+    assert chunks.hash_chunks_released(memoryview(bytes(data)), chunk_bytes) == want
+
+
+def test_released_hashing_falls_back_to_xxhash(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = np.arange(1 << 20, dtype=np.uint8)
+    want = chunks.hash_chunks(data.data, BIG_CHUNK)
+    monkeypatch.setattr(chunks, "_native", None)
+    assert chunks.hash_chunks_released(data.data, BIG_CHUNK) == want
+
+
+def test_populate_keeps_the_memory_as_it_is() -> None:
+    buf = np.random.default_rng(0).integers(0, 256, (4 << 20) + 123, dtype=np.uint8)
+    before = buf.copy()
+    _fetch._populate(buf.ctypes.data + 77, buf.nbytes - 100)
+    _fetch._populate(buf.ctypes.data, 0)
+    assert np.array_equal(buf, before)
+    fresh = np.empty(3 << 20, np.uint8)
+    _fetch._populate(fresh.ctypes.data, fresh.nbytes)
+    fresh[:] = 7
+    assert (fresh == 7).all()
+
+
+def test_populate_on_a_kernel_without_it_stops_asking(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def refuses(address: int, nbytes: int, advice: int) -> int:
+        calls.append(advice)
+        ctypes.set_errno(22)  # EINVAL: advice unknown to this kernel
+        return -1
+
+    monkeypatch.setattr(_fetch, "_madvise", refuses)
+    monkeypatch.setattr(ctypes, "get_errno", lambda: 22)
+    buf = np.empty(1 << 20, np.uint8)
+    _fetch._populate(buf.ctypes.data, buf.nbytes)
+    _fetch._populate(buf.ctypes.data, buf.nbytes)
+    assert len(calls) == 1
+
+
+def _big_state() -> dict[str, Any]:
+    rng = np.random.default_rng(3)
+    return {
+        "w": torch.from_numpy(rng.standard_normal(700_000).astype(np.float32)),  # 11 chunks
+        "b": torch.from_numpy(rng.standard_normal((300, 1000))).bfloat16(),
+        "a": rng.standard_normal((512, 300)),
+        "small": [torch.arange(10), np.arange(7, dtype=np.int8)],
+        "empty": torch.empty(0),
+        "scalar": torch.tensor(3.5),
+        "s": "text",
+    }
+
+
+def _zeros(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        elif isinstance(v, np.ndarray):
+            out[k] = np.zeros_like(v)
+        elif isinstance(v, list):
+            out[k] = [torch.zeros_like(v[0]), np.zeros_like(v[1])]
+        else:
+            out[k] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and bool(np.array_equal(a, b))
+    if isinstance(a, list):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("min_bytes", [0, 256 << 10])
+def test_large_chunks_restore_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, min_bytes: int
+) -> None:
+    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(_fetch, "_POPULATE_MIN_BYTES", 4096)
+    state = _big_state()
+    cryosnap.save(tmp_path, state, chunk_bytes=BIG_CHUNK)
+    out = cryosnap.load(tmp_path)
+    assert all(_same(state[k], out[k]) for k in state)
+    into = _zeros(state)
+    cryosnap.load(tmp_path, into=into)
+    assert all(_same(state[k], into[k]) for k in state)
+
+
+@pytest.mark.parametrize("into_given", [False, True])
+def test_damage_in_a_large_chunk_is_named_and_leaves_into_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into_given: bool
+) -> None:
+    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
+    state = _big_state()
+    cryosnap.save(tmp_path, state, step=5, chunk_bytes=BIG_CHUNK)
+    store = open_store(tmp_path)
+    manifest = Manifest.from_json(store.read(manifest_key(5, 0)), "test")
+    (key,) = manifest.data_files
+    paths = cryosnap.tree.blob_paths(manifest.skeleton, len(manifest.blobs))
+    row = manifest.blobs[paths.index("w")].table[0]
+    path = tmp_path / key
+    raw = bytearray(path.read_bytes())
+    raw[int(row[2]) + 7 * BIG_CHUNK + 5] ^= 0x10  # chunk 7 of leaf w
+    path.write_bytes(bytes(raw))
+    into = _zeros(state) if into_given else None
+    before = snapshot(into) if into is not None else None
+    with pytest.raises(cryosnap.IntegrityError, match=r"step 5.*leaf w: chunk 7 "):
+        cryosnap.load(tmp_path, step=5, into=into)
+    if into is not None:
+        assert snapshot(into) == before
+
+
+def test_bounced_pieces_around_gaps_and_copied_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leaves read into directly (bounced, one buffer per stretch of a run) beside leaves that
+    are copied (non-contiguous into=), in tasks of a few pieces each."""
+    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 16 << 10)
+    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 48 << 10)
+    rng = np.random.default_rng(9)
+    sizes = rng.integers(1, 6000, 80).tolist()
+    state = {
+        f"t{i}": torch.from_numpy(rng.standard_normal(n).astype("f4")) for i, n in enumerate(sizes)
+    }
+    cryosnap.save(tmp_path, state, chunk_bytes=4096)
+    into = {}
+    for i, (k, v) in enumerate(state.items()):
+        # Every third not contiguous: copied after the read, the others read into directly.
+        into[k] = torch.zeros(v.numel() * 2)[::2] if i % 3 == 0 else torch.zeros_like(v)
+    cryosnap.load(tmp_path, into=into)
+    assert all(torch.equal(state[k], into[k]) for k in state)
