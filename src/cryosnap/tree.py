@@ -24,6 +24,7 @@ imported only when a tensor is met.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import struct
@@ -100,7 +101,12 @@ def dict_items(node: Json, where: str) -> list[tuple[str | int, Json]]:
     keys, vals = node.get("k"), node.get("v")
     if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
         raise CheckpointFormatError(f"{where}: malformed dict node")
+    if set(map(type, keys)) <= _PLAIN_KEYS:  # the common case, decoded as they are
+        return list(zip(keys, vals, strict=True))
     return [(decode_key(k, where), v) for k, v in zip(keys, vals, strict=True)]
+
+
+_PLAIN_KEYS = frozenset((str, int))
 
 
 def format_path(path: tuple[str | int, ...]) -> str:
@@ -938,7 +944,22 @@ def _fillable(into: Any) -> bool:
 
 
 def _is_object(into: Any) -> bool:
+    kind = type(into)
+    if kind in _PLAIN_VALUES:
+        return False  # the common case, without two failed attribute lookups
+    torch = sys.modules.get("torch") if _PLAIN_TORCH else None
+    if torch is not None:
+        _PLAIN_VALUES.update((torch.Tensor, torch.nn.Parameter))
+        _PLAIN_TORCH.clear()
+        if kind in _PLAIN_VALUES:
+            return False
     return is_stateful(into) and not isinstance(into, (dict, list, tuple))
+
+
+# Types that are no stateful object (torch's added once a tensor is met: cryosnap never
+# imports torch itself).
+_PLAIN_VALUES: set[type] = {dict, list, tuple, np.ndarray, str, int, float, bool, bytes, type(None)}
+_PLAIN_TORCH = [True]
 
 
 def _check_optimizer(inner: Json, into: Any, path: tuple[str | int, ...]) -> None:
@@ -1159,16 +1180,16 @@ def apply_into(
     torch = sys.modules.get("torch")
     on_device = []
     direct = []
-    for dst, src in fills:
-        if dst is src:
-            if not isinstance(dst, np.ndarray):
-                direct.append(dst)
-        elif isinstance(dst, np.ndarray):
-            np.copyto(dst, src)
-        elif dst.device.type != "cpu":
-            on_device.append((src, dst))  # one batch through pinned slabs, below
-        else:
-            with torch.no_grad():  # type: ignore[union-attr]
+    with torch.no_grad() if torch is not None else contextlib.nullcontext():
+        for dst, src in fills:
+            if dst is src:
+                if not isinstance(dst, np.ndarray):
+                    direct.append(dst)
+            elif isinstance(dst, np.ndarray):
+                np.copyto(dst, src)
+            elif dst.device.type != "cpu":
+                on_device.append((src, dst))  # one batch through pinned slabs, below
+            else:
                 dst.copy_(src)
     copy_to_device(on_device)
     if direct:

@@ -165,3 +165,20 @@ def test_bounced_pieces_around_gaps_and_copied_leaves(
         into[k] = torch.zeros(v.numel() * 2)[::2] if i % 3 == 0 else torch.zeros_like(v)
     cryosnap.load(tmp_path, into=into)
     assert all(torch.equal(state[k], into[k]) for k in state)
+
+
+def test_plain_keys_and_values_take_the_fast_paths_as_before(tmp_path: Path) -> None:
+    """dict keys decoded without a call each when all are str/int (a huge int key still
+    decodes); tensors told from stateful objects without attribute lookups, modules still
+    filled through load_state_dict."""
+    huge = 1 << 80
+    module = torch.nn.Linear(3, 2)
+    state = {"w": torch.arange(6.0), 7: np.ones(3), huge: "big", "m": module}
+    cryosnap.save(tmp_path, state)
+    out = cryosnap.load(tmp_path)
+    assert out[huge] == "big" and torch.equal(out["w"], state["w"]) and 7 in out
+    target = torch.nn.Linear(3, 2)
+    into = {"w": torch.zeros(6), 7: np.zeros(3), huge: "", "m": target}
+    cryosnap.load(tmp_path, into=into)
+    assert torch.equal(into["w"], state["w"]) and (into[7] == 1).all() and into[huge] == "big"
+    assert into["m"] is target and torch.equal(target.weight, module.weight)
