@@ -30,6 +30,11 @@ the last rank's part of cryosnap's 1% version is loaded (``cryosnap.load(dir, ra
 and compared bit for bit with the state, and at N > 1 rank 0 also restores the replicated keys at
 another world size (a Checkpointer with a ``LocalCoordinator``, ``restore(replicated_only=True)``).
 
+With ``--scratch`` a fourth peer runs: ``Checkpointer(dir, scratch=..., chunk_bytes=1 MiB)``, a
+full version on each rank's node-local scratch (its whole part) and then, per rank, on the
+persistent level (the replicated state split again); "durable" is until it is on the persistent
+level, "on scratch" until durable there, "written" the rank's data on the persistent level.
+
 For cryosnap the table also shows the bytes each save copied out of the program's memory
 (``SaveInfo.captured_bytes``, the most of any rank): a rank copies its own share of the
 replicated state and hashes the rest in place.
@@ -71,6 +76,7 @@ LABELS = {
     "cryosnap_incr": "cryosnap 1% changed",
     "dcp_save": "DCP save",
     "dcp_async": "DCP async_save",
+    "cryosnap_scratch": "cryosnap scratch -> persistent",
 }
 CHUNK_BYTES = 1 << 20
 # The saves after the full one, in the same Checkpointer: every chunk changed (a full version's
@@ -172,10 +178,12 @@ class Rank:
             "cryosnap": self.cryosnap,
             "dcp_save": self.dcp_save,
             "dcp_async": self.dcp_async,
+            "cryosnap_scratch": self.cryosnap_scratch,
         }
+        peers = (*PEERS, "cryosnap_scratch") if self.config.get("scratch") else PEERS
         for round_no in range(self.config["warmup"] + self.config["repeat"]):
-            shift = round_no % len(PEERS)
-            for peer in PEERS[shift:] + PEERS[:shift]:
+            shift = round_no % len(peers)
+            for peer in peers[shift:] + peers[:shift]:
                 savers[peer](round_no)
         out = Path(self.config["out"]) / f"rank-{self.rank}.json"
         out.write_text(json.dumps({"samples": self.samples, "checks": self.checks}))
@@ -200,6 +208,36 @@ class Rank:
             self.dist.barrier()  # every Checkpointer closed: the run's lock is free
             self.check_restore(run)
         self.done_with(run)
+
+    def cryosnap_scratch(self, round_no: int) -> None:
+        """A full version through node-local scratch (each rank's whole part) and the flush
+        per rank into the persistent level (the replicated state split again)."""
+        import cryosnap
+
+        run, scratch = self.root / f"cryosnap-p-{round_no}", self.root / f"scratch-{round_no}"
+        with cryosnap.Checkpointer(run, scratch=scratch, chunk_bytes=CHUNK_BYTES) as ckpt:
+            self.settle()
+            c0, t0 = time.process_time(), time.perf_counter()
+            pending = ckpt.save(0, self.state, replicated=["model"])
+            on_scratch = pending.result(tier="scratch")
+            t1 = time.perf_counter()
+            info = pending.result(tier="persistent")
+            t2, cpu = time.perf_counter(), time.process_time() - c0
+        persistent = run.glob(f"data/{0:012d}-r{self.rank:05d}-*.dat")
+        self.record(
+            "cryosnap_scratch",
+            round_no,
+            stall_s=info.stall_seconds,
+            scratch_s=t1 - t0,
+            durable_s=t2 - t0,
+            cpu_s=cpu,
+            # This rank's data on the persistent level (its share); on scratch, its whole part.
+            written_bytes=sum(f.stat().st_size for f in persistent),
+            scratch_bytes=on_scratch.written_bytes,
+            captured_bytes=info.captured_bytes,
+        )
+        self.done_with(run)
+        self.done_with(scratch)
 
     def timed_cryosnap(self, ckpt: Any, step: int) -> dict[str, Any]:
         c0, t0 = time.process_time(), time.perf_counter()
@@ -383,6 +421,7 @@ def summarize(world: int, ranks: list[dict[str, Any]], state_bytes: int) -> list
         copied = [
             s["captured_bytes"] for s in samples if s["peer"] == peer and "captured_bytes" in s
         ]
+        on_scratch = per_round(samples, peer, "scratch_s") if peer == "cryosnap_scratch" else []
         share = state_bytes / world
         rows.append(
             {
@@ -401,6 +440,8 @@ def summarize(world: int, ranks: list[dict[str, Any]], state_bytes: int) -> list
                 "written_total_over_state": h.median([sum(r) / state_bytes for r in written]),
                 # Bytes the save copied out of the program's memory, the most of any rank.
                 "copied_max": max(copied) if copied else None,
+                # With scratch: until durable on it (durable_s: on the persistent level).
+                "scratch_s": h.median([max(r) for r in on_scratch]) if on_scratch else None,
             }
         )
     return rows
@@ -412,6 +453,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "peer",
         "stall s",
         "durable s",
+        "on scratch s",
         "CPU s/rank",
         "all ranks",
         "copied/rank max",
@@ -426,6 +468,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             LABELS[r["peer"]],
             f"{r['stall_s']:.3f}",
             f"{r['durable_s']:.3f}",
+            "-" if r.get("scratch_s") is None else f"{r['scratch_s']:.3f}",
             f"{r['cpu_s']:.2f}",
             f"{r['cpu_s_all_ranks']:.2f}",
             "-" if r.get("copied_max") is None else h.format_bytes(r["copied_max"]),
@@ -459,7 +502,7 @@ def files_check(raw: dict[str, Any]) -> h.Check:
         for world, ranks in raw.items()
         for r in ranks
         for s in r["samples"]
-        if s["peer"].startswith("cryosnap")
+        if "file_bytes" in s
     ]
     off = [(w, s) for w, s in samples if s["written_bytes"] != s["file_bytes"]]
     detail = f"{len(samples) - len(off)} of {len(samples)} saves equal" + "".join(
@@ -496,6 +539,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--dir", type=Path, default=None, help="where the temporary folder goes")
     p.add_argument("--json", type=Path, default=None, help="write every sample to this file")
+    p.add_argument(
+        "--scratch",
+        action="store_true",
+        help="also a Checkpointer with node-local scratch per rank, flushed to the persistent "
+        "level (durable = on persistent; written = the rank's persistent share)",
+    )
     args = p.parse_args(argv)
     if args.mib < 1 or args.repeat < 1 or args.warmup < 0 or any(n < 1 for n in args.ranks):
         p.error("--mib, --repeat and --ranks take positive integers, --warmup 0 or more")
@@ -506,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     state_bytes = args.mib << 20
     config = {"mib": args.mib, "repeat": args.repeat, "warmup": args.warmup}
+    config["scratch"] = args.scratch
     info = machine()
     load_before = os.getloadavg()[0]
     started = time.monotonic()
