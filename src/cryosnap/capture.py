@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .chunks import chunk_count, hash_chunks
+from .chunks import chunk_count, hash_chunks_released
 from .tree import Blob, FlatState
 
 __all__ = [
@@ -348,7 +348,7 @@ def capture_to_slabs(
                 continue
             if kind == _HASH:
                 view = blob.host_view()[lo:hi]
-                pieces.append(Hashed(index, lo, hi - lo, hash_chunks(view, chunk_bytes)))
+                pieces.append(Hashed(index, lo, hi - lo, hash_chunks_released(view, chunk_bytes)))
                 continue
             start = lo
             while start < hi:

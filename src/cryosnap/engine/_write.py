@@ -35,7 +35,7 @@ import xxhash
 
 from .._gc import paused_gc
 from ..capture import Hashed, Item, Piece, Unchanged
-from ..chunks import HASH_BYTES, chunk_count, hash_chunks, merkle_root
+from ..chunks import HASH_BYTES, chunk_count, hash_chunks_released, merkle_root
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
     INHERITED,
@@ -555,7 +555,7 @@ class PartWriter(_Shares):
     def _hash_runs(self, p: Piece) -> tuple[bytes, int, int | None, list[tuple[int, int, bool]]]:
         """Hash ``p``'s chunks (kept by its blob's builder); its first chunk, its base blob,
         and runs ``(a, b, unchanged)`` of its chunks against the base."""
-        digests = hash_chunks(p.view, self.chunk_bytes)
+        digests = hash_chunks_released(p.view, self.chunk_bytes)
         first = p.offset // self.chunk_bytes
         j, runs = self._base_runs(p.blob, first, digests)
         return digests, first, j, runs
@@ -599,9 +599,8 @@ class PartWriter(_Shares):
 
     def _foreign(self, p: Piece, rank: int) -> None:
         """Chunks of a replicated blob that ``rank`` writes: hashed and diffed, not written."""
-        self._external_runs(
-            p.blob, p.offset // self.chunk_bytes, hash_chunks(p.view, self.chunk_bytes), rank
-        )
+        digests = hash_chunks_released(p.view, self.chunk_bytes)
+        self._external_runs(p.blob, p.offset // self.chunk_bytes, digests, rank)
 
     def _hashed(self, h: Hashed) -> None:
         """Chunks the capture hashed in place because other ranks write them."""
