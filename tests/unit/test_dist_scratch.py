@@ -9,6 +9,7 @@ runs the same with gloo processes.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 from pathlib import Path
@@ -278,3 +279,49 @@ def test_a_flush_failing_on_one_rank_until_time_runs_out_fails_on_every_rank(
 
 def _no_fault(op: str, key: str) -> None:
     return None
+
+
+def test_the_flush_reads_only_this_ranks_share_of_the_replicated_state(tmp_path: Path) -> None:
+    """Each rank rewrites only its share on the persistent level, so it reads (and verifies)
+    only that share from its scratch; the other ranks' chunks go up by their recorded hashes.
+    A damaged chunk of another rank's share on one scratch does not stop the flush."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+
+    def fault(op: str, key: str) -> None:
+        if op == "open_writer" and key.startswith("data/000000000001-"):
+            raise StorageError(f"injected: {key}")
+
+    def save(c: Coordinator) -> None:
+        _NODE.name = "n0"
+        persistent = FaultyStore(LocalStore(run), fault=fault)
+        ckpt = cryosnap.Checkpointer(
+            persistent, scratch=scratch, comm=c, chunk_bytes=4096, flush_retry_seconds=0
+        )
+        try:
+            pending = ckpt.save(1, state_of(c.rank, 1), replicated=["model"])
+            pending.result(tier="scratch")
+            with pytest.raises(CheckpointError, match="injected"):
+                pending.result(tier="persistent")
+        finally:
+            with contextlib.suppress(CheckpointError):
+                ckpt.close()
+
+    run_ranks(2, save)
+    assert engine.list_steps(LocalStore(run)) == []
+    # Rank 1's scratch: the first chunk of "model" (rank 0's share) is damaged.
+    (data,) = (scratch / "rank-00001" / "data").glob("000000000001-*.dat")
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+    def reopen(c: Coordinator) -> None:
+        _NODE.name = "n0"
+        with cryosnap.Checkpointer(run, scratch=scratch, comm=c, chunk_bytes=4096):
+            pass  # open hands the version left on scratch to the persistent level; close waits
+
+    run_ranks(2, reopen)
+    assert engine.list_steps(LocalStore(run)) == [1]
+    for rank in (0, 1):
+        assert same(cryosnap.load(run, step=1, rank=rank), state_of(rank, 1))
+    with pytest.raises(cryosnap.IntegrityError):
+        cryosnap.load(scratch / "rank-00001", step=1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from ._fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
 from ._fetch import IO_BATCH_BYTES
 from ._read import (
+    FlatPart,
     PartNotFoundError,
     caller_stacklevel,
     newest_restorable,
@@ -60,6 +61,7 @@ __all__ = [
     "newest_restorable",
     "read_commit",
     "read_flat",
+    "FlatPart",
     "read_manifest",
     "read_part",
     "resolve",

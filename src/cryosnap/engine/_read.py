@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
+import itertools
 import logging
 import os
 import sys
@@ -25,6 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,7 +59,13 @@ from ..tree import (
 )
 from ._fetch import Fetched, read_blobs
 from ._records import read_commit, read_manifest
-from ._resolved import ResolvedPart, _check_claimed_bytes, chain_manifests, resolve
+from ._resolved import (
+    ResolvedBlob,
+    ResolvedPart,
+    _check_claimed_bytes,
+    chain_manifests,
+    resolve,
+)
 
 __all__ = [
     "PartNotFoundError",
@@ -257,15 +266,37 @@ def _read_verified(
     return part, restorer, fetched
 
 
+# Per blob index, which chunks a caller does not need the bytes of (True: skip).
+SkipMask = np.ndarray[Any, np.dtype[np.bool_]]
+
+
+@dataclass(frozen=True, slots=True)
+class FlatPart:
+    """:func:`read_flat`'s result: the part as it was flattened, and what describes it."""
+
+    flat: FlatState
+    record: CommitRecord
+    manifest: Manifest
+    # Per blob, the (chunks, 16) chunk hashes the part records (verified against the chain).
+    hashes: list[np.ndarray[Any, np.dtype[np.uint8]]]
+
+
 def read_flat(
-    store: Store, step: int, *, rank: int = 0
-) -> tuple[FlatState, CommitRecord, Manifest]:
+    store: Store,
+    step: int,
+    *,
+    rank: int = 0,
+    skip: Callable[[FlatState, Manifest], dict[int, SkipMask]] | None = None,
+) -> FlatPart:
     """One rank's part of ``step`` as it was flattened: the manifest's skeleton and every blob
     read and verified into a buffer of its own (no tensor is built, whatever the leaves are).
 
     What a hand-off needs to write the version again elsewhere, for instance split across the
     ranks on the persistent level (levels.py); the record and manifest come along for their
-    metrics and replicated keys."""
+    metrics and replicated keys. ``skip(flat, manifest)`` (no byte read yet)
+    names chunks whose bytes are not needed: they are neither read nor verified, their bytes
+    in the buffers are undefined, and the caller takes their recorded hashes from
+    :attr:`FlatPart.hashes` (a rank writing only its share of the replicated state)."""
     with paused_gc():
         record, manifest, ref, where = _open_part(store, step, rank)
         keys = blob_keys(manifest.skeleton, len(manifest.blobs))
@@ -284,12 +315,48 @@ def read_flat(
             buffers = [np.empty(b.nbytes, dtype=np.uint8) for b in manifest.blobs]
         except MemoryError as exc:
             raise CheckpointFormatError(f"{where}: out of memory for its blobs") from exc
-    read_blobs(store, part, [b.data for b in buffers], direct=[False] * len(buffers))
     blobs = [
         Blob(key, b.nbytes, buf) for key, b, buf in zip(keys, manifest.blobs, buffers, strict=True)
     ]
     flat = FlatState(manifest.skeleton, blobs, manifest.leaves, manifest.logical_bytes)
-    return flat, record, manifest
+    skipped = skip(flat, manifest) if skip is not None else {}
+    wanted, views = _wanted(part, [b.data for b in buffers], skipped, manifest.chunk_bytes)
+    read_blobs(store, wanted, views, direct=[False] * len(views))
+    return FlatPart(flat, record, manifest, [b.hashes for b in part.blobs])
+
+
+def _wanted(
+    part: ResolvedPart,
+    views: list[memoryview],
+    skipped: dict[int, SkipMask],
+    chunk_bytes: int,
+) -> tuple[ResolvedPart, list[memoryview]]:
+    """``part`` cut down to the runs of chunks not skipped (each a blob of its own, reading
+    into its slice of the blob's buffer)."""
+    if not skipped:
+        return part, views
+    blobs: list[ResolvedBlob] = []
+    out: list[memoryview] = []
+    for i, (blob, view) in enumerate(zip(part.blobs, views, strict=True)):
+        mask = skipped.get(i)
+        if mask is None or not mask.any():
+            blobs.append(blob)
+            out.append(view)
+            continue
+        keep = ~mask[: len(blob.hashes)]
+        edges = np.flatnonzero(np.diff(keep.astype(np.int8))) + 1
+        bounds = [0, *edges.tolist(), len(keep)]
+        for a, b in itertools.pairwise(bounds):
+            if not keep[a]:
+                continue
+            lo, hi = a * chunk_bytes, min(b * chunk_bytes, blob.nbytes)
+            blobs.append(
+                ResolvedBlob(
+                    blob.path, hi - lo, blob.files[a:b], blob.offsets[a:b], blob.hashes[a:b]
+                )
+            )
+            out.append(view[lo:hi])
+    return dataclasses.replace(part, blobs=blobs, _by_path={}), out
 
 
 def _check_into(skeleton: Any, into: Any, where: str) -> None:
