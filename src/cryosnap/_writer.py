@@ -16,12 +16,11 @@ never interleave with a hand-off's.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,8 @@ from ._capturing import END, Job
 from ._chain import ChainIndex
 from ._partner import Partners
 from ._results import PendingSave, SaveInfo
-from .capture import Batch, CaptureTracker, Hashed, Item, Piece, direct_batches
-from .chunks import chunk_count, merkle_root
+from .capture import Batch, CaptureTracker, direct_batches
+from .chunks import merkle_root
 from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, StorageTimeoutError
 from .flush import SourceDamagedError
@@ -502,7 +501,13 @@ class Rewriter:
         )
         if plans:
             job.plan, job.rank = plans[0], writer.own_rank()
-            batches = _share_batches(flat, plans[0].foreign(job.rank), got.hashes, writer)
+            batches = direct_batches(
+                flat,
+                batch_bytes=engine.IO_BATCH_BYTES,
+                chunk_bytes=writer.chunk_bytes,
+                foreign=plans[0].foreign(job.rank),
+                hashes=got.hashes,
+            )
         else:
             batches = direct_batches(flat, batch_bytes=engine.IO_BATCH_BYTES)
         for batch in batches:
@@ -522,40 +527,3 @@ class Rewriter:
             return False
         told = writer.coord.all_gather(retry and step not in writer.in_doubt)
         return all(told)
-
-
-def _share_batches(
-    flat: FlatState,
-    foreign: dict[int, np.ndarray[Any, np.dtype[np.bool_]]],
-    hashes: list[np.ndarray[Any, np.dtype[np.uint8]]],
-    writer: Writer,
-) -> Iterator[Batch]:
-    """Batches of ``flat`` (read by a hand-off) for a writer of this rank's share: its own
-    chunks as pieces of the buffers, the other ranks' as :class:`Hashed` runs with the hashes
-    the source recorded (their bytes were not read)."""
-    cb = writer.chunk_bytes
-    items: list[Item] = []
-    size = 0
-    for i, blob in enumerate(flat.blobs):
-        if blob.nbytes == 0:
-            continue
-        view = blob.host_view()
-        mask = foreign.get(i)
-        if mask is None or not mask.any():
-            runs = [(0, chunk_count(blob.nbytes, cb), False)]
-        else:
-            edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
-            bounds = [0, *edges.tolist(), len(mask)]
-            runs = [(a, b, bool(mask[a])) for a, b in itertools.pairwise(bounds)]
-        for a, b, theirs in runs:
-            lo, hi = a * cb, min(b * cb, blob.nbytes)
-            if theirs:
-                items.append(Hashed(i, lo, hi - lo, hashes[i][a:b].tobytes()))
-                continue
-            items.append(Piece(i, lo, view[lo:hi]))
-            size += hi - lo
-            if size >= engine.IO_BATCH_BYTES:
-                yield Batch(items)
-                items, size = [], 0
-    if items:
-        yield Batch(items)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -405,18 +405,35 @@ def _runs(
     ]
 
 
-def direct_batches(flat: FlatState, *, batch_bytes: int) -> Iterator[Batch]:
-    """Batches that view the live blob memory: zero copy, for callers that block until durable."""
+def direct_batches(
+    flat: FlatState,
+    *,
+    batch_bytes: int,
+    chunk_bytes: int = 0,
+    foreign: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
+    hashes: Sequence[np.ndarray[Any, np.dtype[np.uint8]]] = (),
+) -> Iterator[Batch]:
+    """Batches that view the live blob memory: zero copy, for callers that block until durable.
+
+    ``foreign`` (as for :func:`capture_to_slabs`) with ``hashes`` (per blob, its known
+    ``(chunks, 16)`` chunk hashes) makes those chunks :class:`Hashed` runs carrying the known
+    hashes (a hand-off that did not read them: _writer.Rewriter)."""
     pieces: list[Item] = []
     size = 0
     for index, blob in enumerate(flat.blobs):
         if blob.nbytes == 0:
             continue
         view = blob.host_view()
-        pieces.append(Piece(index, 0, view))
-        size += view.nbytes
-        if size >= batch_bytes:
-            yield Batch(pieces)
-            pieces, size = [], 0
+        others = foreign.get(index) if foreign else None
+        for lo, hi, kind in _runs(blob.nbytes, None, chunk_bytes or blob.nbytes, others):
+            if kind == _HASH:
+                known = hashes[index][lo // chunk_bytes : -(-hi // chunk_bytes)]
+                pieces.append(Hashed(index, lo, hi - lo, known.tobytes()))
+                continue
+            pieces.append(Piece(index, lo, view[lo:hi]))
+            size += hi - lo
+            if size >= batch_bytes:
+                yield Batch(pieces)
+                pieces, size = [], 0
     if pieces:
         yield Batch(pieces)
