@@ -40,7 +40,7 @@ from .errors import CheckpointError, CoordinationError
 from .lock import RunLock, acquire_run_lock
 from .manifest import commit_key, manifest_key
 from .policy import RetentionPolicy
-from .storage import BlobWriter, Store
+from .storage import BlobWriter, Store, join_location
 
 __all__ = ["NODE_ENV", "WINDOW_BYTES", "Partners", "node_name", "partner_map", "rebuild"]
 
@@ -93,7 +93,7 @@ class Partners:
         nodes = coord.all_gather(node_name())
         partners = partner_map(nodes)
         held = {
-            r: open_store(_join(root, f"partner/rank-{r:05d}"), timeout_seconds=timeout)
+            r: open_store(join_location(root, f"partner/rank-{r:05d}"), timeout_seconds=timeout)
             for r, p in enumerate(partners)
             if p == coord.rank
         }
@@ -372,7 +372,3 @@ class _Receiver:
             except CheckpointError as exc:
                 self.errors.append(f"{self.store.url}/{key}: {exc}")
         return self.errors
-
-
-def _join(root: str, sub: str) -> str:
-    return f"{root.rstrip('/')}/{sub}" if "://" in root else os.path.join(root, sub)

@@ -469,7 +469,7 @@ class Rewriter:
     ) -> int:
         yield_to()
         writer = self.writer
-        plans: list[_replicated.Plan] = []
+        shares: list[tuple[_replicated.Plan, dict[int, np.ndarray[Any, Any]]]] = []
 
         def others_share(
             flat: FlatState, manifest: Manifest
@@ -478,8 +478,9 @@ class Rewriter:
             # are neither read nor verified here; their recorded hashes go to the writer.
             if manifest.chunk_bytes != writer.chunk_bytes:
                 return {}  # other chunks on this level: the writer hashes what it reads
-            plans.append(writer.plan(flat, manifest.replicated))
-            return plans[0].foreign(writer.own_rank())
+            plan = writer.plan(flat, manifest.replicated)
+            shares.append((plan, plan.foreign(writer.own_rank())))
+            return shares[0][1]
 
         try:
             got = engine.read_flat(src, step, skip=others_share)
@@ -499,17 +500,16 @@ class Rewriter:
             got.record.metrics,
             replicated=manifest.replicated,
         )
-        if plans:
-            job.plan, job.rank = plans[0], writer.own_rank()
-            batches = direct_batches(
-                flat,
-                batch_bytes=engine.IO_BATCH_BYTES,
-                chunk_bytes=writer.chunk_bytes,
-                foreign=plans[0].foreign(job.rank),
-                hashes=got.hashes,
-            )
-        else:
-            batches = direct_batches(flat, batch_bytes=engine.IO_BATCH_BYTES)
+        foreign: dict[int, np.ndarray[Any, Any]] = {}
+        if shares:
+            (job.plan, foreign), job.rank = shares[0], writer.own_rank()
+        batches = direct_batches(
+            flat,
+            batch_bytes=engine.IO_BATCH_BYTES,
+            chunk_bytes=writer.chunk_bytes,
+            foreign=foreign,
+            hashes=got.hashes,
+        )
         for batch in batches:
             job.batches.put(batch)
         job.batches.put(END)

@@ -34,7 +34,6 @@ slabs are released by the writer thread. Torch copies release the GIL.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .chunks import chunk_count, hash_chunks_released
+from .chunks import chunk_count, hash_chunks_released, value_runs
 from .tree import Blob, FlatState
 
 __all__ = [
@@ -397,11 +396,8 @@ def _runs(
         kinds[foreign[:n]] = _HASH
     if mask is not None:
         kinds[~mask[:n]] = _UNCHANGED
-    edges = np.flatnonzero(np.diff(kinds)) + 1
-    bounds = [0, *edges.tolist(), n]
     return [
-        (a * chunk_bytes, min(b * chunk_bytes, nbytes), int(kinds[a]))
-        for a, b in itertools.pairwise(bounds)
+        (a * chunk_bytes, min(b * chunk_bytes, nbytes), int(kinds[a])) for a, b in value_runs(kinds)
     ]
 
 

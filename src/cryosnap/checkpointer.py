@@ -53,7 +53,7 @@ from .levels import Level, Levels
 from .lock import RunLock, acquire_run_lock
 from .manifest import RUN_ID_PATTERN, CommitRecord, commit_key
 from .policy import RetentionPolicy, SavePolicy, as_retention
-from .storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store, unwrap
+from .storage import DEFAULT_TIMEOUT_SECONDS, Store, join_location, open_store, unwrap
 from .storage.tiers import Placement, StripedStore, Tier
 from .tree import flatten
 
@@ -663,12 +663,7 @@ def _rank_dir(tier: Tier, rank: int) -> str:
             f"scratch={tier.path!r}: with several participants give scratch as a path or URL "
             "(each rank keeps its part under <scratch>/rank-<r>), not a Store"
         )
-    root = os.fspath(tier.path)
-    return (
-        f"{root.rstrip('/')}/{_rank_name(rank)}"
-        if "://" in root
-        else os.path.join(root, _rank_name(rank))
-    )
+    return join_location(os.fspath(tier.path), _rank_name(rank))
 
 
 def _rank_name(rank: int) -> str:

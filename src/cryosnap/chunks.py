@@ -16,9 +16,11 @@ extension through ctypes, which releases the GIL: several threads hash on severa
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import struct
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -38,6 +40,7 @@ __all__ = [
     "merkle_levels",
     "merkle_root",
     "validate_chunk_bytes",
+    "value_runs",
 ]
 
 HASH_NAME = "xxh3_128"
@@ -67,6 +70,16 @@ def validate_chunk_bytes(chunk_bytes: object) -> int:
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
     """Number of chunks of a blob of ``nbytes``; an empty blob has none."""
     return -(-nbytes // chunk_bytes)
+
+
+def value_runs(values: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
+    """The runs of equal values of a 1-D array (per chunk: changed, owner, kind...) as
+    ``(a, b)``: ``values[a:b]`` all equal, in order, covering the array."""
+    n = len(values)
+    if n == 0:
+        return []
+    edges = (np.flatnonzero(values[1:] != values[:-1]) + 1).tolist()
+    return list(itertools.pairwise([0, *edges, n]))
 
 
 def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

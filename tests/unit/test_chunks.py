@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import assume, given
@@ -20,6 +21,7 @@ from cryosnap.chunks import (
     merkle_levels,
     merkle_root,
     validate_chunk_bytes,
+    value_runs,
 )
 
 # Small chunk sizes keep the properties fast; the functions take any positive size.
@@ -121,3 +123,12 @@ def test_validate_chunk_bytes_range(value: int) -> None:
 def test_validate_chunk_bytes_type(value: object) -> None:
     with pytest.raises(TypeError, match="chunk_bytes must be an int"):
         validate_chunk_bytes(value)
+
+
+@given(st.lists(st.integers(0, 2), max_size=40))
+def test_value_runs_cover_the_array_in_runs_of_equal_values(values: list[int]) -> None:
+    arr = np.array(values, dtype=np.int8)
+    runs = value_runs(arr)
+    assert [i for a, b in runs for i in range(a, b)] == list(range(len(values)))
+    assert all(len(set(values[a:b])) == 1 for a, b in runs)
+    assert all(values[b - 1] != values[b] for _a, b in runs[:-1])

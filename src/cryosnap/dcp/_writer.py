@@ -158,7 +158,10 @@ class StorageWriter(_DcpStorageWriter):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        # The Checkpointer's own exit: on an exception it stops retrying flushes and does not
+        # mask the exception with a failure of its own.
+        self._staging.close()
+        self._ckpt.__exit__(exc_type, exc, tb)
 
     def __repr__(self) -> str:
         return f"cryosnap.dcp.StorageWriter({self._ckpt.store.url!r})"

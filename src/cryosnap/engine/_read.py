@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import itertools
 import logging
 import os
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._gc import paused_gc
-from ..chunks import chunk_count, merkle_root
+from ..chunks import chunk_count, merkle_root, value_runs
 from ..errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -344,9 +343,7 @@ def _wanted(
             out.append(view)
             continue
         keep = ~mask[: len(blob.hashes)]
-        edges = np.flatnonzero(np.diff(keep.astype(np.int8))) + 1
-        bounds = [0, *edges.tolist(), len(keep)]
-        for a, b in itertools.pairwise(bounds):
+        for a, b in value_runs(keep):
             if not keep[a]:
                 continue
             lo, hi = a * chunk_bytes, min(b * chunk_bytes, blob.nbytes)

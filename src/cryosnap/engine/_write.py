@@ -20,7 +20,6 @@ collectives here.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import secrets
@@ -35,7 +34,7 @@ import xxhash
 
 from .._gc import paused_gc
 from ..capture import Hashed, Item, Piece, Unchanged
-from ..chunks import HASH_BYTES, chunk_count, hash_chunks_released, merkle_root
+from ..chunks import HASH_BYTES, chunk_count, hash_chunks_released, merkle_root, value_runs
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
     INHERITED,
@@ -141,8 +140,7 @@ def owner_runs(owners: Owners, first: int, count: int) -> list[tuple[int, int, i
     part = owners[first : first + count]
     if part[0] == part[-1]:  # owners never decrease along a blob: one owner throughout
         return [(first, count, int(part[0]))]
-    edges = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), count]
-    return [(first + a, b - a, int(part[a])) for a, b in itertools.pairwise(edges)]
+    return [(first + a, b - a, int(part[a])) for a, b in value_runs(part)]
 
 
 # A run of chunks of a replicated blob that another rank writes: [EXTERNAL, rank, first, count]
@@ -577,9 +575,7 @@ class PartWriter(_Shares):
             return j, [(0, 1, digests == old.tobytes())]
         # Runs of unchanged / changed chunks: one reference per unchanged run.
         same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
-        edges = np.flatnonzero(np.diff(same.astype(np.int8))) + 1
-        bounds = [0, *edges.tolist(), n]
-        return j, [(a, b, bool(same[a])) for a, b in itertools.pairwise(bounds)]
+        return j, [(a, b, bool(same[a])) for a, b in value_runs(same)]
 
     def _unchanged(self, u: Unchanged) -> None:
         """Chunks the capture found unchanged since the base: inherited, with the base's

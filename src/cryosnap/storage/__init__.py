@@ -43,6 +43,7 @@ __all__ = [
     "TimeoutStore",
     "TruncatedError",
     "WrapperStore",
+    "join_location",
     "open_store",
     "unwrap",
     "validate_key",
@@ -91,6 +92,12 @@ _STORE_MEMBERS = (
     "delete",
     "remove_incomplete",
 )
+
+
+def join_location(root: str, sub: str) -> str:
+    """``sub`` under the location ``root``: a URL joined with ``/``, a local path with the
+    platform's separator (what :func:`open_store` then opens)."""
+    return f"{root.rstrip('/')}/{sub}" if "://" in root else os.path.join(root, sub)
 
 
 def _backend(location: str | os.PathLike[str], storage_options: dict[str, Any]) -> Store:
