@@ -29,7 +29,7 @@ import numpy as np
 from .. import engine
 from ..engine._fetch import read_blobs
 from ..storage import Store
-from ..tree import blob_keys, dict_items, format_path
+from ..tree import dict_items
 from ._schema import ROOT, DcpFormatError
 
 __all__ = ["PartReader", "dcp_node", "metadata_text", "part_state"]
@@ -89,17 +89,14 @@ class PartReader:
                 f"step {step} of {store.url}: its DCP metadata names rank {rank}, but the "
                 f"version has {record.world_size} part(s)"
             )
-        manifest, ref = engine.read_manifest(store, record, rank)
+        # Every claim of the part's chain is checked before anything is allocated or read.
+        manifest, self._part, _keys, _where = engine.resolve_part(store, record, rank)
         self.where = f"step {step} of {store.url}, rank {rank}"
         self.store = store
         node = dcp_node(manifest.skeleton, self.where)
         if node is None:
             raise DcpFormatError(f"{self.where}: not a part written through cryosnap.dcp")
         self._nodes = {kind: _children(node, kind, self.where) for kind in (TENSORS, BYTES)}
-        keys = blob_keys(manifest.skeleton, len(manifest.blobs))
-        self._part = engine.resolve(
-            store, manifest, ref.key, ref.xxh3, paths=[format_path(k) for k in keys]
-        )
 
     def read(self, wanted: list[tuple[str, str]]) -> dict[tuple[str, str], memoryview]:
         """The bytes of each ``(kind, leaf name)`` asked for (kind ``tensors`` or ``bytes``),

@@ -28,6 +28,7 @@ from ._read import (
     newest_restorable,
     read_flat,
     read_part,
+    resolve_part,
     verify_part,
 )
 from ._read import _prefaulted as _prefaulted
@@ -61,6 +62,7 @@ __all__ = [
     "newest_restorable",
     "read_commit",
     "read_flat",
+    "resolve_part",
     "FlatPart",
     "read_manifest",
     "read_part",

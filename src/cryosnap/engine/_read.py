@@ -68,6 +68,7 @@ from ._resolved import (
 
 __all__ = [
     "PartNotFoundError",
+    "resolve_part",
     "caller_stacklevel",
     "newest_restorable",
     "read_part",
@@ -297,19 +298,10 @@ def read_flat(
     in the buffers are undefined, and the caller takes their recorded hashes from
     :attr:`FlatPart.hashes` (a rank writing only its share of the replicated state)."""
     with paused_gc():
-        record, manifest, ref, where = _open_part(store, step, rank)
-        keys = blob_keys(manifest.skeleton, len(manifest.blobs))
-        chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
-        checked = _check_chain_claims(store, chain, set(record.data_files))
-        part = resolve(
-            store,
-            manifest,
-            ref.key,
-            ref.xxh3,
-            chain=chain,
-            paths=[format_path(k) for k in keys],
-        )
-        _check_used_files(store, part, checked)
+        record = read_commit(store, step)
+        if rank >= record.world_size:
+            raise _no_part(store, record, rank)
+        manifest, part, keys, where = resolve_part(store, record, rank)
         try:
             buffers = [np.empty(b.nbytes, dtype=np.uint8) for b in manifest.blobs]
         except MemoryError as exc:
@@ -322,6 +314,24 @@ def read_flat(
     wanted, views = _wanted(part, [b.data for b in buffers], skipped, manifest.chunk_bytes)
     read_blobs(store, wanted, views, direct=[False] * len(views))
     return FlatPart(flat, record, manifest, [b.hashes for b in part.blobs])
+
+
+def resolve_part(
+    store: Store, record: CommitRecord, rank: int
+) -> tuple[Manifest, ResolvedPart, list[tuple[str | int, ...]], str]:
+    """Part ``rank`` (< ``record.world_size``) of a committed version resolved, with every claim
+    its chain makes checked against the store first: the manifest, the part, each blob's key
+    in the state and where it is (for messages). For readers that fetch blobs themselves."""
+    manifest, ref = read_manifest(store, record, rank)
+    where = f"step {record.step}, tier {store.url}: {ref.key}"
+    keys = blob_keys(manifest.skeleton, len(manifest.blobs))
+    chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
+    checked = _check_chain_claims(store, chain, set(record.data_files))
+    part = resolve(
+        store, manifest, ref.key, ref.xxh3, chain=chain, paths=[format_path(k) for k in keys]
+    )
+    _check_used_files(store, part, checked)
+    return manifest, part, keys, where
 
 
 def _wanted(
