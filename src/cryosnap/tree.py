@@ -175,6 +175,7 @@ class FlatState:
 
 
 _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
+_DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a skeleton ("float32")
 
 
 def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
@@ -279,11 +280,17 @@ class _Flattener:
                     )
                 keys.append(k)
             kind = "odict" if isinstance(obj, OrderedDict) else "dict"
-            return {
-                "t": kind,
-                "k": [encode_key(k) for k in keys],
-                "v": [self.visit(obj[k], (*path, k)) for k in keys],
-            }
+            torch = sys.modules.get("torch")
+            plain = torch.Tensor if torch is not None and self._depth <= MAX_DEPTH else None
+            vals: list[Json] = []
+            for k in keys:
+                v = obj[k]
+                if type(v) is plain:  # a state dict's tensors: visit() without its checks
+                    self.leaves += 1
+                    vals.append(self.tensor(v, (*path, k)))
+                else:
+                    vals.append(self.visit(v, (*path, k)))
+            return {"t": kind, "k": [encode_key(k) for k in keys], "v": vals}
         if type(obj) is list:
             return {"t": "list", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
         if type(obj) is tuple:
@@ -364,18 +371,23 @@ class _Flattener:
 
     def tensor(self, t: Any, path: tuple[str | int, ...]) -> Json:
         torch = sys.modules["torch"]
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            if self.allow_pickle and t.device.type != "meta":
+        if t.layout != torch.strided or t.is_quantized or t.is_meta:
+            if self.allow_pickle and not t.is_meta:
                 return self.pickled(t, path)
             raise TypeError(
                 f"cannot checkpoint {format_path(path)}: {t.layout} / quantized / meta tensors "
                 "are not supported (dense strided tensors only)"
             )
+        dtype = t.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
         node: dict[str, Any] = {
             "t": "torch",
-            "dtype": str(t.dtype).removeprefix("torch."),
+            "dtype": name,
             "shape": list(t.shape),
-            "device": str(t.device),
+            # is_cpu is a flag; t.device builds an object (and str() a string) per call.
+            "device": "cpu" if t.is_cpu else str(t.device),
         }
         # Parameter's metaclass makes isinstance slow; plain tensors skip it.
         if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
@@ -405,30 +417,29 @@ class _Flattener:
             else:
                 # Two storages may start at one address (views of one numpy buffer): the size
                 # is part of the key, so only the very same storage is shared.
-                groups.setdefault((t.device.type, ptr, size), []).append(i)
+                groups.setdefault(("cpu" if t.is_cpu else t.device.type, ptr, size), []).append(i)
+        uint8, blobs, tensors = torch.uint8, self.blobs, self.tensors
         for members in groups.values():
             if len(members) == 1:
-                node, t, path = self.tensors[members[0]]
+                i = members[0]
+                node, t, path = tensors[i]
                 x = t
                 if x.is_complex():  # only complex tensors carry lazy conj/neg bits
                     x = x.resolve_conj().resolve_neg()
                 if not x.is_contiguous():
                     x = x.contiguous()
-                n = x.numel()
-                if n == 1 and x.dim() and x.stride()[-1] != 1:
+                n = x.nbytes
+                if n == x.element_size() and x.dim() and x.stride()[-1] != 1:
                     # torch calls a one-element view of any stride contiguous, but a byte view
                     # needs stride 1.
                     x = x.as_strided((1,), (1,))
-                flat = (
-                    x.reshape(-1).view(torch.uint8)
-                    if n
-                    else x.new_empty(0).view(torch.uint8).reshape(0)
-                )
+                flat = x.reshape(-1).view(uint8) if n else x.new_empty(0).view(uint8).reshape(0)
                 if flat.requires_grad:  # a view taken before no_grad (never, but be sure)
                     flat = flat.detach()
-                node["b"] = self.add_blob(path, flat, flat.numel())
-                if x is t or x.untyped_storage().data_ptr() == ptrs[members[0]]:
-                    self.blobs[-1].origin = ptrs[members[0]]
+                # add_blob inlined (one call less per tensor of a state of many small ones)
+                node["b"] = len(blobs)
+                origin = ptrs[i] if x is t or x.untyped_storage().data_ptr() == ptrs[i] else 0
+                blobs.append(Blob(path, n, flat, origin))
                 continue
             # Shared storage: one blob covering every byte the group uses, aligned so each
             # member's offset stays a multiple of its element size.
@@ -561,7 +572,12 @@ def _torch_dtype(name: Any, path: str) -> Any:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointFormatError(f"leaf {path}: unknown torch dtype {name!r}")
+    if type(name) is str:
+        _TORCH_DTYPES[name] = dtype
     return dtype
+
+
+_TORCH_DTYPES: dict[str, Any] = {}  # the dtype names _torch_dtype found, and their dtypes
 
 
 def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
@@ -769,12 +785,17 @@ class Restorer:
 
     def _alloc_tensor(self, node: dict[str, Any], path: str) -> None:
         torch = _torch()
-        dtype, shape = _torch_dtype(node.get("dtype"), path), _shape(node, path)
+        name = node.get("dtype")
+        dtype = _TORCH_DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            dtype = _torch_dtype(name, path)
+        shape = _shape(node, path)
         b = self._blob(node, path)
         view = node.get("view")
         item = _itemsize(dtype)
         if view is None:
-            _expect_bytes(shape, item, self.blob_sizes[b], path)
+            if math.prod(shape) * item != self.blob_sizes[b]:
+                _expect_bytes(shape, item, self.blob_sizes[b], path)
             target = self._targets.get(id(node))
             if target is not None:  # into='s own contiguous CPU tensor (direct_targets)
                 self._claim(b, _byte_view(target.detach()), path)
@@ -782,8 +803,14 @@ class Restorer:
                 self._values[id(node)] = target
                 return
             t = torch.empty(shape, dtype=dtype)
-            self._claim(b, _byte_view(t), path)
+            if self._dest[b] is not None:
+                raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+            self._dest[b] = _byte_view(t)
             self._tensors.append((node, b, None))
+            self._values[id(node)] = (
+                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            )
+            return
         else:
             if not isinstance(view, dict):
                 raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
