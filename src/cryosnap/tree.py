@@ -1031,8 +1031,19 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
         extra = [k for k in into if k not in known]
         if missing or extra:
             raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
+        plain = torch.Tensor if torch is not None else None
         for k, v in items:
-            _check(v, into[k], (*path, k))
+            x = into[k]
+            # A state dict's tensors, checked here without a call each (what the torch
+            # branch below checks).
+            if (
+                type(x) is plain
+                and v.get("t") == "torch"
+                and _DTYPE_NAMES.get(x.dtype) == v.get("dtype")
+                and list(x.shape) == v.get("shape")
+            ):
+                continue
+            _check(v, x, (*path, k))
         return
     if t in ("list", "tuple"):
         if not isinstance(into, (list, tuple)):
@@ -1045,7 +1056,9 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     if isinstance(into, (dict, list, tuple)):
         raise _mismatch(path, f"saved a {t} leaf, into= has a {type(into).__name__}")
     if t == "torch" and torch is not None and isinstance(into, torch.Tensor):
-        dtype = str(into.dtype).removeprefix("torch.")
+        dtype = _DTYPE_NAMES.get(into.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[into.dtype] = str(into.dtype).removeprefix("torch.")
         if list(into.shape) != node["shape"] or dtype != node["dtype"]:
             raise _mismatch(
                 path,
@@ -1106,8 +1119,22 @@ def _targets(
     if _is_object(into):
         return  # filled by its load_state_dict
     if t in ("dict", "odict"):
+        torch = sys.modules.get("torch")
+        plain, strided = (torch.Tensor, torch.strided) if torch is not None else (None, None)
         for k, v in dict_items(node, ""):
-            _targets(v, into[k], found, spans, min_bytes)
+            x = into[k]
+            if type(x) is plain and x.is_cpu and x.layout == strided and x.is_contiguous():
+                # A state dict's tensors, without a call each (what _span and _direct find)
+                n = x.nbytes
+                if not n:
+                    continue
+                lo = x.data_ptr()
+                direct = n >= min_bytes and _direct(v, x)
+                spans.append((lo, lo + n, len(found) if direct else -1))
+                if direct:
+                    found.append((id(v), x))
+                continue
+            _targets(v, x, found, spans, min_bytes)
         return
     if t in ("list", "tuple"):
         for i, v in enumerate(node["v"]):
@@ -1174,7 +1201,8 @@ def _direct(node: dict[str, Any], leaf: Any) -> bool:
         and not leaf.is_inference()
         and not leaf.is_conj()
         and not leaf.is_neg()
-        and str(leaf.dtype).removeprefix("torch.") == node["dtype"]
+        and (_DTYPE_NAMES.get(leaf.dtype) or str(leaf.dtype).removeprefix("torch."))
+        == node["dtype"]
         and list(leaf.shape) == node["shape"]
     )
 
@@ -1242,9 +1270,15 @@ def _plan(
         loads.append((path, into, loaded))
         return into
     if t in ("dict", "odict"):
+        torch = sys.modules.get("torch")
+        plain = torch.Tensor if torch is not None else None
         for k, v in dict_items(node, format_path(path)):
-            new = _plan(v, loaded[k], into[k], (*path, k), loads, fills, sets)
-            if new is not into[k]:
+            x = into[k]
+            if type(x) is plain:  # a state dict's tensors: filled in place (as below)
+                fills.append((x, loaded[k]))
+                continue
+            new = _plan(v, loaded[k], x, (*path, k), loads, fills, sets)
+            if new is not x:
                 sets.append((into, k, new))
         return into
     if t in ("list", "tuple"):
