@@ -150,13 +150,16 @@ class Blob:
     def host_view(self) -> memoryview:
         """A flat byte view of the data in host memory (copies only from a GPU)."""
         src = self.source
+        kind = type(src)
+        if kind is bytes:
+            return memoryview(src)
+        if kind is np.ndarray or isinstance(src, np.ndarray):
+            return src.data.cast("B") if src.nbytes else memoryview(b"")
         if isinstance(src, bytes):
             return memoryview(src)
-        if isinstance(src, np.ndarray):
-            return src.data.cast("B") if src.nbytes else memoryview(b"")
-        if src.device.type != "cpu":
+        if not src.is_cpu:  # a flag: src.device would build an object per call
             src = src.cpu()
-        return memoryview(src.numpy()).cast("B") if src.numel() else memoryview(b"")
+        return src.numpy().data if src.nbytes else memoryview(b"")
 
 
 @dataclass(slots=True)
