@@ -31,7 +31,7 @@ import re
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -311,6 +311,17 @@ class Manifest:
     # The top-level keys saved as replicated (identical on every rank; True: the whole state),
     # or None. Written only when set: older manifests stay valid, format_version stays 1.
     replicated: Replicated = None
+    # What from_json already has of every blob at once (:class:`BlobTables`), so readers need
+    # not gather it blob by blob again; None: :meth:`tables` builds it.
+    _tables: BlobTables | None = field(default=None, compare=False, repr=False)
+
+    def tables(self) -> BlobTables:
+        """Every blob's segment table, size and stored hashes at once."""
+        t = self._tables
+        if t is None or t.blobs is not self.blobs:
+            t = BlobTables.of(self.blobs)
+            object.__setattr__(self, "_tables", t)
+        return t
 
     def to_json(self) -> bytes:
         hashes: list[bytes] = []
@@ -368,13 +379,9 @@ class Manifest:
             table = base64.b64decode(doc.get("hashes", ""), validate=True)
         except (TypeError, ValueError) as exc:
             raise _fail(where, "field 'hashes' is not base64") from exc
-        cursor = [0]
-        blobs = tuple(
-            _parse_blob(b, i, len(data_files), chunk_bytes, base is not None, table, cursor, where)
-            for i, b in enumerate(raw_blobs)
+        blobs, tables = _parse_blobs(
+            raw_blobs, len(data_files), chunk_bytes, base is not None, table, where
         )
-        if cursor[0] != len(table):
-            raise _fail(where, "hash table does not match the stored segments")
         created = _unix(doc, "created_unix", where)
         if not isinstance(doc.get("tree"), dict):
             raise _fail(where, "field 'tree' must be an object")
@@ -393,6 +400,7 @@ class Manifest:
             created_unix=created,
             base=base,
             replicated=_replicated(doc.get("replicated"), where),
+            _tables=tables,
         )
 
 
@@ -402,6 +410,167 @@ def _replicated(raw: Any, where: str) -> Replicated:
     if not isinstance(raw, list) or len(raw) > _MAX_REPLICATED_KEYS:
         raise _fail(where, f"malformed field 'replicated' {raw!r:.120}")
     return tuple(decode_key(k, f"{where}: field 'replicated'") for k in raw)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlobTables:
+    """Every blob of a manifest at once: ``table``, the segment tables back to back (one row
+    per segment, as in :class:`BlobEntry`); ``rows``, the rows of each blob; ``nbytes``, each
+    blob's size; ``hashes``, every stored chunk's hash in blob order (the manifest's hash
+    table). ``blobs`` is the tuple they describe."""
+
+    blobs: tuple[BlobEntry, ...]
+    table: np.ndarray[Any, np.dtype[np.int64]]
+    rows: np.ndarray[Any, np.dtype[np.int64]]
+    nbytes: np.ndarray[Any, np.dtype[np.int64]]
+    hashes: bytes
+
+    @classmethod
+    def of(cls, blobs: tuple[BlobEntry, ...]) -> BlobTables:
+        n = len(blobs)
+        table = np.concatenate([e.table for e in blobs]) if n else np.empty((0, 4), np.int64)
+        return cls(
+            blobs,
+            table.astype(np.int64, copy=False).reshape(-1, 4),
+            np.fromiter((len(e.table) for e in blobs), np.int64, n),
+            np.fromiter((e.nbytes for e in blobs), np.int64, n),
+            b"".join(e.hashes for e in blobs),
+        )
+
+
+def _parse_blobs(
+    raw: list[Any],
+    nfiles: int,
+    chunk_bytes: int,
+    has_base: bool,
+    table: bytes,
+    where: str,
+) -> tuple[tuple[BlobEntry, ...], BlobTables | None]:
+    """The blob entries of a manifest, every check of :func:`_parse_blob` made. Blobs of one
+    segment (nearly every leaf of a state of many small tensors) are checked all at once
+    (:func:`_parse_simple_blobs`); when anything there is off, every blob goes through
+    :func:`_parse_blob` in order, which names the first bad one as it always did."""
+    fast = _parse_simple_blobs(raw, nfiles, chunk_bytes, has_base, table, where)
+    if fast is not None:
+        return fast
+    cursor = [0]
+    blobs = tuple(
+        _parse_blob(b, i, nfiles, chunk_bytes, has_base, table, cursor, where)
+        for i, b in enumerate(raw)
+    )
+    if cursor[0] != len(table):
+        raise _fail(where, "hash table does not match the stored segments")
+    return blobs, None
+
+
+def _parse_simple_blobs(
+    raw: list[Any],
+    nfiles: int,
+    chunk_bytes: int,
+    has_base: bool,
+    table: bytes,
+    where: str,
+) -> tuple[tuple[BlobEntry, ...], BlobTables] | None:
+    """The blob entries of ``raw`` with the blobs of exactly one segment row checked
+    vectorized (the others one by one through :func:`_parse_blob`, in order); None when any
+    check fails or any field is not plainly what the writer writes (an int, a 32-digit hex
+    root, a list), so that the blob-by-blob path decides and names the blob."""
+    n = len(raw)
+    if not n or set(map(type, raw)) != {list} or set(map(len, raw)) != {3}:
+        return None
+    sizes, roots, segs = zip(*raw, strict=True)
+    if (
+        set(map(type, sizes)) != {int}
+        or set(map(type, roots)) != {str}
+        or set(map(len, roots)) != {32}
+    ):
+        return None
+    try:
+        nbytes = np.array(sizes, np.int64)
+        # 32 hex digits each, so no whitespace anywhere iff the total is 16 bytes each.
+        root_bytes = bytes.fromhex("".join(roots))
+    except (ValueError, OverflowError):
+        return None
+    if len(root_bytes) != n * HASH_BYTES or (nbytes < 0).any() or (nbytes > MAX_BLOB_BYTES).any():
+        return None
+    nchunks = -(-nbytes // chunk_bytes)
+    if (nchunks > MAX_BLOB_CHUNKS).any():
+        return None
+    # One row: a list of one item (the item is checked below); anything else goes blob by
+    # blob (packed tables, empty blobs, malformed entries).
+    simple = np.fromiter((type(s) is list and len(s) == 1 for s in segs), bool, n)
+    one = [s[0] for s, y in zip(segs, simple.tolist(), strict=True) if y]
+    if one and (set(map(type, one)) != {list} or set(map(len, one)) != {4}):
+        return None
+    flat = list(itertools.chain.from_iterable(one))
+    if flat and set(map(type, flat)) != {int}:
+        return None
+    try:
+        rows = np.array(flat, np.int64).reshape(-1, 4)
+    except (ValueError, OverflowError):
+        return None
+    kind, a, b, c = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+    size, count = nbytes[simple], nchunks[simple]
+    stored = kind == STORED
+    # The checks of _one_row, for every row at once: a stored segment is the whole blob, an
+    # inherited one all its chunks (so count == nchunks in both).
+    good_stored = (a >= 0) & (a < nfiles) & (b >= 0) & (b <= MAX_FILE_BYTES) & (c > 0) & (c == size)
+    good_inherited = (
+        (kind == INHERITED)
+        & has_base
+        & (a >= 0)
+        & (a <= MAX_BLOB_CHUNKS)
+        & (b >= 0)
+        & (b <= MAX_BLOB_CHUNKS)
+        & (c > 0)
+        & (c == count)
+    )
+    if not np.where(stored, good_stored, good_inherited).all():
+        return None
+    # Hash table bytes each blob takes; the other blobs' are known once parsed, in order.
+    took = np.zeros(n, np.int64)
+    took[simple] = np.where(stored, count, 0) * HASH_BYTES
+    other = np.flatnonzero(~simple).tolist()
+    entries: dict[int, BlobEntry] = {}
+    if other:
+        before = np.cumsum(took) - took  # bytes the simple blobs before each one take
+        extra = 0  # bytes the other blobs parsed so far took
+        try:
+            for i in other:
+                cursor = [int(before[i]) + extra]
+                at = cursor[0]
+                entries[i] = _parse_blob(
+                    raw[i], i, nfiles, chunk_bytes, has_base, table, cursor, where
+                )
+                took[i] = cursor[0] - at
+                extra += cursor[0] - at
+        except CheckpointFormatError:
+            return None
+    ends = np.cumsum(took)
+    if n and int(ends[-1]) != len(table):
+        return None  # short or long: the blob-by-blob path says where
+    starts = (ends - took).tolist()
+    ends_l = ends.tolist()
+    tables = list(rows.reshape(-1, 1, 4))
+    roots_l = [root_bytes[i : i + HASH_BYTES] for i in range(0, n * HASH_BYTES, HASH_BYTES)]
+    if not entries:
+        blobs = tuple(
+            BlobEntry(s, r, t, table[lo:hi], chunk_bytes)
+            for s, r, t, lo, hi in zip(sizes, roots_l, tables, starts, ends_l, strict=True)
+        )
+    else:
+        it = iter(tables)
+        blobs = tuple(
+            entries[i]
+            if i in entries
+            else BlobEntry(
+                sizes[i], roots_l[i], next(it), table[starts[i] : ends_l[i]], chunk_bytes
+            )
+            for i in range(n)
+        )
+    if entries:
+        return blobs, BlobTables.of(blobs)
+    return blobs, BlobTables(blobs, rows, np.ones(n, np.int64), nbytes, table)
 
 
 def _parse_blob(

@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -44,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chunks import HASH_BYTES, hash_chunks_released
+from ..chunks import HASH_BYTES, hash_bytes, hash_chunks_released
 from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 from ..storage import Store
 from ..storage.base import TruncatedError
@@ -61,6 +62,9 @@ IO_BATCH_BYTES = 64 << 20
 # read to the copy into place.
 _BOUNCE_BYTES = 8 << 20
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+# Pieces of one chunk of at most this many bytes are hashed by one xxhash call each, holding
+# the GIL (below chunks' native-call threshold, which releases it).
+_INLINE_HASH_BYTES = 64 << 10
 # Pieces of a data file at most this far apart are read in one go, the gap thrown away.
 _GAP_BYTES = 64 << 10
 # A blob whose chunks lie in more runs than this, averaging less than _GAP_BYTES each, is
@@ -127,12 +131,11 @@ class _BlobReader:
         blobs = part.blobs
         self.direct = [bool(d) for d in direct] if direct else [False] * len(blobs)
         self.has_direct = any(self.direct)
-        counts = np.fromiter((len(b.files) for b in blobs), np.int64, len(blobs))
-        self.first = np.zeros(len(blobs) + 1, np.int64)  # first chunk of each blob, and the end
-        np.cumsum(counts, out=self.first[1:])
+        self.chunks = part.chunks()
+        self.first = self.chunks.starts  # first chunk of each blob, and the end
         self.first_list: list[int] = self.first.tolist()
         # Every chunk's expected hash, blob after blob: one bytes object, sliced per piece.
-        self.expected = b"".join(b.hashes.tobytes() for b in blobs)
+        self.expected = self.chunks.hashes.tobytes()
         self.scratch = memoryview(bytearray(_GAP_BYTES))  # gap bytes, shared: never read
         self.tls = threading.local()
         self.lock = threading.Lock()
@@ -142,6 +145,9 @@ class _BlobReader:
         self.p_nbytes: list[int] = []
         self.p_offset: list[int] = []
         self.p_file: list[int] = []
+        self.p_hash: list[int] = []
+        self.p_hash_end: list[int] = []
+        self.p_whole: list[bool] = []
         self.gathers: list[_Gather] = []
         self.staged: dict[int, np.ndarray[Any, Any]] = {}  # scattered direct blobs, gathered
         # The address of each view's first byte, taken once: pieces are hashed and copied by
@@ -207,8 +213,8 @@ class _BlobReader:
         if not total:
             return
         nb = len(blobs)
-        files = np.concatenate([b.files for b in blobs]).astype(np.int64)
-        offs = np.concatenate([b.offsets for b in blobs]).astype(np.int64)
+        files = self.chunks.files.astype(np.int64)
+        offs = self.chunks.offsets.astype(np.int64)
         counts = self.first[1:] - self.first[:-1]
         blob_of = np.repeat(np.arange(nb, dtype=np.int64), counts)
         within = np.arange(total, dtype=np.int64) - np.repeat(self.first[:-1], counts)
@@ -218,7 +224,7 @@ class _BlobReader:
         )
         starts = np.flatnonzero(new)
         ends = np.append(starts[1:], total)
-        sizes = np.fromiter((b.nbytes for b in blobs), np.int64, nb)
+        sizes = self.chunks.nbytes
         runs = np.bincount(blob_of[starts], minlength=nb)
         scattered = (runs - 1 > _FRAGMENTED_RUNS) & (sizes < runs * _GAP_BYTES)
         keep = ~scattered[blob_of[starts]]
@@ -250,21 +256,28 @@ class _BlobReader:
         rank = np.empty(int(files.max()) + 1, np.int64)
         rank[_u] = np.argsort(np.argsort(first_use))
         order = np.lexsort((p_offset, rank[p_file]))
-        self.p_blob = p_blob[order].tolist()
-        self.p_start = p_start[order].tolist()
-        self.p_nbytes = p_nbytes[order].tolist()
+        p_blob, p_start, p_nbytes = p_blob[order], p_start[order], p_nbytes[order]
+        self.p_blob = p_blob.tolist()
+        self.p_start = p_start.tolist()
+        self.p_nbytes = p_nbytes.tolist()
         self.p_offset = p_offset[order].tolist()
         self.p_file = p_file[order].tolist()
+        # Where each piece's hashes are in ``expected`` (bytes), and whether it is its whole
+        # blob (its view needs no slice).
+        lo = (self.first[:-1][p_blob] + p_start // cb) * HASH_BYTES
+        self.p_hash = lo.tolist()
+        self.p_hash_end = (lo + -(-p_nbytes // cb) * HASH_BYTES).tolist()
+        self.p_whole = ((p_start == 0) & (p_nbytes == sizes[p_blob])).tolist()
 
     def _check_counts(self) -> None:
         """Every blob has as many chunk hashes as its bytes make chunks (resolution makes it
         so; the plan relies on it)."""
-        cb = self.cb
-        for i, b in enumerate(self.part.blobs):
-            if self.first_list[i + 1] - self.first_list[i] != -(-b.nbytes // cb):
-                raise IntegrityError(
-                    f"step {self.step}, tier {self.store.url}: leaf {b.path}: wrong chunk count"
-                )
+        wrong = np.flatnonzero(np.diff(self.first) != -(-self.chunks.nbytes // self.cb))
+        if len(wrong):
+            b = self.part.blobs[int(wrong[0])]
+            raise IntegrityError(
+                f"step {self.step}, tier {self.store.url}: leaf {b.path}: wrong chunk count"
+            )
 
     def _make_tasks(self, pids: Iterable[int]) -> list[_Task]:
         """Pieces (``pids``, in file and offset order) that follow each other in a file join one
@@ -335,14 +348,42 @@ class _BlobReader:
         f, runs = task
         key = self.part.files[f]
         direct, p_blob, p_start, p_nbytes = self.direct, self.p_blob, self.p_start, self.p_nbytes
-        bounced = sum(p_nbytes[p] for _o, pids, _g in runs for p in pids if direct[p_blob[p]])
+        bounced = (
+            sum(p_nbytes[p] for _o, pids, _g in runs for p in pids if direct[p_blob[p]])
+            if self.has_direct
+            else 0
+        )
         bounce = self._bounce(bounced).data if bounced else self.scratch
-        views, address, scratch = self.views, self.address, self.scratch
+        base = _address(bounce) if bounced else 0
+        views, address, scratch, whole = self.views, self.address, self.scratch, self.p_whole
         dests: list[memoryview] = []  # where each piece lands
+        sources: list[int] = []  # of each bounced piece, its address in the bounce buffer
         ranges: list[tuple[int, list[memoryview]]] = []
         at = 0  # bytes of the bounce buffer taken
         for offset, pids, gaps in runs:
-            bufs: list[memoryview] = []
+            if not bounced and not any(gaps):
+                # Pieces back to back into the leaves themselves (a state of many small
+                # tensors: most runs): one view each, no per-piece bookkeeping.
+                bufs = [
+                    views[p_blob[p]]
+                    if whole[p]
+                    else views[p_blob[p]][p_start[p] : p_start[p] + p_nbytes[p]]
+                    for p in pids
+                ]
+                for p in [p for p in pids if p_nbytes[p] >= _POPULATE_MIN_BYTES]:
+                    _populate(address[p_blob[p]] + p_start[p], p_nbytes[p])
+                dests += bufs
+                ranges.append((offset, bufs))
+                continue
+            if not any(gaps) and all([direct[p_blob[p]] for p in pids]):
+                # Into='s own leaves back to back: one buffer for the run, a slice per piece.
+                ends = list(itertools.accumulate([p_nbytes[p] for p in pids], initial=at))
+                dests += [bounce[a:z] for a, z in itertools.pairwise(ends)]
+                sources += [base + a for a in ends[:-1]]
+                ranges.append((offset, [bounce[at : ends[-1]]]))
+                at = ends[-1]
+                continue
+            bufs = []
             merged = -1  # where the bounced pieces that follow each other began (one buffer)
             for pid, gap in zip(pids, gaps, strict=True):
                 blob, start, nbytes = p_blob[pid], p_start[pid], p_nbytes[pid]
@@ -354,6 +395,7 @@ class _BlobReader:
                         bufs.append(scratch[:gap])
                 if direct[blob]:
                     dests.append(bounce[at : at + nbytes])
+                    sources.append(base + at)
                     if merged < 0:
                         merged = at
                     at += nbytes
@@ -379,31 +421,35 @@ class _BlobReader:
             with self.lock:
                 self.failures.append((number, exc))
             return
-        nbytes = self._verify(runs, dests, second)
+        nbytes = self._verify(runs, dests, sources if second else None)
         if not second:
             self.on_bytes(nbytes)
 
-    def _verify(self, runs: list[_Run], dests: list[memoryview], second: bool) -> int:
-        """Hash every piece of ``runs`` where it landed (``dests``); in the second pass copy
-        each that matches into place. Returns the bytes of the pieces."""
-        cb, expected, first = self.cb, self.expected, self.first_list
-        p_blob, p_start = self.p_blob, self.p_start
-        d = total = 0
-        for _offset, pids, _gaps in runs:
-            for pid in pids:
-                dest = dests[d]
-                d += 1
-                blob, start = p_blob[pid], p_start[pid]
-                total += dest.nbytes
-                lo = (first[blob] + start // cb) * HASH_BYTES
-                got = hash_chunks_released(dest, cb)
-                want = expected[lo : lo + len(got)]
-                if got != want:
-                    self._mismatch(blob, start // cb, got, want)
-                    continue
-                if second:
-                    _copy(self.address[blob] + start, _address(dest), dest.nbytes)
-        return total
+    def _verify(self, runs: list[_Run], dests: list[memoryview], sources: list[int] | None) -> int:
+        """Hash every piece of ``runs`` where it landed (``dests``) and compare the lot with
+        the expected hashes at once; in the second pass (``sources``: the address of each
+        piece in the bounce buffer, all of them direct) copy each that matches into place.
+        Returns the bytes of the pieces."""
+        cb, expected = self.cb, self.expected
+        pids = [p for _o, ps, _g in runs for p in ps]
+        # A piece of one chunk too small for the native call is one xxhash call (what
+        # hash_chunks_released would do, without its checks).
+        small = min(cb, _INLINE_HASH_BYTES)
+        got = [hash_bytes(d) if d.nbytes <= small else hash_chunks_released(d, cb) for d in dests]
+        hlo, hhi = self.p_hash, self.p_hash_end
+        bad: set[int] = set()  # pieces that do not match
+        if b"".join(got) != b"".join([expected[hlo[p] : hhi[p]] for p in pids]):
+            for i, p in enumerate(pids):
+                want = expected[hlo[p] : hhi[p]]
+                if got[i] != want:
+                    self._mismatch(self.p_blob[p], self.p_start[p] // cb, got[i], want)
+                    bad.add(i)
+        if sources is not None:
+            address, p_blob, p_start = self.address, self.p_blob, self.p_start
+            for i, (p, src, d) in enumerate(zip(pids, sources, dests, strict=True)):
+                if i not in bad:
+                    _copy(address[p_blob[p]] + p_start[p], src, d.nbytes)
+        return sum(d.nbytes for d in dests)
 
     def _mismatch(self, blob: int, chunk: int, got: bytes, want: bytes) -> None:
         """Record the first chunk of a piece (starting at ``chunk``) that does not match."""

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._gc import paused_gc
-from ..chunks import chunk_count, merkle_root, value_runs
+from ..chunks import merkle_root, value_runs
 from ..errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -102,13 +102,15 @@ def _check_chain_claims(
         _check_claimed_bytes(m, where)
         if not m.blobs:
             continue
-        table = np.concatenate([e.table for e in m.blobs])
+        table = m.tables().table
         kind, a, b, c = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
         inherited = kind != STORED
         if inherited.any():
             base = chain[i + 1][0]  # a manifest with inherited runs has a base (parsed so)
-            have = np.array(
-                [chunk_count(e.nbytes, base.chunk_bytes) for e in base.blobs] or [0], np.int64
+            have = (
+                -(-base.tables().nbytes // base.chunk_bytes)
+                if base.blobs
+                else np.zeros(1, np.int64)
             )
             blob, first, count = a[inherited], b[inherited], c[inherited]
             if (blob >= len(base.blobs)).any() or (
@@ -124,8 +126,7 @@ def _check_chain_claims(
         if past.any():
             j = int(np.argmax(past))
             f, lo, hi = m.data_files[int(a[j])], int(b[j]), int(b[j] + c[j])
-            rows = np.fromiter((len(e.table) for e in m.blobs), np.int64, len(m.blobs))
-            blob = int(np.searchsorted(np.cumsum(rows), j, side="right"))
+            blob = int(np.searchsorted(np.cumsum(m.tables().rows), j, side="right"))
             raise IntegrityError(
                 f"step {chain[0][0].step}, tier {store.url}: data file {f} is truncated "
                 f"({int(size[j])} bytes; {key} needs bytes {lo}-{hi}); "

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chunks import HASH_BYTES, chunk_count
+from ..chunks import HASH_BYTES
 from ..errors import CheckpointFormatError
 from ..manifest import STORED, BaseRef, Manifest
 from ..storage import Store
@@ -26,6 +26,7 @@ from ._records import _load_manifest, read_commit, read_manifest
 
 __all__ = [
     "MAX_CHAIN",
+    "PartChunks",
     "ResolvedBlob",
     "ResolvedPart",
     "chain_manifests",
@@ -51,6 +52,44 @@ class ResolvedBlob:
     hashes: np.ndarray[Any, np.dtype[np.uint8]]  # (chunks, 16)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class PartChunks:
+    """Every chunk of a part's blobs at once, blob after blob: ``starts`` (the first chunk of
+    each blob, and the end) and per chunk its file, offset and hash, as in
+    :class:`ResolvedBlob`. ``blobs`` is the list they describe."""
+
+    blobs: list[ResolvedBlob]
+    nbytes: np.ndarray[Any, np.dtype[np.int64]]  # of each blob
+    starts: np.ndarray[Any, np.dtype[np.int64]]
+    files: np.ndarray[Any, np.dtype[np.int32]]
+    offsets: np.ndarray[Any, np.dtype[np.int64]]
+    hashes: np.ndarray[Any, np.dtype[np.uint8]]  # (chunks, 16)
+
+    @classmethod
+    def of(cls, blobs: list[ResolvedBlob]) -> PartChunks:
+        nbytes = np.fromiter((b.nbytes for b in blobs), np.int64, len(blobs))
+        counts = np.fromiter((len(b.files) for b in blobs), np.int64, len(blobs))
+        starts = np.zeros(len(blobs) + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        if not blobs:
+            return cls(
+                blobs,
+                nbytes,
+                starts,
+                np.empty(0, np.int32),
+                np.empty(0, np.int64),
+                np.empty((0, HASH_BYTES), np.uint8),
+            )
+        return cls(
+            blobs,
+            nbytes,
+            starts,
+            np.concatenate([b.files for b in blobs]),
+            np.concatenate([b.offsets for b in blobs]),
+            np.concatenate([b.hashes for b in blobs]).reshape(-1, HASH_BYTES),
+        )
+
+
 @dataclass(slots=True)
 class ResolvedPart:
     """One rank's part of a version with its chain of bases applied."""
@@ -62,6 +101,17 @@ class ResolvedPart:
     blobs: list[ResolvedBlob]
     chain: tuple[int, ...]  # steps whose manifests resolution needed, oldest first
     _by_path: dict[str, int] = field(default_factory=dict)
+    # Every chunk at once, as resolution built them (None, or stale after a replace(blobs=):
+    # :meth:`chunks` builds them again).
+    _chunks: PartChunks | None = field(default=None, compare=False, repr=False)
+
+    def chunks(self) -> PartChunks:
+        """Every chunk of the blobs at once: what a reader plans with, without a pass over
+        the blobs."""
+        c = self._chunks
+        if c is None or c.blobs is not self.blobs:
+            c = self._chunks = PartChunks.of(self.blobs)
+        return c
 
     @property
     def step(self) -> int:
@@ -122,13 +172,12 @@ class _Chain:
         chain = cls()
         chain.files = list(part.files)
         chain.file_index = {f: i for i, f in enumerate(chain.files)}
-        counts = np.fromiter((len(b.files) for b in part.blobs), np.int64, len(part.blobs))
-        chain.starts = np.zeros(len(part.blobs) + 1, np.int64)
-        np.cumsum(counts, out=chain.starts[1:])
+        chunks = part.chunks()
+        chain.starts = chunks.starts
         if part.blobs:
-            chain._fidx.append(np.concatenate([b.files for b in part.blobs]))
-            chain._offs.append(np.concatenate([b.offsets for b in part.blobs]))
-            chain._hashes.append(np.concatenate([b.hashes for b in part.blobs]))
+            chain._fidx.append(chunks.files)
+            chain._offs.append(chunks.offsets)
+            chain._hashes.append(chunks.hashes)
         chain.ids = np.arange(int(chain.starts[-1]), dtype=np.int64)
         chain.step = part.step
         return chain
@@ -144,19 +193,18 @@ class _Chain:
         _check_claimed_bytes(manifest, where)
         cb = manifest.chunk_bytes
         local = np.array([self._file(f) for f in manifest.data_files] or [0], np.int32)
-        entries = manifest.blobs
-        nb = len(entries)
-        nchunks = np.fromiter((chunk_count(e.nbytes, cb) for e in entries), np.int64, nb)
+        tables = manifest.tables()
+        nb = len(manifest.blobs)
+        nchunks = -(-tables.nbytes // cb)
         starts = np.zeros(nb + 1, np.int64)
         np.cumsum(nchunks, out=starts[1:])
         n = int(starts[-1])
-        rows = np.fromiter((len(e.table) for e in entries), np.int64, nb)
-        table = np.concatenate([e.table for e in entries]) if nb else np.empty((0, 4), np.int64)
+        rows = tables.rows
+        table = tables.table
         kind, a, b, c = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
         stored = kind == STORED
         counts = np.where(stored, -(-c // cb), c)
-        hashes = np.frombuffer(b"".join(e.hashes for e in entries), np.uint8)
-        hashes = hashes.reshape(-1, HASH_BYTES)
+        hashes = np.frombuffer(tables.hashes, np.uint8).reshape(-1, HASH_BYTES)
         if int(counts.sum()) != n or int(counts[stored].sum()) != len(hashes):
             raise CheckpointFormatError(f"{where}: segments do not cover the blobs' chunks")
         before = 0 if self.ids is None else len(self.ids)
@@ -227,16 +275,13 @@ class _Chain:
             paths = blob_paths(manifest.skeleton, len(manifest.blobs))
         s = self.starts.tolist()
         blobs = [
-            ResolvedBlob(
-                paths[i],
-                e.nbytes,
-                fidx[s[i] : s[i + 1]],
-                offs[s[i] : s[i + 1]],
-                hashes[s[i] : s[i + 1]],
-            )
-            for i, e in enumerate(manifest.blobs)
+            ResolvedBlob(path, e.nbytes, fidx[lo:hi], offs[lo:hi], hashes[lo:hi])
+            for path, e, lo, hi in zip(paths, manifest.blobs, s, s[1:], strict=False)
         ]
-        return ResolvedPart(manifest, key, xxh3, list(self.files), blobs, chain)
+        part = ResolvedPart(manifest, key, xxh3, list(self.files), blobs, chain)
+        nbytes = manifest.tables().nbytes
+        part._chunks = PartChunks(blobs, nbytes, self.starts, fidx, offs, hashes)
+        return part
 
 
 def _resolve_one(
@@ -261,7 +306,8 @@ def memory_limit_bytes() -> int:
 
 
 def _check_claimed_bytes(manifest: Manifest, where: str) -> None:
-    claimed = sum(b.nbytes for b in manifest.blobs)
+    # Python ints: a hostile manifest's sizes could wrap an int64 sum.
+    claimed = sum(manifest.tables().nbytes.tolist())
     limit = memory_limit_bytes()
     if claimed > limit:
         raise CheckpointFormatError(
