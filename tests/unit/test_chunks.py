@@ -18,6 +18,8 @@ from cryosnap.chunks import (
     chunk_spans,
     hash_bytes,
     hash_chunks,
+    hash_chunks_released,
+    hash_each_released,
     merkle_levels,
     merkle_root,
     validate_chunk_bytes,
@@ -132,3 +134,14 @@ def test_value_runs_cover_the_array_in_runs_of_equal_values(values: list[int]) -
     assert [i for a, b in runs for i in range(a, b)] == list(range(len(values)))
     assert all(len(set(values[a:b])) == 1 for a, b in runs)
     assert all(values[b - 1] != values[b] for _a, b in runs[:-1])
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_hash_each_released_is_hash_bytes_of_each(readonly: bool) -> None:
+    """Views on both sides of the size from which the GIL is released while hashing."""
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 4096, (128 << 10) - 1, 128 << 10, (1 << 20) + 3]
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    views = [memoryview(a.tobytes()) if readonly else memoryview(a) for a in arrays]
+    assert hash_each_released(views) == [hash_bytes(a.tobytes()) for a in arrays]
+    assert hash_each_released(views[3:5]) == [hash_chunks_released(v, 1 << 20) for v in views[3:5]]

@@ -34,7 +34,14 @@ import xxhash
 
 from .._gc import paused_gc
 from ..capture import Hashed, Item, Piece, Unchanged
-from ..chunks import HASH_BYTES, chunk_count, hash_chunks_released, merkle_root, value_runs
+from ..chunks import (
+    HASH_BYTES,
+    chunk_count,
+    hash_chunks_released,
+    hash_each_released,
+    merkle_root,
+    value_runs,
+)
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
     INHERITED,
@@ -61,6 +68,9 @@ log = logging.getLogger("cryosnap")
 
 # New bytes of a version are placed on scratch devices in groups of this size.
 _PLACE_BYTES = 4 << 20
+
+# The Merkle root of a blob of no chunks.
+_EMPTY_ROOT = merkle_root(b"")
 
 
 @dataclass(slots=True)
@@ -287,12 +297,20 @@ class _Shares:
     base: ResolvedPart | None
     files: list[str]
     shares: dict[int, Owners]
-    _builders: list[_BlobBuilder]
+    _builders: dict[int, _BlobBuilder]
     _external: set[int]
     _base_files: np.ndarray[Any, np.dtype[np.int64]] | None
 
     def _file(self, key: str) -> int:
         raise NotImplementedError
+
+    def _builder(self, i: int) -> _BlobBuilder:
+        """Blob ``i``'s builder, made on first use (a blob added whole in one chunk has none:
+        see ``PartWriter._diff_ones``)."""
+        builder = self._builders.get(i)
+        if builder is None:
+            builder = self._builders[i] = _BlobBuilder()
+        return builder
 
     def owned_locations(self) -> list[tuple[int, int, int, str, int]]:
         """Where this rank's share of the replicated blobs lies, every piece added: runs
@@ -322,7 +340,7 @@ class _Shares:
         files = np.full(n, -1, np.int64)
         offsets = np.zeros(n, np.int64)
         pos = 0
-        for seg in self._builders[i].segments:
+        for seg in self._builder(i).segments:
             if seg[0] == STORED:
                 k = chunk_count(seg[3], cb)
                 files[pos : pos + k] = seg[1]
@@ -367,7 +385,7 @@ class _Shares:
                     )
                 files[first : first + count] = self._file(key)
                 offsets[first : first + count] = offset + np.arange(count, dtype=np.int64) * cb
-            builder = self._builders[i]
+            builder = self._builder(i)
             hashes = b"".join(builder.hashes)
             segments: list[list[Any]] = []
             for seg in builder.segments:
@@ -450,10 +468,18 @@ class PartWriter(_Shares):
         self._offsets = [0] * len(keys)
         self._device = 0  # the device taking the new bytes of the batch being diffed
         self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
-        self._builders = [_BlobBuilder() for _ in flat.blobs]
-        self._base_blob = [
-            self._match(i) if self.base is not None else None for i in range(len(flat.blobs))
-        ]
+        nblobs = len(flat.blobs)
+        # Per blob, its segments as pieces arrive; a blob added whole in one piece of one chunk
+        # (most small leaves) has no builder but one row of _one_rows and one hash of
+        # _one_hashes, at _one_at[blob]: no object per leaf (_diff_ones).
+        self._builders: dict[int, _BlobBuilder] = {}
+        self._one_at = [-1] * nblobs
+        self._one_rows: list[int] = []  # 4 ints per such blob: its one segment row
+        self._one_hashes: list[bytes] = []
+        self._got = [0] * nblobs  # chunks hashed per blob
+        self._base_blob: list[int | None] = (
+            [self._match(i) for i in range(nblobs)] if self.base is not None else [None] * nblobs
+        )
         self.chunks = 0
         self.new_chunks = 0
         self.shares = shares or {}
@@ -528,18 +554,34 @@ class PartWriter(_Shares):
 
     def _diff(self, pieces: Sequence[Item]) -> list[memoryview]:
         out: list[memoryview] = []
+        cb = self.chunk_bytes
+        shares = self.shares
+        blobs = self.flat.blobs
+        ones: list[Piece] = []  # whole blobs of one chunk, not replicated: _diff_ones
         for p in pieces:
+            if type(p) is Piece:
+                n = p.view.nbytes
+                if (
+                    p.offset == 0
+                    and 0 < n <= cb
+                    and n == blobs[p.blob].nbytes
+                    and (not shares or p.blob not in shares)
+                ):
+                    ones.append(p)
+                    continue
+            if ones:
+                self._diff_ones(ones, out)
+                ones = []
             if isinstance(p, Unchanged):
                 self._unchanged(p)
                 continue
             if isinstance(p, Hashed):
                 self._hashed(p)
                 continue
-            owners = self.shares.get(p.blob) if self.shares else None
+            owners = shares.get(p.blob) if shares else None
             if owners is None:
                 self._diff_piece(p, out)
                 continue
-            cb = self.chunk_bytes
             first = p.offset // cb
             for a, count, rank in owner_runs(owners, first, chunk_count(p.view.nbytes, cb)):
                 lo = (a - first) * cb
@@ -548,7 +590,45 @@ class PartWriter(_Shares):
                     self._diff_piece(q, out)
                 else:
                     self._foreign(q, rank)
+        if ones:
+            self._diff_ones(ones, out)
         return out
+
+    def _diff_ones(self, ones: list[Piece], out: list[memoryview]) -> None:
+        """Whole blobs of one chunk each, not replicated (most small leaves): hashed in one
+        call, each one segment, as :meth:`_diff_piece` makes it (inherited from the base,
+        a reference to the same content stored before, or new bytes), kept in flat lists."""
+        digests = hash_each_released([p.view for p in ones])
+        dev = self._device
+        key, offset = self.files[dev], self._offsets[dev]
+        new_index, index = self.new_index, self.index
+        got, at, rows, hashes = self._got, self._one_at, self._one_rows, self._one_hashes
+        base, base_blob = self.base, self._base_blob
+        new = 0
+        for p, digest in zip(ones, digests, strict=True):
+            blob = p.blob
+            got[blob] += 1
+            at[blob] = len(hashes)
+            hashes.append(digest)
+            if base is not None:
+                j = base_blob[blob]
+                # A matched base blob has the same size: one chunk too.
+                if j is not None and base.blobs[j].hashes.tobytes() == digest:
+                    rows += (INHERITED, j, 0, 1)
+                    continue
+            view = p.view
+            loc = new_index.get(digest) or index.get(digest)
+            if loc is not None:
+                rows += (STORED, self._file(loc[0]), loc[1], view.nbytes)
+                continue
+            new_index[digest] = (key, offset)
+            rows += (STORED, dev, offset, view.nbytes)
+            out.append(view)
+            offset += view.nbytes
+            new += 1
+        self._offsets[dev] = offset
+        self.chunks += len(ones)
+        self.new_chunks += new
 
     def _hash_runs(self, p: Piece) -> tuple[bytes, int, int | None, list[tuple[int, int, bool]]]:
         """Hash ``p``'s chunks (kept by its blob's builder); its first chunk, its base blob,
@@ -565,7 +645,8 @@ class PartWriter(_Shares):
         builder): its base blob and runs ``(a, b, unchanged)`` of them against the base."""
         n = len(digests) // HASH_BYTES
         self.chunks += n
-        self._builders[blob].hashes.append(digests)
+        self._got[blob] += n
+        self._builder(blob).hashes.append(digests)
         j = self._base_blob[blob]
         if j is None:
             return j, [(0, n, False)]
@@ -588,10 +669,11 @@ class PartWriter(_Shares):
                 f"{u.first + u.count - 1} were found unchanged on the device, but the base "
                 f"version {'(none)' if base is None else base.step} does not hold them"
             )
-        builder = self._builders[u.blob]
+        builder = self._builder(u.blob)
         builder.hashes.append(base.blobs[j].hashes[u.first : u.first + u.count].tobytes())
         builder.inherit(j, u.first, u.count)
         self.chunks += u.count
+        self._got[u.blob] += u.count
 
     def _foreign(self, p: Piece, rank: int) -> None:
         """Chunks of a replicated blob that ``rank`` writes: hashed and diffed, not written."""
@@ -618,7 +700,7 @@ class PartWriter(_Shares):
 
     def _external_runs(self, blob: int, first: int, digests: bytes, rank: int) -> None:
         j, runs = self._base_runs(blob, first, digests)
-        builder = self._builders[blob]
+        builder = self._builder(blob)
         for a, b, unchanged in runs:
             if unchanged:
                 assert j is not None
@@ -633,7 +715,7 @@ class PartWriter(_Shares):
         key, offset = self.files[dev], self._offsets[dev]
         view = p.view
         digests, first, j, runs = self._hash_runs(p)
-        builder = self._builders[p.blob]
+        builder = self._builder(p.blob)
         for a, b, unchanged in runs:
             if unchanged:
                 assert j is not None
@@ -665,7 +747,11 @@ class PartWriter(_Shares):
 
     def blob_root(self, i: int) -> bytes:
         """The Merkle root of blob ``i`` (every piece added)."""
-        return merkle_root(b"".join(self._builders[i].hashes))
+        at = self._one_at[i]
+        if at >= 0:
+            return self._one_hashes[at]  # one chunk: its hash is the root
+        builder = self._builders.get(i)
+        return _EMPTY_ROOT if builder is None else merkle_root(b"".join(builder.hashes))
 
     def finish(self) -> PartResult:
         # The manifest is built while the I/O threads fsync the data, and written after.
@@ -685,40 +771,60 @@ class PartWriter(_Shares):
 
     def _build(self) -> tuple[Manifest, bytes]:
         cb = self.chunk_bytes
-        # One segment table for the whole part (each blob gets a slice of it): a state of
-        # 20,000 small tensors costs one numpy call here, not 20,000.
-        rows: list[list[Any]] = []
-        bounds = [0]
+        blobs = self.flat.blobs
+        nblobs = len(blobs)
         if self._external:
-            path = self.flat.blobs[min(self._external)].path
+            path = blobs[min(self._external)].path
             raise CheckpointError(
                 f"step {self.step}: leaf {path}: the chunks other ranks write were never placed"
             )
-        for blob, builder in zip(self.flat.blobs, self._builders, strict=True):
-            got = sum(len(h) for h in builder.hashes) // HASH_BYTES
-            if got != chunk_count(blob.nbytes, cb):
-                raise CheckpointError(
-                    f"step {self.step}: leaf {blob.path} was captured incompletely"
-                )
-            rows.extend(g[:4] for g in builder.segments)
-            bounds.append(len(rows))
-        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        sizes = np.fromiter((b.nbytes for b in blobs), np.int64, nblobs)
+        incomplete = np.flatnonzero(np.array(self._got, np.int64) != -(-sizes // cb))
+        if len(incomplete):
+            path = blobs[int(incomplete[0])].path
+            raise CheckpointError(f"step {self.step}: leaf {path} was captured incompletely")
+        # One segment table for the whole part (each blob gets a slice of it): a state of
+        # 20,000 small tensors costs a few numpy calls here, not 20,000. A blob added whole in
+        # one chunk has its one row in _one_rows; the others their builder's segments.
+        at = np.array(self._one_at, np.int64)
+        ones = np.flatnonzero(at >= 0)
+        built = [(i, b) for i, b in sorted(self._builders.items()) if self._one_at[i] < 0]
+        counts = np.zeros(nblobs, np.int64)
+        counts[ones] = 1
+        for i, builder in built:
+            counts[i] = len(builder.segments)
+        bounds = np.zeros(nblobs + 1, np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        table = np.empty((int(bounds[-1]), 4), np.int64)
+        one_rows = np.array(self._one_rows, np.int64).reshape(-1, 4)[at[ones]]
+        table[bounds[ones]] = one_rows
+        for i, builder in built:
+            if builder.segments:
+                table[bounds[i] : bounds[i + 1]] = [g[:4] for g in builder.segments]
         # data_files: the files this manifest's stored segments point to, renumbered densely.
         stored = table[:, 0] == STORED
         used = np.unique(table[stored, 1]).tolist()
         remap = np.zeros(len(self.files), np.int64)
         remap[used] = np.arange(len(used))
         table[stored, 1] = remap[table[stored, 1]]
+        # Per blob, its Merkle root and the hashes of its stored chunks.
+        roots = [_EMPTY_ROOT] * nblobs
+        kept = [b""] * nblobs
+        one_hashes = self._one_hashes
+        for i, a, kind in zip(
+            ones.tolist(), at[ones].tolist(), one_rows[:, 0].tolist(), strict=True
+        ):
+            roots[i] = one_hashes[a]  # one chunk: its hash is the root
+            if kind == STORED:
+                kept[i] = roots[i]
+        for i, builder in built:
+            roots[i] = merkle_root(b"".join(builder.hashes))
+            kept[i] = b"".join(b"".join(g[4]) for g in builder.segments if g[0] == STORED)
+        edges = bounds.tolist()
         entries = [
-            BlobEntry(
-                blob.nbytes,
-                merkle_root(b"".join(builder.hashes)),
-                table[lo:hi],
-                b"".join(b"".join(g[4]) for g in builder.segments if g[0] == STORED),
-                cb,
-            )
-            for blob, builder, lo, hi in zip(
-                self.flat.blobs, self._builders, bounds, bounds[1:], strict=False
+            BlobEntry(nbytes, root, table[lo:hi], hashes, cb)
+            for nbytes, root, lo, hi, hashes in zip(
+                sizes.tolist(), roots, edges, edges[1:], kept, strict=False
             )
         ]
         base = self.base
