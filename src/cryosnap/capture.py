@@ -34,6 +34,7 @@ slabs are released by the writer thread. Torch copies release the GIL.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -288,6 +289,7 @@ def capture_to_slabs(
             sink(held.pop(0))
 
     slab: _Slab | None = None
+    whole = memoryview(b"")  # the current slab's bytes
     fill = 0
     pieces: list[Item] = []
     copied = 0
@@ -299,6 +301,18 @@ def capture_to_slabs(
         nonlocal small
         if not small or slab is None:
             return
+        # Small pieces of host tensors: one memmove each, by address. torch's copy_ and cat
+        # run on its intra-op (OpenMP) threads; with the writer busy on another core those
+        # wait for each other, and a state of thousands of small tensors stalled for seconds.
+        base = slab.array.ctypes.data
+        rest = []
+        for s in small:
+            src = s[1].source
+            if type(src) is bytes or isinstance(src, np.ndarray) or not src.is_cpu:
+                rest.append(s)
+            else:
+                ctypes.memmove(base + s[0], src.data_ptr() + s[2], s[3])
+        small = rest
         # Small pieces are back to back in the slab: one torch.cat copies all torch ones.
         torch_small = [s for s in small if not isinstance(s[1].source, (bytes, np.ndarray))]
         if len(torch_small) > 1 and slab.tensor is not None:
@@ -353,6 +367,7 @@ def capture_to_slabs(
             while start < hi:
                 if slab is None:
                     slab = pool.acquire(abort, flush_held)
+                    whole = slab.array.data  # sliced per piece (cheaper than the array)
                 n = _pieces(hi, start, slab.nbytes - fill, chunk_bytes)
                 if n == 0:
                     seal()
@@ -362,7 +377,7 @@ def capture_to_slabs(
                 else:
                     flush_small()
                     _copy(slab, fill, blob, start, n)
-                pieces.append(Piece(index, start, slab.array[fill : fill + n].data))
+                pieces.append(Piece(index, start, whole[fill : fill + n]))
                 fill += n
                 start += n
                 copied += n
