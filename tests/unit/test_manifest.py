@@ -522,3 +522,81 @@ def test_damaged_packed_tables_are_format_errors(damage: Any) -> None:
     damage(doc["blobs"][0][2])
     with pytest.raises(CheckpointFormatError, match="blob 0"):
         Manifest.from_json(json.dumps(doc).encode(), "test")
+
+
+def _outcome(body: bytes) -> Any:
+    try:
+        return Manifest.from_json(body, WHERE)
+    except CheckpointFormatError as exc:
+        return str(exc)
+
+
+@pytest.fixture(scope="module")
+def many_blobs_doc() -> dict[str, Any]:
+    """A manifest of many one-segment blobs, an empty one and a packed multi-segment one."""
+    state: dict[str, Any] = {f"t{i}": torch.full((i % 7 * 300 + 1,), float(i)) for i in range(40)}
+    state["empty"] = torch.zeros(0)
+    state["big"] = torch.arange(200_000, dtype=torch.float32)
+    doc: dict[str, Any] = json.loads(_saved_manifest(state, 4096))
+    return doc
+
+
+def _doc_mutations() -> list[Any]:
+    values = [-1, 0, 1, 2, True, 1.5, "7", None, 2**63, 2**47 + 1, [], [0, 0, 0, 1], "ab" * 16]
+    out: list[Any] = []
+    for v in values:
+        out += [("size", v), ("root", v), ("segments", v), ("row", v)]
+        out += [("kind", v), ("file", v), ("offset", v), ("nbytes", v)]
+    return [*out, ("hashes-", None), ("hashes+", None), ("blob", 7), ("blob", [1, 2])]
+
+
+@pytest.mark.parametrize("where", [0, 3, 39, -1])
+@pytest.mark.parametrize("mutation", _doc_mutations(), ids=repr)
+def test_one_segment_blobs_are_checked_as_blob_by_blob(
+    many_blobs_doc: dict[str, Any], where: int, mutation: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blobs of one segment are checked all at once: the same manifests and the same errors
+    (naming the same blob) as the blob-by-blob path gives."""
+    from cryosnap import manifest as module
+
+    doc = json.loads(json.dumps(many_blobs_doc))
+    what, value = mutation
+    blobs = doc["blobs"]
+    blob = blobs[where]
+    if what.startswith("hashes"):
+        raw = base64.b64decode(doc["hashes"])
+        raw = raw[:-16] if what == "hashes-" else raw + bytes(16)
+        doc["hashes"] = base64.b64encode(raw).decode()
+    elif what == "blob":
+        blobs[where] = value
+    elif what == "size":
+        blob[0] = value
+    elif what == "root":
+        blob[1] = value
+    elif what == "segments":
+        blob[2] = value
+    elif what == "row" and isinstance(blob[2], list) and blob[2]:
+        blob[2][0] = value
+    elif isinstance(blob[2], list) and blob[2]:
+        row = blob[2][0]
+        row[["kind", "file", "offset", "nbytes"].index(what)] = value
+    body = json.dumps(doc).encode()
+    fast = _outcome(body)
+    monkeypatch.setattr(module, "_parse_simple_blobs", lambda *args: None)
+    slow = _outcome(body)
+    assert fast == slow
+    if isinstance(fast, Manifest):
+        assert fast.tables().table.tolist() == module.BlobTables.of(fast.blobs).table.tolist()
+        assert fast.tables().hashes == module.BlobTables.of(fast.blobs).hashes
+
+
+def test_one_segment_blobs_round_trip(many_blobs_doc: dict[str, Any]) -> None:
+    body = json.dumps(many_blobs_doc).encode()
+    manifest = Manifest.from_json(body, WHERE)
+    assert manifest._tables is not None  # checked all at once
+    assert Manifest.from_json(manifest.to_json(), WHERE) == manifest
+    tables = manifest.tables()
+    again = dataclasses.replace(manifest, blobs=tuple(list(manifest.blobs)))
+    assert again.tables() is not tables  # built again for the blobs it describes
+    assert again.tables().rows.tolist() == tables.rows.tolist()
+    assert again.tables().nbytes.tolist() == [b.nbytes for b in manifest.blobs]

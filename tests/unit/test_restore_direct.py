@@ -462,3 +462,34 @@ def test_any_thread_count_restores(
     into = _zeros_like(_state())
     cryosnap.load(location, step=STEP, into=into)
     assert all(_equal(_state()[k], into[k]) for k in into)
+
+
+@pytest.mark.parametrize("into_given", [False, True])
+def test_damage_among_many_small_leaves_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into_given: bool
+) -> None:
+    """A task's small pieces are verified together: damage in any of them still names the
+    first damaged leaf in blob order and its chunk, and leaves into= untouched."""
+    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 256 << 10)
+    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 64 << 10)
+    rng = np.random.default_rng(2)
+    state: dict[str, Any] = {
+        f"t{i:03d}": torch.from_numpy(rng.standard_normal(int(rng.integers(1, 3000))).astype("f4"))
+        for i in range(200)
+    }
+    loc = str(tmp_path / "run")
+    cryosnap.save(loc, state, step=STEP, chunk_bytes=CHUNK)
+    _store, _key, manifest = _data_file(loc)
+    paths = blob_paths(manifest.skeleton, len(manifest.blobs))
+    damaged = ["t150", "t077", "t078"]
+    for leaf in damaged:
+        offset, nbytes = _segment(manifest, leaf)
+        _damage(loc, offset + nbytes - 1)
+    first = min(damaged, key=paths.index)
+    chunk = (_segment(manifest, first)[1] - 1) // CHUNK
+    into = {k: torch.full_like(v, 7.0) for k, v in state.items()} if into_given else None
+    before = snapshot(into) if into is not None else None
+    with pytest.raises(cryosnap.IntegrityError, match=f"leaf {first}: chunk {chunk} "):
+        cryosnap.load(loc, step=STEP, into=into)
+    if into is not None:
+        assert snapshot(into) == before

@@ -182,3 +182,34 @@ def test_plain_keys_and_values_take_the_fast_paths_as_before(tmp_path: Path) -> 
     cryosnap.load(tmp_path, into=into)
     assert torch.equal(into["w"], state["w"]) and (into[7] == 1).all() and into[huge] == "big"
     assert into["m"] is target and torch.equal(target.weight, module.weight)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
+    """The vectorized task plan: every piece once, in file and offset order; a run's gaps
+    put each piece at its offset, none wider than _GAP_BYTES; one file per task."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    files = np.sort(rng.integers(0, 3, n))
+    sizes = rng.integers(1, 3 << 20, n)
+    offsets = np.zeros(n, np.int64)
+    for f in range(3):
+        mine = files == f
+        gaps = rng.choice([0, 0, 0, 100, 70 << 10, -5], int(mine.sum()))
+        offsets[mine] = np.maximum(0, np.sort(np.cumsum(sizes[mine] + gaps) - sizes[mine] - gaps))
+
+    class Plan:
+        pieces = (files, offsets, sizes)
+        p_direct = rng.random(n) < 0.3 if seed % 2 else None
+
+    tasks = _fetch._BlobReader._make_tasks(Plan(), np.arange(n))  # type: ignore[arg-type]
+    assert [p for _f, runs in tasks for _o, pids, _g in runs for p in pids] == list(range(n))
+    for f, runs in tasks:
+        for offset, pids, gaps in runs:
+            assert gaps[0] == 0 and offset == offsets[pids[0]]
+            at = offset
+            for p, gap in zip(pids, gaps, strict=True):
+                assert files[p] == f and 0 <= gap <= _fetch._GAP_BYTES
+                at += gap
+                assert at == offsets[p]
+                at += sizes[p]

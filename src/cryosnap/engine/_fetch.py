@@ -39,7 +39,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -148,6 +148,9 @@ class _BlobReader:
         self.p_hash: list[int] = []
         self.p_hash_end: list[int] = []
         self.p_whole: list[bool] = []
+        empty = np.empty(0, np.int64)
+        self.pieces: tuple[np.ndarray[Any, Any], ...] = (empty, empty, empty)
+        self.p_direct: np.ndarray[Any, Any] | None = None
         self.gathers: list[_Gather] = []
         self.staged: dict[int, np.ndarray[Any, Any]] = {}  # scattered direct blobs, gathered
         # The address of each view's first byte, taken once: pieces are hashed and copied by
@@ -161,7 +164,7 @@ class _BlobReader:
     def first_pass(self) -> None:
         self._check_counts()
         self._plan()
-        tasks = self._make_tasks(range(len(self.p_blob)))
+        tasks = self._make_tasks(np.arange(len(self.p_blob)))
         work: list[Callable[[], None]] = [
             functools.partial(self._task, i, task, False) for i, task in enumerate(tasks)
         ]
@@ -172,8 +175,8 @@ class _BlobReader:
     def second_pass(self) -> None:
         for blob, staged in self.staged.items():
             _copy(self.address[blob], staged.ctypes.data, staged.nbytes)
-        direct, p_blob = self.direct, self.p_blob
-        tasks = self._make_tasks([p for p in range(len(p_blob)) if direct[p_blob[p]]])
+        pids = np.flatnonzero(self.p_direct) if self.p_direct is not None else np.empty(0, int)
+        tasks = self._make_tasks(pids)
         self._run([functools.partial(self._task, i, t, True) for i, t in enumerate(tasks)])
 
     def _run(self, work: list[Callable[[], None]]) -> None:
@@ -262,6 +265,9 @@ class _BlobReader:
         self.p_nbytes = p_nbytes.tolist()
         self.p_offset = p_offset[order].tolist()
         self.p_file = p_file[order].tolist()
+        # The same as arrays, for the tasks (and whether each piece is a direct blob's).
+        self.pieces = (p_file[order], p_offset[order], p_nbytes)
+        self.p_direct = np.array(self.direct, bool)[p_blob] if self.has_direct else None
         # Where each piece's hashes are in ``expected`` (bytes), and whether it is its whole
         # blob (its view needs no slice).
         lo = (self.first[:-1][p_blob] + p_start // cb) * HASH_BYTES
@@ -279,41 +285,50 @@ class _BlobReader:
                 f"step {self.step}, tier {self.store.url}: leaf {b.path}: wrong chunk count"
             )
 
-    def _make_tasks(self, pids: Iterable[int]) -> list[_Task]:
+    def _make_tasks(self, pids: np.ndarray[Any, Any]) -> list[_Task]:
         """Pieces (``pids``, in file and offset order) that follow each other in a file join one
         run; so do pieces a small gap apart (the gap is read into scratch): a fragmented
         incremental chain reads its old data files in a few large reads instead of one per
-        changed region. Runs of one file join tasks of about ``IO_BATCH_BYTES`` (a task that
-        holds a direct piece: ``_BOUNCE_BYTES``), each one read_ranges call (one open)."""
-        direct, p_blob = self.direct, self.p_blob
-        tasks: list[_Task] = []
-        f_cur = -1
-        runs: list[_Run] = []
-        end = -1
-        task_bytes = 0
-        cap = IO_BATCH_BYTES
-        for pid in pids:
-            f, offset, nbytes = self.p_file[pid], self.p_offset[pid], self.p_nbytes[pid]
-            bounced = direct[p_blob[pid]]
-            if f != f_cur or task_bytes >= cap or (bounced and task_bytes >= _BOUNCE_BYTES):
-                if runs:
-                    tasks.append((f_cur, runs))
-                f_cur, runs, task_bytes, end, cap = f, [], 0, -1, IO_BATCH_BYTES
-            if bounced:
-                cap = _BOUNCE_BYTES
-            gap = offset - end
-            if runs and 0 <= gap <= _GAP_BYTES:
-                runs[-1][1].append(pid)
-                runs[-1][2].append(gap)
-            else:
-                # A new run: a far piece, or content stored once and used twice
-                # (de-duplicated: the piece starts before the run's end).
-                runs.append((offset, [pid], [0]))
-            task_bytes += nbytes
-            end = offset + nbytes
-        if runs:
-            tasks.append((f_cur, runs))
-        return tasks
+        changed region. Runs of one file join tasks of about ``IO_BATCH_BYTES`` (a file some
+        direct piece is read from: ``_BOUNCE_BYTES``), each one read_ranges call (one open).
+        Vectorized: a state of many small leaves has a piece each."""
+        n = len(pids)
+        if not n:
+            return []
+        files, offsets, sizes = (a[pids] for a in self.pieces)
+        new_file = np.ones(n, bool)
+        new_file[1:] = files[1:] != files[:-1]
+        # Bytes of the file's pieces before each piece, and the task it starts in.
+        before = np.cumsum(sizes) - sizes
+        first = np.flatnonzero(new_file)
+        segment = np.cumsum(new_file) - 1
+        within = before - before[first][segment]
+        cap = np.full(len(first), IO_BATCH_BYTES, np.int64)
+        if self.p_direct is not None:
+            bounced = np.add.reduceat(self.p_direct[pids].astype(np.int64), first) > 0
+            cap[bounced] = _BOUNCE_BYTES
+        slot = within // cap[segment]
+        new_task = new_file.copy()
+        new_task[1:] |= slot[1:] != slot[:-1]
+        # A new run at a new task, at a piece before the last one's end (content stored once,
+        # used twice) or farther than a gap after it.
+        gap = np.zeros(n, np.int64)
+        gap[1:] = offsets[1:] - offsets[:-1] - sizes[:-1]
+        new_run = new_task | (gap < 0) | (gap > _GAP_BYTES)
+        gap[new_run] = 0
+        run_at = np.flatnonzero(new_run).tolist()
+        pid_l, gap_l, off_l = pids.tolist(), gap.tolist(), offsets.tolist()
+        bounds = [*run_at, n]
+        runs: list[_Run] = [
+            (off_l[a], pid_l[a:z], gap_l[a:z]) for a, z in itertools.pairwise(bounds)
+        ]
+        # Tasks as runs: where each task's first run is among the runs.
+        task_at = np.searchsorted(run_at, np.flatnonzero(new_task)).tolist()
+        file_l = files[new_task].tolist()
+        return [
+            (f, runs[a:z])
+            for f, (a, z) in zip(file_l, itertools.pairwise([*task_at, len(runs)]), strict=True)
+        ]
 
     def _plan_gathers(self, i: int) -> tuple[int, int, int, int] | None:
         """Scattered chunks (the end of an incremental chain over sparse updates): windows of
