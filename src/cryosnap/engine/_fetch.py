@@ -268,12 +268,13 @@ class _BlobReader:
         # The same as arrays, for the tasks (and whether each piece is a direct blob's).
         self.pieces = (p_file[order], p_offset[order], p_nbytes)
         self.p_direct = np.array(self.direct, bool)[p_blob] if self.has_direct else None
-        # Where each piece's hashes are in ``expected`` (bytes), and whether it is its whole
-        # blob (its view needs no slice).
+        # Where each piece's hashes are in ``expected`` (bytes), and whether it is its blob's
+        # whole view (no slice needed).
         lo = (self.first[:-1][p_blob] + p_start // cb) * HASH_BYTES
         self.p_hash = lo.tolist()
         self.p_hash_end = (lo + -(-p_nbytes // cb) * HASH_BYTES).tolist()
-        self.p_whole = ((p_start == 0) & (p_nbytes == sizes[p_blob])).tolist()
+        viewed = np.fromiter((v.nbytes for v in self.views), np.int64, len(self.views))
+        self.p_whole = ((p_start == 0) & (p_nbytes == viewed[p_blob])).tolist()
 
     def _check_counts(self) -> None:
         """Every blob has as many chunk hashes as its bytes make chunks (resolution makes it

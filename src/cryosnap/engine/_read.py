@@ -253,17 +253,22 @@ def _read_verified(
                 store, manifest, ref.key, ref.xxh3, chain=chain, paths=restorer.blob_paths
             )
         _check_used_files(store, part, checked)
-    try:
-        if not progress:
-            fetched = read_blobs(store, part, views, direct=restorer.direct)
-            return part, restorer, fetched
-        line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+        # Still paused: the fetch makes a view or two per piece (tens of thousands for a state
+        # of many small leaves, none in a cycle), and each collection they would set off walks
+        # every object allocated above, holding the GIL the read threads hash under.
         try:
-            fetched = read_blobs(store, part, views, on_bytes=line.update, direct=restorer.direct)
-        finally:
-            line.close()
-    except MemoryError as exc:
-        raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
+            if not progress:
+                fetched = read_blobs(store, part, views, direct=restorer.direct)
+                return part, restorer, fetched
+            line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+            try:
+                fetched = read_blobs(
+                    store, part, views, on_bytes=line.update, direct=restorer.direct
+                )
+            finally:
+                line.close()
+        except MemoryError as exc:
+            raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
     return part, restorer, fetched
 
 
