@@ -115,3 +115,42 @@ def test_a_hashed_run_of_this_ranks_own_share_is_refused(tmp_path: Path) -> None
             writer.add([Hashed(0, CHUNK, 2 * CHUNK, hash_chunks(data[CHUNK : 3 * CHUNK], CHUNK))])
     finally:
         writer.abort()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_torch_pieces_small_and_large_land_byte_for_byte(parallel: bool) -> None:
+    """Small pieces of host tensors are memmoved, large ones copied by torch (``parallel``) or
+    memmoved (lazy capture): the slabs hold the leaves' exact bytes either way, including a
+    tensor that shares its storage, an offset view and non-float dtypes."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(3 << 18, generator=g)  # 3 MiB: large pieces
+    state = {
+        "big": base,
+        "tail": torch.randn(700_001, generator=g),  # crosses slabs, odd size
+        "small": [torch.randn(n, generator=g) for n in (1, 3, 64, 1000, 4097)],
+        "ints": torch.arange(333, dtype=torch.int16),
+        "flags": torch.rand(77, generator=g) > 0.5,
+        "view": torch.randn(64, 64, generator=g)[5:20],  # storage offset, contiguous
+        "param": torch.nn.Parameter(torch.randn(10, generator=g)),
+    }
+    flat = flatten(state)
+    chunk = 64 << 10
+    pool = StagingPool(slab_bytes=4 << 20, budget_bytes=None)
+    batches: list[Batch] = []
+    copied = capture_to_slabs(
+        flat,
+        pool,
+        chunk_bytes=chunk,
+        emit=batches.append,
+        tracker=CaptureTracker(len(flat.blobs)),
+        parallel=parallel,
+    )
+    assert copied == flat.logical_bytes
+    got = {i: bytearray(b.nbytes) for i, b in enumerate(flat.blobs)}
+    for batch in batches:
+        for p in batch.pieces:
+            assert isinstance(p, Piece)
+            got[p.blob][p.offset : p.offset + p.view.nbytes] = p.view
+    for i, blob in enumerate(flat.blobs):
+        assert bytes(got[i]) == bytes(blob.host_view()), blob.path
