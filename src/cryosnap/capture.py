@@ -441,11 +441,19 @@ def direct_batches(
     pieces: list[Item] = []
     size = 0
     for index, blob in enumerate(flat.blobs):
-        if blob.nbytes == 0:
+        nbytes = blob.nbytes
+        if nbytes == 0:
             continue
         view = blob.host_view()
         others = foreign.get(index) if foreign else None
-        for lo, hi, kind in _runs(blob.nbytes, None, chunk_bytes or blob.nbytes, others):
+        if others is None:  # the whole blob, one piece (most leaves)
+            pieces.append(Piece(index, 0, view))
+            size += nbytes
+            if size >= batch_bytes:
+                yield Batch(pieces)
+                pieces, size = [], 0
+            continue
+        for lo, hi, kind in _runs(nbytes, None, chunk_bytes or nbytes, others):
             if kind == _HASH:
                 known = hashes[index][lo // chunk_bytes : -(-hi // chunk_bytes)]
                 pieces.append(Hashed(index, lo, hi - lo, known.tobytes()))

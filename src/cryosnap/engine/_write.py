@@ -513,11 +513,13 @@ class PartWriter(_Shares):
         base, which must be the version the capture compared with."""
         if self.placement is None:
             try:
+                before = self._offsets[0]
                 out = self._diff(pieces)
             except BaseException:
                 release()
                 raise
-            self._ios[0].append(out, release, sum(v.nbytes for v in out))
+            # The new bytes are the views, back to back at the end of the file.
+            self._ios[0].append(out, release, self._offsets[0] - before)
             return
         groups = _split_pieces(pieces, _PLACE_BYTES, self.chunk_bytes)
         remaining = [len(groups)]
@@ -536,8 +538,9 @@ class PartWriter(_Shares):
                 logical = sum(p.view.nbytes for p in group if isinstance(p, Piece))
                 device = self.placement.choose(int(logical * self._new_share), reserve=logical)
                 self._device = device
+                before = self._offsets[device]
                 out = self._diff(group)
-                nbytes = sum(v.nbytes for v in out)
+                nbytes = self._offsets[device] - before
                 # Only what the batch writes keeps its reservation of the device's capacity.
                 self.placement.unreserve(device, logical - nbytes)
                 if logical:
@@ -883,6 +886,10 @@ def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[
             groups[-1].append(p)
             continue
         lo, n = 0, p.view.nbytes
+        if size + n < step:  # the whole piece (most small leaves), not sliced
+            groups[-1].append(p)
+            size += n
+            continue
         while lo < n:
             room = max((step - size) // chunk_bytes, 1) * chunk_bytes
             take = min(n - lo, room)
