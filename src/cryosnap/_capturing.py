@@ -146,17 +146,24 @@ class Capturer:
             raise
 
     def direct(self, job: Job) -> None:
-        """No staging: hand the live memory to the writer (the caller waits until durable)."""
+        """No staging: hand the live memory to the writer; returns once the version is durable
+        or failed (the caller waits for that anyway: its result is then ready).
+
+        The cyclic GC stays paused until then: the pieces, views, hashes and manifest entries
+        of a state of many small leaves (tens of thousands of objects, alive until the version
+        is written) would otherwise set off collections that walk every object of the program,
+        holding the GIL under the writer, for garbage that is all freed when the save ends."""
         job.captured_bytes = job.flat.logical_bytes
         if self.diff is not None:
             self.diff.skip(self.diff.ticket())
-        try:
-            with paused_gc():
+        with paused_gc():
+            try:
                 for batch in direct_batches(job.flat, batch_bytes=engine.IO_BATCH_BYTES):
                     job.batches.put(batch)
-        finally:
-            job.batches.put(END)
-            job.pending._tracker.finish()
+            finally:
+                job.batches.put(END)
+                job.pending._tracker.finish()
+            job.pending._done.wait()
 
     def remove_spent_hooks(self) -> None:
         """Remove the hooks of finished captures (on the caller's thread: ``optimizer.step()``

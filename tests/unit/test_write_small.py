@@ -168,3 +168,36 @@ def test_blob_root_of_one_chunk_leaves(tmp_path: Path) -> None:
         assert [writer.blob_root(i) for i in range(2)] == [e.root for e in part.manifest.blobs]
     finally:
         writer.abort()
+
+
+def test_a_direct_save_leaves_the_gc_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cryosnap.save keeps the cyclic GC paused while the version is written, then resumes
+    it, also when the save fails."""
+    import gc
+
+    import cryosnap
+
+    assert gc.isenabled()
+    cryosnap.save(tmp_path / "run", {"a": np.arange(10)}, step=1)
+    assert gc.isenabled()
+    with pytest.raises(cryosnap.CheckpointExistsError):
+        cryosnap.save(tmp_path / "run", {"a": np.arange(10)}, step=1)
+    assert gc.isenabled()
+
+    def fail(_self: Any) -> None:
+        assert not gc.isenabled()  # paused while the version is written
+        raise CheckpointError("no manifest today")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.PartWriter, "finish", fail)
+        with pytest.raises(CheckpointError, match="no manifest today"):
+            cryosnap.save(tmp_path / "run", {"a": np.arange(10)}, step=3)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        cryosnap.save(tmp_path / "run", {"a": np.arange(10)}, step=2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
