@@ -165,11 +165,14 @@ class Writer:
                 self._tell_policy("failed", job.step)
 
     def _after_commit(self, job: Job, part: engine.PartResult, info: SaveInfo) -> None:
+        later: list[Callable[[], None]] = []
         try:
             # Retention before the version is reported, so that a caller sees the run as
             # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
             self.chain.advance(part)
-            self.levels.retire(self.level, protect={job.step})
+            # The commit records of dropped versions go now, their files once the version
+            # is reported (below): still before this writer's next write.
+            self.levels.retire(self.level, protect={job.step}, later=later)
             if self.partners is not None:
                 # Copies of versions the next level has not committed yet are kept.
                 levels = self.levels.levels
@@ -188,7 +191,14 @@ class Writer:
             log.exception("after committing step %d", job.step)
             self._note_disagreement(exc)
             self.chain.forget()
+            later.clear()
         self.levels.reached(self.level, job.step, job.pending, info)
+        try:
+            for finish in later:
+                finish()  # logs the failures of the store (Levels.retire)
+        except Exception:
+            log.exception("retention after step %d", job.step)
+            self.chain.forget()
 
     def _note_disagreement(self, exc: BaseException) -> None:
         while exc is not None and self.disagreed is None:

@@ -255,8 +255,16 @@ class Levels:
 
     # -- retention -----------------------------------------------------------------------------
 
-    def retire(self, index: int, *, protect: Collection[int] = ()) -> None:
-        """Apply level ``index``'s retention; a failure is logged and finished by the next pass."""
+    def retire(
+        self,
+        index: int,
+        *,
+        protect: Collection[int] = (),
+        later: list[Callable[[], None]] | None = None,
+    ) -> None:
+        """Apply level ``index``'s retention; a failure is logged and finished by the next pass.
+        ``later``: on an unshared level, the deletes of files are appended to it to run after
+        the version is reported (:func:`engine.retire`); wrapped in the same error handling."""
         level = self.levels[index]
         if level.keep is None:
             return
@@ -269,6 +277,7 @@ class Levels:
             if level.shared and self.coordinator.world_size > 1:
                 self._retire_shared(level, keep_also, forget)
             else:
+                deferred: list[Callable[[], None]] | None = [] if later is not None else None
                 engine.retire(
                     level.store,
                     keep=level.keep,
@@ -276,7 +285,10 @@ class Levels:
                     reserved=set(level.reserved),
                     fence=self.fence,
                     before_delete=forget,
+                    later=deferred,
                 )
+                if later is not None and deferred:
+                    later.append(lambda: self._finish_retire(level.store.url, deferred))
         except LockLostError:
             return  # recorded by the fence; nothing was deleted
         except CoordinationError:
@@ -284,6 +296,16 @@ class Levels:
         except CheckpointError as exc:
             # Versions are committed; a failed clean-up is finished by the next pass.
             log.warning("retention on %s failed: %s", level.store.url, exc)
+
+    @staticmethod
+    def _finish_retire(url: str, deferred: list[Callable[[], None]]) -> None:
+        try:
+            for fn in deferred:
+                fn()
+        except LockLostError:
+            return  # recorded by the fence; nothing more was deleted
+        except CheckpointError as exc:
+            log.warning("retention on %s failed: %s", url, exc)
 
     def _retire_shared(
         self, level: Level, protect: set[int], forget: Callable[[Collection[str]], None]

@@ -87,9 +87,16 @@ def retire(
     reserved: Collection[str] = (),
     fence: Callable[[], None] = _no_fence,
     before_delete: Callable[[Collection[str]], None] = ignore_files,
+    later: list[Callable[[], None]] | None = None,
 ) -> list[int]:
     """Carry out :func:`plan_retire`, then remove the leftovers of writes that never committed
     (``Store.remove_incomplete``). Returns the steps deleted.
+
+    With ``later``, only the commit records go now (what decides which versions are listed
+    and restorable): the rest of the pass is appended to ``later`` as one callable, for the
+    writer to run once it has reported the version it just committed (deleting a large data
+    file costs the kernel time that the caller of ``result()`` need not wait for). The writer
+    runs it before its next write, so the invariants below hold.
 
     Safe to fail at any delete and to be run again: commit records go first, so a failure
     midway leaves fewer versions, never a broken one; manifests and data files go only when no
@@ -101,7 +108,11 @@ def retire(
     none of its own writes on ``store`` is in progress.
     """
     plan = plan_retire(store, keep=keep, drop=drop, protect=protect, reserved=reserved)
-    apply_retire(store, plan, fence=fence, before_delete=before_delete)
+    if later is None:
+        apply_retire(store, plan, fence=fence, before_delete=before_delete)
+    else:
+        _drop_records(store, plan, fence)
+        later.append(lambda: _delete_files(store, plan, fence, before_delete))
     return plan.dropped
 
 
@@ -114,9 +125,23 @@ def apply_retire(
 ) -> None:
     """Delete what ``plan`` names, commit records first, then remove the leftovers of writes
     that never committed (see :func:`retire`)."""
+    _drop_records(store, plan, fence)
+    _delete_files(store, plan, _no_fence, before_delete)
+
+
+def _drop_records(store: Store, plan: RetirePlan, fence: Callable[[], None]) -> None:
     fence()
     for s in plan.dropped:
         store.delete(commit_key(s))
+
+
+def _delete_files(
+    store: Store,
+    plan: RetirePlan,
+    fence: Callable[[], None],
+    before_delete: Callable[[Collection[str]], None],
+) -> None:
+    fence()  # deferred (retire's later): the lock may have gone meanwhile
     for key in plan.manifests:
         store.delete(key)
     if plan.data_files:
