@@ -493,3 +493,26 @@ def test_damage_among_many_small_leaves_is_named(
         cryosnap.load(loc, step=STEP, into=into)
     if into is not None:
         assert snapshot(into) == before
+
+
+def test_damage_in_a_gathered_chunk_names_the_chunk(tmp_path: Path) -> None:
+    """The gathered path verifies its chunks all at once: damage still names the chunk."""
+    rng = np.random.default_rng(6)
+    arr = rng.standard_normal(600_001).astype(np.float32)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, full_every=16) as ckpt:
+        for step in range(4):
+            arr[rng.choice(arr.size, 400, replace=False)] += 1
+            ckpt.save(step, {"x": arr}).result()
+    store = LocalStore(tmp_path)
+    part = engine.resolve_version(store, 3)
+    blob = part.blobs[0]
+    assert 1 + int(np.count_nonzero(np.diff(blob.offsets) != CHUNK)) > engine._FRAGMENTED_RUNS
+    base_key = engine.read_commit(store, 0).data_files[0]
+    live = np.flatnonzero(blob.files == part.files.index(base_key))
+    chunks = [int(live[len(live) // 2]), int(live[-3])]
+    raw = bytearray((tmp_path / base_key).read_bytes())
+    for c in chunks:
+        raw[int(blob.offsets[c]) + 11] ^= 0xFF
+    (tmp_path / base_key).write_bytes(bytes(raw))
+    with pytest.raises(cryosnap.IntegrityError, match=f"leaf x: chunk {min(chunks)} "):
+        cryosnap.load(tmp_path, step=3)

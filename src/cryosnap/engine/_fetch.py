@@ -517,13 +517,21 @@ class _BlobReader:
         i, _f, idx = task
         dest = self.staged.get(i)
         view = dest.data if dest is not None else self.views[i]
-        cb, lo = self.cb, self.first_list[i] * HASH_BYTES
-        expected = self.expected
-        for c in idx.tolist():
-            got = hash_chunks_released(view[c * cb : (c + 1) * cb], cb)
-            if got != expected[lo + c * HASH_BYTES : lo + (c + 1) * HASH_BYTES]:
+        cb = self.cb
+        hash_one = hash_bytes if cb <= _INLINE_HASH_BYTES else self._hash_chunk
+        chunks = idx.tolist()
+        got = [hash_one(view[c * cb : (c + 1) * cb]) for c in chunks]
+        # Compared all at once; chunk by chunk only when something differs.
+        want = self.chunks.hashes[self.first_list[i] + idx].tobytes()
+        if b"".join(got) == want:
+            return
+        for k, c in enumerate(chunks):
+            if got[k] != want[k * HASH_BYTES : (k + 1) * HASH_BYTES]:
                 with self.lock:
                     self.bad.append((i, c))
+
+    def _hash_chunk(self, chunk: memoryview) -> bytes:
+        return hash_chunks_released(chunk, self.cb)
 
     def _gather_reads(self, task: _Gather) -> None:
         i, f, idx = task
