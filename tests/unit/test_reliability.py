@@ -87,6 +87,42 @@ def test_random_failing_deletes_never_break_a_saved_version(tmp_path: Path, seed
     assert set(local.list("data")) == {f for r in kept for f in r.data_files}
 
 
+class _SlowDataDeletes(FaultyStore):
+    """Deletes of data files wait until ``go`` is set (a large file the kernel frees slowly)."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        super().__init__(inner)
+        self.go = threading.Event()
+        self.waiting = threading.Event()
+
+    def delete(self, key: str) -> None:
+        if key.startswith("data/"):
+            self.waiting.set()
+            assert self.go.wait(30), "the test never let the delete go on"
+        super().delete(key)
+
+
+def test_a_version_is_reported_before_the_files_it_retires_are_deleted(tmp_path: Path) -> None:
+    """keep=1: when result() returns, the dropped version is no longer listed (its commit
+    record went first) although its data files are still being deleted; they are gone before
+    the writer's next version, and every listed version loads meanwhile."""
+    store = _SlowDataDeletes(LocalStore(tmp_path))
+    with cryosnap.Checkpointer(store, keep=1, chunk_bytes=4096, incremental=False) as ckpt:
+        ckpt.save(0, _state(0)).result()
+        old = set(LocalStore(tmp_path).list("data"))
+        info = ckpt.save(1, _state(1)).result(timeout=30)  # not held up by the delete
+        assert info.step == 1
+        assert store.waiting.wait(30)
+        assert ckpt.steps() == [1]
+        assert set(LocalStore(tmp_path).list("data")) >= old  # not deleted yet
+        np.testing.assert_array_equal(cryosnap.load(tmp_path)["w"], _state(1)["w"])
+        store.go.set()
+        ckpt.save(2, _state(2)).result()
+        local = LocalStore(tmp_path)
+        assert not old & set(local.list("data"))
+        assert engine.list_steps(local) == [2]
+
+
 def test_readers_never_fail_while_the_writer_retires(tmp_path: Path) -> None:
     """keep=1: each commit retires the version before it; a reader asking for the newest one
     lists again instead of reporting a retired version as damaged or missing."""
