@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap import chunks
+from cryosnap import chunks, engine
 from cryosnap.engine import _fetch, _read
+from cryosnap.errors import IntegrityError
 from cryosnap.manifest import Manifest, manifest_key
-from cryosnap.storage import open_store
+from cryosnap.storage import LocalStore, open_store
 
 from .support import snapshot
 
@@ -213,3 +214,24 @@ def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
                 at += gap
                 assert at == offsets[p]
                 at += sizes[p]
+
+
+@pytest.mark.parametrize("cut", [1, 4096, 5000])
+def test_used_files_check_names_the_leaf_a_truncated_file_cuts(tmp_path: Path, cut: int) -> None:
+    """The check of the files resolution reads that the chain check did not size (all chunks
+    at once) names the first leaf whose bytes lie past the file's end."""
+    state = {f"t{i}": torch.full((i * 300 + 1,), float(i)) for i in range(12)}
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=4096)
+    store = LocalStore(tmp_path)
+    part = engine.resolve_version(store, 1)
+    _read._check_used_files(store, part, set())  # whole: nothing to say
+    (key,) = part.files
+    path = tmp_path / key
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - cut])
+    ends = [
+        (int(b.offsets[-1]) + (b.nbytes - 1) % 4096 + 1, b.path) for b in part.blobs if b.nbytes
+    ]
+    victim = min((p for end, p in ends if end > len(data) - cut), key=part.blob_index)
+    with pytest.raises(IntegrityError, match=f"{key} is truncated; leaf {victim} cannot"):
+        _read._check_used_files(store, part, set())

@@ -155,18 +155,21 @@ def _check_used_files(store: Store, part: ResolvedPart, checked: set[str]) -> No
         with contextlib.suppress(CheckpointNotFoundError):  # missing: the read names it
             size[i] = store.size(part.files[i])
     cb = part.manifest.chunk_bytes
-    for b in part.blobs:
-        have = size[b.files]
-        ends = b.offsets + cb
-        if len(ends) and b.nbytes % cb:
-            ends[-1] -= cb - b.nbytes % cb  # the short last chunk
-        past = (have >= 0) & (ends > have)
-        if past.any():
-            f = part.files[int(b.files[int(np.argmax(past))])]
-            raise IntegrityError(
-                f"step {part.step}, tier {store.url}: data file {f} is truncated; "
-                f"leaf {b.path} cannot be read"
-            )
+    chunks = part.chunks()  # every chunk of every blob at once
+    have = size[chunks.files]
+    ends = chunks.offsets + cb
+    last = chunks.starts[1:] - 1  # each blob's last chunk (of a blob that has one)
+    short = (chunks.nbytes % cb != 0) & (last >= chunks.starts[:-1])
+    ends[last[short]] -= cb - chunks.nbytes[short] % cb  # the short last chunks
+    past = (have >= 0) & (ends > have)
+    if past.any():
+        c = int(np.argmax(past))
+        b = part.blobs[int(np.searchsorted(chunks.starts, c, side="right")) - 1]
+        f = part.files[int(chunks.files[c])]
+        raise IntegrityError(
+            f"step {part.step}, tier {store.url}: data file {f} is truncated; "
+            f"leaf {b.path} cannot be read"
+        )
 
 
 _PREFAULT_MIN_BYTES = 1 << 20
