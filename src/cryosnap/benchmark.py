@@ -230,11 +230,18 @@ def iter_files(root: Path) -> Iterator[Path]:
 
 def tree_bytes(root: Path) -> int:
     """Bytes (apparent size) of every file under ``root``."""
-    return sum(path.stat().st_size for path in iter_files(root))
+    return sum(file_sizes(root).values())
 
 
 def file_sizes(root: Path) -> dict[Path, int]:
-    return {path: path.stat().st_size for path in iter_files(root)} if root.exists() else {}
+    """Every file's size under ``root``; a file deleted during the walk is left out (a
+    Checkpointer deletes what its retention drops after reporting the version)."""
+    sizes: dict[Path, int] = {}
+    if root.exists():
+        for path in iter_files(root):
+            with contextlib.suppress(FileNotFoundError):
+                sizes[path] = path.stat().st_size
+    return sizes
 
 
 def written_between(before: Mapping[Path, int], after: Mapping[Path, int]) -> int:
@@ -257,7 +264,11 @@ def warm_page_cache(root: Path) -> int:
     view = memoryview(buffer)
     total = 0
     for path in iter_files(root):
-        with open(path, "rb", buffering=0) as f:
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115
+        except FileNotFoundError:
+            continue  # retired by the run's writer meanwhile (see file_sizes)
+        with f:
             while n := f.readinto(view):
                 total += n
     return total
