@@ -117,6 +117,8 @@ class Writer:
         # saving, as one that lost its lock does.
         self.disagreed: CoordinationError | None = None
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queued = 0  # jobs submitted and not yet through _run (settle waits for none)
+        self._settled = threading.Condition()
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
@@ -137,7 +139,15 @@ class Writer:
         return 0 if self.private else self.coord.rank
 
     def submit(self, job: Job) -> None:
+        with self._settled:
+            self._queued += 1
         self._jobs.put(job)
+
+    def settle(self) -> None:
+        """Block until every submitted job is written, committed or failed, and the retention
+        that follows a commit is done (its deletes run after the version is reported)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._queued == 0)
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -159,10 +169,15 @@ class Writer:
                 job.pending.fail(exc)
             finally:
                 self.inflight.release()
-            if part is not None and info is not None:
-                self._after_commit(job, part, info)
-            else:
-                self._tell_policy("failed", job.step)
+            try:
+                if part is not None and info is not None:
+                    self._after_commit(job, part, info)
+                else:
+                    self._tell_policy("failed", job.step)
+            finally:
+                with self._settled:
+                    self._queued -= 1
+                    self._settled.notify_all()
 
     def _after_commit(self, job: Job, part: engine.PartResult, info: SaveInfo) -> None:
         later: list[Callable[[], None]] = []

@@ -423,9 +423,12 @@ class Checkpointer:
                 raise err
 
     def wait(self) -> None:
-        """Block until every pending save is durable; raise the first undelivered failure."""
+        """Block until every pending save is durable and the writer is done with it (the
+        files that retention drops are deleted after a version is reported: once this returns
+        the run's folder holds what ``keep`` says); raise the first undelivered failure."""
         for p in list(self._pending):
             p._done.wait()
+        self._writer.settle()
         self._raise_undelivered()
 
     def steps(self) -> list[int]:

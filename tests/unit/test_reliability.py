@@ -116,10 +116,17 @@ def test_a_version_is_reported_before_the_files_it_retires_are_deleted(tmp_path:
         assert ckpt.steps() == [1]
         assert set(LocalStore(tmp_path).list("data")) >= old  # not deleted yet
         np.testing.assert_array_equal(cryosnap.load(tmp_path)["w"], _state(1)["w"])
+        # wait() returns once the writer is done: the folder then holds what keep says.
+        waiter = threading.Thread(target=ckpt.wait)
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()
         store.go.set()
-        ckpt.save(2, _state(2)).result()
+        waiter.join(30)
+        assert not waiter.is_alive()
         local = LocalStore(tmp_path)
         assert not old & set(local.list("data"))
+        ckpt.save(2, _state(2)).result()
         assert engine.list_steps(local) == [2]
 
 
