@@ -143,6 +143,9 @@ def test_one_chunk_leaves_are_one_segment_each(tmp_path: Path) -> None:
     kinds = [e.table[:, 0].tolist() for e in second.manifest.blobs]
     assert kinds == [[INHERITED], [STORED], [INHERITED], []]
     assert second.written_bytes == 400 and second.new_chunks == 1
+    assert second.base is not None
+    used = set(second.manifest.data_files) | set(second.base.used_files())
+    assert second.used_files() == used == {*first.manifest.data_files, *second.manifest.data_files}
 
 
 def test_a_leaf_added_twice_is_captured_incompletely(tmp_path: Path) -> None:

@@ -104,7 +104,14 @@ class PartResult:
         """Data files this version may read: its own plus, if incremental, its base's (a
         superset of what it inherits; the chain is bounded, so retention still reclaims)."""
         own = set(self.manifest.data_files)
-        return own if self.base is None else own | set(self.base.used_files())
+        if self.base is None:
+            return own
+        # The files the base's chunks lie in (as ResolvedPart.used_files, one numpy call for
+        # every blob of a state of many small leaves, not one each).
+        base = self.base
+        files = [b.files for b in base.blobs]
+        used = np.unique(np.concatenate(files)).tolist() if files else []
+        return own | {base.files[i] for i in used}
 
     @property
     def depth(self) -> int:
