@@ -41,15 +41,85 @@ MAX_CHAIN = 4096
 _Loc = tuple[str, int]  # (data file key, byte offset) of one stored chunk
 
 
-@dataclass(slots=True)
-class ResolvedBlob:
-    """Where each chunk of one blob lies and what it hashes to."""
+_Files = np.ndarray[Any, np.dtype[np.int32]]
+_Offsets = np.ndarray[Any, np.dtype[np.int64]]
+_Hashes = np.ndarray[Any, np.dtype[np.uint8]]
 
-    path: str
-    nbytes: int
-    files: np.ndarray[Any, np.dtype[np.int32]]  # per chunk: index into ResolvedPart.files
-    offsets: np.ndarray[Any, np.dtype[np.int64]]  # per chunk: byte offset in that file
-    hashes: np.ndarray[Any, np.dtype[np.uint8]]  # (chunks, 16)
+
+class ResolvedBlob:
+    """Where each chunk of one blob lies and what it hashes to: per chunk ``files`` (an index
+    into ResolvedPart.files), ``offsets`` (byte offset in that file) and ``hashes`` (chunks,
+    16).
+
+    A blob of a resolved part takes its three arrays from the part's arrays of every chunk
+    (``source``, chunks ``lo`` to ``hi``) when first asked: a restore reads the part's
+    arrays, and slicing them for 20,000 small blobs up front cost more than resolving them.
+    """
+
+    __slots__ = ("_files", "_hashes", "_hi", "_lo", "_offsets", "_source", "nbytes", "path")
+
+    def __init__(
+        self,
+        path: str,
+        nbytes: int,
+        files: _Files | None,
+        offsets: _Offsets | None,
+        hashes: _Hashes | None,
+        source: tuple[_Files, _Offsets, _Hashes] | None = None,
+        lo: int = 0,
+        hi: int = 0,
+    ) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self._files = files
+        self._offsets = offsets
+        self._hashes = hashes
+        self._source = source
+        self._lo = lo
+        self._hi = hi
+
+    def _slice(self, i: int) -> Any:
+        assert self._source is not None, "a ResolvedBlob made without its arrays"
+        return self._source[i][self._lo : self._hi]
+
+    @property
+    def files(self) -> _Files:
+        f = self._files
+        if f is None:
+            f = self._files = self._slice(0)
+        return f
+
+    @files.setter
+    def files(self, value: _Files) -> None:
+        self._files = value
+
+    @property
+    def offsets(self) -> _Offsets:
+        o = self._offsets
+        if o is None:
+            o = self._offsets = self._slice(1)
+        return o
+
+    @offsets.setter
+    def offsets(self, value: _Offsets) -> None:
+        self._offsets = value
+
+    @property
+    def hashes(self) -> _Hashes:
+        h = self._hashes
+        if h is None:
+            h = self._hashes = self._slice(2)
+        return h
+
+    @hashes.setter
+    def hashes(self, value: _Hashes) -> None:
+        self._hashes = value
+
+    def __repr__(self) -> str:
+        return (
+            f"ResolvedBlob(path={self.path!r}, nbytes={self.nbytes!r}, files={self.files!r}, "
+            f"offsets={self.offsets!r}, hashes={self.hashes!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -274,8 +344,9 @@ class _Chain:
         if paths is None or len(paths) != len(manifest.blobs):
             paths = blob_paths(manifest.skeleton, len(manifest.blobs))
         s = self.starts.tolist()
+        source = (fidx, offs, hashes)  # each blob's arrays are sliced when first asked
         blobs = [
-            ResolvedBlob(path, e.nbytes, fidx[lo:hi], offs[lo:hi], hashes[lo:hi])
+            ResolvedBlob(path, e.nbytes, None, None, None, source, lo, hi)
             for path, e, lo, hi in zip(paths, manifest.blobs, s, s[1:], strict=False)
         ]
         part = ResolvedPart(manifest, key, xxh3, list(self.files), blobs, chain)
