@@ -743,8 +743,12 @@ class Restorer:
         t = node.get("t")
         if t in ("dict", "odict"):
             items = self._items[id(node)] = dict_items(node, where or "<root>")
+            prefix = f"{where}/" if where else ""
+            fast = self._plain_tensor
             for k, v in items:
-                self._alloc(v, f"{where}/{_key_text(k)}" if where else _key_text(k))
+                path = prefix + (k if type(k) is str else _key_text(k))
+                if not fast(v, path):
+                    self._alloc(v, path)
         elif t in ("list", "tuple"):
             vals = node.get("v")
             if not isinstance(vals, list):
@@ -785,6 +789,58 @@ class Restorer:
             self._values[id(node)] = buf
         elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
             raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
+
+    def _plain_tensor(self, node: Any, path: str) -> bool:
+        """Allocate ``node`` if it is the most common leaf of a state dict (a plain CPU tensor
+        of a known dtype and up to two dimensions, not a view, not filled in place) with every
+        check :meth:`_alloc_tensor` makes, inline; False (nothing done) for anything else,
+        which :meth:`_alloc` then takes, errors included."""
+        if type(node) is not dict or node.get("t") != "torch" or "view" in node:
+            return False
+        name = node.get("dtype")
+        dtype = _TORCH_DTYPES.get(name) if type(name) is str else None
+        shape = node.get("shape")
+        b = node.get("b")
+        if (
+            dtype is None
+            or type(shape) is not list
+            or type(b) is not int
+            or not 0 <= b < len(self._dest)
+            or self._dest[b] is not None
+        ):
+            return False
+        n = len(shape)
+        if n == 1:
+            d0 = shape[0]
+            if type(d0) is not int or not 0 <= d0 < _SMALL_DIM:
+                return False
+            count = d0
+        elif n == 2:
+            d0, d1 = shape
+            if type(d0) is not int or type(d1) is not int:
+                return False
+            if not (0 <= d0 < _SMALL_DIM and 0 <= d1 < _SMALL_DIM):
+                return False
+            count = d0 * d1
+        else:
+            return False
+        item = _ITEMSIZE.get(dtype)
+        if (
+            item is None
+            or count * item != self.blob_sizes[b]
+            or (self._targets and id(node) in self._targets)
+        ):
+            return False
+        # A dtype in _TORCH_DTYPES was found in torch: it is imported.
+        t = sys.modules["torch"].empty(shape, dtype=dtype)
+        self._dest[b] = (
+            memoryview(t.numpy()).cast("B") if dtype in _NUMPY_DTYPES and count else _byte_view(t)
+        )
+        if not self.blob_paths[b]:
+            self.blob_paths[b] = path
+        self._tensors.append((node, b, None))
+        self._values[id(node)] = _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+        return True
 
     def _alloc_tensor(self, node: dict[str, Any], path: str) -> None:
         torch = _torch()
