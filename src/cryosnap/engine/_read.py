@@ -436,6 +436,19 @@ def read_part(
         return _read_replicated(
             store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
         )
+    # The cyclic GC stays paused until the state is built (and into= filled): building tens
+    # of thousands of leaves, then planning their copies, would set off collection after
+    # collection, each walking every object the restore has made (for a state of 19,984
+    # tensors about 0.08-0.25 s a restore), instead of the one at the end.
+    with paused_gc():
+        return _read_whole(
+            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+        )
+
+
+def _read_whole(
+    store: Store, step: int, *, rank: int, into: Any, allow_pickle: bool, device: Any
+) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
         store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
