@@ -241,7 +241,6 @@ class Capturer:
             changed=plan.changed if plan is not None else None,
             foreign=job.plan.foreign(job.rank) if job.plan is not None else None,
             events=lazy,
-            parallel=not lazy,
         )
         if plan is not None:
             if plan.ready is not None:

@@ -241,14 +241,12 @@ def _pieces(end: int, start: int, space: int, chunk_bytes: int) -> int:
     return space // chunk_bytes * chunk_bytes
 
 
-def _copy(dst: _Slab, at: int, blob: Blob, start: int, n: int, parallel: bool) -> None:
+def _copy(dst: _Slab, at: int, blob: Blob, start: int, n: int) -> None:
     src = blob.source
     if isinstance(src, bytes):
         dst.array[at : at + n] = np.frombuffer(src, dtype=np.uint8, count=n, offset=start)
     elif isinstance(src, np.ndarray):
         dst.array[at : at + n] = src[start : start + n]
-    elif not parallel and src.is_cpu:
-        ctypes.memmove(dst.array.ctypes.data + at, src.data_ptr() + start, n)
     else:
         dst.tensor[at : at + n].copy_(src[start : start + n], non_blocking=src.is_cuda)
 
@@ -265,7 +263,6 @@ def capture_to_slabs(
     changed: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
     foreign: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
     events: bool = False,
-    parallel: bool = True,
 ) -> int:
     """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order; the
     bytes copied.
@@ -281,11 +278,7 @@ def capture_to_slabs(
     budget runs out: the writer's hashing and I/O then do not compete with the copy for cores
     and memory bandwidth (the copy is what the program waits for).
 
-    ``parallel``: large pieces of host tensors are copied by torch on its intra-op threads
-    (eager capture: the program waits, its cores are free). Without it (lazy capture, beside
-    the running program) they are one memmove each on this thread: a second team of intra-op
-    threads would compete with the program's own, and each waits for the other's cores.
-    Small pieces are always memmoved.
+    Small pieces of host tensors are one memmove each; larger ones torch ``copy_``.
     """
     held: list[Batch] = []
     sink = emit
@@ -337,7 +330,7 @@ def capture_to_slabs(
                 )
                 small = [s for s in small if isinstance(s[1].source, (bytes, np.ndarray))]
         for at, blob, start, n in small:
-            _copy(slab, at, blob, start, n, parallel)
+            _copy(slab, at, blob, start, n)
         small = []
 
     def seal() -> None:
@@ -385,7 +378,7 @@ def capture_to_slabs(
                     small.append((fill, blob, start, n))
                 else:
                     flush_small()
-                    _copy(slab, fill, blob, start, n, parallel)
+                    _copy(slab, fill, blob, start, n)
                 pieces.append(Piece(index, start, whole[fill : fill + n]))
                 fill += n
                 start += n
