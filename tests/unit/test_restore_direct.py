@@ -516,3 +516,92 @@ def test_damage_in_a_gathered_chunk_names_the_chunk(tmp_path: Path) -> None:
     (tmp_path / base_key).write_bytes(bytes(raw))
     with pytest.raises(cryosnap.IntegrityError, match=f"leaf x: chunk {min(chunks)} "):
         cryosnap.load(tmp_path, step=3)
+
+
+@pytest.fixture
+def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every restore reads into='s leaves as from a cold cache: one reader in file order, the
+    pool verifying (small tasks, so that there are many); records each probe's answer."""
+    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 8 << 10)
+    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 16 << 10)
+    probes: list[bool] = []
+
+    def cold(self: Any, tasks: Any) -> bool:
+        probes.append(True)
+        return True
+
+    monkeypatch.setattr(_fetch._BlobReader, "_cold", cold)
+    return probes
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_sequential_reads_restore_into_and_name_damage(
+    tmp_path: Path, sequential_reads: list[bool], monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(_fetch, "_READ_THREADS", threads)
+    location = str(tmp_path / "run")
+    cryosnap.save(location, _state(), step=STEP, chunk_bytes=CHUNK)
+    into = _zeros_like(_state())
+    cryosnap.load(location, step=STEP, into=into)
+    assert all(_equal(_state()[k], into[k]) for k in into)
+    assert sequential_reads  # both passes went the sequential way
+    _store, _key, manifest = _data_file(location)
+    offset, nbytes = _segment(manifest, "big")
+    _damage(location, offset + nbytes // 2)
+    into = _zeros_like(_state())
+    before = snapshot(into)
+    with pytest.raises(cryosnap.IntegrityError, match=f"leaf big: chunk {nbytes // 2 // CHUNK} "):
+        cryosnap.load(location, step=STEP, into=into)
+    assert snapshot(into) == before
+
+
+def test_sequential_reads_of_a_truncated_file_leave_into_untouched(
+    tmp_path: Path, sequential_reads: list[bool]
+) -> None:
+    cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
+    _store, key, manifest = _data_file(str(tmp_path))
+    offset, _n = _segment(manifest, "big")
+    path = tmp_path / key
+    path.write_bytes(path.read_bytes()[: offset + 10_000])
+    into = _zeros_like(_state())
+    before = snapshot(into)
+    with pytest.raises(cryosnap.IntegrityError, match=r"truncated.*leaf big cannot be read"):
+        cryosnap.load(tmp_path, step=STEP, into=into)
+    assert snapshot(into) == before
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "RWF_NOWAIT"), reason="needs preadv2 flags")
+def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) -> None:
+    import os
+
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    cryosnap.save(tmp_path, state, step=STEP, chunk_bytes=CHUNK)
+    seen: list[bool] = []
+    real = _fetch._BlobReader._cold
+
+    def probe(self: Any, tasks: Any) -> bool:
+        seen.append(real(self, tasks))
+        return seen[-1]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(_fetch._BlobReader, "_cold", probe)
+    mp.setattr(_fetch, "_BOUNCE_BYTES", 64 << 10)
+    try:
+        into = {"w": torch.zeros(1 << 20)}
+        cryosnap.load(tmp_path, step=STEP, into=into)  # the page cache holds what was saved
+        assert seen and not any(seen)
+        os.sync()
+        for data in (tmp_path / "data").iterdir():
+            fd = os.open(data, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        seen.clear()
+        cryosnap.load(tmp_path, step=STEP, into=into)
+        if not seen[0]:
+            pytest.skip("this file system keeps the pages (or does not honour RWF_NOWAIT)")
+        assert seen == [True, False]  # the second pass reads what the first one cached
+        assert torch.equal(into["w"], state["w"])
+    finally:
+        mp.undo()
