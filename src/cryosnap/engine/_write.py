@@ -484,9 +484,7 @@ class PartWriter(_Shares):
         self._one_rows: list[int] = []  # 4 ints per such blob: its one segment row
         self._one_hashes: list[bytes] = []
         self._got = [0] * nblobs  # chunks hashed per blob
-        self._base_blob: list[int | None] = (
-            [self._match(i) for i in range(nblobs)] if self.base is not None else [None] * nblobs
-        )
+        self._base_blob = self._match() if self.base is not None else [None] * nblobs
         self.chunks = 0
         self.new_chunks = 0
         self.shares = shares or {}
@@ -494,13 +492,15 @@ class PartWriter(_Shares):
         self._external: set[int] = set()  # blobs with runs another rank writes
         self._base_files: np.ndarray[Any, np.dtype[np.int64]] | None = None
 
-    def _match(self, i: int) -> int | None:
+    def _match(self) -> list[int | None]:
+        """Per blob, the base's blob of the same path and size (None: none)."""
         assert self.base is not None
-        blob = self.flat.blobs[i]
-        j = self.base.blob_index(blob.path)
-        if j is None or self.base.blobs[j].nbytes != blob.nbytes:
-            return None
-        return j
+        index, old = self.base.blob_index, self.base.blobs
+        out: list[int | None] = []
+        for blob in self.flat.blobs:
+            j = index(blob.path)
+            out.append(None if j is None or old[j].nbytes != blob.nbytes else j)
+        return out
 
     def _file(self, key: str) -> int:
         idx = self._file_index.get(key)
