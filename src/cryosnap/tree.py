@@ -643,6 +643,12 @@ def _view_of(base: Any, dtype: Any, geometry: _Geometry) -> Any:
     return t.set_(base.untyped_storage(), offset, shape, stride)
 
 
+# Where a blob's bytes already lie (engine/_fetch.py's mapped data files): blob, alignment ->
+# the memory, or None (see Restorer).
+Place = Callable[[int, int], "memoryview | None"]
+# The alignment asked of a storage that views of several dtypes share: the largest element.
+_MAX_ALIGN = 16
+
 _ITEMSIZE: dict[Any, int] = {}
 _NUMPY_DTYPES: frozenset[Any] = frozenset()
 
@@ -691,6 +697,11 @@ class Restorer:
     ``allocate(targets)`` (from :func:`direct_targets`) allocates nothing for those leaves: the
     view of such a blob is the memory of ``into=``'s own tensor or array (``direct[b]`` is
     True), which the built tree holds, so :func:`apply_into` has nothing to copy for it.
+
+    ``allocate(place=...)`` allocates nothing for the tensors and arrays whose bytes already
+    lie in memory: ``place(blob, alignment)`` returns that memory (a view of a mapped data
+    file, engine/_fetch.py) when its address is a multiple of ``alignment``, or None; the leaf
+    is built over it (``placed[b]`` is True) and the reader only verifies it there.
     """
 
     def __init__(self, skeleton: Json, blob_sizes: list[int], *, allow_pickle: bool) -> None:
@@ -699,6 +710,8 @@ class Restorer:
         self.allow_pickle = allow_pickle
         self.blob_paths: list[str] = [""] * len(blob_sizes)
         self.direct: list[bool] = [False] * len(blob_sizes)
+        self.placed: list[bool] = [False] * len(blob_sizes)
+        self._place: Place | None = None
         self._dest: list[Any] = [None] * len(blob_sizes)
         self._values: dict[int, Any] = {}
         self._items: dict[int, list[tuple[str | int, Json]]] = {}  # each dict node's, decoded
@@ -708,9 +721,15 @@ class Restorer:
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
 
     # phase 1 -------------------------------------------------------------------------------
-    def allocate(self, targets: Mapping[int, Any] | None = None) -> list[memoryview]:
+    def allocate(
+        self, targets: Mapping[int, Any] | None = None, place: Place | None = None
+    ) -> list[memoryview]:
         self._targets = targets or {}
-        self._alloc(self.skeleton, "")
+        self._place = place
+        try:
+            self._alloc(self.skeleton, "")
+        finally:
+            self._place = None
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -771,6 +790,16 @@ class Restorer:
                 self.direct[b] = True
                 self._values[id(node)] = target
                 return
+            placed = self._placed(b, dtype.alignment) if self.blob_sizes[b] else None
+            if placed is not None:
+                # The blob holds the array's elements in its order: C, or F (the transpose's C).
+                if order == "F":
+                    arr = np.frombuffer(placed, dtype=dtype).reshape(shape[::-1]).T
+                else:
+                    arr = np.frombuffer(placed, dtype=dtype).reshape(shape)
+                self._claim(b, placed, p)
+                self._values[id(node)] = arr
+                return
             arr = np.empty(shape, dtype=dtype, order=order)
             flat = arr.T.reshape(-1) if order == "F" else arr.reshape(-1)
             self._claim(b, flat.view(np.uint8).data if flat.size else memoryview(bytearray()), p)
@@ -789,6 +818,16 @@ class Restorer:
             self._values[id(node)] = buf
         elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
             raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
+
+    def _placed(self, b: int, alignment: int) -> memoryview | None:
+        """The memory ``place`` has for blob ``b`` at ``alignment`` (and ``placed[b]`` set),
+        or None: the leaf is allocated."""
+        if self._place is None:
+            return None
+        view = self._place(b, alignment)
+        if view is not None:
+            self.placed[b] = True
+        return view
 
     def _plain_tensor(self, node: Any, path: str) -> bool:
         """Allocate ``node`` if it is the most common leaf of a state dict (a plain CPU tensor
@@ -832,10 +871,18 @@ class Restorer:
         ):
             return False
         # A dtype in _TORCH_DTYPES was found in torch: it is imported.
-        t = sys.modules["torch"].empty(shape, dtype=dtype)
-        self._dest[b] = (
-            memoryview(t.numpy()).cast("B") if dtype in _NUMPY_DTYPES and count else _byte_view(t)
-        )
+        torch = sys.modules["torch"]
+        placed = self._placed(b, item) if count and self._place is not None else None
+        if placed is not None:
+            t = torch.frombuffer(placed, dtype=dtype).view(shape)
+            self._dest[b] = placed
+        else:
+            t = torch.empty(shape, dtype=dtype)
+            self._dest[b] = (
+                memoryview(t.numpy()).cast("B")
+                if dtype in _NUMPY_DTYPES and count
+                else _byte_view(t)
+            )
         if not self.blob_paths[b]:
             self.blob_paths[b] = path
         self._tensors.append((node, b, None))
@@ -861,10 +908,15 @@ class Restorer:
                 self.direct[b] = True
                 self._values[id(node)] = target
                 return
-            t = torch.empty(shape, dtype=dtype)
             if self._dest[b] is not None:
                 raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
-            self._dest[b] = _byte_view(t)
+            placed = self._placed(b, item) if self.blob_sizes[b] else None
+            if placed is not None:
+                t = torch.frombuffer(placed, dtype=dtype).view(shape)
+                self._dest[b] = placed
+            else:
+                t = torch.empty(shape, dtype=dtype)
+                self._dest[b] = _byte_view(t)
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -888,8 +940,14 @@ class Restorer:
                 raise CheckpointFormatError(f"leaf {path}: view reaches past its blob")
             base = self._dest[b]
             if base is None:
-                base_t = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
-                self._claim(b, memoryview(base_t.numpy()), path)
+                # A storage shared by views of any dtypes: placed only if aligned for all.
+                placed = self._placed(b, _MAX_ALIGN) if self.blob_sizes[b] else None
+                if placed is not None:
+                    base_t = torch.frombuffer(placed, dtype=torch.uint8)
+                    self._claim(b, placed, path)
+                else:
+                    base_t = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
+                    self._claim(b, memoryview(base_t.numpy()), path)
                 self._values[-b - 1] = base_t  # keep the shared storage for its views
             geometry = (offset // item, shape, tuple(stride))
             try:

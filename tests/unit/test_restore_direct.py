@@ -71,9 +71,18 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.fixture(params=["local", "memory"])
-def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    loc = str(tmp_path / "run") if request.param == "local" else f"memory://{uuid.uuid4()}"
+def _unmapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local runs are read with preadv, as on a network file system, instead of mapped."""
+    monkeypatch.setattr(LocalStore, "map_file", lambda self, key: None)
+
+
+@pytest.fixture(params=["local", "local-read", "memory"])
+def location(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    if request.param == "local-read":
+        _unmapped(monkeypatch)
+    loc = str(tmp_path / "run") if request.param != "memory" else f"memory://{uuid.uuid4()}"
     cryosnap.save(loc, _state(), step=STEP, chunk_bytes=CHUNK)
     return loc
 
@@ -524,6 +533,7 @@ def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     pool verifying (small tasks, so that there are many); records each probe's answer."""
     monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 8 << 10)
     monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 16 << 10)
+    _unmapped(monkeypatch)
     probes: list[bool] = []
 
     def cold(self: Any, tasks: Any) -> bool:
@@ -586,6 +596,7 @@ def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) 
     mp = pytest.MonkeyPatch()
     mp.setattr(_fetch._BlobReader, "_cold", probe)
     mp.setattr(_fetch, "_BOUNCE_BYTES", 64 << 10)
+    _unmapped(mp)
     try:
         into = {"w": torch.zeros(1 << 20)}
         cryosnap.load(tmp_path, step=STEP, into=into)  # the page cache holds what was saved

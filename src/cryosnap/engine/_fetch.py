@@ -23,6 +23,18 @@ verifies each piece again and only then copies it into place. Every byte that la
 second pass, with ``into=`` partly filled with verified bytes. A scattered direct blob is
 gathered once into a private buffer and copied from it.
 
+On a store that maps its data files (:class:`Mapped`: a LocalStore on a local file system),
+nothing is copied that need not be. A *placed* blob (its chunks back to back in one mapped
+file, its leaf built over that memory by :class:`cryosnap.tree.Restorer`) is only hashed where
+it lies: the page cache's own pages, mapped copy-on-write. A direct blob's pieces in a mapped
+file are hashed there in the first pass, and in the second hashed again and copied into place
+if they still match, piece by piece while in the CPU's cache: a file replaced or deleted
+meanwhile changes nothing (the mapping holds the file that verified), and bytes overwritten in
+place (cryosnap never does that) never reach ``into=`` unless the overwrite lands in the
+microseconds between a piece's hash and its copy. Hashing runs at about
+three times the speed of a copy out of the page cache here, so a restore of fresh leaves costs
+a fraction of a read, and one into existing tensors about one copy plus the hashing.
+
 Errors are deterministic: every task runs to its end; a failed read (in task order) wins over a
 mismatch, and of the mismatches the first chunk in blob order is named, as a sequential reader
 would. Runs on the caller's thread (the one restoring or verifying) and that pool; no
@@ -36,11 +48,12 @@ import ctypes
 import errno
 import functools
 import itertools
+import mmap
 import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -52,7 +65,7 @@ from ..storage import Store
 from ..storage.base import TruncatedError
 from ._resolved import ResolvedPart
 
-__all__ = ["IO_BATCH_BYTES", "Fetched", "read_blobs"]
+__all__ = ["IO_BATCH_BYTES", "Fetched", "Mapped", "read_blobs"]
 
 # Bytes handed to one read_ranges call (one open: on an object store a request; through a
 # TimeoutStore a hand-off to a storage thread): large enough for sequential bandwidth and for
@@ -87,13 +100,76 @@ def read_blobs(
     *,
     on_bytes: Callable[[int], None] = lambda n: None,
     direct: Sequence[bool] = (),
+    mapped: Mapped | None = None,
+    placed: Sequence[bool] = (),
 ) -> Fetched:
     """Fill ``views`` from the data files and verify every chunk as it lands; raise on the first
     damage (in blob order). The views marked in ``direct`` are verified but left untouched:
-    the returned :class:`Fetched` fills them."""
-    reader = _BlobReader(store, part, views, on_bytes, direct)
+    the returned :class:`Fetched` fills them. Those marked in ``placed`` are views of
+    ``mapped``'s files (:meth:`Mapped.place`) and are only verified."""
+    reader = _BlobReader(store, part, views, on_bytes, direct, mapped, placed)
     reader.first_pass()
     return Fetched(reader)
+
+
+class Mapped:
+    """The data files a part uses, mapped copy-on-write where the store maps them
+    (``map_file``: a LocalStore on a local file system, possibly in a TimeoutStore; a wrapper
+    that injects faults has none, so its reads stay reads), and where each blob lies in them.
+
+    :meth:`place` hands out the memory of a blob whose chunks lie back to back in one mapped
+    file: :class:`cryosnap.tree.Restorer` builds the leaf over it (no allocation, no copy) and
+    the reader verifies it there. A file that cannot be mapped is read as before (its errors,
+    a missing file for one, come from the read)."""
+
+    def __init__(self, store: Store, part: ResolvedPart) -> None:
+        map_file: Callable[[str], mmap.mmap | None] | None = getattr(store, "map_file", None)
+        self.maps: dict[int, mmap.mmap] = {}
+        self.views: dict[int, memoryview] = {}
+        self.address: dict[int, int] = {}
+        chunks = part.chunks()
+        files = chunks.files
+        n = len(part.blobs)
+        self._file: list[int] = [-1] * n
+        self._offset: list[int] = [0] * n
+        self._nbytes: list[int] = chunks.nbytes.tolist()
+        if map_file is None or not len(files):
+            return
+        for f in np.unique(files).tolist():
+            with contextlib.suppress(CheckpointError):
+                m = map_file(part.files[f])
+                if m is not None:
+                    self.maps[f] = m
+                    self.views[f] = view = memoryview(m)
+                    self.address[f] = _address(view)
+        if not self.maps:
+            return
+        # A blob lies in one piece of memory when its chunks follow each other in one file.
+        cb = part.manifest.chunk_bytes
+        offs = chunks.offsets
+        new = np.ones(len(files), bool)
+        new[1:] = (files[1:] != files[:-1]) | (offs[1:] != offs[:-1] + cb)
+        runs = np.cumsum(new)
+        starts = chunks.starts
+        lo = np.minimum(starts[:-1], len(files) - 1)
+        whole = (starts[1:] > starts[:-1]) & (runs[np.maximum(starts[1:] - 1, 0)] == runs[lo])
+        whole &= np.isin(files[lo], np.fromiter(self.maps, np.int64, len(self.maps)))
+        whole[whole] &= ~_overlapping(files[lo][whole], offs[lo][whole], chunks.nbytes[whole])
+        self._file = np.where(whole, files[lo], -1).tolist()
+        self._offset = offs[lo].tolist()
+
+    def place(self, blob: int, alignment: int) -> memoryview | None:
+        """The mapped memory holding ``blob``'s bytes, if they lie in one piece of a mapped
+        file, inside it, at an address that is a multiple of ``alignment``; else None."""
+        f = self._file[blob]
+        if f < 0:
+            return None
+        lo = self._offset[blob]
+        hi = lo + self._nbytes[blob]
+        view = self.views[f]
+        if hi > view.nbytes or (self.address[f] + lo) % alignment:
+            return None
+        return view[lo:hi]
 
 
 class Fetched:
@@ -122,6 +198,8 @@ class _BlobReader:
         views: Sequence[memoryview],
         on_bytes: Callable[[int], None],
         direct: Sequence[bool],
+        mapped: Mapped | None = None,
+        placed: Sequence[bool] = (),
     ) -> None:
         self.store = store
         self.part = part
@@ -132,6 +210,13 @@ class _BlobReader:
         blobs = part.blobs
         self.direct = [bool(d) for d in direct] if direct else [False] * len(blobs)
         self.has_direct = any(self.direct)
+        # Mapped files (index -> address, view); placed blobs are only verified there.
+        self.maddr: Mapping[int, int] = mapped.address if mapped is not None else {}
+        self.mviews: Mapping[int, memoryview] = mapped.views if mapped is not None else {}
+        self.mapped = mapped  # the mappings live as long as this reader
+        self.placed = [bool(p) for p in placed] if placed else [False] * len(blobs)
+        # Per piece (after the plan): whether it is hashed (and copied) from a mapped file.
+        self.p_mapped: np.ndarray[Any, Any] = np.zeros(0, bool)
         self.chunks = part.chunks()
         self.first = self.chunks.starts  # first chunk of each blob, and the end
         self.first_list: list[int] = self.first.tolist()
@@ -165,17 +250,25 @@ class _BlobReader:
     def first_pass(self) -> None:
         self._check_counts()
         self._plan()
-        tasks = self._make_tasks(np.arange(len(self.p_blob)))
+        tasks = self._make_tasks(np.flatnonzero(~self.p_mapped))
         n = len(tasks)
         gathers = [functools.partial(self._gather, n + i, g) for i, g in enumerate(self.gathers)]
-        self._run_tasks(tasks, False, gathers)
+        hashed = [
+            functools.partial(self._hash_mapped, n + len(gathers) + i, pids)
+            for i, pids in enumerate(self._mapped_tasks(np.flatnonzero(self.p_mapped)))
+        ]
+        self._run_tasks(tasks, False, [*gathers, *hashed])
 
     def second_pass(self) -> None:
         for blob, staged in self.staged.items():
             _copy(self.address[blob], staged.ctypes.data, staged.nbytes)
-        pids = np.flatnonzero(self.p_direct) if self.p_direct is not None else np.empty(0, int)
-        tasks = self._make_tasks(pids)
-        self._run_tasks(tasks, True, [])
+        if self.p_direct is None:
+            return
+        tasks = self._make_tasks(np.flatnonzero(self.p_direct & ~self.p_mapped))
+        n = len(tasks)
+        mapped = self._mapped_tasks(np.flatnonzero(self.p_direct & self.p_mapped))
+        copies = [functools.partial(self._copy_mapped, n + i, p) for i, p in enumerate(mapped)]
+        self._run_tasks(tasks, True, copies)
 
     def _run_tasks(
         self, tasks: list[_Task], second: bool, extra: Sequence[Callable[[], object]]
@@ -335,6 +428,14 @@ class _BlobReader:
         # The same as arrays, for the tasks (and whether each piece is a direct blob's).
         self.pieces = (p_file[order], p_offset[order], p_nbytes)
         self.p_direct = np.array(self.direct, bool)[p_blob] if self.has_direct else None
+        self.p_mapped = np.zeros(len(p_blob), bool)
+        if self.maddr:
+            # Placed blobs, and direct ones, are hashed (and copied) where their file is mapped.
+            use = np.array(self.placed, bool)
+            if self.has_direct:
+                use |= np.array(self.direct, bool)
+            in_map = np.isin(self.pieces[0], np.fromiter(self.maddr, np.int64, len(self.maddr)))
+            self.p_mapped = use[p_blob] & in_map
         # Where each piece's hashes are in ``expected`` (bytes), and whether it is its blob's
         # whole view (no slice needed).
         lo = (self.first[:-1][p_blob] + p_start // cb) * HASH_BYTES
@@ -521,7 +622,8 @@ class _BlobReader:
 
         def verify() -> None:
             try:
-                nbytes = self._verify(runs, dests, sources if second else None)
+                pids = [p for _o, ps, _g in runs for p in ps]
+                nbytes = self._verify(pids, dests, sources if second else None)
             finally:
                 if ring is not None and buf is not None:
                     ring.put(buf)
@@ -533,31 +635,92 @@ class _BlobReader:
         verify()
         return _nothing
 
-    def _verify(self, runs: list[_Run], dests: list[memoryview], sources: list[int] | None) -> int:
-        """Hash every piece of ``runs`` where it landed (``dests``) and compare the lot with
-        the expected hashes at once; in the second pass (``sources``: the address of each
-        piece in the bounce buffer, all of them direct) copy each that matches into place.
-        Returns the bytes of the pieces."""
-        cb, expected = self.cb, self.expected
-        pids = [p for _o, ps, _g in runs for p in ps]
+    def _verify(self, pids: list[int], dests: list[memoryview], sources: list[int] | None) -> int:
+        """Hash every piece ``pids`` where it is (``dests``) and compare the lot with the
+        expected hashes at once; in the second pass (``sources``: the address of each piece in
+        the bounce buffer, all of them direct) copy each that matches into place. Returns the
+        bytes of the pieces."""
+        cb = self.cb
         # A piece of one chunk too small for the native call is one xxhash call (what
         # hash_chunks_released would do, without its checks).
         small = min(cb, _INLINE_HASH_BYTES)
         got = [hash_bytes(d) if d.nbytes <= small else hash_chunks_released(d, cb) for d in dests]
-        hlo, hhi = self.p_hash, self.p_hash_end
-        bad: set[int] = set()  # pieces that do not match
-        if b"".join(got) != b"".join([expected[hlo[p] : hhi[p]] for p in pids]):
-            for i, p in enumerate(pids):
-                want = expected[hlo[p] : hhi[p]]
-                if got[i] != want:
-                    self._mismatch(self.p_blob[p], self.p_start[p] // cb, got[i], want)
-                    bad.add(i)
+        bad = self._compare(pids, got)
         if sources is not None:
             address, p_blob, p_start = self.address, self.p_blob, self.p_start
             for i, (p, src, d) in enumerate(zip(pids, sources, dests, strict=True)):
                 if i not in bad:
                     _copy(address[p_blob[p]] + p_start[p], src, d.nbytes)
         return sum(d.nbytes for d in dests)
+
+    def _compare(self, pids: list[int], got: list[bytes]) -> set[int]:
+        """Compare the hashes ``got`` of pieces ``pids`` with the expected ones, all at once;
+        record and return (as positions in ``pids``) those that differ."""
+        cb, expected, hlo, hhi = self.cb, self.expected, self.p_hash, self.p_hash_end
+        bad: set[int] = set()
+        if b"".join(got) != b"".join([expected[hlo[p] : hhi[p]] for p in pids]):
+            for i, p in enumerate(pids):
+                want = expected[hlo[p] : hhi[p]]
+                if got[i] != want:
+                    self._mismatch(self.p_blob[p], self.p_start[p] // cb, got[i], want)
+                    bad.add(i)
+        return bad
+
+    # -- mapped files (on the pool's threads)
+
+    def _mapped_tasks(self, pids: np.ndarray[Any, Any]) -> list[list[int]]:
+        """Pieces of mapped files (``pids``, in file and offset order) in tasks of about
+        ``_BOUNCE_BYTES``: a large blob is hashed by every pool thread, a state of many small
+        leaves in few calls."""
+        if not len(pids):
+            return []
+        sizes = np.asarray(self.pieces[2])[pids]
+        slot = (np.cumsum(sizes) - sizes) // _BOUNCE_BYTES
+        cuts = np.flatnonzero(slot[1:] != slot[:-1]) + 1
+        return [chunk.tolist() for chunk in np.split(pids, cuts)]
+
+    def _mapped(self, pid: int) -> memoryview:
+        offset = self.p_offset[pid]
+        return self.mviews[self.p_file[pid]][offset : offset + self.p_nbytes[pid]]
+
+    def _hash_mapped(self, number: int, pids: list[int]) -> None:
+        """First pass over pieces of mapped files: hash them where they are."""
+        try:
+            nbytes = self._verify(pids, [self._mapped(p) for p in pids], None)
+        except BaseException as exc:
+            with self.lock:
+                self.failures.append((number, exc))
+            return
+        self.on_bytes(nbytes)
+
+    def _copy_mapped(self, number: int, pids: list[int]) -> None:
+        """Second pass over a direct blob's pieces of mapped files: hash each again where it
+        lies and copy it into place if it still matches, while it is in the CPU's cache."""
+        cb, small, expected = self.cb, min(self.cb, _INLINE_HASH_BYTES), self.expected
+        address, p_blob, p_start, p_nbytes = self.address, self.p_blob, self.p_start, self.p_nbytes
+        p_offset, p_file, maddr, hlo, hhi = (
+            self.p_offset,
+            self.p_file,
+            self.maddr,
+            self.p_hash,
+            self.p_hash_end,
+        )
+        try:
+            for p in pids:
+                source = self._mapped(p)
+                got = (
+                    hash_bytes(source)
+                    if source.nbytes <= small
+                    else hash_chunks_released(source, cb)
+                )
+                want = expected[hlo[p] : hhi[p]]
+                if got != want:
+                    self._mismatch(p_blob[p], p_start[p] // cb, got, want)
+                    continue
+                _copy(address[p_blob[p]] + p_start[p], maddr[p_file[p]] + p_offset[p], p_nbytes[p])
+        except BaseException as exc:
+            with self.lock:
+                self.failures.append((number, exc))
 
     def _mismatch(self, blob: int, chunk: int, got: bytes, want: bytes) -> None:
         """Record the first chunk of a piece (starting at ``chunk``) that does not match."""
@@ -664,6 +827,30 @@ class _BlobReader:
                     e = min(s + per_copy, z)
                     dest[idx[s:e]] = rows[offs[s:e] - lo]
                 self.on_bytes((z - a) * cb)
+
+
+def _overlapping(
+    files: np.ndarray[Any, Any], lo: np.ndarray[Any, Any], nbytes: np.ndarray[Any, Any]
+) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Which of the byte ranges ``[lo, lo + nbytes)`` of ``files`` overlap another one: content
+    stored once and used by several leaves (two equal optimizer step counters, say). Such
+    leaves must not be built over the same memory, or a write to one would change the
+    other."""
+    out = np.zeros(len(files), bool)
+    hi = lo + nbytes
+    order = np.lexsort((lo, files))
+    f, a, b = files[order], lo[order], hi[order]
+    bounds = [0, *(np.flatnonzero(np.diff(f)) + 1).tolist(), len(f)]
+    for start, end in itertools.pairwise(bounds):
+        ga, gb = a[start:end], b[start:end]
+        if len(ga) < 2:
+            continue
+        before = np.maximum.accumulate(gb)[:-1]  # the furthest end of the ranges before each
+        hit = np.zeros(len(ga), bool)
+        hit[1:] = ga[1:] < before  # starts inside an earlier range
+        hit[:-1] |= ga[1:] < gb[:-1]  # the next range starts inside this one
+        out[order[start:end][hit]] = True
+    return out
 
 
 def _nothing() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -46,6 +47,7 @@ from ..storage import Store
 from ..tree import (
     Blob,
     FlatState,
+    Place,
     Restorer,
     apply_into,
     blob_keys,
@@ -56,7 +58,7 @@ from ..tree import (
     encode_key,
     format_path,
 )
-from ._fetch import Fetched, read_blobs
+from ._fetch import Fetched, Mapped, read_blobs
 from ._records import read_commit, read_manifest
 from ._resolved import (
     ResolvedBlob,
@@ -246,28 +248,47 @@ def _read_verified(
         restorer = Restorer(
             manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
         )
-        views = _allocate(restorer, where, targets)
-        fresh = [v for v, direct in zip(views, restorer.direct, strict=True) if not direct]
-        # The leaves are allocated before the chain is applied so that the kernel maps their
-        # fresh pages (a cost as large as reading the data from the page cache) on another
-        # core while this one resolves the chain.
-        with _prefaulted(fresh if manifest.base is not None else ()):
+        mapped: Mapped | None = None
+        if getattr(store, "map_file", None) is None:
+            views = _allocate(restorer, where, targets)
+            fresh = [v for v, direct in zip(views, restorer.direct, strict=True) if not direct]
+            # The leaves are allocated before the chain is applied so that the kernel maps
+            # their fresh pages (a cost as large as reading the data from the page cache) on
+            # another core while this one resolves the chain.
+            with _prefaulted(fresh if manifest.base is not None else ()):
+                part = resolve(
+                    store, manifest, ref.key, ref.xxh3, chain=chain, paths=restorer.blob_paths
+                )
+        else:
+            # Resolved first: where each blob lies decides which leaves are built over the
+            # mapped data files (no allocation, no copy). The leaf paths come from the
+            # allocation's walk (resolving names none).
             part = resolve(
-                store, manifest, ref.key, ref.xxh3, chain=chain, paths=restorer.blob_paths
+                store, manifest, ref.key, ref.xxh3, chain=chain, paths=[""] * len(manifest.blobs)
             )
+            mapped = Mapped(store, part)
+            views = _allocate(restorer, where, targets, mapped.place)
+            for blob, path in zip(part.blobs, restorer.blob_paths, strict=True):
+                blob.path = path
         _check_used_files(store, part, checked)
         # Still paused: the fetch makes a view or two per piece (tens of thousands for a state
         # of many small leaves, none in a cycle), and each collection they would set off walks
         # every object allocated above, holding the GIL the read threads hash under.
+        fetch = functools.partial(
+            read_blobs,
+            store,
+            part,
+            views,
+            direct=restorer.direct,
+            mapped=mapped,
+            placed=restorer.placed,
+        )
         try:
             if not progress:
-                fetched = read_blobs(store, part, views, direct=restorer.direct)
-                return part, restorer, fetched
+                return part, restorer, fetch()
             line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
             try:
-                fetched = read_blobs(
-                    store, part, views, on_bytes=line.update, direct=restorer.direct
-                )
+                fetched = fetch(on_bytes=line.update)
             finally:
                 line.close()
         except MemoryError as exc:
@@ -404,9 +425,11 @@ def _direct_targets(skeleton: Any, into: Any, where: str) -> dict[int, Any]:
 _ALLOC_ERRORS = (MemoryError, RuntimeError, ValueError, OverflowError)
 
 
-def _allocate(restorer: Restorer, where: str, targets: dict[int, Any]) -> list[memoryview]:
+def _allocate(
+    restorer: Restorer, where: str, targets: dict[int, Any], place: Place | None = None
+) -> list[memoryview]:
     try:
-        return restorer.allocate(targets)
+        return restorer.allocate(targets, place)
     except CheckpointError:
         raise
     except _ALLOC_ERRORS as exc:

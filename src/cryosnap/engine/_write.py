@@ -72,6 +72,14 @@ _PLACE_BYTES = 4 << 20
 # The Merkle root of a blob of no chunks.
 _EMPTY_ROOT = merkle_root(b"")
 
+# A new blob of at least _ALIGN_MIN_BYTES starts at a multiple of _ALIGN_BYTES in its data file
+# (a cache line; any element's alignment): a restore from a mapped file builds its leaf over
+# the file's pages only if the leaf's elements are aligned (engine/_fetch.py, Mapped). Smaller
+# blobs are packed as they come: padding them would cost more than their copy.
+_ALIGN_BYTES = 64
+_ALIGN_MIN_BYTES = 4096
+_ZEROS = memoryview(bytes(_ALIGN_BYTES))
+
 
 @dataclass(slots=True)
 class PartResult:
@@ -473,6 +481,7 @@ class PartWriter(_Shares):
         self.new_index: dict[bytes, _Loc] = {}
         self._ios = [_Appender(store, k, placement, d) for d, k in enumerate(keys)]
         self._offsets = [0] * len(keys)
+        self._padding = 0  # zero bytes written before blobs, to align them (_align)
         self._device = 0  # the device taking the new bytes of the batch being diffed
         self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
         nblobs = len(flat.blobs)
@@ -511,7 +520,18 @@ class PartWriter(_Shares):
 
     @property
     def written_bytes(self) -> int:
-        return sum(self._offsets)
+        """The new chunks' bytes (the alignment padding between them is not counted)."""
+        return sum(self._offsets) - self._padding
+
+    def _align(self, offset: int, out: list[memoryview]) -> int:
+        """Where a new blob of at least _ALIGN_MIN_BYTES starts when its bytes would start
+        at ``offset``: the next multiple of _ALIGN_BYTES, the gap written as zeros (a restore
+        from a mapped file builds such a leaf over the file's pages, each element aligned)."""
+        pad = -offset % _ALIGN_BYTES
+        if pad:
+            out.append(_ZEROS[:pad])
+            self._padding += pad
+        return offset + pad
 
     def add(self, pieces: Sequence[Item], release: Callable[[], None] = lambda: None) -> None:
         """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
@@ -631,6 +651,8 @@ class PartWriter(_Shares):
             if loc is not None:
                 rows += (STORED, self._file(loc[0]), loc[1], view.nbytes)
                 continue
+            if view.nbytes >= _ALIGN_MIN_BYTES and offset % _ALIGN_BYTES:
+                offset = self._align(offset, out)
             new_index[digest] = (key, offset)
             rows += (STORED, dev, offset, view.nbytes)
             out.append(view)
@@ -744,6 +766,12 @@ class PartWriter(_Shares):
                     builder.store(self._file(loc[0]), loc[1], size, digest, cb)
                     continue
                 if run_start < 0:
+                    if (
+                        first + k == 0
+                        and offset % _ALIGN_BYTES
+                        and self.flat.blobs[p.blob].nbytes >= _ALIGN_MIN_BYTES
+                    ):
+                        offset = self._align(offset, out)
                     run_start = lo
                 self.new_index[digest] = (key, offset)
                 builder.store(dev, offset, size, digest, cb)

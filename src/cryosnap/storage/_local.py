@@ -26,12 +26,20 @@ The root itself may be a symlink: the user chose that path.
 
 Capabilities: the store declares its root as ``local_path`` (every key is the regular file
 ``root / key``), where the run lock takes an ``flock``.
+
+Mapping: :meth:`LocalStore.map_file` maps a data file copy-on-write (``MAP_PRIVATE``) for the
+restore, which then hashes the page cache's pages where they are and hands out leaves that are
+views of them, instead of copying every byte into fresh memory (see engine/_fetch.py). Only on
+a file system of a block device or memory (ext4, XFS, tmpfs...), where a page fault cannot hang
+on a network the way a read is bounded by a TimeoutStore; NFS, Lustre, GPFS, FUSE and the
+like are read.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import secrets
 import stat
@@ -295,6 +303,24 @@ class LocalStore:
             for offset, buffers in ranges:
                 _preadv_all(fd, offset, list(buffers), key)
 
+    def map_file(self, key: str) -> mmap.mmap | None:
+        """The regular file ``key`` mapped whole, readable and copy-on-write
+        (``MAP_PRIVATE``: writes to the memory never reach the file), or None where mapping
+        is not done: an empty file, a network or FUSE file system (see the module
+        docstring), a platform without ``MAP_PRIVATE``. The mapping lives as long as any view
+        of it; the file may be deleted or renamed meanwhile, but never truncated (a data
+        file is written once and never modified): a page past a truncated end raises
+        SIGBUS."""
+        if _MAP_PRIVATE is None:
+            return None
+        with self._open_regular(key) as fd, self._errors(key, "mapping"):
+            st = os.fstat(fd)
+            if not st.st_size or not _mappable_device(st.st_dev):
+                return None
+            return mmap.mmap(
+                fd, st.st_size, flags=_MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+
     def write(self, key: str, data: BytesLike) -> None:
         parts = validate_key(key).split("/")
         name = parts[-1]
@@ -470,6 +496,35 @@ def _writev_all(fd: int, buffers: list[BytesLike]) -> int:
                 views[i] = v[n:]
                 break
     return total
+
+
+_MAP_PRIVATE: int | None = getattr(mmap, "MAP_PRIVATE", None)
+# File systems whose page faults read a local block device or memory: a fault cannot wait on a
+# network (a read can, and a TimeoutStore bounds it).
+_MAPPED_FS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "ramfs", "overlay", "zfs", "jfs"}
+)
+_fs_types: dict[int, str] = {}
+
+
+def _mappable_device(dev: int) -> bool:
+    """Whether the file system of device ``dev`` is one of _MAPPED_FS, from
+    ``/proc/self/mountinfo`` (once per device); False where it cannot be told."""
+    fs = _fs_types.get(dev)
+    if fs is None:
+        fs = ""
+        want = f"{os.major(dev)}:{os.minor(dev)}"
+        with (
+            suppress(OSError, ValueError, IndexError),
+            open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f,
+        ):
+            for line in f:
+                fields = line.split()
+                if fields[2] == want:
+                    fs = fields[fields.index("-") + 1]
+                    break
+        _fs_types[dev] = fs
+    return fs in _MAPPED_FS
 
 
 def _preadv_all(fd: int, offset: int, buffers: list[memoryview], key: str) -> None:
