@@ -874,7 +874,9 @@ class Restorer:
         torch = sys.modules["torch"]
         placed = self._placed(b, item) if count and self._place is not None else None
         if placed is not None:
-            t = torch.frombuffer(placed, dtype=dtype).view(shape)
+            t = torch.frombuffer(placed, dtype=dtype)  # one dimension: the shape already
+            if n == 2:
+                t = t.view(shape)
             self._dest[b] = placed
         else:
             t = torch.empty(shape, dtype=dtype)

@@ -158,6 +158,11 @@ class Mapped:
         self._file = np.where(whole, files[lo], -1).tolist()
         self._offset = offs[lo].tolist()
 
+    def alone(self, blob: int) -> bool:
+        """Whether ``blob`` lies in one piece of a mapped file that no other blob's bytes
+        overlap."""
+        return self._file[blob] >= 0
+
     def place(self, blob: int, alignment: int) -> memoryview | None:
         """The mapped memory holding ``blob``'s bytes, if they lie in one piece of a mapped
         file, inside it, at an address that is a multiple of ``alignment``; else None."""
@@ -684,14 +689,27 @@ class _BlobReader:
         return self.mviews[self.p_file[pid]][offset : offset + self.p_nbytes[pid]]
 
     def _hash_mapped(self, number: int, pids: list[int]) -> None:
-        """First pass over pieces of mapped files: hash them where they are."""
+        """First pass over pieces of mapped files: hash them where they are (a direct blob's
+        pieces are unmapped again: the second pass maps them once more)."""
         try:
             nbytes = self._verify(pids, [self._mapped(p) for p in pids], None)
+            self._unmap_direct(pids)
         except BaseException as exc:
             with self.lock:
                 self.failures.append((number, exc))
             return
         self.on_bytes(nbytes)
+
+    def _unmap_direct(self, pids: list[int]) -> None:
+        """Unmap the pieces of direct blobs that lie alone in their file (no other blob's
+        bytes share their pages: a leaf built over those could lose what was written to
+        it)."""
+        direct, p_blob, maddr, p_file = self.direct, self.p_blob, self.maddr, self.p_file
+        alone = self.mapped.alone if self.mapped is not None else None
+        for p in pids:
+            blob = p_blob[p]
+            if direct[blob] and alone is not None and alone(blob):
+                _unmap(maddr[p_file[p]] + self.p_offset[p], self.p_nbytes[p])
 
     def _copy_mapped(self, number: int, pids: list[int]) -> None:
         """Second pass over a direct blob's pieces of mapped files: hash each again where it
@@ -718,6 +736,7 @@ class _BlobReader:
                     self._mismatch(p_blob[p], p_start[p] // cb, got, want)
                     continue
                 _copy(address[p_blob[p]] + p_start[p], maddr[p_file[p]] + p_offset[p], p_nbytes[p])
+            self._unmap_direct(pids)
         except BaseException as exc:
             with self.lock:
                 self.failures.append((number, exc))
@@ -868,6 +887,7 @@ def _address(view: memoryview) -> int:
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_DONTNEED = 4
 # Pieces of fresh memory smaller than this are left to fault in as the read lands.
 _POPULATE_MIN_BYTES = 1 << 20
 _madvise: Any = None
@@ -894,6 +914,18 @@ def _populate(address: int, nbytes: int) -> None:
         and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS)
     ):
         _madvise = None  # an older kernel: never asked again
+
+
+def _unmap(address: int, nbytes: int) -> None:
+    """Drop this process's mapping of the whole pages of ``nbytes`` at ``address`` (a range of
+    a copy-on-write file mapping no leaf was built over, and nothing wrote to):
+    ``MADV_DONTNEED`` leaves the page cache as it is, and a later access maps the file's
+    pages again. A restore into existing tensors then keeps only the pieces in flight mapped,
+    not the whole state."""
+    lo = -(-address // _PAGE_BYTES) * _PAGE_BYTES
+    hi = (address + nbytes) // _PAGE_BYTES * _PAGE_BYTES
+    if _madvise is not None and hi > lo:
+        _madvise(lo, hi - lo, _MADV_DONTNEED)
 
 
 def _copy(dest: int, source: int, nbytes: int) -> None:
