@@ -348,3 +348,23 @@ def test_into_keeps_only_the_pieces_in_flight_mapped(tmp_path: Path) -> None:
     cryosnap.load(tmp_path, step=STEP, into=into)
     assert _rss("VmHWM") - before < (48 << 20)
     assert all(torch.equal(into[k], state[k]) for k in state)
+
+
+def test_mapped_leaves_hold_no_file_descriptors(tmp_path: Path) -> None:
+    """A restore may map thousands of data files, and its leaves may live as long as the
+    program: the mappings must not keep a descriptor each (ulimit -n)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc/self/fd")
+    with cryosnap.Checkpointer(tmp_path, full_every=50) as ckpt:
+        for step in range(20):  # an incremental chain over 20 data files
+            ckpt.save(step, {"w": torch.full((5000,), float(step)), "k": torch.arange(3000.0)})
+        ckpt.wait()
+    before = len(os.listdir("/proc/self/fd"))
+    outs = [cryosnap.load(tmp_path) for _ in range(3)]
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert all(float(o["w"][0]) == 19.0 and torch.equal(o["k"], torch.arange(3000.0)) for o in outs)
+    with open("/proc/self/maps") as f:
+        assert any(str(tmp_path) in line for line in f)  # the leaves are mapped
+    del outs
+    with open("/proc/self/maps") as f:
+        assert not any(str(tmp_path) in line for line in f)  # and unmapped with them

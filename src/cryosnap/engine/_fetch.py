@@ -48,7 +48,6 @@ import ctypes
 import errno
 import functools
 import itertools
-import mmap
 import os
 import queue
 import sys
@@ -123,8 +122,7 @@ class Mapped:
     a missing file for one, come from the read)."""
 
     def __init__(self, store: Store, part: ResolvedPart) -> None:
-        map_file: Callable[[str], mmap.mmap | None] | None = getattr(store, "map_file", None)
-        self.maps: dict[int, mmap.mmap] = {}
+        map_file: Callable[[str], memoryview | None] | None = getattr(store, "map_file", None)
         self.views: dict[int, memoryview] = {}
         self.address: dict[int, int] = {}
         chunks = part.chunks()
@@ -137,12 +135,11 @@ class Mapped:
             return
         for f in np.unique(files).tolist():
             with contextlib.suppress(CheckpointError):
-                m = map_file(part.files[f])
-                if m is not None:
-                    self.maps[f] = m
-                    self.views[f] = view = memoryview(m)
+                view = map_file(part.files[f])
+                if view is not None:
+                    self.views[f] = view
                     self.address[f] = _address(view)
-        if not self.maps:
+        if not self.views:
             return
         # A blob lies in one piece of memory when its chunks follow each other in one file.
         cb = part.manifest.chunk_bytes
@@ -153,7 +150,7 @@ class Mapped:
         starts = chunks.starts
         lo = np.minimum(starts[:-1], len(files) - 1)
         whole = (starts[1:] > starts[:-1]) & (runs[np.maximum(starts[1:] - 1, 0)] == runs[lo])
-        whole &= np.isin(files[lo], np.fromiter(self.maps, np.int64, len(self.maps)))
+        whole &= np.isin(files[lo], np.fromiter(self.views, np.int64, len(self.views)))
         whole[whole] &= ~_overlapping(files[lo][whole], offs[lo][whole], chunks.nbytes[whole])
         self._file = np.where(whole, files[lo], -1).tolist()
         self._offset = offs[lo].tolist()

@@ -37,6 +37,7 @@ like are read.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -46,6 +47,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, StorageError
 from .base import BytesLike, StoreCapabilities, TruncatedError, validate_key
@@ -303,23 +305,24 @@ class LocalStore:
             for offset, buffers in ranges:
                 _preadv_all(fd, offset, list(buffers), key)
 
-    def map_file(self, key: str) -> mmap.mmap | None:
+    def map_file(self, key: str) -> memoryview | None:
         """The regular file ``key`` mapped whole, readable and copy-on-write
-        (``MAP_PRIVATE``: writes to the memory never reach the file), or None where mapping
-        is not done: an empty file, a network or FUSE file system (see the module
-        docstring), a platform without ``MAP_PRIVATE``. The mapping lives as long as any view
-        of it; the file may be deleted or renamed meanwhile, but never truncated (a data
-        file is written once and never modified): a page past a truncated end raises
-        SIGBUS."""
-        if _MAP_PRIVATE is None:
+        (``MAP_PRIVATE``: writes to the memory never reach the file), as a writable byte
+        view; or None where mapping is not done: an empty file, a network or FUSE file system
+        (see the module docstring), a platform without ``mmap`` in its C library.
+
+        The mapping holds no file descriptor (Python's ``mmap`` keeps one per mapping, and a
+        restore may map thousands of files while its leaves may live as long as the
+        program) and is unmapped when the last view of it goes. The file may be deleted or
+        renamed meanwhile, but never truncated (a data file is written once and never
+        modified): a page past a truncated end raises SIGBUS."""
+        if _libc_mmap is None:
             return None
         with self._open_regular(key) as fd, self._errors(key, "mapping"):
             st = os.fstat(fd)
             if not st.st_size or not _mappable_device(st.st_dev):
                 return None
-            return mmap.mmap(
-                fd, st.st_size, flags=_MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
+            return _map_private(fd, st.st_size)
 
     def write(self, key: str, data: BytesLike) -> None:
         parts = validate_key(key).split("/")
@@ -498,7 +501,54 @@ def _writev_all(fd: int, buffers: list[BytesLike]) -> int:
     return total
 
 
-_MAP_PRIVATE: int | None = getattr(mmap, "MAP_PRIVATE", None)
+_libc_mmap: Any = None
+_libc_munmap: Any = None
+if hasattr(mmap, "MAP_PRIVATE"):
+    with suppress(OSError, AttributeError):
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc_mmap, _libc_munmap = _libc.mmap, _libc.munmap
+        _libc_mmap.restype = ctypes.c_void_p
+        _libc_mmap.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        )
+        _libc_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Unmap:
+    """Unmaps a mapping when the buffer that owns it is collected."""
+
+    __slots__ = ("address", "munmap", "nbytes")
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        # munmap held here: the module's globals may be gone when the last leaf goes at exit.
+        self.address, self.nbytes, self.munmap = address, nbytes, _libc_munmap
+
+    def __del__(self) -> None:
+        self.munmap(self.address, self.nbytes)
+
+
+def _map_private(fd: int, nbytes: int) -> memoryview:
+    """``nbytes`` of ``fd`` mapped copy-on-write, as a writable flat byte view that owns the
+    mapping (through a ctypes array holding an :class:`_Unmap`)."""
+    address = _libc_mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    try:
+        array = (ctypes.c_ubyte * nbytes).from_address(address)
+        array._unmap = _Unmap(address, nbytes)  # type: ignore[attr-defined]
+    except BaseException:
+        _libc_munmap(address, nbytes)
+        raise
+    return memoryview(array).cast("B")
+
+
 # File systems whose page faults read a local block device or memory: a fault cannot wait on a
 # network (a read can, and a TimeoutStore bounds it).
 _MAPPED_FS = frozenset(

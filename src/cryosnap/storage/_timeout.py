@@ -42,7 +42,6 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import math
-import mmap
 import os
 import queue
 import threading
@@ -318,13 +317,13 @@ class TimeoutStore(WrapperStore):
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
         self._call("reading", key, lambda: self.inner.read_ranges(key, ranges))
 
-    def map_file(self, key: str) -> mmap.mmap | None:
+    def map_file(self, key: str) -> memoryview | None:
         """``inner``'s :meth:`LocalStore.map_file` (bounded like any call), or None if it has
         none. Only file systems whose faults cannot wait on a network map at all."""
         inner = getattr(self.inner, "map_file", None)
         if inner is None:
             return None
-        mapped: mmap.mmap | None = self._call("mapping", key, lambda: inner(key))
+        mapped: memoryview | None = self._call("mapping", key, lambda: inner(key))
         return mapped
 
     def write(self, key: str, data: BytesLike) -> None:
