@@ -790,7 +790,7 @@ class Restorer:
                 self.direct[b] = True
                 self._values[id(node)] = target
                 return
-            placed = self._placed(b, dtype.alignment) if self.blob_sizes[b] else None
+            placed = self._placed(b, dtype.alignment)
             if placed is not None:
                 # The blob holds the array's elements in its order: C, or F (the transpose's C).
                 if order == "F":
@@ -821,8 +821,8 @@ class Restorer:
 
     def _placed(self, b: int, alignment: int) -> memoryview | None:
         """The memory ``place`` has for blob ``b`` at ``alignment`` (and ``placed[b]`` set),
-        or None: the leaf is allocated."""
-        if self._place is None:
+        or None: the leaf is allocated (always for an empty blob)."""
+        if self._place is None or not self.blob_sizes[b]:
             return None
         view = self._place(b, alignment)
         if view is not None:
@@ -872,7 +872,7 @@ class Restorer:
             return False
         # A dtype in _TORCH_DTYPES was found in torch: it is imported.
         torch = sys.modules["torch"]
-        placed = self._placed(b, item) if count and self._place is not None else None
+        placed = self._placed(b, item)
         if placed is not None:
             t = torch.frombuffer(placed, dtype=dtype)  # one dimension: the shape already
             if n == 2:
@@ -912,7 +912,7 @@ class Restorer:
                 return
             if self._dest[b] is not None:
                 raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
-            placed = self._placed(b, item) if self.blob_sizes[b] else None
+            placed = self._placed(b, item)
             if placed is not None:
                 t = torch.frombuffer(placed, dtype=dtype).view(shape)
                 self._dest[b] = placed
@@ -943,7 +943,7 @@ class Restorer:
             base = self._dest[b]
             if base is None:
                 # A storage shared by views of any dtypes: placed only if aligned for all.
-                placed = self._placed(b, _MAX_ALIGN) if self.blob_sizes[b] else None
+                placed = self._placed(b, _MAX_ALIGN)
                 if placed is not None:
                     base_t = torch.frombuffer(placed, dtype=torch.uint8)
                     self._claim(b, placed, path)

@@ -306,17 +306,23 @@ def test_the_first_damage_in_blob_order_is_named(location: str) -> None:
         cryosnap.load(location, step=STEP, into=_zeros_like(_state()))
 
 
-def test_truncated_file_leaves_into_untouched(tmp_path: Path) -> None:
+def _truncation_leaves_into_untouched(tmp_path: Path, leaf: str, keep: int) -> None:
+    """The data file cut ``keep`` bytes into ``leaf``'s data: the restore names the leaf and
+    into= stays as it was."""
     cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
     _store, key, manifest = _data_file(str(tmp_path))
-    offset, _n = _segment(manifest, "arr")
+    offset, _n = _segment(manifest, leaf)
     path = tmp_path / key
-    path.write_bytes(path.read_bytes()[: offset + 100])
+    path.write_bytes(path.read_bytes()[: offset + keep])
     into = _zeros_like(_state())
     before = snapshot(into)
-    with pytest.raises(cryosnap.IntegrityError, match=r"truncated.*leaf arr cannot be read"):
+    with pytest.raises(cryosnap.IntegrityError, match=rf"truncated.*leaf {leaf} cannot be read"):
         cryosnap.load(tmp_path, step=STEP, into=into)
     assert snapshot(into) == before
+
+
+def test_truncated_file_leaves_into_untouched(tmp_path: Path) -> None:
+    _truncation_leaves_into_untouched(tmp_path, "arr", 100)
 
 
 def test_a_refusing_load_state_dict_comes_before_any_direct_fill(tmp_path: Path) -> None:
@@ -568,16 +574,7 @@ def test_sequential_reads_restore_into_and_name_damage(
 def test_sequential_reads_of_a_truncated_file_leave_into_untouched(
     tmp_path: Path, sequential_reads: list[bool]
 ) -> None:
-    cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
-    _store, key, manifest = _data_file(str(tmp_path))
-    offset, _n = _segment(manifest, "big")
-    path = tmp_path / key
-    path.write_bytes(path.read_bytes()[: offset + 10_000])
-    into = _zeros_like(_state())
-    before = snapshot(into)
-    with pytest.raises(cryosnap.IntegrityError, match=r"truncated.*leaf big cannot be read"):
-        cryosnap.load(tmp_path, step=STEP, into=into)
-    assert snapshot(into) == before
+    _truncation_leaves_into_untouched(tmp_path, "big", 10_000)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "RWF_NOWAIT"), reason="needs preadv2 flags")

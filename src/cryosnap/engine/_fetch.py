@@ -642,10 +642,9 @@ class _BlobReader:
         expected hashes at once; in the second pass (``sources``: the address of each piece in
         the bounce buffer, all of them direct) copy each that matches into place. Returns the
         bytes of the pieces."""
-        cb = self.cb
         # A piece of one chunk too small for the native call is one xxhash call (what
         # hash_chunks_released would do, without its checks).
-        small = min(cb, _INLINE_HASH_BYTES)
+        cb, small = self.cb, min(self.cb, _INLINE_HASH_BYTES)
         got = [hash_bytes(d) if d.nbytes <= small else hash_chunks_released(d, cb) for d in dests]
         bad = self._compare(pids, got)
         if sources is not None:
@@ -710,29 +709,12 @@ class _BlobReader:
 
     def _copy_mapped(self, number: int, pids: list[int]) -> None:
         """Second pass over a direct blob's pieces of mapped files: hash each again where it
-        lies and copy it into place if it still matches, while it is in the CPU's cache."""
-        cb, small, expected = self.cb, min(self.cb, _INLINE_HASH_BYTES), self.expected
-        address, p_blob, p_start, p_nbytes = self.address, self.p_blob, self.p_start, self.p_nbytes
-        p_offset, p_file, maddr, hlo, hhi = (
-            self.p_offset,
-            self.p_file,
-            self.maddr,
-            self.p_hash,
-            self.p_hash_end,
-        )
+        lies (:meth:`_verify`) and copy it into place if it still matches, while it is in the
+        CPU's cache."""
+        maddr, p_file, p_offset = self.maddr, self.p_file, self.p_offset
         try:
             for p in pids:
-                source = self._mapped(p)
-                got = (
-                    hash_bytes(source)
-                    if source.nbytes <= small
-                    else hash_chunks_released(source, cb)
-                )
-                want = expected[hlo[p] : hhi[p]]
-                if got != want:
-                    self._mismatch(p_blob[p], p_start[p] // cb, got, want)
-                    continue
-                _copy(address[p_blob[p]] + p_start[p], maddr[p_file[p]] + p_offset[p], p_nbytes[p])
+                self._verify([p], [self._mapped(p)], [maddr[p_file[p]] + p_offset[p]])
             self._unmap_direct(pids)
         except BaseException as exc:
             with self.lock:
@@ -888,6 +870,7 @@ _MADV_DONTNEED = 4
 # Pieces of fresh memory smaller than this are left to fault in as the read lands.
 _POPULATE_MIN_BYTES = 1 << 20
 _madvise: Any = None
+_populate_works = True  # False once the kernel refused MADV_POPULATE_WRITE (older than 5.14)
 if sys.platform == "linux":
     with contextlib.suppress(OSError, AttributeError):
         _madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -900,17 +883,16 @@ def _populate(address: int, nbytes: int) -> None:
     in one call (``MADV_POPULATE_WRITE``) instead of one page fault per page as the read
     lands: about 30% less time for a fresh leaf here. Nothing changes in the memory; where
     the kernel lacks the call, the pages fault in as before."""
-    global _madvise
-    lo = -(-address // _PAGE_BYTES) * _PAGE_BYTES
-    hi = (address + nbytes) // _PAGE_BYTES * _PAGE_BYTES
-    madvise = _madvise
+    global _populate_works
+    lo, hi = _whole_pages(address, nbytes)
     if (
-        madvise is not None
+        _populate_works
+        and _madvise is not None
         and hi > lo
-        and madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+        and _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
         and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS)
     ):
-        _madvise = None  # an older kernel: never asked again
+        _populate_works = False  # an older kernel: never asked again
 
 
 def _unmap(address: int, nbytes: int) -> None:
@@ -919,10 +901,14 @@ def _unmap(address: int, nbytes: int) -> None:
     ``MADV_DONTNEED`` leaves the page cache as it is, and a later access maps the file's
     pages again. A restore into existing tensors then keeps only the pieces in flight mapped,
     not the whole state."""
-    lo = -(-address // _PAGE_BYTES) * _PAGE_BYTES
-    hi = (address + nbytes) // _PAGE_BYTES * _PAGE_BYTES
+    lo, hi = _whole_pages(address, nbytes)
     if _madvise is not None and hi > lo:
         _madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+def _whole_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """The bounds of the whole pages inside ``nbytes`` at ``address`` (empty: lo >= hi)."""
+    return -(-address // _PAGE_BYTES) * _PAGE_BYTES, (address + nbytes) // _PAGE_BYTES * _PAGE_BYTES
 
 
 def _copy(dest: int, source: int, nbytes: int) -> None:

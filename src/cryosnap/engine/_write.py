@@ -523,11 +523,12 @@ class PartWriter(_Shares):
         """The new chunks' bytes (the alignment padding between them is not counted)."""
         return sum(self._offsets) - self._padding
 
-    def _align(self, offset: int, out: list[memoryview]) -> int:
-        """Where a new blob of at least _ALIGN_MIN_BYTES starts when its bytes would start
-        at ``offset``: the next multiple of _ALIGN_BYTES, the gap written as zeros (a restore
-        from a mapped file builds such a leaf over the file's pages, each element aligned)."""
-        pad = -offset % _ALIGN_BYTES
+    def _align(self, offset: int, nbytes: int, out: list[memoryview]) -> int:
+        """Where a new blob of ``nbytes`` starts when its bytes would start at ``offset``:
+        for one of at least _ALIGN_MIN_BYTES, the next multiple of _ALIGN_BYTES, the gap
+        written as zeros (a restore from a mapped file builds such a leaf over the file's
+        pages, each element aligned); ``offset`` for a smaller one."""
+        pad = -offset % _ALIGN_BYTES if nbytes >= _ALIGN_MIN_BYTES else 0
         if pad:
             out.append(_ZEROS[:pad])
             self._padding += pad
@@ -651,8 +652,7 @@ class PartWriter(_Shares):
             if loc is not None:
                 rows += (STORED, self._file(loc[0]), loc[1], view.nbytes)
                 continue
-            if view.nbytes >= _ALIGN_MIN_BYTES and offset % _ALIGN_BYTES:
-                offset = self._align(offset, out)
+            offset = self._align(offset, view.nbytes, out)
             new_index[digest] = (key, offset)
             rows += (STORED, dev, offset, view.nbytes)
             out.append(view)
@@ -766,12 +766,8 @@ class PartWriter(_Shares):
                     builder.store(self._file(loc[0]), loc[1], size, digest, cb)
                     continue
                 if run_start < 0:
-                    if (
-                        first + k == 0
-                        and offset % _ALIGN_BYTES
-                        and self.flat.blobs[p.blob].nbytes >= _ALIGN_MIN_BYTES
-                    ):
-                        offset = self._align(offset, out)
+                    if first + k == 0:  # the blob's first bytes
+                        offset = self._align(offset, self.flat.blobs[p.blob].nbytes, out)
                     run_start = lo
                 self.new_index[digest] = (key, offset)
                 builder.store(dev, offset, size, digest, cb)
