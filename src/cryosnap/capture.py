@@ -356,6 +356,12 @@ def capture_to_slabs(
         gpu = gpu or cuda
         mask = changed.get(index) if changed else None
         others = foreign.get(index) if foreign and not cuda else None
+        if blob.private and mask is None and others is None:
+            # Copied already (a pack of small tensors): written from where it lies.
+            pieces.append(Piece(index, 0, blob.host_view()))
+            pending_marks.append(index)
+            copied += blob.nbytes
+            continue
         for lo, hi, kind in _runs(blob.nbytes, mask, chunk_bytes, others):
             if kind == _UNCHANGED:
                 first = lo // chunk_bytes

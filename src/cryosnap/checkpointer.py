@@ -400,7 +400,12 @@ class Checkpointer:
         where = self._levels.step_exists(step)
         if where is not None:
             raise CheckpointExistsError(f"step {step} already exists in {where}")
-        flat = flatten(state, allow_pickle=self.allow_pickle)
+        flat = flatten(
+            state,
+            allow_pickle=self.allow_pickle,
+            pack_bytes=self.chunk_bytes,
+            pack_apart=replicated,
+        )
         keys = _replicated.replicated_keys(replicated, flat)
         self._inflight.acquire()
         # Forget finished versions, but keep failed ones the caller has not received yet.

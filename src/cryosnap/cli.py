@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 
 from . import engine
-from .chunks import chunk_count
+from .chunks import chunk_count, hash_bytes
+from .engine import ResolvedPart
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -514,6 +515,7 @@ class LeafInfo:
     blob: int | None
     shared_with: str | None
     value: str | None
+    packed_with: str | None = None  # the first leaf of the pack of small tensors it lies in
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -525,6 +527,7 @@ class LeafInfo:
             "chunks": self.chunks,
             "blob": self.blob,
             "shared_with": self.shared_with,
+            "packed_with": self.packed_with,
             "value": self.value,
         }
 
@@ -630,6 +633,7 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
         nbytes = 0
         chunks = 0
         shared_with: str | None = None
+        packed_with: str | None = None
         if "b" in node:
             b = node["b"]
             if type(b) is not int or not 0 <= b < len(manifest.blobs):
@@ -637,7 +641,11 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
             blob = b
             nbytes = manifest.blobs[b].nbytes
             if b in owner:
-                shared_with = owner[b]
+                # Packed leaves share a blob, not memory (their chunks count once).
+                if "at" in node:
+                    packed_with = owner[b]
+                else:
+                    shared_with = owner[b]
             else:
                 owner[b] = path
                 chunks = chunk_count(nbytes, manifest.chunk_bytes)
@@ -646,8 +654,9 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
         dtype: str | None = None
         if t == "torch":
             dtype = str(node.get("dtype"))
-            if "view" in node and shape is not None:
-                # A view into a storage shared with other tensors: its own elements only.
+            if ("view" in node or "at" in node) and shape is not None:
+                # A view into a storage shared with other tensors, or a leaf packed with
+                # others into one blob: its own elements only.
                 item = _torch_itemsize(dtype)
                 if item is not None:
                     nbytes = int(np.prod(shape, dtype=np.int64)) * item
@@ -660,7 +669,18 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
         elif t in ("bytes", "bytearray"):
             shape = [nbytes]
         leaves.append(
-            LeafInfo(path, t, dtype, shape, nbytes, chunks, blob, shared_with, _inline_value(node))
+            LeafInfo(
+                path,
+                t,
+                dtype,
+                shape,
+                nbytes,
+                chunks,
+                blob,
+                shared_with,
+                _inline_value(node),
+                packed_with,
+            )
         )
     return leaves
 
@@ -714,6 +734,8 @@ def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) ->
     )
     for leaf in leaves:
         note = f"shares storage with {leaf.shared_with}" if leaf.shared_with else ""
+        if leaf.packed_with:
+            note = f"packed with {leaf.packed_with}"
         if leaf.value is not None:
             note = _truncate(leaf.value)
         table.add(
@@ -948,11 +970,72 @@ def _leaf_nodes(manifest: Manifest) -> dict[str, Any]:
     return dict(iter_leaves(manifest.skeleton))
 
 
+def _packed_range(node: dict[str, Any], blob_bytes: int) -> tuple[int, int] | None:
+    """The byte range a packed leaf takes in its blob, or None (not packed, or malformed)."""
+    at, shape = node.get("at"), node.get("shape")
+    item = _torch_itemsize(str(node.get("dtype")))
+    if type(at) is not int or not isinstance(shape, list) or item is None:
+        return None
+    end = at + int(np.prod(shape, dtype=np.int64)) * item
+    return (at, end) if 0 <= at <= end <= blob_bytes else None
+
+
+def _packed_diff(
+    store: Store,
+    path: str,
+    new: tuple[ResolvedPart, int, tuple[int, int] | None],
+    old: tuple[ResolvedPart, int, tuple[int, int] | None],
+    comparable: bool,
+) -> dict[str, Any] | None:
+    """The diff row of a packed leaf, or None (unchanged). ``new`` and ``old``: the version,
+    the blob and the leaf's byte range in it; ``comparable``: the two nodes are alike (dtype,
+    shape, offset in the pack) and the chunk sizes the same. Where the chunks the leaf lies in
+    differ (small leaves share chunks), those chunks are read, verified, and the leaf's own
+    bytes compared."""
+    (vx, bx, rx), (vy, by, ry) = new, old
+    if rx is None or ry is None or not comparable or rx != ry:
+        size = 0 if rx is None else rx[1] - rx[0]
+        return {"path": path, "status": "changed", "changed_bytes": size}
+    x, y = vx.blobs[bx], vy.blobs[by]
+    cb = vx.manifest.chunk_bytes
+    lo, hi = rx[0] // cb, -(-rx[1] // cb)
+    if hi > min(len(x.hashes), len(y.hashes)) or (x.hashes[lo:hi] != y.hashes[lo:hi]).any():
+        if _leaf_bytes(store, vx, bx, rx) == _leaf_bytes(store, vy, by, ry):
+            return None
+        return {"path": path, "status": "changed", "changed_bytes": rx[1] - rx[0]}
+    return None
+
+
+def _leaf_bytes(store: Store, part: ResolvedPart, b: int, span: tuple[int, int]) -> bytes:
+    """The bytes ``span`` of blob ``b``: the chunks it lies in, read and verified."""
+    blob, cb = part.blobs[b], part.manifest.chunk_bytes
+    lo, hi = span[0] // cb, -(-span[1] // cb)
+    got = bytearray()
+    for i in range(lo, min(hi, len(blob.hashes))):
+        n = min(cb, blob.nbytes - i * cb)
+        buf = bytearray(n)
+        key = part.files[int(blob.files[i])]
+        try:
+            store.read_ranges(key, [(int(blob.offsets[i]), [memoryview(buf)])])
+        except (OSError, EOFError, ValueError) as exc:
+            raise IntegrityError(
+                f"step {part.step}, leaf {blob.path}: chunk {i} unreadable in {key}: {exc}"
+            ) from exc
+        if hash_bytes(memoryview(buf)) != blob.hashes[i].tobytes():
+            raise IntegrityError(
+                f"step {part.step}, leaf {blob.path}: chunk {i} in {key} does not match its hash"
+            )
+        got += buf
+    return bytes(got[span[0] - lo * cb : span[1] - lo * cb])
+
+
 def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None:
     """Per leaf: added, removed or changed between steps ``a`` and ``b``, with changed bytes.
 
     Compares chunk hashes from the two manifests (resolved through their chains): no data is
-    read, and the changed bytes are those of the chunks whose content differs.
+    read, and the changed bytes are those of the chunks whose content differs. A small tensor
+    packed with others shares its chunk with them: where that chunk differs, it is read (from
+    both versions, verified) to compare the leaf's own bytes.
     """
     store = _open(location)
     old = engine.resolve_version(store, a, rank=rank)
@@ -977,6 +1060,19 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
         meta_same = {k: v for k, v in node.items() if k != "b"} == {
             k: v for k, v in before.items() if k != "b"
         }
+        if "at" in node or "at" in before:
+            # A leaf packed with others: its own bytes, where it lies in both versions.
+            row = _packed_diff(
+                store,
+                path,
+                (new, blob_new, _packed_range(node, x.nbytes)),
+                (old, blob_old, _packed_range(before, y.nbytes)),
+                meta_same and old.manifest.chunk_bytes == cb,
+            )
+            if row is not None:
+                changed_total += row["changed_bytes"]
+                rows.append(row)
+            continue
         if x.nbytes != y.nbytes or old.manifest.chunk_bytes != cb:
             rows.append({"path": path, "status": "changed", "changed_bytes": x.nbytes})
             changed_total += x.nbytes

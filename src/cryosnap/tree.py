@@ -14,6 +14,13 @@ bytes they use; each tensor records its byte offset and strides inside it, and t
 sharing one storage, as ``torch.save`` does. A tensor that shares with nobody is stored compact
 (contiguous), whatever its strides: a small view never drags its whole base storage along.
 
+With ``pack_bytes`` (the Checkpointer passes its chunk size, at most :data:`PACK_BYTES`), small
+CPU tensors that share with nobody are *packed*: copied back to back (each at a multiple of its
+element size, zeros in the gaps) into one blob of at most ``pack_bytes``, each recording its
+byte offset there (``"at"``). A state of thousands of small tensors then costs one blob, one hash
+and one manifest row per pack instead of per tensor; every byte is still verified (by the
+pack's chunk hashes), and each leaf comes back as a tensor of its own.
+
 Leaf paths name leaves in messages: the keys from the root joined by ``/``
 (``optim/state/0/exp_avg``). No pickle is involved unless ``allow_pickle=True``: then unknown
 objects are pickled into a blob and only unpickled by a load that also allows it.
@@ -25,6 +32,7 @@ imported only when a tensor is met.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import pickle
 import struct
@@ -71,6 +79,11 @@ MAX_NDIM = 64
 MAX_ELEMENTS = 2**62
 
 _CONTAINERS = frozenset(("dict", "odict", "list", "tuple"))
+
+# Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
+# packed (a fraction of the pack, so that a pack holds many).
+PACK_BYTES = 1 << 20
+PACK_LEAF_FRACTION = 16
 
 # Python ints beyond this many bits are written as hex strings: JSON readers (Python's included)
 # refuse numbers of more than a few thousand digits.
@@ -140,6 +153,9 @@ class Blob:
     # data_ptr of the torch storage the bytes come from (0: not a tensor, or a private copy);
     # lazy capture uses it to find the blobs an optimizer step mutates.
     origin: int = 0
+    # The source is memory of cryosnap's own that nothing else writes (a pack of small
+    # tensors, copied by flatten): the capture hands it to the writer without copying it.
+    private: bool = False
 
     @property
     def path(self) -> str:
@@ -181,15 +197,31 @@ _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
 _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a skeleton ("float32")
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> FlatState:
-    """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf."""
+def flatten(
+    state: Any, *, allow_pickle: bool = False, pack_bytes: int = 0, pack_apart: object = None
+) -> FlatState:
+    """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf.
+
+    ``pack_bytes`` > 0 packs small CPU tensors into shared blobs of at most that many bytes
+    (capped at :data:`PACK_BYTES`; see the module docstring); 0 stores every tensor alone.
+    ``pack_apart``: top-level keys (a list or tuple, as ``save(replicated=...)`` takes them)
+    whose leaves never share a pack with the other keys' leaves."""
+    apart = frozenset(
+        k
+        for k in (pack_apart if isinstance(pack_apart, (list, tuple)) else ())
+        if type(k) in (str, int)
+    )
     with paused_gc():
-        return _Flattener(allow_pickle).run(state)
+        return _Flattener(allow_pickle, min(max(pack_bytes, 0), PACK_BYTES), apart).run(state)
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(
+        self, allow_pickle: bool, pack_bytes: int = 0, apart: frozenset[Any] = frozenset()
+    ) -> None:
         self.allow_pickle = allow_pickle
+        self.pack_bytes = pack_bytes
+        self.apart = apart
         self.blobs: list[Blob] = []
         self.leaves = 0
         self.stateful: list[tuple[str, Any]] = []
@@ -422,6 +454,8 @@ class _Flattener:
                 # is part of the key, so only the very same storage is shared.
                 groups.setdefault(("cpu" if t.is_cpu else t.device.type, ptr, size), []).append(i)
         uint8, blobs, tensors = torch.uint8, self.blobs, self.tensors
+        packer = _Packer(blobs, self.pack_bytes, torch, self.apart)
+        leaf_max = self.pack_bytes // PACK_LEAF_FRACTION
         for members in groups.values():
             if len(members) == 1:
                 i = members[0]
@@ -432,6 +466,10 @@ class _Flattener:
                 if not x.is_contiguous():
                     x = x.contiguous()
                 n = x.nbytes
+                if 0 < n <= leaf_max and x.is_cpu:
+                    # contiguous: its n bytes lie at x.data_ptr()
+                    packer.add(node, path, x, n, x.element_size())
+                    continue
                 if n == x.element_size() and x.dim() and x.stride()[-1] != 1:
                     # torch calls a one-element view of any stride contiguous, but a byte view
                     # needs stride 1.
@@ -470,6 +508,62 @@ class _Flattener:
                     )
                 node["b"] = blob
                 node["view"] = {"offset": start - lo, "stride": list(t.stride())}
+        packer.close()
+
+
+class _Packer:
+    """Collects small tensors into packs (see the module docstring), in the order they come;
+    a pack is closed when the next leaf would not fit, or when it crosses between the
+    top-level keys in ``apart`` and the others (replicated state is chosen by top-level key,
+    and a blob belongs to the key of its first leaf: a pack never mixes the two kinds)."""
+
+    def __init__(
+        self, blobs: list[Blob], pack_bytes: int, torch: Any, apart: frozenset[Any]
+    ) -> None:
+        self.blobs = blobs
+        self.pack_bytes = pack_bytes
+        self.torch = torch
+        self.apart = apart
+        # (node, contiguous CPU tensor, its bytes, its offset in the pack)
+        self.members: list[tuple[dict[str, Any], Any, int, int]] = []
+        self.path: tuple[str | int, ...] = ()
+        self.kind = False  # whether the open pack holds leaves of keys in apart
+        self.size = 0
+
+    def add(
+        self, node: dict[str, Any], path: tuple[str | int, ...], t: Any, n: int, item: int
+    ) -> None:
+        at = -(-self.size // item) * item
+        kind = bool(self.apart) and bool(path) and path[0] in self.apart
+        if self.members and (at + n > self.pack_bytes or kind != self.kind):
+            self.close()
+            at = 0
+        if not self.members:
+            self.path, self.kind = path, kind
+        self.members.append((node, t, n, at))
+        self.size = at + n
+
+    def close(self) -> None:
+        members = self.members
+        if not members:
+            return
+        self.members = []
+        pack = self.torch.empty(self.size, dtype=self.torch.uint8)
+        # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
+        # and cat cost more per call and run on its intra-op threads), and zeros in the
+        # alignment gaps: every byte of a pack is defined.
+        base, index = pack.data_ptr(), len(self.blobs)
+        memmove, memset = ctypes.memmove, ctypes.memset
+        end = 0
+        for node, t, n, at in members:
+            if at > end:
+                memset(base + end, 0, at - end)
+            memmove(base + at, t.data_ptr(), n)
+            end = at + n
+            node["b"] = index
+            node["at"] = at
+        # A private copy: nothing the program does from now on can change it (origin 0).
+        self.blobs.append(Blob(self.path, self.size, pack, 0, True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,6 +810,7 @@ class Restorer:
         self._values: dict[int, Any] = {}
         self._items: dict[int, list[tuple[str | int, Json]]] = {}  # each dict node's, decoded
         self._targets: Mapping[int, Any] = {}
+        self._packs: set[int] = set()  # the blobs packed leaves claimed
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
@@ -831,9 +926,10 @@ class Restorer:
 
     def _plain_tensor(self, node: Any, path: str) -> bool:
         """Allocate ``node`` if it is the most common leaf of a state dict (a plain CPU tensor
-        of a known dtype and up to two dimensions, not a view, not filled in place) with every
-        check :meth:`_alloc_tensor` makes, inline; False (nothing done) for anything else,
-        which :meth:`_alloc` then takes, errors included."""
+        of a known dtype and up to two dimensions, not a view, not filled in place; or packed,
+        in a pack an earlier leaf claimed) with every check :meth:`_alloc_tensor` makes, inline;
+        False (nothing done) for anything else, which :meth:`_alloc` then takes, errors
+        included."""
         if type(node) is not dict or node.get("t") != "torch" or "view" in node:
             return False
         name = node.get("dtype")
@@ -845,8 +941,13 @@ class Restorer:
             or type(shape) is not list
             or type(b) is not int
             or not 0 <= b < len(self._dest)
-            or self._dest[b] is not None
         ):
+            return False
+        at = node.get("at")
+        if at is None:
+            if self._dest[b] is not None:
+                return False
+        elif type(at) is not int or b not in self._packs:
             return False
         n = len(shape)
         if n == 1:
@@ -864,14 +965,24 @@ class Restorer:
         else:
             return False
         item = _ITEMSIZE.get(dtype)
-        if (
-            item is None
-            or count * item != self.blob_sizes[b]
-            or (self._targets and id(node) in self._targets)
-        ):
+        if item is None or (self._targets and id(node) in self._targets):
             return False
         # A dtype in _TORCH_DTYPES was found in torch: it is imported.
         torch = sys.modules["torch"]
+        nbytes = count * item
+        if at is not None:  # packed (as _packed does it)
+            if not nbytes or at < 0 or at % item or at + nbytes > self.blob_sizes[b]:
+                return False
+            t = torch.frombuffer(self._dest[b][at : at + nbytes], dtype=dtype)
+            if n == 2:
+                t = t.view(shape)
+            self._tensors.append((node, b, None))
+            self._values[id(node)] = (
+                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            )
+            return True
+        if nbytes != self.blob_sizes[b]:
+            return False
         placed = self._placed(b, item)
         if placed is not None:
             t = torch.frombuffer(placed, dtype=dtype)  # one dimension: the shape already
@@ -901,6 +1012,15 @@ class Restorer:
         b = self._blob(node, path)
         view = node.get("view")
         item = _itemsize(dtype)
+        if "at" in node:
+            if view is not None:
+                raise CheckpointFormatError(f"leaf {path}: both packed and a view")
+            t = self._packed(node, b, dtype, item, shape, path)
+            self._tensors.append((node, b, None))
+            self._values[id(node)] = (
+                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            )
+            return
         if view is None:
             if math.prod(shape) * item != self.blob_sizes[b]:
                 _expect_bytes(shape, item, self.blob_sizes[b], path)
@@ -958,6 +1078,32 @@ class Restorer:
                 raise CheckpointFormatError(f"leaf {path}: malformed view {view!r:.80}") from exc
             self._tensors.append((node, b, geometry))
         self._values[id(node)] = _as_leaf(t, node, path)
+
+    def _packed(
+        self, node: dict[str, Any], b: int, dtype: Any, item: int, shape: tuple[int, ...], path: str
+    ) -> Any:
+        """The tensor of a packed leaf: its own tensor over its bytes in the pack's memory
+        (claimed by the first of its leaves: mapped, or allocated once for all of them)."""
+        torch = _torch()
+        at = node["at"]
+        need = math.prod(shape) * item
+        if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
+            raise CheckpointFormatError(f"leaf {path}: malformed pack offset {at!r:.40}")
+        dest = self._dest[b]
+        if dest is None:
+            dest = self._placed(b, _MAX_ALIGN)
+            if dest is None:
+                pack = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
+                dest = memoryview(pack.numpy()) if self.blob_sizes[b] else memoryview(bytearray())
+            self._claim(b, dest, path)
+            self._packs.add(b)
+        elif b not in self._packs:
+            raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+        if not need:
+            return torch.empty(shape, dtype=dtype)
+        # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
+        # independent of its neighbours as when it was saved.
+        return torch.frombuffer(dest[at : at + need], dtype=dtype).view(shape)
 
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
@@ -1314,6 +1460,7 @@ def _direct(node: dict[str, Any], leaf: Any) -> bool:
     return (
         node["t"] == "torch"
         and "view" not in node
+        and "at" not in node
         and type(leaf) in (torch.Tensor, torch.nn.Parameter)
         and leaf.layout == torch.strided
         and leaf.is_contiguous()

@@ -377,7 +377,10 @@ def test_inspect_json_latest(capsys: pytest.CaptureFixture[str], run: Path) -> N
     assert (leaves["scale"]["kind"], leaves["scale"]["dtype"]) == ("npscalar", "float32")
     assert leaves["raw"]["bytes"] == 4
     assert leaves["none"]["kind"] == "none"
-    assert doc["totals"] == {"leaves": 13, "blobs": 5, "chunks": 5, "logical_bytes": 156}
+    # model/bias and the optimizer's small tensors share one pack.
+    assert leaves["optim/0"]["packed_with"] == "model/bias"
+    assert leaves["optim/0"]["chunks"] == 0 and leaves["optim/0"]["shared_with"] is None
+    assert doc["totals"] == {"leaves": 13, "blobs": 4, "chunks": 4, "logical_bytes": 156}
 
 
 def test_inspect_text_step(capsys: pytest.CaptureFixture[str], run: Path) -> None:
@@ -399,7 +402,8 @@ def test_inspect_text_step(capsys: pytest.CaptureFixture[str], run: Path) -> Non
     rows = {line.split()[0]: line for line in lines[2:-1]}
     assert rows["arr"].split()[:4] == ["arr", "numpy", "float64", "(5,)"]
     assert "shares storage with model/emb" in rows["model/head"]
-    assert lines[-1] == "13 leaves, 5 blobs, 5 chunks, 148 B stored"
+    assert "packed with model/bias" in rows["optim/0"]
+    assert lines[-1] == "13 leaves, 4 blobs, 4 chunks, 148 B stored"
 
 
 def test_inspect_missing_step_exits_2(capsys: pytest.CaptureFixture[str], run: Path) -> None:

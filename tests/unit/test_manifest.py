@@ -534,7 +534,10 @@ def _outcome(body: bytes) -> Any:
 @pytest.fixture(scope="module")
 def many_blobs_doc() -> dict[str, Any]:
     """A manifest of many one-segment blobs, an empty one and a packed multi-segment one."""
-    state: dict[str, Any] = {f"t{i}": torch.full((i % 7 * 300 + 1,), float(i)) for i in range(40)}
+    # numpy arrays: small tensors would be packed several to a blob
+    state: dict[str, Any] = {
+        f"t{i}": np.full((i % 7 * 300 + 1,), float(i), np.float32) for i in range(40)
+    }
     state["empty"] = torch.zeros(0)
     state["big"] = torch.arange(200_000, dtype=torch.float32)
     doc: dict[str, Any] = json.loads(_saved_manifest(state, 4096))

@@ -76,7 +76,8 @@ def state_of(rank: int, model: Any, opt: Any) -> dict[str, Any]:
 
 
 def replicated_bytes(model: Any, opt: Any) -> int:
-    flat = flatten({"model": model, "optim": opt})
+    # Packed as a save packs them (small tensors share blobs, with alignment gaps).
+    flat = flatten({"model": model, "optim": opt}, pack_bytes=CHUNK)
     return flat.logical_bytes
 
 

@@ -1,0 +1,323 @@
+"""Packs of small tensors (tree._Packer, Restorer._packed): small CPU tensors saved back to back in
+shared blobs of at most one chunk, each coming back as a tensor of its own, every byte verified.
+The restore runs both mapped (a local run) and read (the same run through preadv, as on a
+network file system)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cryosnap
+from cryosnap import cli
+from cryosnap.errors import CheckpointFormatError, IntegrityError
+from cryosnap.storage import LocalStore
+from cryosnap.tree import PACK_BYTES, flatten
+
+from .support import assert_same
+
+CHUNK = 4096
+LEAF_MAX = CHUNK // 16  # what a pack of one 4 KiB chunk takes
+
+
+@pytest.fixture(params=["mapped", "read"])
+def reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "read":
+        monkeypatch.setattr(LocalStore, "map_file", lambda self, key: None)
+    return str(request.param)
+
+
+def _manifest(run: Path, step: int) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(
+        (run / "versions" / f"{step:012d}" / "rank-00000.json").read_bytes()
+    )
+    return doc
+
+
+def _leaves(node: Any) -> list[dict[str, Any]]:
+    if node["t"] in ("dict", "odict", "list", "tuple"):
+        return [leaf for v in node["v"] for leaf in _leaves(v)]
+    return [node]
+
+
+def _small_state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            f"layer{i}": {
+                "weight": torch.randn(4, 5, generator=g),
+                "bias": torch.randn(5, generator=g).to(torch.bfloat16),
+                "flag": torch.tensor([i % 2 == 0]),
+                "count": torch.tensor(i, dtype=torch.int64),
+            }
+            for i in range(40)
+        },
+        "big": torch.randn(5000, generator=g),
+        "optim": {"step": torch.tensor(3.0), "lr": 0.1},
+    }
+
+
+def test_small_tensors_share_packs_and_come_back_on_their_own(tmp_path: Path, reading: str) -> None:
+    state = _small_state()
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    doc = _manifest(tmp_path, 1)
+    leaves = _leaves(doc["tree"])
+    packed = [leaf for leaf in leaves if "at" in leaf]
+    assert len(packed) == 161  # every tensor but "big" (20 KB, more than a pack's sixteenth)
+    packs = {leaf["b"] for leaf in packed}
+    assert len(doc["blobs"]) == len(packs) + 1
+    for b in packs:
+        assert doc["blobs"][b][0] <= CHUNK
+    items = {"float32": 4, "bfloat16": 2, "bool": 1, "int64": 8}
+    assert all(leaf["at"] % items[leaf["dtype"]] == 0 for leaf in packed)
+
+    loaded = cryosnap.load(tmp_path)
+    assert_same(loaded, state)
+    # Each leaf is a tensor of its own: growing one in place leaves its pack mates alone.
+    layer = loaded["model"]["layer0"]
+    before = {k: v.clone() for k, v in loaded["model"]["layer1"].items()}
+    layer["weight"].add_(1.0)
+    layer["bias"].zero_()
+    for k, v in loaded["model"]["layer1"].items():
+        assert torch.equal(v, before[k])
+    ptrs = {t.untyped_storage().data_ptr() for t in loaded["model"]["layer3"].values()}
+    assert len(ptrs) == 4
+    assert loaded["model"]["layer2"]["weight"].untyped_storage().nbytes() == 4 * 5 * 4
+
+
+def test_packs_never_mix_replicated_and_other_keys() -> None:
+    # A flat state dict (every tensor a top-level key) packs across its keys...
+    state = {k: {"a": torch.ones(3), "b": torch.zeros(2)} for k in ("x", "y", "z")}
+    assert len(flatten(state, pack_bytes=CHUNK).blobs) == 1
+    # ...but replicated state is chosen by top-level key, and a blob belongs to the key of its
+    # first leaf: a pack never mixes keys saved as replicated with the others.
+    flat = flatten(state, pack_bytes=CHUNK, pack_apart=["y"])
+    assert [b.key[0] for b in flat.blobs] == ["x", "y", "z"]
+    flat = flatten(state, pack_bytes=CHUNK, pack_apart=["x", "y"])
+    assert [b.key[0] for b in flat.blobs] == ["x", "z"]
+
+
+def test_what_is_not_packed() -> None:
+    base = torch.arange(10, dtype=torch.float32)
+    state = {
+        "shared": [base[:4], base[4:]],  # views of one storage: one blob with views
+        "array": np.ones(3, np.float32),  # numpy arrays stay alone
+        "big": torch.ones(LEAF_MAX // 4 + 1),  # past a sixteenth of a pack
+        "empty": torch.ones(0),
+        "small": torch.ones(LEAF_MAX // 4),
+    }
+    flat = flatten(state, pack_bytes=CHUNK)
+    nodes = {k: v for k, v in zip(flat.skeleton["k"], flat.skeleton["v"], strict=True)}
+    assert all("view" in n and "at" not in n for n in nodes["shared"]["v"])
+    assert "at" not in nodes["array"] and "at" not in nodes["big"] and "at" not in nodes["empty"]
+    assert nodes["small"]["at"] == 0
+    # Without pack_bytes (flatten's default) nothing is packed.
+    assert not any("at" in leaf for leaf in _leaves(flatten(state).skeleton))
+    # Packs are capped, whatever the chunk size.
+    many = {"m": [torch.ones(1024) for i in range(600)]}  # 4 KiB each, 2.4 MB
+    sizes = [b.nbytes for b in flatten(many, pack_bytes=64 << 20).blobs]
+    assert max(sizes) <= PACK_BYTES and len(sizes) == 3
+
+
+def test_a_pack_is_a_private_copy() -> None:
+    t = torch.zeros(8)
+    flat = flatten({"t": t}, pack_bytes=CHUNK)
+    t.fill_(5.0)  # the program goes on changing its tensor: the pack keeps what was saved
+    assert not flat.blobs[0].host_view().tobytes().strip(b"\x00")
+    assert flat.blobs[0].origin == 0  # lazy capture has nothing to wait for
+
+
+def test_lazy_save_keeps_the_values_of_the_save_call(tmp_path: Path) -> None:
+    state = _small_state()
+    expected = {k: v.clone() for k, v in state["model"]["layer5"].items()}
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        pending = ckpt.save(1, state, lazy=True)
+        for v in state["model"]["layer5"].values():
+            v.zero_() if v.dtype != torch.bool else v.logical_not_()
+        pending.result()
+    loaded = cryosnap.load(tmp_path)
+    for k, v in expected.items():
+        assert torch.equal(loaded["model"]["layer5"][k], v)
+
+
+def test_into_fills_packed_leaves_in_place(tmp_path: Path, reading: str) -> None:
+    state = _small_state()
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    into = _small_state(seed=1)
+    weight = into["model"]["layer7"]["weight"]
+    cryosnap.load(tmp_path, into=into)
+    assert into["model"]["layer7"]["weight"] is weight
+    assert_same(into, state)
+
+
+def test_incremental_rewrites_only_the_changed_pack(tmp_path: Path) -> None:
+    state = _small_state()
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, incremental=True) as ckpt:
+        first = ckpt.save(1, state).result()
+        state["model"]["layer20"]["bias"].add_(1)
+        second = ckpt.save(2, state).result()
+    assert first.written_bytes > 3 * CHUNK
+    assert 0 < second.written_bytes <= CHUNK  # one pack: one chunk
+    assert_same(cryosnap.load(tmp_path, step=2), state)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                [torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.bool, torch.int64]
+            ),
+            st.lists(st.integers(0, 6), min_size=0, max_size=3),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    st.sampled_from([CHUNK, 1 << 16]),
+)
+def test_round_trip_of_packed_leaves(
+    tmp_path_factory: pytest.TempPathFactory,
+    specs: list[tuple[torch.dtype, list[int], bool]],
+    chunk: int,
+) -> None:
+    g = torch.Generator().manual_seed(len(specs))
+    state: dict[str, Any] = {}
+    for i, (dtype, shape, param) in enumerate(specs):
+        t = (torch.randn(shape, generator=g) * 50).to(dtype)
+        if param and dtype.is_floating_point:
+            t = torch.nn.Parameter(t)
+        state.setdefault(f"k{i % 3}", []).append(t)
+    run = tmp_path_factory.mktemp("run")
+    cryosnap.save(run, state, step=1, chunk_bytes=chunk)
+    assert_same(cryosnap.load(run), state)
+    shutil.rmtree(run)
+
+
+def test_damage_in_a_pack_names_a_leaf_and_is_refused(tmp_path: Path, reading: str) -> None:
+    state = _small_state()
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    (data,) = (tmp_path / "data").iterdir()
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF  # inside the first pack
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="model/layer0/weight"):
+        cryosnap.load(tmp_path, step=1)
+
+
+def _rewrite(run: Path, edit: Any) -> None:
+    """Edit the manifest's skeleton, keeping the commit record's hash of it right."""
+    from cryosnap.chunks import hash_bytes
+
+    path = run / "versions" / f"{1:012d}" / "rank-00000.json"
+    doc = json.loads(path.read_bytes())
+    edit(doc["tree"])
+    data = json.dumps(doc).encode()
+    path.write_bytes(data)
+    commit_path = run / "versions" / f"{1:012d}" / "COMMIT.json"
+    commit = json.loads(commit_path.read_bytes())
+    commit["manifests"][0]["xxh3_128"] = hash_bytes(data).hex()
+    commit["manifests"][0]["bytes"] = len(data)
+    from .support import commit_checksum
+
+    commit.pop("checksum")
+    commit["checksum"] = commit_checksum(commit)
+    commit_path.write_bytes(json.dumps(commit).encode())
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda leaf: leaf.update(at=leaf["at"] + 1), "malformed pack offset"),
+        (lambda leaf: leaf.update(at=1 << 40), "malformed pack offset"),
+        (lambda leaf: leaf.update(at=-16), "malformed pack offset"),
+        (lambda leaf: leaf.update(at="0"), "malformed pack offset"),
+        (lambda leaf: leaf.update(view={"offset": 0, "stride": [1]}), "both packed and a view"),
+        (lambda leaf: leaf.pop("at"), "needs 20 bytes, its blob has|claimed twice"),
+    ],
+)
+def test_malformed_pack_offsets_are_refused(
+    tmp_path: Path, edit: Any, message: str, reading: str
+) -> None:
+    state = {"m": {"a": torch.ones(3), "w": torch.ones(5)}}  # one pack: w at 12
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+
+    def change(tree: dict[str, Any]) -> None:
+        edit(tree["v"][0]["v"][1])
+
+    _rewrite(tmp_path, change)
+    with pytest.raises(CheckpointFormatError, match=message):
+        cryosnap.load(tmp_path, step=1)
+
+
+def test_cli_inspect_and_diff_name_packed_leaves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = {"a": {"x": torch.ones(3), "y": torch.zeros(4)}, "b": {"z": torch.ones(2)}}
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, incremental=True) as ckpt:
+        ckpt.save(1, state).result()
+        state["b"]["z"].add_(1)
+        ckpt.save(2, state).result()
+    cli.main(["inspect", str(tmp_path), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    rows = {leaf["path"]: leaf for leaf in out["leaves"]}
+    assert rows["a/y"]["bytes"] == 16 and rows["a/y"].get("shared_with") is None
+    assert out["totals"]["blobs"] == 1 and out["totals"]["chunks"] == 1
+    # The three share one chunk, which changed: only b/z's own bytes did.
+    cli.main(["diff", str(tmp_path), "1", "2", "--json"])
+    diff = json.loads(capsys.readouterr().out)
+    assert [(r["path"], r["changed_bytes"]) for r in diff["leaves"]] == [("b/z", 8)]
+    # A damaged chunk is named, not compared.
+    (data,) = sorted((tmp_path / "data").iterdir())[1:]
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    assert cli.main(["diff", str(tmp_path), "1", "2"]) != 0
+    assert "does not match its hash" in capsys.readouterr().err
+
+
+def test_the_capture_writes_a_pack_from_where_it_lies() -> None:
+    from cryosnap.capture import CaptureTracker, Piece, StagingPool, capture_to_slabs
+
+    state = {"m": [torch.full((10,), float(i)) for i in range(5)], "big": torch.ones(2000)}
+    flat = flatten(state, pack_bytes=CHUNK)
+    assert [b.private for b in flat.blobs] == [False, True]
+    batches: list[Any] = []
+    tracker = CaptureTracker(len(flat.blobs))
+    copied = capture_to_slabs(
+        flat,
+        StagingPool(slab_bytes=4 * CHUNK, budget_bytes=None),
+        chunk_bytes=CHUNK,
+        emit=batches.append,
+        tracker=tracker,
+    )
+    pieces = [p for b in batches for p in b.pieces if isinstance(p, Piece)]
+    pack = [p for p in pieces if p.blob == 1]
+    address = flat.blobs[1].source.data_ptr()
+    assert len(pack) == 1 and np.frombuffer(pack[0].view, np.uint8).ctypes.data == address
+    assert copied == flat.logical_bytes
+    tracker.finish()
+    assert tracker.captured()
+    # With a change mask (device diff) or chunks other ranks write, it is copied as any blob.
+    batches.clear()
+    capture_to_slabs(
+        flat,
+        StagingPool(slab_bytes=4 * CHUNK, budget_bytes=None),
+        chunk_bytes=CHUNK,
+        emit=batches.append,
+        tracker=CaptureTracker(len(flat.blobs)),
+        changed={1: np.array([True])},
+    )
+    (piece,) = [p for b in batches for p in b.pieces if isinstance(p, Piece) and p.blob == 1]
+    assert bytes(piece.view) == flat.blobs[1].host_view().tobytes()
+    assert np.frombuffer(piece.view, np.uint8).ctypes.data != address
