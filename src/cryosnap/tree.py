@@ -810,7 +810,9 @@ class Restorer:
         self._values: dict[int, Any] = {}
         self._items: dict[int, list[tuple[str | int, Json]]] = {}  # each dict node's, decoded
         self._targets: Mapping[int, Any] = {}
-        self._packs: set[int] = set()  # the blobs packed leaves claimed
+        # The blobs packed leaves claimed, each with where its last leaf so far ends: the leaves
+        # of a pack come in the order they were packed, each after the one before.
+        self._packs: dict[int, int] = {}
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
@@ -947,8 +949,8 @@ class Restorer:
         if at is None:
             if self._dest[b] is not None:
                 return False
-        elif type(at) is not int or b not in self._packs:
-            return False
+        elif type(at) is not int or at < self._packs.get(b, _NO_PACK):
+            return False  # not packed here yet (the first leaf), or malformed
         n = len(shape)
         if n == 1:
             d0 = shape[0]
@@ -976,6 +978,7 @@ class Restorer:
             t = torch.frombuffer(self._dest[b][at : at + nbytes], dtype=dtype)
             if n == 2:
                 t = t.view(shape)
+            self._packs[b] = at + nbytes
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -1096,9 +1099,12 @@ class Restorer:
                 pack = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
                 dest = memoryview(pack.numpy()) if self.blob_sizes[b] else memoryview(bytearray())
             self._claim(b, dest, path)
-            self._packs.add(b)
         elif b not in self._packs:
             raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+        elif at < self._packs[b]:
+            # Leaves over the same bytes would change each other: never as saved.
+            raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
+        self._packs[b] = at + need
         if not need:
             return torch.empty(shape, dtype=dtype)
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
@@ -1160,6 +1166,7 @@ class Restorer:
 
 
 _ALLOCATED = frozenset(("torch", "numpy", "bytearray"))
+_NO_PACK = 1 << 63  # Restorer._packs' answer for a blob no packed leaf claimed yet
 
 
 def _scalar(node: dict[str, Any], path: str) -> Any:

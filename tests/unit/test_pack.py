@@ -242,6 +242,7 @@ def _rewrite(run: Path, edit: Any) -> None:
         (lambda leaf: leaf.update(at=1 << 40), "malformed pack offset"),
         (lambda leaf: leaf.update(at=-16), "malformed pack offset"),
         (lambda leaf: leaf.update(at="0"), "malformed pack offset"),
+        (lambda leaf: leaf.update(at=8), "overlaps the tensor packed before it"),
         (lambda leaf: leaf.update(view={"offset": 0, "stride": [1]}), "both packed and a view"),
         (lambda leaf: leaf.pop("at"), "needs 20 bytes, its blob has|claimed twice"),
     ],
