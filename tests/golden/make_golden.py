@@ -16,6 +16,9 @@ Writes, under the given folder (each must not exist yet):
 - ``damaged_manifest``: ``chain`` with one byte of step 2's manifest changed, its recorded
   hash left as it was.
 - ``damaged_missing``: ``chain`` with step 2's data file deleted.
+- ``packs`` (added with packs of small tensors, by ``make_golden.py tests/golden packs``):
+  ``cryosnap.save`` at step 3 of small torch tensors of several dtypes (packed several to a
+  blob, with alignment gaps between them) and one larger tensor that is not packed.
 
 tests/unit/test_golden.py holds the expected values written out by hand from the states below.
 """
@@ -63,6 +66,27 @@ def chain_state(step: int) -> dict[str, Any]:
     if step >= 2:
         rows[1::2] = 2.0  # and then the others
     return {"grid": grid, "small": np.arange(8, dtype=np.int64) * (step + 1), "step": step}
+
+
+def packs_state() -> dict[str, Any]:
+    return {
+        "model": {
+            "norm.weight": torch.tensor([1.0, 0.5, -2.0]),  # 12 B at 0
+            "norm.bias": torch.tensor([0.25, -0.125, 3.0], dtype=torch.bfloat16),  # 6 B at 12
+            "mask": torch.tensor([True, False, True, True, False]),  # 5 B at 18
+            "proj": torch.nn.Parameter(torch.arange(12, dtype=torch.float16).reshape(3, 4) / 8),
+            "count": torch.tensor(7, dtype=torch.int64),  # 0-d
+            "big": torch.arange(2000, dtype=torch.float32),  # 8000 B: not packed
+        },
+        "optim": {"step": torch.tensor(3.0), "lr": 0.01},
+    }
+
+
+def make_packs(out: Path) -> None:
+    if (out / "packs").exists():
+        raise SystemExit(f"{out / 'packs'} exists: golden runs are made once, never rewritten")
+    cryosnap.save(out / "packs", packs_state(), step=3, chunk_bytes=CHUNK)
+    (out / "packs" / "writer.lock").unlink()
 
 
 def make(out: Path) -> None:
@@ -117,4 +141,9 @@ DAMAGE = {"flip": _flip, "truncated": _truncate, "manifest": _manifest, "missing
 
 
 if __name__ == "__main__":
-    make(Path(sys.argv[1]))
+    # make_golden.py DIR: the runs of format 1 as first made; make_golden.py DIR packs: the
+    # run added with packs of small tensors.
+    if sys.argv[2:] == ["packs"]:
+        make_packs(Path(sys.argv[1]))
+    else:
+        make(Path(sys.argv[1]))

@@ -113,6 +113,39 @@ def test_chain_is_incremental_with_packed_tables(golden: Any) -> None:
     assert cryosnap.load(run)["step"] == 2
 
 
+def test_packs_read_exactly(golden: Any) -> None:
+    """Small tensors packed several to a blob (tests/golden/packs, made when packs came)."""
+    run = golden("packs")
+    state = cryosnap.load(run)
+    model = state["model"]
+    assert list(state) == ["model", "optim"]
+    assert list(model) == ["norm.weight", "norm.bias", "mask", "proj", "count", "big"]
+    want = {
+        "norm.weight": torch.tensor([1.0, 0.5, -2.0]),
+        "norm.bias": torch.tensor([0.25, -0.125, 3.0], dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True, True, False]),
+        "proj": torch.tensor(
+            [[0.0, 0.125, 0.25, 0.375], [0.5, 0.625, 0.75, 0.875], [1.0, 1.125, 1.25, 1.375]],
+            dtype=torch.float16,
+        ),
+        "count": torch.tensor(7, dtype=torch.int64),
+        "big": torch.arange(2000, dtype=torch.float32),
+    }
+    for key, expected in want.items():
+        got = model[key]
+        assert got.dtype == expected.dtype and got.shape == expected.shape, key
+        assert torch.equal(got, expected), key
+    assert isinstance(model["proj"], torch.nn.Parameter) and model["proj"].requires_grad
+    assert torch.equal(state["optim"]["step"], torch.tensor(3.0)) and state["optim"]["lr"] == 0.01
+    # Seven tensors in one pack of 60 bytes (one zero byte before the float16 matrix), each
+    # restored as a tensor of its own.
+    record = engine.read_commit(LocalStore(run), 3)
+    manifest, _ref = engine.read_manifest(LocalStore(run), record, 0)
+    assert [b.nbytes for b in manifest.blobs] == [8000, 60]
+    ptrs = {t.untyped_storage().data_ptr() for t in model.values()}
+    assert len(ptrs) == 6
+
+
 def test_golden_runs_are_format_1() -> None:
     for commit in GOLDEN.glob("*/versions/*/COMMIT.json"):
         assert b'"format_version":1' in commit.read_bytes(), commit
