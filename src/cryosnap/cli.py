@@ -980,8 +980,54 @@ def _packed_range(node: dict[str, Any], blob_bytes: int) -> tuple[int, int] | No
     return (at, end) if 0 <= at <= end <= blob_bytes else None
 
 
+class _Chunks:
+    """Chunks of packs read for ``diff``, verified; the last few are kept, since a pack's
+    tensors come one after the other (every tensor of a changed pack reads its chunk once,
+    not once per tensor)."""
+
+    _KEEP = 8
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.kept: dict[tuple[int, int, int], bytes] = {}
+
+    def span(self, part: ResolvedPart, b: int, span: tuple[int, int]) -> bytes:
+        """The bytes ``span`` of blob ``b`` of ``part``."""
+        cb = part.manifest.chunk_bytes
+        lo, hi = span[0] // cb, -(-span[1] // cb)
+        data = b"".join(
+            self.chunk(part, b, i) for i in range(lo, min(hi, len(part.blobs[b].hashes)))
+        )
+        return data[span[0] - lo * cb : span[1] - lo * cb]
+
+    def chunk(self, part: ResolvedPart, b: int, i: int) -> bytes:
+        key = (id(part), b, i)
+        got = self.kept.get(key)
+        if got is None:
+            got = self.kept[key] = self._read(part, b, i)
+            if len(self.kept) > self._KEEP:
+                del self.kept[next(iter(self.kept))]
+        return got
+
+    def _read(self, part: ResolvedPart, b: int, i: int) -> bytes:
+        blob = part.blobs[b]
+        buf = bytearray(min(part.manifest.chunk_bytes, blob.nbytes - i * part.manifest.chunk_bytes))
+        key = part.files[int(blob.files[i])]
+        try:
+            self.store.read_ranges(key, [(int(blob.offsets[i]), [memoryview(buf)])])
+        except (OSError, EOFError, ValueError) as exc:
+            raise IntegrityError(
+                f"step {part.step}, leaf {blob.path}: chunk {i} unreadable in {key}: {exc}"
+            ) from exc
+        if hash_bytes(memoryview(buf)) != blob.hashes[i].tobytes():
+            raise IntegrityError(
+                f"step {part.step}, leaf {blob.path}: chunk {i} in {key} does not match its hash"
+            )
+        return bytes(buf)
+
+
 def _packed_diff(
-    store: Store,
+    chunks: _Chunks,
     path: str,
     new: tuple[ResolvedPart, int, tuple[int, int] | None],
     old: tuple[ResolvedPart, int, tuple[int, int] | None],
@@ -1000,33 +1046,10 @@ def _packed_diff(
     cb = vx.manifest.chunk_bytes
     lo, hi = rx[0] // cb, -(-rx[1] // cb)
     if hi > min(len(x.hashes), len(y.hashes)) or (x.hashes[lo:hi] != y.hashes[lo:hi]).any():
-        if _leaf_bytes(store, vx, bx, rx) == _leaf_bytes(store, vy, by, ry):
+        if chunks.span(vx, bx, rx) == chunks.span(vy, by, ry):
             return None
         return {"path": path, "status": "changed", "changed_bytes": rx[1] - rx[0]}
     return None
-
-
-def _leaf_bytes(store: Store, part: ResolvedPart, b: int, span: tuple[int, int]) -> bytes:
-    """The bytes ``span`` of blob ``b``: the chunks it lies in, read and verified."""
-    blob, cb = part.blobs[b], part.manifest.chunk_bytes
-    lo, hi = span[0] // cb, -(-span[1] // cb)
-    got = bytearray()
-    for i in range(lo, min(hi, len(blob.hashes))):
-        n = min(cb, blob.nbytes - i * cb)
-        buf = bytearray(n)
-        key = part.files[int(blob.files[i])]
-        try:
-            store.read_ranges(key, [(int(blob.offsets[i]), [memoryview(buf)])])
-        except (OSError, EOFError, ValueError) as exc:
-            raise IntegrityError(
-                f"step {part.step}, leaf {blob.path}: chunk {i} unreadable in {key}: {exc}"
-            ) from exc
-        if hash_bytes(memoryview(buf)) != blob.hashes[i].tobytes():
-            raise IntegrityError(
-                f"step {part.step}, leaf {blob.path}: chunk {i} in {key} does not match its hash"
-            )
-        got += buf
-    return bytes(got[span[0] - lo * cb : span[1] - lo * cb])
 
 
 def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None:
@@ -1042,6 +1065,7 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
     new = engine.resolve_version(store, b, rank=rank)
     cb = new.manifest.chunk_bytes
     old_nodes, new_nodes = _leaf_nodes(old.manifest), _leaf_nodes(new.manifest)
+    chunks = _Chunks(store)
     rows: list[dict[str, Any]] = []
     changed_total = 0
     for path, node in new_nodes.items():
@@ -1063,7 +1087,7 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
         if "at" in node or "at" in before:
             # A leaf packed with others: its own bytes, where it lies in both versions.
             row = _packed_diff(
-                store,
+                chunks,
                 path,
                 (new, blob_new, _packed_range(node, x.nbytes)),
                 (old, blob_old, _packed_range(before, y.nbytes)),

@@ -322,3 +322,26 @@ def test_the_capture_writes_a_pack_from_where_it_lies() -> None:
     (piece,) = [p for b in batches for p in b.pieces if isinstance(p, Piece) and p.blob == 1]
     assert bytes(piece.view) == flat.blobs[1].host_view().tobytes()
     assert np.frombuffer(piece.view, np.uint8).ctypes.data != address
+
+
+def test_diff_reads_a_changed_pack_once_per_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {"m": [torch.full((4,), float(i)) for i in range(200)]}  # one pack of 3,200 bytes
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, incremental=True) as ckpt:
+        ckpt.save(1, state).result()
+        for i in range(0, 200, 2):
+            state["m"][i].add_(1)  # every other tensor changes
+        ckpt.save(2, state).result()
+    reads: list[str] = []
+    real = LocalStore.read_ranges
+
+    def counting(self: LocalStore, key: str, ranges: Any) -> None:
+        reads.append(key)
+        real(self, key, ranges)
+
+    monkeypatch.setattr(LocalStore, "read_ranges", counting)
+    assert cli.main(["diff", str(tmp_path), "1", "2", "--json"]) == 0
+    diff = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in diff["leaves"]] == [f"m/{i}" for i in range(0, 200, 2)]
+    assert len(reads) == 2  # the pack's chunk of each version, not one per tensor
