@@ -813,6 +813,7 @@ class Restorer:
         # The blobs packed leaves claimed, each with where its last leaf so far ends: the leaves
         # of a pack come in the order they were packed, each after the one before.
         self._packs: dict[int, int] = {}
+        self._pack_leaves: dict[int, int] = {}  # how many leaves each pack holds
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
@@ -827,6 +828,10 @@ class Restorer:
             self._alloc(self.skeleton, "")
         finally:
             self._place = None
+        for b, count in self._pack_leaves.items():
+            if count > 1:  # what a message about a damaged pack names
+                more = count - 1
+                self.blob_paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -979,6 +984,7 @@ class Restorer:
             if n == 2:
                 t = t.view(shape)
             self._packs[b] = at + nbytes
+            self._pack_leaves[b] += 1
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -1105,6 +1111,7 @@ class Restorer:
             # Leaves over the same bytes would change each other: never as saved.
             raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
         self._packs[b] = at + need
+        self._pack_leaves[b] = self._pack_leaves.get(b, 0) + 1
         if not need:
             return torch.empty(shape, dtype=dtype)
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
