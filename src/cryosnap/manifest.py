@@ -44,6 +44,7 @@ from .tree import check_depth, decode_key, encode_key
 
 __all__ = [
     "FORMAT_VERSION",
+    "PACKED_FORMAT_VERSION",
     "MAX_STEP",
     "BaseRef",
     "BlobEntry",
@@ -66,6 +67,10 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+# A rank's manifest holding packed tensors (skeleton nodes with "at", docs/FORMAT.md "Packs")
+# says this instead, so that a cryosnap from before packs refuses it by its version ("upgrade
+# cryosnap") instead of taking it for damage. Everything else stays FORMAT_VERSION.
+PACKED_FORMAT_VERSION = 2
 # A blob's segment table of more rows than this is written packed (zlib-compressed
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
@@ -181,7 +186,9 @@ def _data_file(key: Any, where: str) -> str:
         raise _fail(where, f"unsafe data file name {key!r:.80}") from exc
 
 
-def _parse_json(data: bytes, where: str) -> dict[str, Any]:
+def _parse_json(
+    data: bytes, where: str, versions: tuple[int, ...] = (FORMAT_VERSION,)
+) -> dict[str, Any]:
     try:
         # NaN, Infinity and 1e400 (inf) parse; every number is range-checked where it is used.
         doc = json.loads(data)
@@ -192,10 +199,11 @@ def _parse_json(data: bytes, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise _fail(where, "not a JSON object")
     fv = doc.get("format_version")
-    if fv != FORMAT_VERSION:
+    if type(fv) is not int or fv not in versions:
+        reads = " and ".join(map(str, versions))
         raise _fail(
             where,
-            f"format_version {fv!r} is not supported by this cryosnap (reads {FORMAT_VERSION}); "
+            f"format_version {fv!r} is not supported by this cryosnap (reads {reads}); "
             "upgrade cryosnap to read it",
         )
     return doc
@@ -311,6 +319,8 @@ class Manifest:
     # The top-level keys saved as replicated (identical on every rank; True: the whole state),
     # or None. Written only when set: older manifests stay valid, format_version stays 1.
     replicated: Replicated = None
+    # PACKED_FORMAT_VERSION when the skeleton holds packed tensors, FORMAT_VERSION otherwise.
+    format_version: int = FORMAT_VERSION
     # What from_json already has of every blob at once (:class:`BlobTables`), so readers need
     # not gather it blob by blob again; None: :meth:`tables` builds it.
     _tables: BlobTables | None = field(default=None, compare=False, repr=False)
@@ -341,7 +351,7 @@ class Manifest:
             entry = b.to_json(hashes)
             blobs.append(json.dumps(entry, separators=(",", ":"), allow_nan=False))
         head = {
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "kind": "cryosnap.manifest",
             "step": self.step,
             "rank": self.rank,
@@ -370,7 +380,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        doc = _parse_json(data, where)
+        doc = _parse_json(data, where, (FORMAT_VERSION, PACKED_FORMAT_VERSION))
         if doc.get("kind") != "cryosnap.manifest":
             raise _fail(where, "not a cryosnap manifest")
         if doc.get("hash") != HASH_NAME:
@@ -418,6 +428,7 @@ class Manifest:
             created_unix=created,
             base=base,
             replicated=_replicated(doc.get("replicated"), where),
+            format_version=doc["format_version"],
             _tables=tables,
         )
 

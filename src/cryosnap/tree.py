@@ -187,6 +187,7 @@ class FlatState:
     leaves: int
     logical_bytes: int
     stateful: list[tuple[str, Any]] = field(default_factory=list)
+    packed: bool = False  # whether any tensor of the skeleton is packed (has "at")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,9 +233,9 @@ class _Flattener:
 
     def run(self, state: Any) -> FlatState:
         skeleton = self.visit(state, ())
-        self._assign_tensor_blobs()
+        packed = self._assign_tensor_blobs()
         logical = sum(b.nbytes for b in self.blobs)
-        return FlatState(skeleton, self.blobs, self.leaves, logical, self.stateful)
+        return FlatState(skeleton, self.blobs, self.leaves, logical, self.stateful, packed)
 
     def pickled(self, obj: Any, path: tuple[str | int, ...]) -> Json:
         try:
@@ -432,15 +433,16 @@ class _Flattener:
         self.tensors.append((node, t, path))
         return node
 
-    def _assign_tensor_blobs(self) -> None:
+    def _assign_tensor_blobs(self) -> bool:
+        """Give every tensor its blob; whether any was packed."""
         torch = sys.modules.get("torch")
         if torch is None or not self.tensors:
-            return
+            return False
         # No autograd bookkeeping for the views taken below (cheaper than detach() each).
         with torch.no_grad():
-            self._assign_groups(torch)
+            return self._assign_groups(torch)
 
-    def _assign_groups(self, torch: Any) -> None:
+    def _assign_groups(self, torch: Any) -> bool:
         groups: dict[tuple[str, int, int], list[int]] = {}
         ptrs: list[int] = []
         for i, (_node, t, _path) in enumerate(self.tensors):
@@ -509,6 +511,7 @@ class _Flattener:
                 node["b"] = blob
                 node["view"] = {"offset": start - lo, "stride": list(t.stride())}
         packer.close()
+        return packer.packs > 0
 
 
 class _Packer:
@@ -529,6 +532,7 @@ class _Packer:
         self.path: tuple[str | int, ...] = ()
         self.kind = False  # whether the open pack holds leaves of keys in apart
         self.size = 0
+        self.packs = 0  # packs closed
 
     def add(
         self, node: dict[str, Any], path: tuple[str | int, ...], t: Any, n: int, item: int
@@ -564,6 +568,7 @@ class _Packer:
             node["at"] = at
         # A private copy: nothing the program does from now on can change it (origin 0).
         self.blobs.append(Blob(self.path, self.size, pack, 0, True))
+        self.packs += 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,6 +142,9 @@ def test_packs_read_exactly(golden: Any) -> None:
     record = engine.read_commit(LocalStore(run), 3)
     manifest, _ref = engine.read_manifest(LocalStore(run), record, 0)
     assert [b.nbytes for b in manifest.blobs] == [8000, 60]
+    # Its manifest says 2 (packed tensors; a cryosnap from before packs refuses it by that),
+    # its commit record 1 (test_golden_runs_are_format_1).
+    assert manifest.format_version == 2
     ptrs = {t.untyped_storage().data_ptr() for t in model.values()}
     assert len(ptrs) == 6
 
@@ -149,6 +152,9 @@ def test_packs_read_exactly(golden: Any) -> None:
 def test_golden_runs_are_format_1() -> None:
     for commit in GOLDEN.glob("*/versions/*/COMMIT.json"):
         assert b'"format_version":1' in commit.read_bytes(), commit
+    for manifest in GOLDEN.glob("*/versions/*/rank-*.json"):
+        packed = manifest.parts[-4] == "packs"
+        assert f'"format_version":{2 if packed else 1}'.encode() in manifest.read_bytes()
 
 
 @pytest.mark.parametrize(

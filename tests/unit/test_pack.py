@@ -347,3 +347,16 @@ def test_diff_reads_a_changed_pack_once_per_version(
     diff = json.loads(capsys.readouterr().out)
     assert [r["path"] for r in diff["leaves"]] == [f"m/{i}" for i in range(0, 200, 2)]
     assert len(reads) == 2  # the pack's chunk of each version, not one per tensor
+
+
+def test_a_manifest_with_packs_says_format_version_2(tmp_path: Path) -> None:
+    # Readers from before packs read format_version 1 only: they refuse such a manifest by its
+    # version ("upgrade cryosnap") instead of taking a packed tensor for damage.
+    cryosnap.save(tmp_path / "packed", {"a": torch.ones(3), "b": torch.zeros(2)}, step=1)
+    cryosnap.save(tmp_path / "plain", {"a": np.ones(3), "w": torch.ones(100_000)}, step=1)
+    assert _manifest(tmp_path / "packed", 1)["format_version"] == 2
+    assert _manifest(tmp_path / "plain", 1)["format_version"] == 1
+    for run in ("packed", "plain"):
+        commit = tmp_path / run / "versions" / f"{1:012d}" / "COMMIT.json"
+        assert json.loads(commit.read_bytes())["format_version"] == 1
+        assert cryosnap.load(tmp_path / run)["a"].sum() == 3

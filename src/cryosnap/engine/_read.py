@@ -41,7 +41,14 @@ from ..errors import (
     IntegrityError,
     StateMismatchError,
 )
-from ..manifest import STORED, CommitRecord, Manifest, ManifestRef, Replicated
+from ..manifest import (
+    PACKED_FORMAT_VERSION,
+    STORED,
+    CommitRecord,
+    Manifest,
+    ManifestRef,
+    Replicated,
+)
 from ..progress import Progress, human_bytes
 from ..storage import Store
 from ..tree import (
@@ -339,7 +346,13 @@ def read_flat(
     blobs = [
         Blob(key, b.nbytes, buf) for key, b, buf in zip(keys, manifest.blobs, buffers, strict=True)
     ]
-    flat = FlatState(manifest.skeleton, blobs, manifest.leaves, manifest.logical_bytes)
+    flat = FlatState(
+        manifest.skeleton,
+        blobs,
+        manifest.leaves,
+        manifest.logical_bytes,
+        packed=manifest.format_version == PACKED_FORMAT_VERSION,
+    )
     skipped = skip(flat, manifest) if skip is not None else {}
     wanted, views = _wanted(part, [b.data for b in buffers], skipped, manifest.chunk_bytes)
     read_blobs(store, wanted, views, direct=[False] * len(views))

@@ -44,7 +44,9 @@ from ..chunks import (
 )
 from ..errors import CheckpointError, CheckpointExistsError
 from ..manifest import (
+    FORMAT_VERSION,
     INHERITED,
+    PACKED_FORMAT_VERSION,
     STORED,
     BaseRef,
     BlobEntry,
@@ -874,6 +876,7 @@ class PartWriter(_Shares):
             created_unix=now_unix(),
             base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
             replicated=self.replicated,
+            format_version=PACKED_FORMAT_VERSION if self.flat.packed else FORMAT_VERSION,
         )
         return manifest, manifest.to_json()
 
