@@ -37,7 +37,7 @@ import math
 import pickle
 import struct
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -818,7 +818,6 @@ class Restorer:
         # The blobs packed leaves claimed, each with where its last leaf so far ends: the leaves
         # of a pack come in the order they were packed, each after the one before.
         self._packs: dict[int, int] = {}
-        self._pack_leaves: dict[int, int] = {}  # how many leaves each pack holds
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
@@ -833,10 +832,12 @@ class Restorer:
             self._alloc(self.skeleton, "")
         finally:
             self._place = None
-        for b, count in self._pack_leaves.items():
-            if count > 1:  # what a message about a damaged pack names
-                more = count - 1
-                self.blob_paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+        if self._packs:  # what a message about a damaged pack names
+            packed = Counter(b for node, b, _g in self._tensors if "at" in node)
+            for b, count in packed.items():
+                if count > 1:
+                    more = count - 1
+                    self.blob_paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -989,7 +990,6 @@ class Restorer:
             if n == 2:
                 t = t.view(shape)
             self._packs[b] = at + nbytes
-            self._pack_leaves[b] += 1
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -1107,8 +1107,7 @@ class Restorer:
         if dest is None:
             dest = self._placed(b, _MAX_ALIGN)
             if dest is None:
-                pack = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
-                dest = memoryview(pack.numpy()) if self.blob_sizes[b] else memoryview(bytearray())
+                dest = _byte_view(torch.empty(self.blob_sizes[b], dtype=torch.uint8))
             self._claim(b, dest, path)
         elif b not in self._packs:
             raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
@@ -1116,7 +1115,6 @@ class Restorer:
             # Leaves over the same bytes would change each other: never as saved.
             raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
         self._packs[b] = at + need
-        self._pack_leaves[b] = self._pack_leaves.get(b, 0) + 1
         if not need:
             return torch.empty(shape, dtype=dtype)
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
