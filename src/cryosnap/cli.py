@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 
 from . import engine
-from .chunks import chunk_count, hash_bytes
+from .chunks import chunk_count
 from .engine import ResolvedPart
 from .errors import (
     CheckpointError,
@@ -654,12 +654,12 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
         dtype: str | None = None
         if t == "torch":
             dtype = str(node.get("dtype"))
-            if ("view" in node or "at" in node) and shape is not None:
+            if "view" in node or "at" in node:
                 # A view into a storage shared with other tensors, or a leaf packed with
                 # others into one blob: its own elements only.
-                item = _torch_itemsize(dtype)
-                if item is not None:
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * item
+                own = _own_bytes(node)
+                if own is not None:
+                    nbytes = own
         elif t in ("numpy", "npscalar"):
             dtype = _dtype_name(node.get("dtype"))
             if t == "npscalar":
@@ -970,64 +970,47 @@ def _leaf_nodes(manifest: Manifest) -> dict[str, Any]:
     return dict(iter_leaves(manifest.skeleton))
 
 
+def _own_bytes(node: dict[str, Any]) -> int | None:
+    """The bytes of a torch leaf's own elements (a view or a packed tensor takes fewer than
+    its blob), or None where its dtype or shape is unknown."""
+    shape, item = node.get("shape"), _torch_itemsize(str(node.get("dtype")))
+    if not isinstance(shape, list) or item is None:
+        return None
+    return int(np.prod(shape, dtype=np.int64)) * item
+
+
 def _packed_range(node: dict[str, Any], blob_bytes: int) -> tuple[int, int] | None:
     """The byte range a packed leaf takes in its blob, or None (not packed, or malformed)."""
-    at, shape = node.get("at"), node.get("shape")
-    item = _torch_itemsize(str(node.get("dtype")))
-    if type(at) is not int or not isinstance(shape, list) or item is None:
+    at, own = node.get("at"), _own_bytes(node)
+    if type(at) is not int or own is None:
         return None
-    end = at + int(np.prod(shape, dtype=np.int64)) * item
-    return (at, end) if 0 <= at <= end <= blob_bytes else None
+    return (at, at + own) if 0 <= at <= at + own <= blob_bytes else None
 
 
-class _Chunks:
-    """Chunks of packs read for ``diff``, verified; the last few are kept, since a pack's
-    tensors come one after the other (every tensor of a changed pack reads its chunk once,
-    not once per tensor)."""
+class _Packs:
+    """Packs of small tensors read for ``diff`` (through the engine's reader: every chunk
+    verified); the last few are kept, since a pack's tensors come one after the other (every
+    tensor of a changed pack reads it once, not once per tensor)."""
 
     _KEEP = 8
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.kept: dict[tuple[int, int, int], bytes] = {}
+        self.kept: dict[tuple[int, int], bytes] = {}
 
     def span(self, part: ResolvedPart, b: int, span: tuple[int, int]) -> bytes:
         """The bytes ``span`` of blob ``b`` of ``part``."""
-        cb = part.manifest.chunk_bytes
-        lo, hi = span[0] // cb, -(-span[1] // cb)
-        data = b"".join(
-            self.chunk(part, b, i) for i in range(lo, min(hi, len(part.blobs[b].hashes)))
-        )
-        return data[span[0] - lo * cb : span[1] - lo * cb]
-
-    def chunk(self, part: ResolvedPart, b: int, i: int) -> bytes:
-        key = (id(part), b, i)
-        got = self.kept.get(key)
-        if got is None:
-            got = self.kept[key] = self._read(part, b, i)
+        key = (id(part), b)
+        data = self.kept.get(key)
+        if data is None:
+            data = self.kept[key] = engine.read_blob(self.store, part, b)
             if len(self.kept) > self._KEEP:
                 del self.kept[next(iter(self.kept))]
-        return got
-
-    def _read(self, part: ResolvedPart, b: int, i: int) -> bytes:
-        blob = part.blobs[b]
-        buf = bytearray(min(part.manifest.chunk_bytes, blob.nbytes - i * part.manifest.chunk_bytes))
-        key = part.files[int(blob.files[i])]
-        try:
-            self.store.read_ranges(key, [(int(blob.offsets[i]), [memoryview(buf)])])
-        except (OSError, EOFError, ValueError) as exc:
-            raise IntegrityError(
-                f"step {part.step}, leaf {blob.path}: chunk {i} unreadable in {key}: {exc}"
-            ) from exc
-        if hash_bytes(memoryview(buf)) != blob.hashes[i].tobytes():
-            raise IntegrityError(
-                f"step {part.step}, leaf {blob.path}: chunk {i} in {key} does not match its hash"
-            )
-        return bytes(buf)
+        return data[span[0] : span[1]]
 
 
 def _packed_diff(
-    chunks: _Chunks,
+    packs: _Packs,
     path: str,
     new: tuple[ResolvedPart, int, tuple[int, int] | None],
     old: tuple[ResolvedPart, int, tuple[int, int] | None],
@@ -1036,17 +1019,17 @@ def _packed_diff(
     """The diff row of a packed leaf, or None (unchanged). ``new`` and ``old``: the version,
     the blob and the leaf's byte range in it; ``comparable``: the two nodes are alike (dtype,
     shape, offset in the pack) and the chunk sizes the same. Where the chunks the leaf lies in
-    differ (small leaves share chunks), those chunks are read, verified, and the leaf's own
+    differ (small leaves share chunks), the packs are read, verified, and the leaf's own
     bytes compared."""
     (vx, bx, rx), (vy, by, ry) = new, old
-    if rx is None or ry is None or not comparable or rx != ry:
+    if rx is None or ry is None or not comparable:
         size = 0 if rx is None else rx[1] - rx[0]
         return {"path": path, "status": "changed", "changed_bytes": size}
-    x, y = vx.blobs[bx], vy.blobs[by]
+    # Alike nodes give one range, inside both blobs (_packed_range): so are its chunks.
     cb = vx.manifest.chunk_bytes
     lo, hi = rx[0] // cb, -(-rx[1] // cb)
-    if hi > min(len(x.hashes), len(y.hashes)) or (x.hashes[lo:hi] != y.hashes[lo:hi]).any():
-        if chunks.span(vx, bx, rx) == chunks.span(vy, by, ry):
+    if (vx.blobs[bx].hashes[lo:hi] != vy.blobs[by].hashes[lo:hi]).any():
+        if packs.span(vx, bx, rx) == packs.span(vy, by, ry):
             return None
         return {"path": path, "status": "changed", "changed_bytes": rx[1] - rx[0]}
     return None
@@ -1065,7 +1048,7 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
     new = engine.resolve_version(store, b, rank=rank)
     cb = new.manifest.chunk_bytes
     old_nodes, new_nodes = _leaf_nodes(old.manifest), _leaf_nodes(new.manifest)
-    chunks = _Chunks(store)
+    packs = _Packs(store)
     rows: list[dict[str, Any]] = []
     changed_total = 0
     for path, node in new_nodes.items():
@@ -1087,7 +1070,7 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
         if "at" in node or "at" in before:
             # A leaf packed with others: its own bytes, where it lies in both versions.
             row = _packed_diff(
-                chunks,
+                packs,
                 path,
                 (new, blob_new, _packed_range(node, x.nbytes)),
                 (old, blob_old, _packed_range(before, y.nbytes)),

@@ -359,6 +359,15 @@ def read_flat(
     return FlatPart(flat, record, manifest, [b.hashes for b in part.blobs])
 
 
+def read_blob(store: Store, part: ResolvedPart, blob: int) -> bytes:
+    """The bytes of blob ``blob`` of ``part``, every chunk read and verified (what ``diff``
+    reads of a pack of small tensors to compare one of them)."""
+    buf = memoryview(bytearray(part.blobs[blob].nbytes))
+    one = dataclasses.replace(part, blobs=[part.blobs[blob]], _by_path={})
+    read_blobs(store, one, [buf], direct=[False])
+    return bytes(buf)
+
+
 def resolve_part(
     store: Store, record: CommitRecord, rank: int
 ) -> tuple[Manifest, ResolvedPart, list[tuple[str | int, ...]], str]:
