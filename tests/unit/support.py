@@ -32,6 +32,7 @@ __all__ = [
     "numpy_arrays",
     "numpy_scalars",
     "python_scalars",
+    "rewrite_version",
     "snapshot",
     "state_trees",
     "tensor_bytes",
@@ -367,6 +368,33 @@ def commit_checksum(doc: dict[str, Any]) -> str:
     """
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return str(xxhash.xxh3_128_hexdigest(body))
+
+
+def rewrite_version(
+    read: Callable[[str], bytes],
+    write: Callable[[str, bytes], None],
+    step: int,
+    *,
+    manifest: Callable[[dict[str, Any]], None] | None = None,
+    commit: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Edit rank 0's manifest and/or the commit record of ``step`` in place (``read`` and
+    ``write`` by key, as a store does), keeping every hash consistent: the manifest's recorded
+    xxh3 and size, and the commit record's checksum."""
+    mkey = f"versions/{step:012d}/rank-00000.json"
+    ckey = f"versions/{step:012d}/COMMIT.json"
+    mdoc = json.loads(read(mkey))
+    if manifest is not None:
+        manifest(mdoc)
+    mbody = json.dumps(mdoc, separators=(",", ":")).encode()
+    write(mkey, mbody)
+    cdoc = json.loads(read(ckey))
+    cdoc.pop("checksum")
+    cdoc["manifests"][0].update(xxh3_128=xxhash.xxh3_128_hexdigest(mbody), bytes=len(mbody))
+    if commit is not None:
+        commit(cdoc)
+    cdoc["checksum"] = commit_checksum(cdoc)
+    write(ckey, json.dumps(cdoc, separators=(",", ":")).encode())
 
 
 def leaves_of(tree: Any) -> list[Any]:

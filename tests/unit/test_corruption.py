@@ -21,7 +21,6 @@ import fsspec
 import numpy as np
 import pytest
 import torch
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +28,7 @@ import cryosnap
 from cryosnap.manifest import Manifest, commit_key, manifest_key
 from cryosnap.storage import Store, open_store
 
-from .support import assert_same, commit_checksum, snapshot
+from .support import assert_same, commit_checksum, rewrite_version, snapshot
 
 STEP = 7
 OLD_STEP = 5
@@ -290,17 +289,13 @@ def _rewrite(
     run: Run, *, manifest: dict[str, Any] | None = None, commit: dict[str, Any] | None = None
 ) -> None:
     """Replace fields of the manifest and/or commit record, keeping every hash consistent."""
-    mkey, ckey = manifest_key(STEP, 0), commit_key(STEP)
-    mdoc = json.loads(run.read(mkey))
-    mdoc.update(manifest or {})
-    mbody = json.dumps(mdoc, separators=(",", ":")).encode()
-    run.write(mkey, mbody)
-    cdoc = json.loads(run.read(ckey))
-    cdoc.pop("checksum")
-    cdoc["manifests"][0].update(xxh3_128=xxhash.xxh3_128_hexdigest(mbody), bytes=len(mbody))
-    cdoc.update(commit or {})
-    cdoc["checksum"] = commit_checksum(cdoc)
-    run.write(ckey, json.dumps(cdoc, separators=(",", ":")).encode())
+    rewrite_version(
+        run.read,
+        run.write,
+        STEP,
+        manifest=lambda doc: doc.update(manifest or {}),
+        commit=lambda doc: doc.update(commit or {}),
+    )
 
 
 def test_rewrite_helper_keeps_a_valid_run(run: Run) -> None:

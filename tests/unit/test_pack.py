@@ -22,7 +22,7 @@ from cryosnap.errors import CheckpointFormatError, IntegrityError
 from cryosnap.storage import LocalStore
 from cryosnap.tree import PACK_BYTES, flatten
 
-from .support import assert_same
+from .support import assert_same, rewrite_version
 
 CHUNK = 4096
 LEAF_MAX = CHUNK // 16  # what a pack of one 4 KiB chunk takes
@@ -219,22 +219,8 @@ def test_damage_in_a_pack_names_a_leaf_and_is_refused(tmp_path: Path, reading: s
 
 def _rewrite(run: Path, edit: Any) -> None:
     """Edit the manifest's skeleton, keeping the commit record's hash of it right."""
-    from cryosnap.chunks import hash_bytes
-
-    path = run / "versions" / f"{1:012d}" / "rank-00000.json"
-    doc = json.loads(path.read_bytes())
-    edit(doc["tree"])
-    data = json.dumps(doc).encode()
-    path.write_bytes(data)
-    commit_path = run / "versions" / f"{1:012d}" / "COMMIT.json"
-    commit = json.loads(commit_path.read_bytes())
-    commit["manifests"][0]["xxh3_128"] = hash_bytes(data).hex()
-    commit["manifests"][0]["bytes"] = len(data)
-    from .support import commit_checksum
-
-    commit.pop("checksum")
-    commit["checksum"] = commit_checksum(commit)
-    commit_path.write_bytes(json.dumps(commit).encode())
+    store = LocalStore(run)
+    rewrite_version(store.read, store.write, 1, manifest=lambda doc: edit(doc["tree"]))
 
 
 @pytest.mark.parametrize(
