@@ -82,17 +82,20 @@ def packs_state() -> dict[str, Any]:
     }
 
 
+def _refuse_existing(out: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        if (out / name).exists():
+            raise SystemExit(f"{out / name} exists: golden runs are made once, never rewritten")
+
+
 def make_packs(out: Path) -> None:
-    if (out / "packs").exists():
-        raise SystemExit(f"{out / 'packs'} exists: golden runs are made once, never rewritten")
+    _refuse_existing(out, ("packs",))
     cryosnap.save(out / "packs", packs_state(), step=3, chunk_bytes=CHUNK)
     (out / "packs" / "writer.lock").unlink()
 
 
 def make(out: Path) -> None:
-    for name in ("oneshot", "chain", *(f"damaged_{d}" for d in DAMAGE)):
-        if (out / name).exists():
-            raise SystemExit(f"{out / name} exists: golden runs are made once, never rewritten")
+    _refuse_existing(out, ("oneshot", "chain", *(f"damaged_{d}" for d in DAMAGE)))
     cryosnap.save(out / "oneshot", oneshot_state(), step=5, chunk_bytes=CHUNK)
     with cryosnap.Checkpointer(out / "chain", chunk_bytes=CHUNK, full_every=16) as ckpt:
         for step in range(3):
