@@ -29,7 +29,7 @@ from ._gc import paused_gc
 from ._replicated import Plan
 from ._results import PendingSave
 from .capture import Batch, StagingPool, capture_to_slabs, direct_batches
-from .manifest import Replicated
+from .manifest import Lineage, Replicated
 from .tree import FlatState
 
 __all__ = ["END", "Capturer", "Job"]
@@ -66,6 +66,9 @@ class Job:
     captured_bytes: int = 0
     ticket: int = -1  # this capture's turn with the DeviceDiff
     ready: Any = None  # CUDA event on the caller's stream at save(): the capture waits for it
+    # The lineage the version is committed in (None: generation 0); a version saved after a
+    # rewind supersedes the abandoned ones with it (docs/FORMAT.md, "Superseding").
+    lineage: Lineage | None = None
 
     def drain(self) -> None:
         """Give back every captured batch still queued (the version is abandoned)."""

@@ -38,6 +38,13 @@ class ChainIndex:
         self.index: dict[bytes, tuple[str, int]] = {}
         self._loaded = False
         self._reset = False  # set from another thread: the next version must be full
+        # Set from the caller's thread by a restore that rewinds the run: the next version
+        # builds on that step (or is full), never on a version it supersedes.
+        self._restart: int | None = None
+
+    def restart_from(self, step: int) -> None:
+        """The next version builds on version ``step`` (a restore rewound the run to it)."""
+        self._restart = step
 
     def request_full(self) -> None:
         """The next version is written in full (a flusher found the chain damaged)."""
@@ -56,8 +63,12 @@ class ChainIndex:
         if self._reset:
             self._reset = False
             self.forget()
+        restart, self._restart = self._restart, None
+        if restart is not None:
+            self.forget()
+            self._loaded = False
         if not self._loaded:
-            self._load(store)
+            self._load(store, restart)
         base = self._base if self.incremental else None
         if full:
             return None
@@ -78,10 +89,13 @@ class ChainIndex:
             base = self._base = base.resolved()
         return base
 
-    def _load(self, store: Store) -> None:
-        # First save of this session: continue the run's chain from its newest version.
+    def _load(self, store: Store, step: int | None = None) -> None:
+        # First save of this session: continue the run's chain from its newest version (or
+        # from ``step``, the version a restore rewound the run to, when this level has it).
         self._loaded = True
         latest = engine.list_steps(store)
+        if step is not None:
+            latest = [step] if step in latest else []
         if not latest or not self.incremental:
             return
         try:

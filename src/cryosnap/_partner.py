@@ -36,9 +36,9 @@ from typing import Any
 
 from . import engine
 from .dist import Coordinator
-from .errors import CheckpointError, CoordinationError
+from .errors import CheckpointError, CheckpointFormatError, CoordinationError
 from .lock import RunLock, acquire_run_lock
-from .manifest import commit_key, manifest_key
+from .manifest import CommitRecord, commit_key, parse_commit_key
 from .policy import RetentionPolicy
 from .storage import BlobWriter, Store, join_location
 
@@ -131,7 +131,10 @@ class Partners:
                 errors.append(f"rank {owner} sent a commit record to a rank not its partner")
                 continue
             try:
-                store.write(commit_key(step), body)
+                sent = CommitRecord.from_json(body, f"rank {owner}'s commit record")
+                if sent.step != step:
+                    raise CheckpointFormatError(f"it is the record of step {sent.step}")
+                store.write(sent.key, body)
             except CheckpointError as exc:
                 errors.append(f"rank {owner}'s copy on {store.url}: {exc}")
         return errors
@@ -163,8 +166,9 @@ class Partners:
 def version_keys(store: Store, step: int) -> list[str]:
     """The files version ``step`` of a one-participant run needs, commit record excluded."""
     record = engine.read_commit(store, step)
-    chain = record.chain or (step,)
-    return [*record.data_files, *(manifest_key(s, 0) for s in chain)]
+    manifest, ref = engine.read_manifest(store, record, 0)
+    chain = engine.chain_manifests(store, manifest, ref.key, ref.xxh3)
+    return [*record.data_files, *(key for _m, key, _h in reversed(chain))]
 
 
 def rebuild(coord: Coordinator, own: Store, partners: Partners) -> list[int]:
@@ -207,7 +211,8 @@ def _files_newer_than(store: Store, step: int) -> list[str]:
     newer = [s for s in engine.list_steps(store) if s > step]
     for s in newer:
         keys.update(dict.fromkeys(version_keys(store, s)))
-    keys.update(dict.fromkeys(commit_key(s) for s in newer))
+    versions = engine.list_versions(store)
+    keys.update(dict.fromkeys(commit_key(s, versions[s]) for s in newer if s in versions))
     return list(keys)
 
 
@@ -266,7 +271,7 @@ def transfer(
 
 
 def _is_record(key: str) -> bool:
-    return key.endswith("/COMMIT.json")
+    return parse_commit_key(key) is not None
 
 
 def _has(store: Store, key: str, nbytes: int) -> bool:

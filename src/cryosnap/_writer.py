@@ -277,6 +277,7 @@ class Writer:
                 rank=self.own_rank(),
                 shares=plan.shares,
                 replicated=plan.keys,
+                lineage=job.lineage,
             )
             while item is not END:
                 if isinstance(item, BaseException):
@@ -293,7 +294,7 @@ class Writer:
             part = writer.finish()
             if self.partners is not None:
                 copied = True
-                keys = [*part.used_files(), *(manifest_key(s, 0) for s in part.chain())]
+                keys = [*part.used_files(), *part.chain_keys()]
                 self.partners.copy_files(self.coord, store, job.step, [*keys, part.ref.key])
         except BaseException as exc:
             if held is not None:
@@ -393,7 +394,7 @@ class Writer:
                 record = self._record(step, job, [summary_of(part)])
                 body = record.to_json()
                 self.fence()
-                self.store.write(commit_key(step), body)
+                self.store.write(record.key, body)
             except CheckpointError as exc:
                 problem, body = str(exc), None
         if self.partners is not None:
@@ -402,7 +403,7 @@ class Writer:
         told = self.coord.all_gather(problem)
         bad = [(r, e) for r, e in enumerate(told) if e]
         if bad:
-            self._take_back(step, own=body is not None)
+            self._take_back(commit_key(step, job.lineage if job else None), own=body is not None)
         if error is not None:
             return
         if failed or bad:
@@ -410,19 +411,17 @@ class Writer:
             raise CheckpointError(f"step {step} was not committed: {reason}")
         log.debug("committed step %d in %s", step, self.store.url)
 
-    def _take_back(self, step: int, *, own: bool) -> None:
-        """Remove this rank's commit record of ``step`` (``own``) and those of the copies it
+    def _take_back(self, key: str, *, own: bool) -> None:
+        """Remove this rank's commit record ``key`` (``own``) and those of the copies it
         holds for its partners: another rank's did not land."""
         stores = [self.store] if own else []
         stores += list(self.partners.held.values()) if self.partners is not None else []
         for store in stores:
             try:
-                if store.exists(commit_key(step)):
-                    store.delete(commit_key(step))
+                if store.exists(key):
+                    store.delete(key)
             except CheckpointError as exc:
-                log.error(
-                    "step %d: removing its commit record on %s failed: %s", step, store.url, exc
-                )
+                log.error("removing commit record %s on %s failed: %s", key, store.url, exc)
 
     def _record(self, step: int, job: Job | None, parts: list[PartSummary]) -> CommitRecord:
         return CommitRecord.of_parts(
@@ -432,6 +431,7 @@ class Writer:
             root=merkle_root([bytes.fromhex(p.root) for p in parts]).hex(),
             metrics=job.metrics if job is not None else None,
             run_id=self.run_id,
+            lineage=job.lineage if job is not None else None,
         )
 
     def _commit(
@@ -451,13 +451,14 @@ class Writer:
         try:
             record = self._record(step, job, parts)
             self.fence()
-            store.write(commit_key(step), record.to_json())
+            store.write(record.key, record.to_json())
         except StorageTimeoutError as exc:
             # The write may still land after we gave up: until then every file it names stays,
             # so a late commit record never makes a broken version visible.
             self.in_doubt.add(step)
             keys = {p.ref.key for p in parts} | {f for p in parts for f in p.data_files}
-            keys |= {manifest_key(s, p.ref.rank) for p in parts for s in p.chain}
+            gens = {0, 0 if job is None or job.lineage is None else job.lineage.generation}
+            keys |= {manifest_key(s, p.ref.rank, g) for p in parts for s in p.chain for g in gens}
             self.levels.levels[self.level].reserved.update(keys)
             return exc
         except CheckpointError as exc:
@@ -524,6 +525,7 @@ class Rewriter:
             queue.SimpleQueue(),
             got.record.metrics,
             replicated=manifest.replicated,
+            lineage=got.record.lineage,
         )
         foreign: dict[int, np.ndarray[Any, Any]] = {}
         if shares:

@@ -51,7 +51,15 @@ from .errors import (
 )
 from .levels import Level, Levels
 from .lock import RunLock, acquire_run_lock
-from .manifest import RUN_ID_PATTERN, CommitRecord, commit_key
+from .manifest import (
+    RUN_ID_PATTERN,
+    CommitRecord,
+    Lineage,
+    commit_key,
+    max_generation,
+    version_prefix,
+    visible_versions,
+)
 from .policy import RetentionPolicy, SavePolicy, as_retention
 from .storage import DEFAULT_TIMEOUT_SECONDS, Store, join_location, open_store, unwrap
 from .storage.tiers import Placement, StripedStore, Tier
@@ -239,6 +247,10 @@ class Checkpointer:
         self._levels.observe = self._policies.reached
         self.store: Store = self._levels.first.store  # where versions are written first
         self._chain = chain
+        # The lineage new versions are committed in: the run's newest generation, or a new one
+        # once a restore rewound the run (docs/FORMAT.md, "Superseding").
+        self._lineage = _current_lineage(self._levels.records())
+        self._restored: int | None = None
         self._capturer = Capturer(
             chunk_bytes=self.chunk_bytes,
             budget=budget,
@@ -397,7 +409,8 @@ class Checkpointer:
             )
         if any(p.step == step and not p.done() for p in self._pending):
             raise CheckpointExistsError(f"step {step} is already being saved in {self!r}")
-        where = self._levels.step_exists(step)
+        lineage = self._lineage
+        where = self._levels.step_exists(step, lineage)
         if where is not None:
             raise CheckpointExistsError(f"step {step} already exists in {where}")
         flat = flatten(
@@ -414,7 +427,16 @@ class Checkpointer:
         names = self._levels.names
         top = self._policies.top_level(step, len(names) - 1)
         pending = PendingSave(step, tracker, t0, names[: top + 1], names)
-        job = Job(step, flat, pending, queue.SimpleQueue(), metrics, clock0=clock0, replicated=keys)
+        job = Job(
+            step,
+            flat,
+            pending,
+            queue.SimpleQueue(),
+            metrics,
+            clock0=clock0,
+            replicated=keys,
+            lineage=lineage,
+        )
         job.plan, job.rank = self._writer.plan(flat, keys), self._writer.own_rank()
         self._pending.append(pending)
         self._writer.submit(job)
@@ -437,14 +459,17 @@ class Checkpointer:
         self._raise_undelivered()
 
     def steps(self) -> list[int]:
-        """Versions complete on at least one tier, ascending."""
-        return sorted({s for level in self._levels.levels for s in level.steps()})
+        """Versions complete on at least one tier and superseded on none, ascending."""
+        return sorted(self._levels.versions())
 
     def status(self) -> Status:
         """Which versions each tier holds, and which are not yet on the last one."""
         return self._levels.status()
 
     def latest_step(self) -> int | None:
+        """The newest committed version (complete on at least one tier, superseded on none),
+        or None. Not necessarily one that verifies: :meth:`restore` without a step falls back
+        past damage, and says which step it restored through :meth:`restored_step`."""
         steps = self.steps()
         return steps[-1] if steps else None
 
@@ -472,19 +497,56 @@ class Checkpointer:
         stores = self._levels.stores()
         rank = self._part_ranks()
         pickle = self.allow_pickle
+        restored: list[int] = []
         if step is not None or self.coordinator.world_size == 1:
-            return _restore_tiers(
-                stores, step, into=into, rank=rank, allow_pickle=pickle, only=only, device=device
+            state = _restore_tiers(
+                stores,
+                step,
+                into=into,
+                rank=rank,
+                allow_pickle=pickle,
+                only=only,
+                device=device,
+                restored=restored,
             )
-        return _restore_agreed(
-            self._restore_channel,
-            stores,
-            rank,
-            into=into,
-            allow_pickle=pickle,
-            only=only,
-            device=device,
-        )
+        else:
+            state = _restore_agreed(
+                self._restore_channel,
+                stores,
+                rank,
+                into=into,
+                allow_pickle=pickle,
+                only=only,
+                device=device,
+                restored=restored,
+            )
+        self._rewound(restored[-1])
+        return state
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` returned (None: none yet)."""
+        return self._restored
+
+    def _rewound(self, step: int) -> None:
+        """After restoring ``step``: when the run holds later versions, the next version
+        starts a new generation forked at ``step``, whose first commit supersedes them
+        (docs/FORMAT.md, "Superseding"); otherwise saves go on in the run's lineage. Every
+        participant restored the same step; they agree on the generation."""
+        self._restored = step
+        records = self._levels.records()
+        later = any(s > step for s in visible_versions(records))
+        newest = max_generation(records)
+        if self.coordinator.world_size > 1:
+            told = self._restore_channel.all_gather([later, newest])
+            later, newest = any(t[0] for t in told), max(t[1] for t in told)
+        current = self._lineage
+        if later:
+            self._lineage = Lineage(newest + 1, step)
+        else:
+            self._lineage = _current_lineage(records)
+        if later or self._lineage != current:
+            self._chain.restart_from(step)
 
     def _part_ranks(self) -> list[int]:
         """Per level, the part this participant reads: its rank on a shared level, part 0 of
@@ -630,7 +692,7 @@ def _drop_partial_scratch(ckpt: Checkpointer) -> None:
     persistent = set(engine.list_steps(ckpt.persistent))
     stores = [scratch, *(ckpt._partners.held.values() if ckpt._partners is not None else ())]
     for store in stores:
-        for step in engine.list_steps(store):
+        for step, lineage in engine.list_versions(store).items():
             if step in common or step in persistent:
                 continue
             log.warning(
@@ -639,7 +701,7 @@ def _drop_partial_scratch(ckpt: Checkpointer) -> None:
                 step,
                 store.url,
             )
-            store.delete(commit_key(step))
+            store.delete(commit_key(step, lineage))
 
 
 def _open_stores(
@@ -736,6 +798,13 @@ def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:
     return [lock] if lock is not None else []
 
 
+def _current_lineage(records: Sequence[tuple[int, Lineage | None]]) -> Lineage | None:
+    """The lineage of the run's newest generation (None: the run never rewound)."""
+    newest = max_generation(records)
+    forks = [lin.fork for _s, lin in records if lin is not None and lin.generation == newest]
+    return Lineage(newest, min(forks)) if forks else None
+
+
 def _restore_tiers(
     tiers: Sequence[Store],
     step: int | None,
@@ -745,6 +814,7 @@ def _restore_tiers(
     allow_pickle: bool,
     only: bool = False,
     device: Any = None,
+    restored: list[int] | None = None,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
     one that verifies, without ``step``); a damaged copy falls back to the next tier.
@@ -762,6 +832,7 @@ def _restore_tiers(
             allow_pickle=allow_pickle,
             only=only,
             device=device,
+            restored=restored,
         )
     where = " + ".join(t.url for t in tiers)
     readers = [
@@ -770,18 +841,26 @@ def _restore_tiers(
     ]
 
     def listed() -> list[int]:
-        return sorted({s for store in tiers for s in engine.list_steps(store)})
+        return sorted(_versions(tiers))
 
     def attempt(s: int) -> Any:
-        stores = [
-            (t, read) for t, read in zip(tiers, readers, strict=True) if engine.step_exists(t, s)
-        ]
-        if not stores:
+        # Only the tiers holding the version itself: another may hold a record it superseded.
+        records = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
+        versions = _versions(tiers)
+        if s not in versions:
             raise CheckpointNotFoundError(f"step {s} not found on any tier ({where})")
+        stores = [
+            (t, read)
+            for t, read, held in zip(tiers, readers, records, strict=True)
+            if (s, versions[s]) in held
+        ]
         first: CheckpointError | None = None
         for store, read in stores:
             try:
-                return read(store, s)
+                state = read(store, s)
+                if restored is not None:
+                    restored.append(s)
+                return state
             except CheckpointError as exc:
                 if store is not stores[-1][0]:
                     log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
@@ -794,6 +873,12 @@ def _restore_tiers(
     return engine.newest_restorable(where, attempt, listed)
 
 
+def _versions(tiers: Sequence[Store]) -> dict[int, Lineage | None]:
+    """The versions of a run over its tiers: a record one tier holds may be superseded by
+    one another tier holds (a rewind not flushed yet)."""
+    return visible_versions([r for t in tiers for r in engine.list_records(t)])
+
+
 def _restore(
     store: Store,
     step: int | None,
@@ -803,11 +888,15 @@ def _restore(
     allow_pickle: bool,
     only: bool = False,
     device: Any = None,
+    restored: list[int] | None = None,
 ) -> Any:
     read = _reader(rank=rank, into=into, allow_pickle=allow_pickle, only=only, device=device)
 
     def attempt(s: int) -> Any:
-        return read(store, s)
+        state = read(store, s)
+        if restored is not None:
+            restored.append(s)
+        return state
 
     def listed() -> list[int]:
         return engine.list_steps(store)
@@ -839,7 +928,10 @@ def _reader(
 def _explicit(
     where: str, attempt: Callable[[int], Any], listed: Callable[[], list[int]], step: int
 ) -> Any:
-    """``attempt(step)``; a version the writer retired while it was read is reported as such."""
+    """``attempt(step)``; a version the writer retired while it was read is reported as such.
+    A step that is no version (never committed, or superseded) is not found."""
+    if step not in listed():
+        raise CheckpointNotFoundError(f"step {step} not found in {where}")
     try:
         return attempt(step)
     except CheckpointError as exc:
@@ -1007,12 +1099,13 @@ def _restore_agreed(
     allow_pickle: bool,
     only: bool,
     device: Any = None,
+    restored: list[int] | None = None,
 ) -> Any:
     """The newest version every participant can restore: the steps complete for all of them,
     tried newest first until every participant read its part (damage on any one falls back
     for all, so they resume from the same step). A version saved by fewer ranks than read it
     fails on every participant alike (engine.PartNotFoundError, which says what to do)."""
-    listed = coord.all_gather(sorted({s for st in stores for s in engine.list_steps(st)}))
+    listed = coord.all_gather(sorted(_versions(stores)))
     common = sorted(set.intersection(*(set(steps) for steps in listed)))
     where = " + ".join(st.url for st in stores)
     for step in reversed(common):
@@ -1036,6 +1129,8 @@ def _restore_agreed(
         if absent:
             raise engine.PartNotFoundError(absent[0])
         if not errors:
+            if restored is not None:
+                restored.append(step)
             if into is None:
                 return state
             return _restore_tiers(

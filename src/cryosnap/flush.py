@@ -43,7 +43,7 @@ from .errors import (
     LockLostError,
     StorageError,
 )
-from .manifest import STORED, CommitRecord, commit_key, manifest_key
+from .manifest import STORED, CommitRecord, manifest_key
 from .storage import Store
 
 __all__ = ["Flusher", "SourceDamagedError", "flush_keys", "flush_version"]
@@ -79,20 +79,23 @@ _NO_CHUNKS = _Chunks(
 _Claim = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]
 
 
-def _claims(src: Store, record: CommitRecord) -> dict[str, _Chunks]:
+def _claims(src: Store, record: CommitRecord) -> tuple[dict[str, _Chunks], dict[str, str]]:
     """Every stored chunk the version's chain claims, per data file, from manifests verified
-    against the hashes their successors record. A chunk referenced by several versions (or
-    de-duplicated within one) is claimed once per reference; duplicates are merged."""
+    against the hashes their successors record; and those manifests (key -> hash). A chunk
+    referenced by several versions (or de-duplicated within one) is claimed once per
+    reference; duplicates are merged."""
     parts: dict[str, list[_Claim]] = {}
+    manifests: dict[str, str] = {}
     for ref in record.manifests:
         manifest, _ = read_manifest(src, record, ref.rank)
-        for m, _key, _h in chain_manifests(src, manifest, ref.key, ref.xxh3):
+        for m, key, xxh3 in chain_manifests(src, manifest, ref.key, ref.xxh3):
+            manifests[key] = xxh3
             for entry in m.blobs:
                 for key, claim in _entry_claims(
                     m.data_files, entry.table, entry.hashes, m.chunk_bytes
                 ):
                     parts.setdefault(key, []).append(claim)
-    return {key: _merge(items) for key, items in parts.items()}
+    return {key: _merge(items) for key, items in parts.items()}, manifests
 
 
 def _entry_claims(
@@ -220,7 +223,9 @@ def flush_keys(src: Store, step: int) -> set[str]:
         return set()
     ranks = [m.rank for m in record.manifests]
     chain = record.chain or (step,)
-    return {*record.data_files, *(manifest_key(s, r) for s in chain for r in ranks)}
+    gens = {0, 0 if record.lineage is None else record.lineage.generation}
+    manifests = {manifest_key(s, r, g) for s in chain for r in ranks for g in gens}
+    return {*record.data_files, *manifests, *(m.key for m in record.manifests)}
 
 
 def flush_version(
@@ -243,7 +248,7 @@ def flush_version(
     is written (a writer that lost the run's lock makes nothing visible).
     """
     record = _from_src(step, src, lambda: read_commit(src, step))
-    claims = _from_src(step, src, lambda: _claims(src, record))
+    claims, manifests = _from_src(step, src, lambda: _claims(src, record))
     copied = 0
     for key in record.data_files:
         nbytes = _from_src(step, src, lambda key=key: src.size(key))  # type: ignore[misc]
@@ -256,15 +261,13 @@ def flush_version(
 
         _from_src(step, src, copy)
         copied += nbytes
-    # The manifests of this version and of every version its chain inherits from, by the keys
-    # they must have; their commit records are not needed (a base may be gone from scratch's
-    # retention: it is not a version here, only a manifest this one resolves through).
-    ranks = sorted(m.rank for m in record.manifests)
-    own = {m.key: m.xxh3 for m in record.manifests}
-    keys = [manifest_key(s, r) for s in (record.chain or (step,)) for r in ranks]
-    for key in dict.fromkeys([*keys, *own]):
+    # The manifests of this version and of every version its chain inherits from, as each
+    # names its base (key and hash, checked here); their commit records are not needed (a base
+    # may be gone from scratch's retention: it is not a version here, only a manifest this one
+    # resolves through).
+    for key, xxh3 in manifests.items():
         data = _from_src(step, src, lambda key=key: src.read(key))  # type: ignore[misc]
-        if key in own and xxhash.xxh3_128_hexdigest(data) != own[key]:
+        if xxhash.xxh3_128_hexdigest(data) != xxh3:
             raise SourceDamagedError(
                 f"step {step} on scratch {src.url}: manifest {key} does not match its hash"
             )
@@ -272,9 +275,9 @@ def flush_version(
             continue
         dst.write(key, data)
         copied += len(data)
-    body = _from_src(step, src, lambda: src.read(commit_key(step)))
+    body = _from_src(step, src, lambda: src.read(record.key))
     fence()
-    dst.write(commit_key(step), body)
+    dst.write(record.key, body)
     return copied + len(body)
 
 

@@ -32,7 +32,7 @@ from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, LockLostError
 from .flush import CollectiveFlush, Flusher, SourceDamagedError, flush_keys, flush_version
 from .lock import RunLock
-from .manifest import commit_key
+from .manifest import Lineage, visible_versions
 from .policy import KeepLast, RetentionPolicy
 from .storage import Store
 
@@ -60,6 +60,13 @@ class Level:
 
 def _ignore_reached(step: int, level: str, seconds: float) -> None:
     return None
+
+
+def supersedes(lineage: Lineage | None, step: int, old: Lineage | None) -> bool:
+    """Whether a version of ``step`` saved in ``lineage`` supersedes one of ``old``."""
+    if lineage is None:
+        return False
+    return (0 if old is None else old.generation) < lineage.generation and step > lineage.fork
 
 
 class Handoff:
@@ -129,6 +136,16 @@ class Handoff:
             self._levels.retire(self.index + 1, protect={step})
         finally:
             self._levels.reached(self.index + 1, step, pending, info)
+
+
+def _superseded_on(store: Store) -> bool:
+    """Whether ``store`` holds commit records of superseded versions (retention reclaims them
+    whatever ``keep`` says)."""
+    try:
+        records = engine.list_records(store)
+    except CheckpointError:
+        return False
+    return len(records) != len(visible_versions(records))
 
 
 class Levels:
@@ -226,9 +243,11 @@ class Levels:
         between a commit and its hand-off) are handed off now (those retention would keep)."""
         out: list[PendingSave] = []
         for handoff in self.handoffs:
-            on_dst = handoff.dst.steps()
+            there = engine.list_versions(handoff.dst.store)
+            here = engine.list_versions(handoff.src.store)
+            on_dst = [s for s, lin in there.items() if s not in here or here[s] == lin]
             handoff.delivered.update(on_dst)
-            missing = [s for s in handoff.src.steps() if s not in handoff.delivered]
+            missing = [s for s in here if s not in handoff.delivered]
             if handoff.collective:
                 # Every rank flushes the same versions in the same order: those all still have.
                 told = self.coordinator.all_gather(missing)
@@ -266,7 +285,7 @@ class Levels:
         ``later``: on an unshared level, the deletes of files are appended to it to run after
         the version is reported (:func:`engine.retire`); wrapped in the same error handling."""
         level = self.levels[index]
-        if level.keep is None:
+        if level.keep is None and not _superseded_on(level.store):
             return
         keep_also = set(protect)
         if index < len(self.handoffs):
@@ -357,12 +376,22 @@ class Levels:
             error = error or handoff.flusher.last_error
         return Status(steps=steps, not_persistent=tuple(sorted(waiting)), flush_error=error)
 
-    def step_exists(self, step: int) -> str | None:
-        """The url of a level that has ``step`` committed, if any."""
+    def step_exists(self, step: int, lineage: Lineage | None = None) -> str | None:
+        """The url of a level where ``step`` is a version that a save of ``step`` in
+        ``lineage`` would not supersede, if any."""
         for level in self.levels:
-            if level.store.exists(commit_key(step)):
+            versions = engine.list_versions(level.store)
+            if step in versions and not supersedes(lineage, step, versions[step]):
                 return level.store.url
         return None
+
+    def records(self) -> list[tuple[int, Lineage | None]]:
+        """Every commit record on every level (superseded ones included)."""
+        return [r for level in self.levels for r in engine.list_records(level.store)]
+
+    def versions(self) -> dict[int, Lineage | None]:
+        """The versions of the run: on at least one level, and superseded on none."""
+        return visible_versions(self.records())
 
     # -- closing -------------------------------------------------------------------------------
 

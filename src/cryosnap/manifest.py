@@ -9,6 +9,9 @@ Layout of one tier (a run directory or URL prefix)::
     data/<step:012d>-r<rank:05d>-<token>.dat   packed chunks, written once, never modified
     versions/<step:012d>/rank-<rank:05d>.json  manifest of one rank's part of the version
     versions/<step:012d>/COMMIT.json           commit record: the version exists iff this does
+    versions/<step:012d>/COMMIT-g<gen>-f<fork:012d>.json, rank-<rank:05d>-g<gen>.json
+                                               the same, of a version saved after a rewind
+                                               (lineage ``gen``, forked at step ``fork``)
 
 A manifest lists its rank's blobs. Each blob is cut into chunks of ``chunk_bytes``; its entry
 holds the Merkle root and *segments* covering its chunks in order: ``Stored`` runs (chunks back
@@ -30,7 +33,7 @@ import json
 import re
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,14 +59,19 @@ __all__ = [
     "RUN_ID_PATTERN",
     "Replicated",
     "INHERITED",
+    "Lineage",
     "STORED",
     "Segment",
     "Stored",
     "commit_key",
     "data_key",
+    "generation_of_manifest_key",
     "manifest_key",
+    "max_generation",
+    "parse_commit_key",
     "step_of_commit_key",
     "version_prefix",
+    "visible_versions",
 ]
 
 FORMAT_VERSION = 1
@@ -112,26 +120,109 @@ def version_prefix(step: int) -> str:
     return f"versions/{step:012d}"
 
 
-def commit_key(step: int) -> str:
-    return f"{version_prefix(step)}/COMMIT.json"
+@dataclass(frozen=True, slots=True, order=True)
+class Lineage:
+    """Which trajectory a version belongs to, for versions saved after a rewind.
+
+    A Checkpointer that restored step ``fork`` while the run held later versions saves its
+    next versions in a new *generation* ``generation`` (1 + the highest in the run): they
+    supersede every version of an older generation whose step is above ``fork``. Versions of
+    generation 0 (every run that never rewound) carry no lineage (``None``). Both numbers are
+    in the commit record's key, so a listing alone says which versions are visible.
+    """
+
+    generation: int
+    fork: int
 
 
-def manifest_key(step: int, rank: int) -> str:
-    return f"{version_prefix(step)}/rank-{rank:05d}.json"
+_LINEAGE_COMMIT = re.compile(r"COMMIT-g([1-9][0-9]{0,8})-f([0-9]{12})\.json")
+
+
+def commit_key(step: int, lineage: Lineage | None = None) -> str:
+    if lineage is None:
+        return f"{version_prefix(step)}/COMMIT.json"
+    return f"{version_prefix(step)}/COMMIT-g{lineage.generation}-f{lineage.fork:012d}.json"
+
+
+def manifest_key(step: int, rank: int, generation: int = 0) -> str:
+    if generation == 0:
+        return f"{version_prefix(step)}/rank-{rank:05d}.json"
+    return f"{version_prefix(step)}/rank-{rank:05d}-g{generation}.json"
 
 
 def data_key(step: int, rank: int, token: str) -> str:
     return f"data/{step:012d}-r{rank:05d}-{token}.dat"
 
 
-def step_of_commit_key(key: str) -> int | None:
-    """The step of ``versions/<step>/COMMIT.json``, or None for any other key."""
+_MANIFEST_NAME = re.compile(r"rank-[0-9]{5}(?:-g([1-9][0-9]{0,8}))?\.json")
+
+
+def generation_of_manifest_key(key: str) -> int | None:
+    """The generation in a manifest's key (``rank-<r>[-g<gen>].json``), or None."""
+    m = _MANIFEST_NAME.fullmatch(key.rsplit("/", 1)[-1])
+    if m is None:
+        return None
+    return int(m.group(1)) if m.group(1) else 0
+
+
+def parse_commit_key(key: str) -> tuple[int, Lineage | None] | None:
+    """The step and lineage of a commit record's key, or None for any other key."""
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] == "versions" and parts[2] == "COMMIT.json":
-        s = parts[1]
-        if len(s) == 12 and s.isdigit():
-            return int(s)
-    return None
+    if len(parts) != 3 or parts[0] != "versions":
+        return None
+    s = parts[1]
+    if len(s) != 12 or not s.isdigit():
+        return None
+    if parts[2] == "COMMIT.json":
+        return int(s), None
+    m = _LINEAGE_COMMIT.fullmatch(parts[2])
+    if m is None:
+        return None
+    return int(s), Lineage(int(m.group(1)), int(m.group(2)))
+
+
+def step_of_commit_key(key: str) -> int | None:
+    """The step of a commit record's key (``versions/<step>/COMMIT*.json``), or None."""
+    parsed = parse_commit_key(key)
+    return None if parsed is None else parsed[0]
+
+
+def _generation(lineage: Lineage | None) -> int:
+    return 0 if lineage is None else lineage.generation
+
+
+def visible_versions(
+    records: Iterable[tuple[int, Lineage | None]],
+) -> dict[int, Lineage | None]:
+    """Of the commit records listed (step, lineage), the versions: step -> its lineage.
+
+    A record of generation ``r`` at step ``t`` is *superseded* when the records hold a newer
+    generation ``g > r`` forked at a step below ``t``: that generation was started by a
+    Checkpointer that restored its fork step and saved on from there, abandoning ``t``. Every
+    other record is a version; at a step, the newest generation wins (an older one there is
+    always superseded by it). Pure: the same listing gives the same versions on any tier, and
+    on the union of several tiers' listings.
+    """
+    listed = set(records)
+    forks: dict[int, int] = {}
+    for _step, lineage in listed:
+        if lineage is not None:
+            g = lineage.generation
+            forks[g] = min(forks.get(g, lineage.fork), lineage.fork)
+    bounds: dict[int, float] = {}
+    for r in {_generation(lin) for _s, lin in listed}:
+        newer = [fork for g, fork in forks.items() if g > r]
+        bounds[r] = min(newer) if newer else float("inf")
+    out: dict[int, Lineage | None] = {}
+    for step, lineage in sorted(listed, key=lambda rec: (rec[0], _generation(rec[1]))):
+        if step <= bounds[_generation(lineage)]:
+            out[step] = lineage  # ascending generations: the newest one at a step wins
+    return out
+
+
+def max_generation(records: Iterable[tuple[int, Lineage | None]]) -> int:
+    """The newest generation among the records listed (0 for a run that never rewound)."""
+    return max((_generation(lin) for _s, lin in records), default=0)
 
 
 def _checksum(doc: dict[str, Any]) -> str:
@@ -877,6 +968,12 @@ class CommitRecord:
     chain: tuple[int, ...] = ()
     metrics: dict[str, float] | None = None
     run_id: str | None = None  # the training that wrote the version (Checkpointer(run_id=))
+    lineage: Lineage | None = None  # a version saved after a rewind (None: generation 0)
+
+    @property
+    def key(self) -> str:
+        """Where this record lies on a tier."""
+        return commit_key(self.step, self.lineage)
 
     @classmethod
     def of_parts(
@@ -888,6 +985,7 @@ class CommitRecord:
         root: str,
         metrics: dict[str, float] | None = None,
         run_id: str | None = None,
+        lineage: Lineage | None = None,
     ) -> CommitRecord:
         """The record of ``step`` made of every rank's part (``root``: the Merkle root over
         the parts' roots, in rank order)."""
@@ -907,6 +1005,7 @@ class CommitRecord:
             chain=tuple(sorted({s for p in parts for s in p.chain})),
             metrics=metrics or None,
             run_id=run_id,
+            lineage=lineage,
         )
 
     def to_json(self) -> bytes:
@@ -933,6 +1032,11 @@ class CommitRecord:
             doc["metrics"] = dict(self.metrics)
         if self.run_id is not None:  # written only when set: older readers never see it
             doc["run_id"] = self.run_id
+        if self.lineage is not None:  # the same: only versions saved after a rewind
+            doc["lineage"] = {
+                "generation": self.lineage.generation,
+                "fork": self.lineage.fork,
+            }
         doc["checksum"] = _checksum(doc)
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
@@ -987,6 +1091,7 @@ class CommitRecord:
             chain=tuple(_steps(doc.get("chain", []), where)),
             metrics=_metrics(doc.get("metrics"), where),
             run_id=_run_id(doc.get("run_id"), where),
+            lineage=_lineage(doc.get("lineage"), where),
         )
 
 
@@ -1007,6 +1112,16 @@ def _run_id(raw: Any, where: str) -> str | None:
     if not isinstance(raw, str) or not RUN_ID_PATTERN.fullmatch(raw):
         raise _fail(where, f"malformed run_id {raw!r:.120}")
     return raw
+
+
+def _lineage(raw: Any, where: str) -> Lineage | None:
+    if raw is None:
+        return None
+    ok = isinstance(raw, dict) and set(raw) == {"generation", "fork"}
+    gen, fork = (raw.get("generation"), raw.get("fork")) if ok else (None, None)
+    if not (type(gen) is int and 1 <= gen < 10**9 and type(fork) is int and 0 <= fork <= MAX_STEP):
+        raise _fail(where, f"malformed lineage {raw!r:.120}")
+    return Lineage(gen, fork)
 
 
 def _steps(raw: Any, where: str) -> list[int]:

@@ -27,7 +27,7 @@ import numpy as np
 import cryosnap
 from cryosnap import engine
 from cryosnap.errors import StorageError
-from cryosnap.manifest import commit_key, manifest_key
+from cryosnap.manifest import parse_commit_key
 from cryosnap.storage import LocalStore, Store
 from cryosnap.storage.base import BlobWriter, BytesLike
 from cryosnap.storage.tiers import Tier
@@ -100,7 +100,7 @@ def key_class(key: str) -> str:
         return "lock"
     if key.startswith("data"):
         return "data"
-    if key.endswith("COMMIT.json"):
+    if parse_commit_key(key) is not None:
         return "commit"
     if key.startswith("versions/") and "/rank-" in key:
         return "manifest"
@@ -320,12 +320,14 @@ def referenced(root: Path) -> set[str]:
     chains, data files) plus the lock file."""
     store = LocalStore(root)
     keys = {LOCK_KEY}
-    for s in engine.list_steps(store):
-        record = engine.read_commit(store, s)
-        ranks = [m.rank for m in record.manifests]
-        keys.add(commit_key(s))
+    for s, lineage in engine.list_versions(store).items():
+        record = engine.read_commit(store, s, lineage)
+        keys.add(record.key)
         keys.update(m.key for m in record.manifests)
-        keys.update(manifest_key(c, r) for c in (record.chain or (s,)) for r in ranks)
+        for ref in record.manifests:
+            manifest, _ = engine.read_manifest(store, record, ref.rank)
+            chain = engine.chain_manifests(store, manifest, ref.key, ref.xxh3)
+            keys.update(key for _m, key, _h in chain)
         keys.update(record.data_files)
     return keys
 

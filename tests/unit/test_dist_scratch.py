@@ -325,3 +325,58 @@ def test_the_flush_reads_only_this_ranks_share_of_the_replicated_state(tmp_path:
         assert same(cryosnap.load(run, step=1, rank=rank), state_of(rank, 1))
     with pytest.raises(cryosnap.IntegrityError):
         cryosnap.load(scratch / "rank-00001", step=1)
+
+
+def test_a_rewind_supersedes_on_every_rank_and_a_wiped_node_does_not_bring_it_back(
+    tmp_path: Path,
+) -> None:
+    """Superseding (issue 26) in a distributed run with scratch and partner copies: the first
+    save after a rewind supersedes the later versions on the persistent level, on every rank's
+    scratch and in the partner copies; a node that loses its scratch gets the new trajectory
+    back from its partner, never the abandoned one."""
+    run = tmp_path / "run"
+
+    def node_dir(rank: int) -> Path:
+        return tmp_path / f"node-{rank % 2}"
+
+    def open_run(c: Coordinator) -> cryosnap.Checkpointer:
+        _NODE.name = f"n{c.rank % 2}"
+        return cryosnap.Checkpointer(
+            run, scratch=node_dir(c.rank), comm=c, partner=True, chunk_bytes=4096, keep_scratch=3
+        )
+
+    def rewound(rank: int, step: int) -> dict[str, Any]:
+        out = state_of(rank, step)
+        out["own"] = out["own"] + 7  # what the rewound program computes differs
+        return out
+
+    def save(c: Coordinator) -> None:
+        with open_run(c) as ckpt:
+            for step in (1, 2, 3, 4):
+                ckpt.save(step, state_of(c.rank, step), replicated=["model"]).result()
+
+    def rewind(c: Coordinator) -> list[int]:
+        with open_run(c) as ckpt:
+            assert same(ckpt.restore(step=2), state_of(c.rank, 2))
+            ckpt.save(3, rewound(c.rank, 3), replicated=["model"]).result()
+            return ckpt.steps()
+
+    run_ranks(4, save)
+    assert run_ranks(4, rewind) == [[1, 2, 3]] * 4
+    assert engine.list_steps(LocalStore(run)) == [1, 2, 3]
+    for rank in range(4):
+        assert same(cryosnap.load(run, rank=rank), rewound(rank, 3))
+        assert engine.list_steps(LocalStore(node_dir(rank) / f"rank-{rank:05d}"))[-1] == 3
+    # Node 0 loses its scratch, and the persistent level its newest record (not flushed,
+    # say): ranks 0 and 2 must get step 3 of the new trajectory from their partners.
+    shutil.rmtree(node_dir(0))
+    newest = engine.read_commit(LocalStore(run), 3)
+    (run / newest.key).unlink()
+
+    def restore(c: Coordinator) -> tuple[list[int], Any]:
+        with open_run(c) as ckpt:
+            return ckpt.steps(), ckpt.restore()
+
+    for rank, (steps, restored) in enumerate(run_ranks(4, restore)):
+        assert steps == [1, 2, 3]
+        assert same(restored, rewound(rank, 3))

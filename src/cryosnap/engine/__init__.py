@@ -33,7 +33,14 @@ from ._read import (
     verify_part,
 )
 from ._read import _prefaulted as _prefaulted
-from ._records import list_steps, read_commit, read_manifest, step_exists
+from ._records import (
+    list_records,
+    list_steps,
+    list_versions,
+    read_commit,
+    read_manifest,
+    step_exists,
+)
 from ._resolved import (
     MAX_CHAIN,
     ResolvedBlob,
@@ -59,7 +66,9 @@ __all__ = [
     "caller_stacklevel",
     "chain_manifests",
     "ignore_files",
+    "list_records",
     "list_steps",
+    "list_versions",
     "newest_restorable",
     "read_blob",
     "read_commit",

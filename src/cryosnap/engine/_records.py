@@ -12,10 +12,26 @@ from __future__ import annotations
 import xxhash
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
-from ..manifest import CommitRecord, Manifest, ManifestRef, commit_key, step_of_commit_key
+from ..manifest import (
+    CommitRecord,
+    Lineage,
+    Manifest,
+    ManifestRef,
+    commit_key,
+    parse_commit_key,
+    version_prefix,
+    visible_versions,
+)
 from ..storage import Store
 
-__all__ = ["list_steps", "read_commit", "read_manifest", "step_exists"]
+__all__ = [
+    "list_records",
+    "list_steps",
+    "list_versions",
+    "read_commit",
+    "read_manifest",
+    "step_exists",
+]
 
 
 def _no_fence() -> None:
@@ -23,27 +39,55 @@ def _no_fence() -> None:
     return None
 
 
+def list_records(store: Store, prefix: str = "versions") -> list[tuple[int, Lineage | None]]:
+    """Every commit record on ``store`` (under ``prefix``), superseded ones included."""
+    parsed = (parse_commit_key(k) for k in store.list(prefix))
+    return [p for p in parsed if p is not None]
+
+
+def list_versions(store: Store) -> dict[int, Lineage | None]:
+    """The versions of ``store``: step -> lineage of its commit record, ascending by step;
+    superseded records (docs/FORMAT.md, "Superseding") are not versions."""
+    return visible_versions(list_records(store))
+
+
 def list_steps(store: Store) -> list[int]:
-    """Steps with a commit record on ``store``, ascending."""
-    steps = (step_of_commit_key(k) for k in store.list("versions"))
-    return sorted(s for s in steps if s is not None)
+    """Steps of the versions on ``store`` (committed and not superseded), ascending."""
+    return list(list_versions(store))
 
 
 def step_exists(store: Store, step: int) -> bool:
-    """Whether ``step`` is committed on ``store`` (its commit record exists)."""
-    return store.exists(commit_key(step))
+    """Whether ``step`` is a version on ``store`` (committed and not superseded)."""
+    return step in list_versions(store)
 
 
-def read_commit(store: Store, step: int) -> CommitRecord:
-    key = commit_key(step)
+class _Newest:
+    """The default lineage of :func:`read_commit`: the newest committed at the step."""
+
+
+NEWEST = _Newest()
+
+
+def read_commit(
+    store: Store, step: int, lineage: Lineage | _Newest | None = NEWEST
+) -> CommitRecord:
+    """The commit record of version ``step`` (``lineage``: of that lineage; by default the
+    newest generation committed at that step, the only one that can be a version there)."""
+    if isinstance(lineage, _Newest):
+        at = [lin for s, lin in list_records(store, version_prefix(step)) if s == step]
+        if not at:
+            raise CheckpointNotFoundError(f"step {step} not found in {store.url}")
+        lineage = max(at, key=lambda lin: 0 if lin is None else lin.generation)
+    key = commit_key(step, lineage)
     try:
         data = store.read(key)
     except CheckpointNotFoundError:
         raise CheckpointNotFoundError(f"step {step} not found in {store.url}") from None
     record = CommitRecord.from_json(data, f"{store.url}: {key}")
-    if record.step != step:
+    if record.step != step or record.lineage != lineage:
         raise CheckpointFormatError(
             f"{store.url}: {key} is the commit record of step {record.step}"
+            + ("" if record.step != step else f" of lineage {record.lineage}")
         )
     return record
 

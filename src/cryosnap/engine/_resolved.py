@@ -170,6 +170,7 @@ class ResolvedPart:
     files: list[str]
     blobs: list[ResolvedBlob]
     chain: tuple[int, ...]  # steps whose manifests resolution needed, oldest first
+    chain_keys: tuple[str, ...] = ()  # the keys of those manifests (this rank's), in order
     _by_path: dict[str, int] = field(default_factory=dict)
     # Every chunk at once, as resolution built them (None, or stale after a replace(blobs=):
     # :meth:`chunks` builds them again).
@@ -326,6 +327,7 @@ class _Chain:
         xxh3: str,
         chain: tuple[int, ...],
         paths: list[str] | None = None,
+        keys: tuple[str, ...] = (),
     ) -> ResolvedPart:
         """The per-blob arrays of the version applied last (``paths``: each blob's leaf path,
         when the caller has them already)."""
@@ -349,7 +351,7 @@ class _Chain:
             ResolvedBlob(path, e.nbytes, None, None, None, source, lo, hi)
             for path, e, lo, hi in zip(paths, manifest.blobs, s, s[1:], strict=False)
         ]
-        part = ResolvedPart(manifest, key, xxh3, list(self.files), blobs, chain)
+        part = ResolvedPart(manifest, key, xxh3, list(self.files), blobs, chain, keys or (key,))
         nbytes = manifest.tables().nbytes
         part._chunks = PartChunks(blobs, nbytes, self.starts, fidx, offs, hashes)
         return part
@@ -363,7 +365,8 @@ def _resolve_one(
     chain = _Chain() if base is None else _Chain.of(base)
     chain.apply(manifest, where)
     steps = (*base.chain, manifest.step) if base is not None else (manifest.step,)
-    return chain.part(manifest, key, xxh3, steps)
+    keys = (*base.chain_keys, key) if base is not None else (key,)
+    return chain.part(manifest, key, xxh3, steps, keys=keys)
 
 
 def memory_limit_bytes() -> int:
@@ -406,7 +409,8 @@ def resolve(
     for m, _k, _h in reversed(chain):
         state.apply(m, f"{store.url}: {_k}")
     steps = tuple(m.step for m, _k, _h in reversed(chain))
-    return state.part(manifest, key, xxh3, steps, paths)
+    keys = tuple(k for _m, k, _h in reversed(chain))
+    return state.part(manifest, key, xxh3, steps, paths, keys=keys)
 
 
 def chain_manifests(

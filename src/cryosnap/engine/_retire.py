@@ -9,14 +9,23 @@ the run's lock), while none of its own writes on the store is in progress; no co
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..manifest import CommitRecord, commit_key, step_of_commit_key
+from ..errors import CheckpointError
+from ..manifest import (
+    CommitRecord,
+    Lineage,
+    commit_key,
+    generation_of_manifest_key,
+    step_of_commit_key,
+    visible_versions,
+)
 from ..policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
 from ..storage import Store
-from ._records import _no_fence, list_steps, read_commit
+from ._records import _no_fence, list_records, read_commit
 
 __all__ = ["RetirePlan", "apply_retire", "ignore_files", "plan_retire", "retire"]
 
@@ -30,12 +39,17 @@ def ignore_files(files: Collection[str]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RetirePlan:
-    """What a retention pass deletes: commit records of ``dropped`` steps, then the manifests
-    and data files no remaining version needs."""
+    """What a retention pass deletes: the commit records of superseded versions, then those of
+    ``dropped`` steps, then the manifests and data files no remaining version needs."""
 
     dropped: list[int]
     manifests: list[str]
     data_files: list[str]
+    # Keys of the commit records that are no version (superseded): deleted before any other,
+    # so a pass that stops midway never lets one of them become a version again.
+    superseded: list[str] = field(default_factory=list)
+    # The commit records of ``dropped``, in the same order.
+    records: list[str] = field(default_factory=list)
 
 
 def plan_retire(
@@ -50,7 +64,9 @@ def plan_retire(
     the newest ``keep``; None: no limit), except the newest version and those in ``protect``,
     and every manifest and data file that no remaining version needs, except the keys in
     ``reserved`` (files of a version whose commit record may still appear). Deletes nothing."""
-    steps = list_steps(store)
+    listed = list_records(store)
+    versions = visible_versions(listed)
+    steps = list(versions)
     doomed = set(drop) & set(steps)
     policy = as_retention(keep)
     records: dict[int, CommitRecord] = {}
@@ -58,24 +74,75 @@ def plan_retire(
         if len(steps) > policy.n:
             doomed.update(steps[: -policy.n])
     elif policy is not None and steps:
-        records = {s: read_commit(store, s) for s in steps}
-        versions = [VersionInfo(s, records[s].metrics or {}) for s in steps]
-        chosen = policy.select(versions) | {steps[-1]}
+        records = {s: read_commit(store, s, versions[s]) for s in steps}
+        infos = [VersionInfo(s, records[s].metrics or {}) for s in steps]
+        chosen = policy.select(infos) | {steps[-1]}
         doomed.update(s for s in steps if s not in chosen)
     dropped = sorted(doomed - set(protect))
-    kept = [records.get(s) or read_commit(store, s) for s in steps if s not in set(dropped)]
-    needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
+    kept = [records.get(s) or read_commit(store, s, versions[s]) for s in steps if s not in dropped]
+    manifests = _unneeded_manifests(store, kept, reserved)
     needed_files = {f for r in kept for f in r.data_files}
-    manifests = [
-        key
+    data_files = [k for k in store.list("data") if k not in needed_files and k not in reserved]
+    superseded = [
+        commit_key(s, lin) for s, lin in sorted(listed, key=_order) if versions.get(s, 0) != lin
+    ]
+    return RetirePlan(
+        dropped,
+        manifests,
+        data_files,
+        superseded=superseded,
+        records=[commit_key(s, versions[s]) for s in dropped],
+    )
+
+
+def _order(record: tuple[int, Lineage | None]) -> tuple[int, int]:
+    step, lineage = record
+    return (step, 0 if lineage is None else lineage.generation)
+
+
+def _unneeded_manifests(
+    store: Store, kept: Sequence[CommitRecord], reserved: Collection[str]
+) -> list[str]:
+    """The manifests no kept version resolves through. Records name the steps of their chains
+    only; where a step holds manifests of several generations (saved again after a rewind),
+    the kept versions' chains are followed manifest by manifest to the exact keys (a version
+    of a new lineage may build on one its lineage superseded: a flush that was behind)."""
+    needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
+    listed = [
+        (key, step)
         for key in store.list("versions")
         if (step := _step_of_version_key(key)) is not None
-        and step not in needed_steps
         and step_of_commit_key(key) is None
         and key not in reserved
     ]
-    data_files = [k for k in store.list("data") if k not in needed_files and k not in reserved]
-    return RetirePlan(dropped, manifests, data_files)
+    gens: dict[int, set[int | None]] = {}
+    for key, step in listed:
+        gens.setdefault(step, set()).add(generation_of_manifest_key(key))
+    mixed = {s for s, g in gens.items() if len(g) > 1 and s in needed_steps}
+    exact = _chain_keys(store, [r for r in kept if mixed & set(r.chain)]) if mixed else None
+    return [
+        key
+        for key, step in listed
+        if step not in needed_steps
+        or (step in mixed and exact is not None and key not in exact)
+    ]
+
+
+def _chain_keys(store: Store, records: Sequence[CommitRecord]) -> set[str] | None:
+    """Every manifest key the chains of ``records`` pass through (None: one could not be read:
+    keep everything)."""
+    out: set[str] = set()
+    try:
+        for record in records:
+            for ref in record.manifests:
+                key: str | None = ref.key
+                while key is not None and key not in out and len(out) <= 1 << 20:
+                    out.add(key)
+                    base = json.loads(store.read(key)).get("base")
+                    key = base.get("key") if isinstance(base, dict) else None
+    except (CheckpointError, ValueError, AttributeError):
+        return None
+    return out
 
 
 def retire(
@@ -131,8 +198,8 @@ def apply_retire(
 
 def _drop_records(store: Store, plan: RetirePlan, fence: Callable[[], None]) -> None:
     fence()
-    for s in plan.dropped:
-        store.delete(commit_key(s))
+    for key in [*plan.superseded, *plan.records]:
+        store.delete(key)
 
 
 def _delete_files(

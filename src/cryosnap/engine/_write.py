@@ -50,6 +50,7 @@ from ..manifest import (
     STORED,
     BaseRef,
     BlobEntry,
+    Lineage,
     Manifest,
     ManifestRef,
     Replicated,
@@ -132,6 +133,10 @@ class PartResult:
         return (
             (self.manifest.step,) if self.base is None else (*self.base.chain, self.manifest.step)
         )
+
+    def chain_keys(self) -> tuple[str, ...]:
+        """The keys of the manifests of :meth:`chain` (this rank's), oldest first."""
+        return (self.ref.key,) if self.base is None else (*self.base.chain_keys, self.ref.key)
 
 
 # -- shares: which rank writes which chunks of the replicated blobs of a version --------------
@@ -460,9 +465,11 @@ class PartWriter(_Shares):
         placement: Placement | None = None,
         shares: dict[int, np.ndarray[Any, np.dtype[np.int32]]] | None = None,
         replicated: Replicated = None,
+        lineage: Lineage | None = None,
     ) -> None:
-        if store.exists(commit_key(step)):
+        if store.exists(commit_key(step, lineage)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
+        self.generation = 0 if lineage is None else lineage.generation
         self.store = store
         self.step = step
         self.rank = rank
@@ -882,7 +889,7 @@ class PartWriter(_Shares):
 
     def _write_manifest(self, manifest: Manifest, body: bytes) -> PartResult:
         base = self.base
-        mkey = manifest_key(self.step, self.rank)
+        mkey = manifest_key(self.step, self.rank, self.generation)
         self.store.write(mkey, body)
         xxh3 = xxhash.xxh3_128_hexdigest(body)
         return PartResult(
