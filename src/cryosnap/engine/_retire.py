@@ -123,8 +123,7 @@ def _unneeded_manifests(
     return [
         key
         for key, step in listed
-        if step not in needed_steps
-        or (step in mixed and exact is not None and key not in exact)
+        if step not in needed_steps or (step in mixed and exact is not None and key not in exact)
     ]
 
 
