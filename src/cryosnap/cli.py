@@ -1,10 +1,10 @@
 """The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``,
-``plan``, ``bench`` and ``import-dcp``.
+``rm``, ``plan``, ``bench`` and ``import-dcp``.
 
 Owns argument parsing (typer), rendering (rich tables when stdout is a terminal, plain aligned
-text otherwise, JSON with ``--json``) and exit codes. ``ls``, ``inspect``, ``verify``, ``diff``
-and ``gc`` are thin commands over :class:`cryosnap.Run` (which reads without a lock; ``gc``
-deletes under the run's write lock, as a writer does); ``export`` goes through
+text otherwise, JSON with ``--json``) and exit codes. ``ls``, ``inspect``, ``verify``, ``diff``,
+``gc`` and ``rm`` are thin commands over :class:`cryosnap.Run` (which reads without a lock;
+``gc`` and ``rm`` delete under the run's write lock, as a writer does); ``export`` goes through
 :mod:`cryosnap.export`; ``import-dcp`` saves a version through :func:`cryosnap.dcp.import_dcp`
 (a Checkpointer: the write lock too). ``bench`` renders what :mod:`cryosnap.benchmark`
 measures.
@@ -175,8 +175,8 @@ def _build_app() -> "typer.Typer":
 
     app = typer.Typer(
         name=PROG,
-        help="List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints; "
-        "plan intervals; benchmark against the peers.",
+        help="List, inspect, verify, diff, export, remove and garbage-collect cryosnap "
+        "checkpoints; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
@@ -198,7 +198,7 @@ def _build_app() -> "typer.Typer":
             ),
         ] = False,
     ) -> None:
-        """List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints."""
+        """List, inspect, verify, diff, export, remove and garbage-collect cryosnap checkpoints."""
 
     path_arg = typer.Argument(help="The run: a directory or an fsspec URL (memory://, s3://...).")
     json_opt = typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
@@ -280,6 +280,21 @@ def _build_app() -> "typer.Typer":
     ) -> None:
         """Delete all but the newest K versions and every file no kept version needs."""
         cmd_gc(path, keep=keep, dry_run=dry_run, as_json=json_output)
+
+    @app.command("rm")
+    def rm_command(
+        path: Annotated[str, path_arg],
+        step: Annotated[
+            int, typer.Option("--step", min=0, max=MAX_STEP, help="The version to delete.")
+        ],
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")
+        ] = False,
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Delete one version and every file no remaining version needs (a later version
+        built on it still restores)."""
+        cmd_rm(path, step=step, dry_run=dry_run, as_json=json_output)
 
     @app.command("demo")
     def demo_command(
@@ -792,6 +807,35 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
     _print(
         f"{verb[0]} {_plural(len(removal.removed), 'version')}, kept "
         f"{_plural(len(removal.kept), 'version')}; {verb[1]} {human_bytes(removal.freed_bytes)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# rm
+
+
+def cmd_rm(location: str, *, step: int, dry_run: bool = False, as_json: bool = False) -> None:
+    """Delete version ``step`` and every file no remaining version needs (with ``dry_run``,
+    only say what would go)."""
+    run = _open(location)
+    removal = run.remove(step, dry_run=dry_run)
+    if as_json:
+        _print_json(
+            {
+                "path": run.url,
+                "dry_run": dry_run,
+                "step": step,
+                "kept_steps": list(removal.kept),
+                "freed_bytes": removal.freed_bytes,
+                "manifests_deleted": len(removal.manifests),
+                "data_files_deleted": len(removal.data_files),
+            }
+        )
+        return
+    verb = ("would remove", "would free") if dry_run else ("removed", "freed")
+    _print(
+        f"{verb[0]} step {step}, kept {_plural(len(removal.kept), 'version')}; {verb[1]} "
+        f"{human_bytes(removal.freed_bytes)} ({_plural(len(removal.data_files), 'data file')})"
     )
 
 
