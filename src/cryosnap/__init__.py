@@ -22,10 +22,12 @@ from .errors import (
     IntegrityError,
     LockLostError,
     ReplicaDivergenceError,
+    RunLockedError,
     StateMismatchError,
     StorageError,
     StorageTimeoutError,
 )
+from .run import Run, VerifyReport, VersionInfo
 from .storage.tiers import Tier
 
 if TYPE_CHECKING:
@@ -44,12 +46,16 @@ __all__ = [
     "PendingSave",
     "RNGState",
     "ReplicaDivergenceError",
+    "Run",
+    "RunLockedError",
     "SaveInfo",
     "StateMismatchError",
     "Status",
     "StorageError",
     "StorageTimeoutError",
     "Tier",
+    "VerifyReport",
+    "VersionInfo",
     "__version__",
     "load",
     "run_id_of",

@@ -1,15 +1,13 @@
 """The ``cryosnap`` command line: ``ls``, ``inspect``, ``verify``, ``diff``, ``export``, ``gc``,
-``plan``, ``bench`` and ``import-dcp``.
+``rm``, ``plan``, ``bench`` and ``import-dcp``.
 
 Owns argument parsing (typer), rendering (rich tables when stdout is a terminal, plain aligned
-text otherwise, JSON with ``--json``) and exit codes; the export formats are
-:mod:`cryosnap.export`'s. Every command but ``gc`` and ``import-dcp`` only reads a run, through
-:mod:`cryosnap.engine` and :mod:`cryosnap.export`, and takes no lock; ``gc`` deletes versions
-and takes the run's write lock, as a writer does; ``import-dcp`` saves a version through
-:func:`cryosnap.dcp.import_dcp` (a Checkpointer: the write lock too). It knows nothing of the
-on-disk layout beyond the manifest and commit record types and the skeleton's node types
-(:mod:`cryosnap.tree`), which ``inspect`` and ``diff`` walk without reading any data.
-``bench`` renders what :mod:`cryosnap.benchmark` measures.
+text otherwise, JSON with ``--json``) and exit codes. ``ls``, ``inspect``, ``verify``, ``diff``,
+``gc`` and ``rm`` are thin commands over :class:`cryosnap.Run` (which reads without a lock;
+``gc`` and ``rm`` delete under the run's write lock, as a writer does); ``export`` goes through
+:mod:`cryosnap.export`; ``import-dcp`` saves a version through :func:`cryosnap.dcp.import_dcp`
+(a Checkpointer: the write lock too). ``bench`` renders what :mod:`cryosnap.benchmark`
+measures.
 
 Exit codes::
 
@@ -42,9 +40,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 
-from . import engine
-from .chunks import chunk_count
-from .engine import ResolvedPart
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -52,11 +47,10 @@ from .errors import (
     IntegrityError,
 )
 from .export import ExportError, ExportResult, check_out, committed_steps, export
-from .lock import acquire_run_lock
-from .manifest import MAX_STEP, Manifest
+from .manifest import MAX_STEP
 from .progress import human_bytes
+from .run import Run
 from .storage import Store, open_store
-from .tree import iter_leaves
 
 if TYPE_CHECKING:
     import typer
@@ -181,8 +175,8 @@ def _build_app() -> "typer.Typer":
 
     app = typer.Typer(
         name=PROG,
-        help="List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints; "
-        "plan intervals; benchmark against the peers.",
+        help="List, inspect, verify, diff, export, remove and garbage-collect cryosnap "
+        "checkpoints; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
@@ -204,7 +198,7 @@ def _build_app() -> "typer.Typer":
             ),
         ] = False,
     ) -> None:
-        """List, inspect, verify, diff, export and garbage-collect cryosnap checkpoints."""
+        """List, inspect, verify, diff, export, remove and garbage-collect cryosnap checkpoints."""
 
     path_arg = typer.Argument(help="The run: a directory or an fsspec URL (memory://, s3://...).")
     json_opt = typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
@@ -286,6 +280,21 @@ def _build_app() -> "typer.Typer":
     ) -> None:
         """Delete all but the newest K versions and every file no kept version needs."""
         cmd_gc(path, keep=keep, dry_run=dry_run, as_json=json_output)
+
+    @app.command("rm")
+    def rm_command(
+        path: Annotated[str, path_arg],
+        step: Annotated[
+            int, typer.Option("--step", min=0, max=MAX_STEP, help="The version to delete.")
+        ],
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")
+        ] = False,
+        json_output: Annotated[bool, json_opt] = False,
+    ) -> None:
+        """Delete one version and every file no remaining version needs (a later version
+        built on it still restores)."""
+        cmd_rm(path, step=step, dry_run=dry_run, as_json=json_output)
 
     @app.command("demo")
     def demo_command(
@@ -432,10 +441,22 @@ def _truncate(text: str, limit: int = 40) -> str:
 # shared helpers
 
 
-def _open(location: str) -> Store:
+def _open_store(location: str) -> Store:
     if not location:
         raise CliUsageError("PATH must not be empty")
     return open_store(location)
+
+
+def _open(location: str) -> Run:
+    return Run(_open_store(location))
+
+
+def _committed(run: Run) -> list[int]:
+    """The run's committed steps; a run without any is an error (nothing to show)."""
+    steps = run.steps()
+    if not steps:
+        raise CheckpointNotFoundError(f"no committed version in {run.url}")
+    return steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,11 +465,11 @@ def _open(location: str) -> Store:
 
 def cmd_ls(location: str, *, as_json: bool) -> None:
     """One row per committed version; a damaged commit record is a row, not an abort."""
-    store = _open(location)
+    run = _open(location)
     versions: list[dict[str, Any]] = []
-    for step in committed_steps(store):
+    for step in _committed(run):
         try:
-            record = engine.read_commit(store, step)
+            record = run._record(step)
         except CheckpointNotFoundError:
             continue  # removed by retention while we were listing
         except (CheckpointFormatError, IntegrityError) as exc:
@@ -469,7 +490,7 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
             }
         )
     if as_json:
-        _print_json({"path": store.url, "versions": versions})
+        _print_json({"path": run.url, "versions": versions})
         return
     table = _Table(
         [
@@ -502,224 +523,40 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
 # inspect
 
 
-@dataclass(frozen=True, slots=True)
-class LeafInfo:
-    """One leaf of a manifest skeleton, as ``inspect`` shows it."""
-
-    path: str
-    kind: str
-    dtype: str | None
-    shape: list[int] | None
-    nbytes: int
-    chunks: int
-    blob: int | None
-    shared_with: str | None
-    value: str | None
-    packed_with: str | None = None  # the first leaf of the pack of small tensors it lies in
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "shape": self.shape,
-            "bytes": self.nbytes,
-            "chunks": self.chunks,
-            "blob": self.blob,
-            "shared_with": self.shared_with,
-            "packed_with": self.packed_with,
-            "value": self.value,
-        }
-
-
-# Element sizes of torch dtypes, so inspect never imports torch (slow) for the common ones.
-_TORCH_ITEMSIZE = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "complex32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-}
-
-
-def _torch_itemsize(name: str) -> int | None:
-    if name in _TORCH_ITEMSIZE:
-        return _TORCH_ITEMSIZE[name]
-    if name.startswith("float8"):
-        return 1
-    try:
-        import torch
-    except ImportError:
-        return None
-    dtype = getattr(torch, name, None)
-    return dtype.itemsize if isinstance(dtype, torch.dtype) else None
-
-
-def _numpy_dtype(descr: Any) -> np.dtype[Any] | None:
-    """The numpy dtype of a manifest ``dtype`` descr; None if it is not one.
-
-    JSON turned the tuples of a structured descr into lists: ``[name, type, shape?]`` per field,
-    where ``type`` may itself be a structured descr.
-    """
-
-    def as_descr(d: Any) -> Any:
-        return [as_field(f) for f in d] if isinstance(d, list) else d
-
-    def as_field(f: Any) -> Any:
-        if not isinstance(f, list) or len(f) < 2:
-            return f
-        name, kind, *shape = f
-        name = tuple(name) if isinstance(name, list) else name
-        return (name, as_descr(kind), *(tuple(x) if isinstance(x, list) else x for x in shape))
-
-    try:
-        dtype: np.dtype[Any] = np.lib.format.descr_to_dtype(as_descr(descr))
-    except (TypeError, ValueError, KeyError):
-        return None
-    return dtype
-
-
-def _dtype_name(descr: Any) -> str:
-    dtype = _numpy_dtype(descr)
-    return str(dtype) if dtype is not None else repr(descr)
-
-
-def _inline_value(node: dict[str, Any]) -> str | None:
-    """The display text of a value held in the skeleton itself (no blob)."""
-    t = node.get("t")
-    v: Any = node.get("v")
-    try:
-        if t == "none":
-            return "None"
-        if t in ("int", "bool"):
-            return str(v)
-        if t == "str":
-            return repr(v)
-        if t == "float":
-            return repr(float.fromhex(v))
-        if t == "complex":
-            return repr(complex(float.fromhex(v[0]), float.fromhex(v[1])))
-        if t == "size":
-            return f"torch.Size({list(v)})"
-        if t == "npscalar":
-            dtype = _numpy_dtype(node.get("dtype"))
-            if dtype is None:
-                return None
-            return str(np.frombuffer(bytes.fromhex(node["hex"]), dtype=dtype)[0])
-    except (TypeError, ValueError, IndexError, KeyError):
-        return "<malformed>"
-    return None
-
-
-def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
-    """Every leaf of one rank's manifest, from its skeleton alone: no data is read."""
-    found = list(iter_leaves(manifest.skeleton))
-    owner: dict[int, str] = {}  # blob -> the first leaf that uses it
-    leaves: list[LeafInfo] = []
-    for path, node in found:
-        t = str(node.get("t"))
-        blob: int | None = None
-        nbytes = 0
-        chunks = 0
-        shared_with: str | None = None
-        packed_with: str | None = None
-        if "b" in node:
-            b = node["b"]
-            if type(b) is not int or not 0 <= b < len(manifest.blobs):
-                raise CheckpointFormatError(f"leaf {path}: invalid blob reference {b!r:.40}")
-            blob = b
-            nbytes = manifest.blobs[b].nbytes
-            if b in owner:
-                # Packed leaves share a blob, not memory (their chunks count once).
-                if "at" in node:
-                    packed_with = owner[b]
-                else:
-                    shared_with = owner[b]
-            else:
-                owner[b] = path
-                chunks = chunk_count(nbytes, manifest.chunk_bytes)
-        shape = node.get("shape")
-        shape = list(shape) if isinstance(shape, list) else None
-        dtype: str | None = None
-        if t == "torch":
-            dtype = str(node.get("dtype"))
-            if "view" in node or "at" in node:
-                # A view into a storage shared with other tensors, or a leaf packed with
-                # others into one blob: its own elements only.
-                own = _own_bytes(node)
-                if own is not None:
-                    nbytes = own
-        elif t in ("numpy", "npscalar"):
-            dtype = _dtype_name(node.get("dtype"))
-            if t == "npscalar":
-                shape = []
-                hex_value = node.get("hex")
-                nbytes = len(hex_value) // 2 if isinstance(hex_value, str) else 0
-        elif t in ("bytes", "bytearray"):
-            shape = [nbytes]
-        leaves.append(
-            LeafInfo(
-                path,
-                t,
-                dtype,
-                shape,
-                nbytes,
-                chunks,
-                blob,
-                shared_with,
-                _inline_value(node),
-                packed_with,
-            )
-        )
-    return leaves
-
-
 def _shape_text(shape: list[int] | None) -> str:
     return "" if shape is None else str(tuple(shape))
 
 
 def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) -> None:
     """The leaves of one version (default: the latest), read from its manifest."""
-    store = _open(location)
+    run = _open(location)
     if step is None:
-        step = committed_steps(store)[-1]
-    record = engine.read_commit(store, step)
-    manifest, _ref = engine.read_manifest(store, record, rank)
-    leaves = describe_leaves(manifest)
+        step = _committed(run)[-1]
+    info = run.info(step, rank=rank)
+    leaves = info.leaves
     totals = {
         "leaves": len(leaves),
-        "blobs": len(manifest.blobs),
+        "blobs": info.blobs,
         "chunks": sum(leaf.chunks for leaf in leaves),
-        "logical_bytes": manifest.logical_bytes,
+        "logical_bytes": info.rank_bytes,
     }
     if as_json:
         _print_json(
             {
-                "path": store.url,
+                "path": run.url,
                 "step": step,
                 "rank": rank,
-                "world_size": record.world_size,
-                "created": iso_time(manifest.created_unix),
-                "chunk_bytes": manifest.chunk_bytes,
+                "world_size": info.world_size,
+                "created": iso_time(info.created_unix),
+                "chunk_bytes": info.chunk_bytes,
                 "leaves": [leaf.to_json() for leaf in leaves],
                 "totals": totals,
             }
         )
         return
     _print(
-        f"step {step} of {store.url}, rank {rank} of {record.world_size}, created "
-        f"{iso_time(manifest.created_unix)}, chunks of {human_bytes(manifest.chunk_bytes)}"
+        f"step {step} of {run.url}, rank {rank} of {info.world_size}, created "
+        f"{iso_time(info.created_unix)}, chunks of {human_bytes(info.chunk_bytes)}"
     )
     table = _Table(
         [
@@ -758,71 +595,15 @@ def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) ->
 # verify
 
 
-@dataclass(frozen=True, slots=True)
-class VersionCheck:
-    """The outcome of verifying every rank of one version."""
-
-    step: int
-    errors: tuple[str, ...]
-    world_size: int | None = None
-    leaves: int | None = None
-    logical_bytes: int | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "ok": self.ok,
-            "world_size": self.world_size,
-            "leaves": self.leaves,
-            "logical_bytes": self.logical_bytes,
-            "errors": list(self.errors),
-        }
-
-
-_DAMAGE = (IntegrityError, CheckpointFormatError)
-
-
-def verify_version(store: Store, step: int) -> VersionCheck:
-    """Read and hash every chunk of every rank of ``step``.
-
-    A missing commit record raises CheckpointNotFoundError (the version does not exist); any
-    other failure to read it back is damage, reported rather than raised.
-    """
-    try:
-        record = engine.read_commit(store, step)
-    except _DAMAGE as exc:
-        return VersionCheck(step, (_one_line(str(exc)),))
-    errors: list[str] = []
-    for ref in record.manifests:
-        try:
-            engine.verify_part(store, step, rank=ref.rank)
-        except (*_DAMAGE, CheckpointNotFoundError) as exc:
-            # Inside a committed version, a missing manifest or data file is damage too.
-            errors.append(_one_line(str(exc)))
-    return VersionCheck(step, tuple(errors), record.world_size, record.leaves, record.logical_bytes)
-
-
 def cmd_verify(location: str, *, step: int | None, as_json: bool) -> int:
     """Verify one version or every version; return 1 if any is damaged, else 0."""
-    store = _open(location)
-    checks: list[VersionCheck] = []
-    if step is not None:
-        checks.append(verify_version(store, step))
-    else:
-        for s in committed_steps(store):
-            try:
-                checks.append(verify_version(store, s))
-            except CheckpointNotFoundError:
-                continue  # removed by retention while we were verifying
-    damaged = [c for c in checks if not c.ok]
+    run = _open(location)
+    if step is None:
+        _committed(run)
+    report = run.verify(step)
+    checks, damaged = report.versions, report.damaged
     if as_json:
-        _print_json(
-            {"path": store.url, "ok": not damaged, "versions": [c.to_json() for c in checks]}
-        )
+        _print_json({"path": run.url, "ok": report.ok, "versions": [c.to_json() for c in checks]})
     else:
         table = _Table([_Column("step", right=True), _Column("status"), _Column("detail")])
         for c in checks:
@@ -859,7 +640,7 @@ def cmd_export(
         check_out(out, force=force)  # a bad OUT is refused before the run is even opened
     except (ValueError, TypeError) as exc:
         raise CliUsageError(str(exc)) from exc
-    store = _open(location)
+    store = _open_store(location)
     if step is None:
         step = committed_steps(store)[-1]
     try:
@@ -966,149 +747,17 @@ def cmd_import_dcp(directory: str, location: str, *, step: int | None, as_json: 
 # diff
 
 
-def _leaf_nodes(manifest: Manifest) -> dict[str, Any]:
-    return dict(iter_leaves(manifest.skeleton))
-
-
-def _own_bytes(node: dict[str, Any]) -> int | None:
-    """The bytes of a torch leaf's own elements (a view or a packed tensor takes fewer than
-    its blob), or None where its dtype or shape is unknown."""
-    shape, item = node.get("shape"), _torch_itemsize(str(node.get("dtype")))
-    if not isinstance(shape, list) or item is None:
-        return None
-    return int(np.prod(shape, dtype=np.int64)) * item
-
-
-def _packed_range(node: dict[str, Any], blob_bytes: int) -> tuple[int, int] | None:
-    """The byte range a packed leaf takes in its blob, or None (not packed, or malformed)."""
-    at, own = node.get("at"), _own_bytes(node)
-    if type(at) is not int or own is None:
-        return None
-    return (at, at + own) if 0 <= at <= at + own <= blob_bytes else None
-
-
-class _Packs:
-    """Packs of small tensors read for ``diff`` (through the engine's reader: every chunk
-    verified); the last few are kept, since a pack's tensors come one after the other (every
-    tensor of a changed pack reads it once, not once per tensor)."""
-
-    _KEEP = 8
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.kept: dict[tuple[int, int], bytes] = {}
-
-    def span(self, part: ResolvedPart, b: int, span: tuple[int, int]) -> bytes:
-        """The bytes ``span`` of blob ``b`` of ``part``."""
-        key = (id(part), b)
-        data = self.kept.get(key)
-        if data is None:
-            data = self.kept[key] = engine.read_blob(self.store, part, b)
-            if len(self.kept) > self._KEEP:
-                del self.kept[next(iter(self.kept))]
-        return data[span[0] : span[1]]
-
-
-def _packed_diff(
-    packs: _Packs,
-    path: str,
-    new: tuple[ResolvedPart, int, tuple[int, int] | None],
-    old: tuple[ResolvedPart, int, tuple[int, int] | None],
-    comparable: bool,
-) -> dict[str, Any] | None:
-    """The diff row of a packed leaf, or None (unchanged). ``new`` and ``old``: the version,
-    the blob and the leaf's byte range in it; ``comparable``: the two nodes are alike (dtype,
-    shape, offset in the pack) and the chunk sizes the same. Where the chunks the leaf lies in
-    differ (small leaves share chunks), the packs are read, verified, and the leaf's own
-    bytes compared."""
-    (vx, bx, rx), (vy, by, ry) = new, old
-    if rx is None or ry is None or not comparable:
-        size = 0 if rx is None else rx[1] - rx[0]
-        return {"path": path, "status": "changed", "changed_bytes": size}
-    # Alike nodes give one range, inside both blobs (_packed_range): so are its chunks.
-    cb = vx.manifest.chunk_bytes
-    lo, hi = rx[0] // cb, -(-rx[1] // cb)
-    if (vx.blobs[bx].hashes[lo:hi] != vy.blobs[by].hashes[lo:hi]).any():
-        if packs.span(vx, bx, rx) == packs.span(vy, by, ry):
-            return None
-        return {"path": path, "status": "changed", "changed_bytes": rx[1] - rx[0]}
-    return None
-
-
 def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None:
-    """Per leaf: added, removed or changed between steps ``a`` and ``b``, with changed bytes.
-
-    Compares chunk hashes from the two manifests (resolved through their chains): no data is
-    read, and the changed bytes are those of the chunks whose content differs. A small tensor
-    packed with others shares its chunk with them: where that chunk differs, it is read (from
-    both versions, verified) to compare the leaf's own bytes.
-    """
-    store = _open(location)
-    old = engine.resolve_version(store, a, rank=rank)
-    new = engine.resolve_version(store, b, rank=rank)
-    cb = new.manifest.chunk_bytes
-    old_nodes, new_nodes = _leaf_nodes(old.manifest), _leaf_nodes(new.manifest)
-    packs = _Packs(store)
-    rows: list[dict[str, Any]] = []
-    changed_total = 0
-    for path, node in new_nodes.items():
-        before = old_nodes.get(path)
-        if before is None:
-            rows.append({"path": path, "status": "added", "changed_bytes": None})
-            continue
-        blob_new, blob_old = node.get("b"), before.get("b")
-        if blob_new is None or blob_old is None:
-            if {k: v for k, v in node.items() if k != "b"} != {
-                k: v for k, v in before.items() if k != "b"
-            }:
-                rows.append({"path": path, "status": "changed", "changed_bytes": 0})
-            continue
-        x, y = new.blobs[blob_new], old.blobs[blob_old]
-        meta_same = {k: v for k, v in node.items() if k != "b"} == {
-            k: v for k, v in before.items() if k != "b"
-        }
-        if "at" in node or "at" in before:
-            # A leaf packed with others: its own bytes, where it lies in both versions.
-            row = _packed_diff(
-                packs,
-                path,
-                (new, blob_new, _packed_range(node, x.nbytes)),
-                (old, blob_old, _packed_range(before, y.nbytes)),
-                meta_same and old.manifest.chunk_bytes == cb,
-            )
-            if row is not None:
-                changed_total += row["changed_bytes"]
-                rows.append(row)
-            continue
-        if x.nbytes != y.nbytes or old.manifest.chunk_bytes != cb:
-            rows.append({"path": path, "status": "changed", "changed_bytes": x.nbytes})
-            changed_total += x.nbytes
-            continue
-        differ = np.flatnonzero((x.hashes != y.hashes).any(axis=1))
-        if differ.size == 0 and meta_same:
-            continue
-        sizes = np.minimum(cb, x.nbytes - differ.astype(np.int64) * cb)
-        nbytes = int(sizes.sum())
-        changed_total += nbytes
-        rows.append(
-            {
-                "path": path,
-                "status": "changed",
-                "changed_bytes": nbytes,
-                "changed_chunks": int(differ.size),
-                "chunks": len(x.hashes),
-            }
-        )
-    rows.extend(
-        {"path": p, "status": "removed", "changed_bytes": None}
-        for p in old_nodes
-        if p not in new_nodes
-    )
-    logical = new.manifest.logical_bytes
+    """Per leaf: added, removed or changed between steps ``a`` and ``b``, with changed bytes
+    (:meth:`Run.diff`: from the chunk hashes; packed small tensors read where they differ)."""
+    run = _open(location)
+    diff = run.diff(a, b, rank=rank)
+    rows = [leaf.to_json() for leaf in diff.leaves]
+    changed_total, logical = diff.changed_bytes, diff.logical_bytes
     if as_json:
         _print_json(
             {
-                "path": store.url,
+                "path": run.url,
                 "a": a,
                 "b": b,
                 "changed_bytes": changed_total,
@@ -1139,40 +788,54 @@ def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None
 def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = False) -> None:
     """Keep the newest ``keep`` versions; delete the rest and every file none of them needs
     (with ``dry_run``, only say what would go)."""
-    store = _open(location)
-    steps = committed_steps(store)  # a missing run is a usage error, not an empty success
-    if dry_run:
-        plan = engine.plan_retire(store, keep=keep)
-        deleted, gone = plan.dropped, plan.data_files
-        freed = sum(store.size(k) for k in gone)
-        kept = [s for s in steps if s not in set(deleted)]
-    else:
-        lock = acquire_run_lock(store)
-        try:
-            before = {k: store.size(k) for k in store.list("data")}
-            deleted = engine.retire(store, keep=keep, fence=lock.check)
-            after = set(store.list("data"))
-        finally:
-            lock.release()
-        gone = [k for k in before if k not in after]
-        freed = sum(before[k] for k in gone)
-        kept = engine.list_steps(store)
+    run = _open(location)
+    _committed(run)  # a missing run is a usage error, not an empty success
+    removal = run.gc(keep=keep, dry_run=dry_run)
     if as_json:
         _print_json(
             {
-                "path": store.url,
+                "path": run.url,
                 "dry_run": dry_run,
-                "deleted_steps": deleted,
-                "kept_steps": kept,
-                "freed_bytes": freed,
-                "data_files_deleted": len(gone),
+                "deleted_steps": list(removal.removed),
+                "kept_steps": list(removal.kept),
+                "freed_bytes": removal.freed_bytes,
+                "data_files_deleted": len(removal.data_files),
             }
         )
         return
     verb = ("would delete", "would free") if dry_run else ("deleted", "freed")
     _print(
-        f"{verb[0]} {_plural(len(deleted), 'version')}, kept {_plural(len(kept), 'version')}; "
-        f"{verb[1]} {human_bytes(freed)}"
+        f"{verb[0]} {_plural(len(removal.removed), 'version')}, kept "
+        f"{_plural(len(removal.kept), 'version')}; {verb[1]} {human_bytes(removal.freed_bytes)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# rm
+
+
+def cmd_rm(location: str, *, step: int, dry_run: bool = False, as_json: bool = False) -> None:
+    """Delete version ``step`` and every file no remaining version needs (with ``dry_run``,
+    only say what would go)."""
+    run = _open(location)
+    removal = run.remove(step, dry_run=dry_run)
+    if as_json:
+        _print_json(
+            {
+                "path": run.url,
+                "dry_run": dry_run,
+                "step": step,
+                "kept_steps": list(removal.kept),
+                "freed_bytes": removal.freed_bytes,
+                "manifests_deleted": len(removal.manifests),
+                "data_files_deleted": len(removal.data_files),
+            }
+        )
+        return
+    verb = ("would remove", "would free") if dry_run else ("removed", "freed")
+    _print(
+        f"{verb[0]} step {step}, kept {_plural(len(removal.kept), 'version')}; {verb[1]} "
+        f"{human_bytes(removal.freed_bytes)} ({_plural(len(removal.data_files), 'data file')})"
     )
 
 

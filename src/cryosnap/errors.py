@@ -22,6 +22,8 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── LockLostError                                    this writer no longer holds the run's
     │                                                    write lock (taken over while paused);
     │                                                    it stops instead of saving or deleting
+    ├── RunLockedError                                   another writer holds the run's write
+    │                                                    lock (a Checkpointer is open on it)
     └── StorageError (+ OSError)                         the storage backend failed (full disk,
         │                                                permissions, unreachable endpoint)
         └── StorageTimeoutError (+ TimeoutError)         one storage call did not return within
@@ -45,6 +47,7 @@ __all__ = [
     "IntegrityError",
     "LockLostError",
     "ReplicaDivergenceError",
+    "RunLockedError",
     "StateMismatchError",
     "StorageError",
     "StorageTimeoutError",
@@ -96,6 +99,11 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 class LockLostError(CheckpointError):
     """This writer's hold on the run's write lock was lost (another writer took it over, or the
     lock file was replaced); nothing more is committed or deleted by it."""
+
+
+class RunLockedError(CheckpointError):
+    """The run is already open for writing: another writer (a Checkpointer, ``cryosnap gc``
+    or ``rm``) holds its write lock; the message names the run and the holder."""
 
 
 class StorageTimeoutError(StorageError, TimeoutError):

@@ -46,6 +46,7 @@ import numpy as np
 from . import _validate, engine
 from .checkpointer import load
 from .errors import CheckpointError, CheckpointNotFoundError
+from .run import runs_inside
 from .storage import Store, open_store
 from .tree import format_path
 
@@ -186,7 +187,7 @@ def committed_steps(store: Store) -> list[int]:
     there are none (naming the runs just below it, if it holds runs rather than being one)."""
     steps = engine.list_steps(store)
     if not steps:
-        inner = _runs_inside(store)
+        inner = runs_inside(store)
         if inner:
             raise CheckpointNotFoundError(
                 f"no committed version in {store.url}; it holds the run(s) "
@@ -207,16 +208,6 @@ def is_dcp_version(store: Store, step: int) -> bool:
     if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
         return False
     return skeleton.get("k") == [_DCP_ROOT]
-
-
-def _runs_inside(store: Store) -> list[str]:
-    """Directories just below a local path that are runs (e.g. a demo's ``persistent``)."""
-    root = store.capabilities.local_path
-    if root is None or not root.is_dir():
-        return []
-    return sorted(
-        str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     LockLostError,
+    RunLockedError,
     StorageError,
 )
 from .storage import ConditionalWrites, ConditionalWritesUnsupported, Store
@@ -340,7 +341,8 @@ def acquire_run_lock(
     stale_seconds: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> RunLock:
-    """Take the run's write lock or raise :class:`CheckpointError` naming the holder.
+    """Take the run's write lock or raise :class:`~cryosnap.errors.RunLockedError` naming the
+    run and its holder.
 
     ``stale_seconds`` (default :data:`STALE_SECONDS`, read at each call): how old a lock object's
     heartbeat must be before it is taken over. ``clock``: the monotonic clock the holder measures
@@ -385,7 +387,7 @@ def _refuse_if_held(lock: RunLock, current: Any) -> None:
     last_beat = current.get("heartbeat_unix")
     stale = not isinstance(last_beat, (int, float)) or time.time() - last_beat > lock.stale_seconds
     if not (dead_here or stale):
-        raise CheckpointError(
+        raise RunLockedError(
             f"{lock.store.url} is already open for writing by {_describe(current)}; "
             "one writer per run (readers need no lock)"
         )
@@ -418,7 +420,7 @@ def _acquire_flock(lock: RunLock, root: Path) -> None:
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise StorageError(f"cannot lock {path}: {exc.strerror}") from exc
-            raise CheckpointError(
+            raise RunLockedError(
                 f"{lock.store.url} is already open for writing by "
                 f"{_describe(_parse(_read_fd(fd)))}; one writer per run (readers need no lock)"
             ) from None
@@ -504,7 +506,7 @@ def _acquire_claimed(lock: RunLock) -> None:
                 store.delete(claim)
         # Another writer is opening this run now: let one of us go first.
         time.sleep(random.uniform(0.0, 0.05 * 2**attempt))
-    raise CheckpointError(
+    raise RunLockedError(
         f"{store.url} is being opened for writing by other processes at the same time; "
         "one writer per run (readers need no lock)"
     )
@@ -547,7 +549,7 @@ def _take_object(lock: RunLock, start: float) -> None:
         )
     check = _read_settled(store)
     if not isinstance(check, dict) or check.get("token") != lock.token:
-        raise CheckpointError(f"{store.url} was locked by {_describe(check)} at the same time")
+        raise RunLockedError(f"{store.url} was locked by {_describe(check)} at the same time")
 
 
 # --- lock objects: conditional writes (S3) --------------------------------------------------
@@ -599,7 +601,7 @@ def _acquire_conditional(lock: RunLock, s3: _ConditionalLock) -> None:
                 s3.delete(None)
                 raise
             if etag is None:
-                raise CheckpointError(f"{lock.store.url} was locked by another writer at once")
+                raise RunLockedError(f"{lock.store.url} was locked by another writer at once")
         else:
             got = s3.get()
             if got is None:
@@ -610,7 +612,7 @@ def _acquire_conditional(lock: RunLock, s3: _ConditionalLock) -> None:
             owner = _owner(lock.token, lock.generation)
             etag = s3.replace(json.dumps(owner).encode(), got[1])
             if etag is None:
-                raise CheckpointError(
+                raise RunLockedError(
                     f"{lock.store.url} was taken over by another writer at the same time"
                 )
         lock._owner, lock._etag, lock._beat_ok, lock._cond = owner, etag, start, s3
@@ -619,7 +621,7 @@ def _acquire_conditional(lock: RunLock, s3: _ConditionalLock) -> None:
         check = _parse(got[0]) if got else None
         if not isinstance(check, dict) or check.get("token") != lock.token:
             lock._owner = None
-            raise CheckpointError(
+            raise RunLockedError(
                 f"{lock.store.url} was locked by {_describe(check)} at the same time"
             )
         return

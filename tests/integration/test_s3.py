@@ -575,3 +575,21 @@ def test_object_store_has_no_incomplete_files(s3_bucket: S3Bucket) -> None:
     # Through open_store's TimeoutStore too.
     bounded = open_store(s3_bucket.url("run"), **s3_bucket.storage_options)
     assert bounded.remove_incomplete("data") == []
+
+
+def test_run_handle_over_s3(s3_bucket: S3Bucket) -> None:
+    """cryosnap.Run over an s3:// URL with storage_options: read, verify, remove a base version
+    (its successor still restores), refused while a Checkpointer holds the object lock."""
+    states = [make_state(0), make_state(0)]
+    states[1]["data"]["x"][:10] = 0.0  # the second version changes one chunk of the first
+    with cryosnap.Checkpointer(make_store(s3_bucket), keep=None, chunk_bytes=4096) as ckpt:
+        for step, state in enumerate(states):
+            ckpt.save(step, state).result()
+    run = cryosnap.Run(s3_bucket.url(), storage_options=s3_bucket.storage_options)
+    assert run.steps() == [0, 1] and run.info().base_step == 0 and run.verify().ok
+    with cryosnap.Checkpointer(make_store(s3_bucket)), pytest.raises(cryosnap.RunLockedError):
+        run.remove(0)
+    assert run.remove(0).removed == (0,) and run.steps() == [1]
+    assert_same(states[1], run.load())
+    with pytest.raises(cryosnap.CheckpointNotFoundError, match="no checkpoint at"):
+        cryosnap.Run(s3_bucket.url("none"), storage_options=s3_bucket.storage_options)

@@ -150,7 +150,8 @@ def test_import_cryosnap_does_not_import_typer_or_rich() -> None:
 def test_shell_help_and_commands(run: Path) -> None:
     res = shell("--help")
     assert res.returncode == 0, res.stderr
-    for command in ("ls", "inspect", "verify", "export", "diff", "gc", "demo", "plan", "bench"):
+    commands = ("ls", "inspect", "verify", "export", "diff", "gc", "rm", "demo", "plan", "bench")
+    for command in commands:
         assert command in res.stdout
 
     res = shell("ls", run)
@@ -343,6 +344,75 @@ def test_gc_dry_run_deletes_nothing(capsys: pytest.CaptureFixture[str], tmp_path
     code, out, _ = cli(capsys, "gc", run, "--keep", "1", "--json")
     assert json.loads(out)["deleted_steps"] == [0, 1, 2]
     assert len(list((run / "data").iterdir())) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# rm
+
+
+def run_files(run: Path) -> dict[str, bytes]:
+    """The run's versions and data (the write lock's file records each writer that opens)."""
+    files = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    return {k: v for k, v in files.items() if k != "writer.lock"}
+
+
+def test_rm_as_typed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "inc"
+    arr = np.zeros(10_000)
+    with cryosnap.Checkpointer(run_dir, chunk_bytes=4096) as ckpt:
+        for step in range(3):
+            arr[step * 1000] = step + 1
+            ckpt.save(step, {"a": arr}).result()
+    res = shell("rm", run_dir, "--step", "0")  # the base of 1 and 2: they still restore
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout.startswith("removed step 0, kept 2 versions; freed "), res.stdout
+    np.testing.assert_array_equal(cryosnap.load(run_dir)["a"], arr)
+    res = shell("rm", run_dir, "--step", "0")
+    assert res.returncode == 2 and res.stdout == ""
+    assert_one_error_line(res.stderr, "step 0 not found in", str(run_dir))
+
+
+def test_rm_dry_run_and_json(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    before = run_files(run)
+    code, out, err = cli(capsys, "rm", run, "--step", "2", "--dry-run")
+    assert (code, err) == (0, "")
+    assert out.startswith("would remove step 2, kept 1 version; would free "), out
+    assert out.rstrip().endswith("(1 data file)")
+    code, out, _ = cli(capsys, "rm", run, "--step", "2", "--dry-run", "--json")
+    planned = json.loads(out)
+    assert code == 0 and planned["dry_run"] and planned["step"] == 2
+    assert planned["kept_steps"] == [1] and planned["data_files_deleted"] == 1
+    assert run_files(run) == before
+    code, out, _ = cli(capsys, "rm", run, "--step", "2", "--json")
+    done = json.loads(out)
+    assert code == 0 and not done["dry_run"]
+    assert {k: v for k, v in done.items() if k != "dry_run"} == {
+        k: v for k, v in planned.items() if k != "dry_run"
+    }
+    assert cryosnap.Run(run).steps() == [1]
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    assert [v["step"] for v in json.loads(out)["versions"]] == [1]
+
+
+def test_rm_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], run: Path) -> None:
+    before = run_files(run)
+    code, out, err = cli(capsys, "rm", run, "--step", "7", "--json")
+    assert code == 2 and json.loads(out)["type"] == "CheckpointNotFoundError"
+    assert_one_error_line(err, "step 7 not found in", str(run))
+    code, out, err = cli(capsys, "rm", run.parent / "nope", "--step", "1")
+    assert (code, out) == (2, "")
+    assert_one_error_line(err, "no checkpoint at")
+    assert not (run.parent / "nope").exists()
+    code, _, err = cli(capsys, "rm", run)  # --step missing
+    assert code == 2 and "--step" in err
+    code, _, err = cli(capsys, "rm", run, "--step", "-1")
+    assert code == 2 and "--step" in err
+    with cryosnap.Checkpointer(run):
+        code, out, err = cli(capsys, "rm", run, "--step", "1", "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["type"] == "RunLockedError"
+    assert_one_error_line(err, "cannot remove step 1", str(run), "already open for writing by pid")
+    assert run_files(run) == before
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import pytest
 
 import cryosnap
 import cryosnap.lock
-from cryosnap.errors import CheckpointError, LockLostError
+from cryosnap.errors import CheckpointError, LockLostError, RunLockedError
 from cryosnap.lock import LOCK_KEY, RunLock, acquire_run_lock
 from cryosnap.storage import FsspecStore, LocalStore
 from cryosnap.testing import FaultyStore
@@ -54,6 +54,22 @@ def _lock_info(store: Any) -> dict[str, Any]:
         except ValueError:
             time.sleep(0.02)
     raise AssertionError(f"{LOCK_KEY} never read whole")
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_held_lock_is_refused_with_run_locked_error(
+    tmp_path: Path, held: list[RunLock], kind: str
+) -> None:
+    if kind == "local":
+        store: Any = LocalStore(tmp_path / "run")
+    else:
+        store = FsspecStore(f"memory://lock-held-{random.getrandbits(32)}")
+    held.append(acquire_run_lock(store))
+    with pytest.raises(RunLockedError, match="already open for writing by pid") as info:
+        acquire_run_lock(store)
+    assert isinstance(info.value, CheckpointError) and store.url in str(info.value)
+    with pytest.raises(RunLockedError, match=str(os.getpid())):
+        cryosnap.Checkpointer(store)  # a second writer: the same error through the facade
 
 
 # --- local runs: flock -----------------------------------------------------------------------

@@ -1,0 +1,361 @@
+"""``cryosnap.Run``: a handle on a run for reading it (list, describe, verify, diff, load) and
+for removing versions, the API the command line is built on.
+
+Reading takes no lock and writes nothing; opening a Run only lists the run. ``remove`` and
+``gc`` take the run's write lock, as a writer does, and delete with the reference counting of
+retention (:mod:`cryosnap.engine`'s ``plan_retire``/``apply_retire``). The caller's thread;
+no collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import engine
+from ._inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
+from ._validate import positive_int
+from ._validate import step as validate_step
+from .checkpointer import load
+from .errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    RunLockedError,
+)
+from .lock import LOCK_KEY, acquire_run_lock
+from .manifest import CommitRecord, Replicated, commit_key
+from .storage import Store, open_store
+
+__all__ = ["Damage", "Removal", "Run", "VerifyReport", "VersionCheck", "VersionInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    """One version as :meth:`Run.info` describes it, from its commit record and one rank's
+    manifest (no data read).
+
+    ``leaves``, ``blobs`` and ``rank_bytes`` are rank ``rank``'s part; ``logical_bytes`` (the
+    state's size) and ``written_bytes`` (the new data the version wrote) the whole version's.
+    ``replicated``: the top-level keys saved as identical on every rank (True: the whole
+    state; None: none). ``base_step``: the version an incremental version builds on.
+    """
+
+    step: int
+    world_size: int
+    ranks: tuple[int, ...]
+    replicated: Replicated
+    rank: int
+    leaves: tuple[LeafInfo, ...]
+    blobs: int
+    rank_bytes: int
+    logical_bytes: int
+    written_bytes: int
+    chunk_bytes: int
+    base_step: int | None
+    incremental: bool
+    created_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """What verification found wrong in one version: ``rank``'s part (None: the commit record
+    itself); ``error`` names the step, tier, leaf and chunk or file."""
+
+    rank: int | None
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCheck:
+    """The outcome of verifying every rank of one version (the figures are None when its
+    commit record cannot be read)."""
+
+    step: int
+    damage: tuple[Damage, ...]
+    world_size: int | None = None
+    leaves: int | None = None
+    logical_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.damage
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        return tuple(d.error for d in self.damage)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ok": self.ok,
+            "world_size": self.world_size,
+            "leaves": self.leaves,
+            "logical_bytes": self.logical_bytes,
+            "errors": list(self.errors),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The outcome of :meth:`Run.verify`: one check per version, ascending."""
+
+    versions: tuple[VersionCheck, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.versions)
+
+    @property
+    def damaged(self) -> tuple[VersionCheck, ...]:
+        return tuple(c for c in self.versions if not c.ok)
+
+
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """What :meth:`Run.remove` or :meth:`Run.gc` deleted (with ``dry_run``: would delete):
+    the versions, then the manifests and data files no remaining version needs."""
+
+    removed: tuple[int, ...]
+    kept: tuple[int, ...]
+    manifests: tuple[str, ...]
+    data_files: tuple[str, ...]
+    freed_bytes: int
+    dry_run: bool
+
+
+class Run:
+    """A handle on the run at ``path`` (a directory, an fsspec URL or a Store).
+
+    Reading takes no lock and creates nothing, so it works beside a running Checkpointer.
+    ``storage_options`` go to fsspec. A path that holds no run raises
+    :class:`~cryosnap.CheckpointNotFoundError` naming it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._store = open_store(path, **(storage_options or {}))
+        _check_is_run(self._store)
+
+    def __repr__(self) -> str:
+        return f"Run({self.url!r})"
+
+    @property
+    def url(self) -> str:
+        """Where the run is: its directory or URL."""
+        return self._store.url
+
+    # -- versions ------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed versions, ascending."""
+        return engine.list_steps(self._store)
+
+    def latest_step(self) -> int | None:
+        """The newest committed version, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def info(self, step: int | None = None, *, rank: int = 0) -> VersionInfo:
+        """Version ``step`` (default: the newest), with the leaves of rank ``rank``'s part."""
+        step = self._step_or_latest(step)
+        rank = validate_step(rank, "rank")
+        record = engine.read_commit(self._store, step)
+        manifest, _ref = engine.read_manifest(self._store, record, rank)
+        bases = [s for s in record.chain if s < step]
+        return VersionInfo(
+            step=step,
+            world_size=record.world_size,
+            ranks=tuple(sorted(ref.rank for ref in record.manifests)),
+            replicated=manifest.replicated,
+            rank=rank,
+            leaves=tuple(describe_leaves(manifest)),
+            blobs=len(manifest.blobs),
+            rank_bytes=manifest.logical_bytes,
+            logical_bytes=record.logical_bytes,
+            written_bytes=record.written_bytes,
+            chunk_bytes=record.chunk_bytes,
+            base_step=max(bases) if bases else None,
+            incremental=record.incremental,
+            created_unix=record.created_unix,
+        )
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Read and hash every chunk of every rank of ``step`` (default: of every version);
+        damage is reported, not raised. A missing ``step`` raises CheckpointNotFoundError."""
+        if step is not None:
+            return VerifyReport((_verify_version(self._store, validate_step(step)),))
+        checks = []
+        for s in self.steps():
+            with contextlib.suppress(CheckpointNotFoundError):  # removed while verifying
+                checks.append(_verify_version(self._store, s))
+        return VerifyReport(tuple(checks))
+
+    def diff(self, a: int, b: int, *, rank: int = 0) -> VersionDiff:
+        """Which leaves of rank ``rank``'s part changed from step ``a`` to step ``b``, and
+        how many bytes, from the chunk hashes (see :func:`cryosnap._inspect.diff_versions`)."""
+        a, b = validate_step(a, "a"), validate_step(b, "b")
+        return diff_versions(self._store, a, b, rank=validate_step(rank, "rank"))
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        rank: int | None = None,
+        map_location: Any = None,
+        allow_pickle: bool = False,
+    ) -> Any:
+        """Version ``step`` (default: the newest that verifies), as :func:`cryosnap.load`."""
+        return load(
+            self._store,
+            step=step,
+            into=into,
+            rank=rank,
+            allow_pickle=allow_pickle,
+            map_location=map_location,
+        )
+
+    # -- removing ------------------------------------------------------------------------------
+
+    def remove(self, step: int, *, dry_run: bool = False) -> Removal:
+        """Delete version ``step``: its commit record first, then the manifests and data files
+        no remaining version needs (a later version built on it still restores).
+
+        Takes the run's write lock (:class:`~cryosnap.errors.RunLockedError` while a writer
+        holds it); with ``dry_run`` only says what would go, and takes no lock.
+        """
+        step = validate_step(step)
+        if step not in self.steps():
+            raise self._not_found(step)
+        return self._retire(f"remove step {step}", dry_run, drop=[step], expect=[step])
+
+    def gc(self, *, keep: int, dry_run: bool = False) -> Removal:
+        """Keep the newest ``keep`` versions; delete the others as :meth:`remove` does."""
+        return self._retire("collect garbage", dry_run, keep=positive_int(keep, "keep"))
+
+    def _retire(
+        self, what: str, dry_run: bool, *, expect: Sequence[int] = (), **options: Any
+    ) -> Removal:
+        store = self._store
+        if dry_run:
+            return self._removal(engine.plan_retire(store, **options), dry_run=True)
+        try:
+            lock = acquire_run_lock(store)
+        except RunLockedError as exc:
+            raise RunLockedError(f"cannot {what}: {exc}") from None
+        try:
+            plan = engine.plan_retire(store, **options)
+            missing = [s for s in expect if s not in plan.dropped]
+            if missing:  # retired by a writer between our listing and the lock
+                raise self._not_found(missing[0])
+            removal = self._removal(plan, dry_run=False)
+            engine.apply_retire(store, plan, fence=lock.check)
+        finally:
+            lock.release()
+        return replace(removal, kept=tuple(self.steps()))
+
+    def _removal(self, plan: engine.RetirePlan, *, dry_run: bool) -> Removal:
+        """``plan`` as a Removal, its files measured before anything is deleted."""
+        store = self._store
+        dropped = set(plan.dropped)
+        keys = [commit_key(s) for s in plan.dropped] + plan.manifests + plan.data_files
+        freed = sum(_size(store, k) for k in keys)
+        kept = tuple(s for s in self.steps() if s not in dropped)
+        return Removal(
+            tuple(plan.dropped),
+            kept,
+            tuple(plan.manifests),
+            tuple(plan.data_files),
+            freed,
+            dry_run,
+        )
+
+    # -- helpers for the command line ----------------------------------------------------------
+
+    def _record(self, step: int) -> CommitRecord:
+        """The commit record of ``step`` (``ls`` shows these without opening manifests)."""
+        return engine.read_commit(self._store, step)
+
+    def _step_or_latest(self, step: int | None) -> int:
+        if step is not None:
+            return validate_step(step)
+        latest = self.latest_step()
+        if latest is None:
+            raise CheckpointNotFoundError(f"no committed version in {self.url}")
+        return latest
+
+    def _not_found(self, step: int) -> CheckpointNotFoundError:
+        return CheckpointNotFoundError(f"step {step} not found in {self.url}")
+
+
+def _size(store: Store, key: str) -> int:
+    try:
+        return store.size(key)
+    except CheckpointNotFoundError:
+        return 0  # already gone (a pass that failed midway deleted it)
+
+
+_DAMAGE = (IntegrityError, CheckpointFormatError)
+
+
+def _verify_version(store: Store, step: int) -> VersionCheck:
+    """Read and hash every chunk of every rank of ``step``.
+
+    A missing commit record raises CheckpointNotFoundError (the version does not exist); any
+    other failure to read it back is damage, reported rather than raised.
+    """
+    try:
+        record = engine.read_commit(store, step)
+    except _DAMAGE as exc:
+        return VersionCheck(step, (Damage(None, _one_line(str(exc))),))
+    damage: list[Damage] = []
+    for ref in record.manifests:
+        try:
+            engine.verify_part(store, step, rank=ref.rank)
+        except (*_DAMAGE, CheckpointNotFoundError) as exc:
+            # Inside a committed version, a missing manifest or data file is damage too.
+            damage.append(Damage(ref.rank, _one_line(str(exc))))
+    return VersionCheck(step, tuple(damage), record.world_size, record.leaves, record.logical_bytes)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _check_is_run(store: Store) -> None:
+    """Raise CheckpointNotFoundError naming ``store`` unless it holds a run (a committed
+    version, or what a writer leaves before its first commit). Lists, creates nothing."""
+    if engine.list_steps(store) or store.list("data") or store.list("versions"):
+        return
+    if store.exists(LOCK_KEY):
+        return
+    inner = runs_inside(store)
+    if inner:
+        raise CheckpointNotFoundError(
+            f"no committed version in {store.url}; it holds the run(s) "
+            + ", ".join(inner)
+            + " (a run with scratch tiers is one run per tier)"
+        )
+    if store.list(""):
+        raise CheckpointNotFoundError(
+            f"{store.url} is not a cryosnap run: it holds no versions/, data/ or {LOCK_KEY}"
+        )
+    raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
+
+
+def runs_inside(store: Store) -> list[str]:
+    """Directories just below a local path that are runs (e.g. a demo's ``persistent``)."""
+    root = store.capabilities.local_path
+    if root is None or not root.is_dir():
+        return []
+    return sorted(
+        str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
+    )
