@@ -68,6 +68,7 @@ __all__ = [
     "generation_of_manifest_key",
     "manifest_key",
     "max_generation",
+    "parse_manifest_key",
     "parse_commit_key",
     "step_of_commit_key",
     "version_prefix",
@@ -154,15 +155,22 @@ def data_key(step: int, rank: int, token: str) -> str:
     return f"data/{step:012d}-r{rank:05d}-{token}.dat"
 
 
-_MANIFEST_NAME = re.compile(r"rank-[0-9]{5}(?:-g([1-9][0-9]{0,8}))?\.json")
+_MANIFEST_NAME = re.compile(r"rank-([0-9]{5})(?:-g([1-9][0-9]{0,8}))?(?:-[0-9a-f]{8})?\.json")
 
 
-def generation_of_manifest_key(key: str) -> int | None:
-    """The generation in a manifest's key (``rank-<r>[-g<gen>].json``), or None."""
+def parse_manifest_key(key: str) -> tuple[int, int] | None:
+    """The rank and generation in a manifest's key (``rank-<r>[-g<gen>][-<token>].json``: a
+    token when the step was saved again while its old manifest stayed), or None."""
     m = _MANIFEST_NAME.fullmatch(key.rsplit("/", 1)[-1])
     if m is None:
         return None
-    return int(m.group(1)) if m.group(1) else 0
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else 0
+
+
+def generation_of_manifest_key(key: str) -> int | None:
+    """The generation in a manifest's key, or None for another key."""
+    parsed = parse_manifest_key(key)
+    return None if parsed is None else parsed[1]
 
 
 def parse_commit_key(key: str) -> tuple[int, Lineage | None] | None:

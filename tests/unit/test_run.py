@@ -197,13 +197,6 @@ def test_remove_of_the_base_keeps_its_successors_restorable(run_dir: Path) -> No
     assert_same(STATES[40], run.load(40))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: saving step S again after remove(S), while a later version's chain still "
-    "needs S's manifest, overwrites versions/<S>/rank-*.json: both versions then fail their "
-    "manifest hash. The save path must refuse such a step (or write manifests under names "
-    "of their own); Run.remove cannot prevent it",
-)
 def test_saving_a_removed_base_step_again_keeps_its_successor(run_dir: Path) -> None:
     run = cryosnap.Run(run_dir)
     run.remove(10)

@@ -19,7 +19,7 @@ from ..manifest import (
     CommitRecord,
     Lineage,
     commit_key,
-    generation_of_manifest_key,
+    parse_manifest_key,
     step_of_commit_key,
     visible_versions,
 )
@@ -115,10 +115,14 @@ def _unneeded_manifests(
         and step_of_commit_key(key) is None
         and key not in reserved
     ]
-    gens: dict[int, set[int | None]] = {}
+    mixed: set[int] = set()  # needed steps holding two manifests of one rank
+    seen: set[tuple[int, int | None]] = set()
     for key, step in listed:
-        gens.setdefault(step, set()).add(generation_of_manifest_key(key))
-    mixed = {s for s, g in gens.items() if len(g) > 1 and s in needed_steps}
+        parsed = parse_manifest_key(key)
+        one = (step, None if parsed is None else parsed[0])
+        if one in seen and step in needed_steps:
+            mixed.add(step)
+        seen.add(one)
     exact = _chain_keys(store, [r for r in kept if mixed & set(r.chain)]) if mixed else None
     return [
         key

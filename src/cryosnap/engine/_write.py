@@ -890,6 +890,11 @@ class PartWriter(_Shares):
     def _write_manifest(self, manifest: Manifest, body: bytes) -> PartResult:
         base = self.base
         mkey = manifest_key(self.step, self.rank, self.generation)
+        if self.store.exists(mkey):
+            # A step saved again (after remove, retention or a crash) whose old manifest a
+            # later version may still resolve through: never overwrite it, take a name of its
+            # own (the commit record names the key; retention reclaims the old one).
+            mkey = f"{mkey.removesuffix('.json')}-{secrets.token_hex(4)}.json"
         self.store.write(mkey, body)
         xxh3 = xxhash.xxh3_128_hexdigest(body)
         return PartResult(
