@@ -186,6 +186,23 @@ def test_a_checkpointer_on_every_rank(tmp_path: Path, comm: str) -> None:
             assert part["rank"] == rank
 
 
+def test_a_rewind_supersedes_in_the_global_commit_of_two_processes(tmp_path: Path) -> None:
+    from cryosnap import engine
+    from cryosnap.manifest import Lineage
+    from cryosnap.storage import LocalStore
+
+    results = launch("rewind", 2, tmp_path)
+    for rank, got in enumerate(results):
+        assert got["restored_t"] == 0
+        assert got["steps"] == [1, 2, 3]
+        assert got["reopened"] == [3, 1, 3 + 100.0 + rank]
+        assert got["final"] == [1, 2, 3, 4]
+    store = LocalStore(tmp_path / "run")
+    assert engine.list_steps(store) == [1, 2, 3, 4]
+    record = engine.read_commit(store, 4)
+    assert record.world_size == 2 and record.lineage == Lineage(1, 2)
+
+
 def test_replicated_state_is_written_once_split_across_two_processes(tmp_path: Path) -> None:
     import torch
 
@@ -499,6 +516,31 @@ def _partner(out: Path, restart: bool) -> dict[str, Any]:
     return got
 
 
+def _rewind(out: Path) -> dict[str, Any]:
+    """Save 1-4, restore 2 on purpose, save 3 again: the first save after the rewind
+    supersedes 3 and 4 in rank 0's global commit (issue 26)."""
+    import cryosnap
+
+    rank, _ = _init()
+
+    def state(step: int, trajectory: int) -> dict[str, Any]:
+        return {"w": np.full(5000, step + 100.0 * trajectory + rank), "t": trajectory}
+
+    got: dict[str, Any] = {}
+    with cryosnap.Checkpointer(out / "run", chunk_bytes=4096) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, state(step, 0)).result()
+        got["restored_t"] = ckpt.restore(step=2)["t"]
+        ckpt.save(3, state(3, 1)).result()
+        got["steps"] = ckpt.steps()
+    with cryosnap.Checkpointer(out / "run", chunk_bytes=4096) as ckpt:
+        newest = ckpt.restore()
+        got["reopened"] = [ckpt.restored_step, newest["t"], float(newest["w"][0])]
+        ckpt.save(4, state(4, 1)).result()
+        got["final"] = ckpt.steps()
+    return got
+
+
 def main(scenario: str, out: Path) -> None:
     import torch.distributed as dist
 
@@ -512,6 +554,8 @@ def main(scenario: str, out: Path) -> None:
         got = _replicated(out)
     elif scenario == "exchange":
         got = _exchange(out)
+    elif scenario == "rewind":
+        got = _rewind(out)
     elif scenario.startswith("partner-"):
         got = _partner(out, restart=scenario == "partner-restore")
     else:
