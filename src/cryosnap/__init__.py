@@ -20,11 +20,13 @@ from .errors import (
     CheckpointTimeoutError,
     CoordinationError,
     IntegrityError,
+    KeyNotFoundError,
     LockLostError,
     ReplicaDivergenceError,
     StateMismatchError,
     StorageError,
     StorageTimeoutError,
+    WorldSizeError,
 )
 from .storage.tiers import Tier
 
@@ -40,6 +42,7 @@ __all__ = [
     "Checkpointer",
     "CoordinationError",
     "IntegrityError",
+    "KeyNotFoundError",
     "LockLostError",
     "PendingSave",
     "RNGState",
@@ -50,6 +53,7 @@ __all__ = [
     "StorageError",
     "StorageTimeoutError",
     "Tier",
+    "WorldSizeError",
     "__version__",
     "load",
     "run_id_of",
