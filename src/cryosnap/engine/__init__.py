@@ -25,6 +25,7 @@ from ._read import (
     FlatPart,
     PartNotFoundError,
     caller_stacklevel,
+    every_version_damaged,
     newest_restorable,
     read_blob,
     read_flat,
@@ -44,6 +45,7 @@ from ._resolved import (
 )
 from ._resolved import _resolve_one as _resolve_one
 from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
+from ._select import validate_keys
 from ._write import PartResult, PartWriter, assign_shares
 from ._write import _split_pieces as _split_pieces
 
@@ -58,6 +60,7 @@ __all__ = [
     "RetirePlan",
     "caller_stacklevel",
     "chain_manifests",
+    "every_version_damaged",
     "ignore_files",
     "list_steps",
     "newest_restorable",
@@ -75,5 +78,6 @@ __all__ = [
     "plan_retire",
     "retire",
     "step_exists",
+    "validate_keys",
     "verify_part",
 ]
