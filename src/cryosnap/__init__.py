@@ -20,12 +20,14 @@ from .errors import (
     CheckpointTimeoutError,
     CoordinationError,
     IntegrityError,
+    KeyNotFoundError,
     LockLostError,
     ReplicaDivergenceError,
     RunLockedError,
     StateMismatchError,
     StorageError,
     StorageTimeoutError,
+    WorldSizeError,
 )
 from .run import Run, VerifyReport, VersionInfo
 from .storage.tiers import Tier
@@ -42,6 +44,7 @@ __all__ = [
     "Checkpointer",
     "CoordinationError",
     "IntegrityError",
+    "KeyNotFoundError",
     "LockLostError",
     "PendingSave",
     "RNGState",
@@ -56,6 +59,7 @@ __all__ = [
     "Tier",
     "VerifyReport",
     "VersionInfo",
+    "WorldSizeError",
     "__version__",
     "load",
     "run_id_of",

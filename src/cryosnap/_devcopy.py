@@ -26,11 +26,11 @@ imported only when called.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._torch_import import import_torch, loaded_torch
 from ._validate import bad_value, wrong_type
 
 __all__ = ["SLABS", "SLAB_BYTES", "SMALL_BYTES", "copy_to_device", "target_device", "to_device"]
@@ -53,7 +53,7 @@ def target_device(value: object, name: str = "map_location") -> Any:
     """
     if value is None:
         return None
-    loaded = sys.modules.get("torch")
+    loaded = loaded_torch()
     if not isinstance(value, str) and not (loaded is not None and isinstance(value, loaded.device)):
         wrong_type(value, name, "None, a str or a torch.device ('cpu', 'cuda', 'cuda:1')")
     try:
@@ -104,6 +104,8 @@ def copy_to_device(
     """
     if slab_bytes < 1 or slabs < 1:
         raise ValueError(f"slab_bytes={slab_bytes} and slabs={slabs} must be positive")
+    if not pairs:
+        return  # a state without tensors: torch stays unimported
     torch = _torch()
     with torch.no_grad():
         jobs = [_job(torch, src, dst) for src, dst in pairs]
@@ -122,10 +124,7 @@ def to_device(
 
 
 def _torch() -> Any:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch
-    return torch
+    return import_torch()
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -48,6 +49,7 @@ from .errors import (
     CoordinationError,
     IntegrityError,
     LockLostError,
+    WorldSizeError,
 )
 from .levels import Level, Levels
 from .lock import RunLock, acquire_run_lock
@@ -478,47 +480,38 @@ class Checkpointer:
         step: int | None = None,
         *,
         into: Any = None,
+        keys: Sequence[str | int] | None = None,
         replicated_only: bool = False,
         map_location: Any = None,
     ) -> Any:
         """The state of ``step`` (default: the newest version that verifies, the same on every
-        participant); see :func:`load` (``map_location`` too).
+        participant); see :func:`load` (``keys`` and ``map_location`` too).
 
         ``replicated_only``: only the keys saved as replicated (a dict of them; ``into``, a
         dict holding them, gets them filled and its other keys are left alone), on any number
-        of participants. Without it a participant the version has no part for (saved by fewer
-        ranks) gets a :class:`~cryosnap.CheckpointNotFoundError` saying what it can do.
+        of participants. Without it, a version saved by another number of ranks than restore
+        it (parts left unread, or a participant without a part) is a
+        :class:`~cryosnap.WorldSizeError` on every participant, saying what it can do.
         """
         self._check_open()
         if step is not None:
             validate_step(step)
-        only = _validate.boolean(replicated_only, "replicated_only")
-        device = _map_location(map_location, into)
+        ask = _Ask(
+            ranks=tuple(self._part_ranks()),
+            shared=tuple(level.shared for level in self._levels.levels),
+            participants=self.coordinator.world_size,
+            allow_pickle=self.allow_pickle,
+            only=_validate.boolean(replicated_only, "replicated_only"),
+            keys=engine.validate_keys(keys),
+            device=_map_location(map_location, into),
+        )
         stores = self._levels.stores()
-        rank = self._part_ranks()
-        pickle = self.allow_pickle
         restored: list[int] = []
         if step is not None or self.coordinator.world_size == 1:
-            state = _restore_tiers(
-                stores,
-                step,
-                into=into,
-                rank=rank,
-                allow_pickle=pickle,
-                only=only,
-                device=device,
-                restored=restored,
-            )
+            state = _restore_tiers(stores, step, into=into, ask=ask, restored=restored)
         else:
             state = _restore_agreed(
-                self._restore_channel,
-                stores,
-                rank,
-                into=into,
-                allow_pickle=pickle,
-                only=only,
-                device=device,
-                restored=restored,
+                self._restore_channel, stores, into=into, ask=ask, restored=restored
             )
         self._rewound(restored[-1])
         return state
@@ -805,54 +798,54 @@ def _current_lineage(records: Sequence[tuple[int, Lineage | None]]) -> Lineage |
     return Lineage(newest, min(forks)) if forks else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What a restore reads: per tier, the part (``ranks``) and whether every participant
+    shares the tier (``shared``: its commit records say how many ranks saved a version);
+    ``participants``: how many restore together (None: no world-size check, ``load``);
+    ``only``, ``keys``, ``device``: engine.read_part's ``replicated_only``, ``keys``,
+    ``device``."""
+
+    ranks: tuple[int, ...]
+    shared: tuple[bool, ...]
+    participants: int | None
+    allow_pickle: bool
+    only: bool = False
+    keys: tuple[str | int, ...] | None = None
+    device: Any = None
+
+
 def _restore_tiers(
     tiers: Sequence[Store],
     step: int | None,
     *,
     into: Any,
-    rank: int | Sequence[int],
-    allow_pickle: bool,
-    only: bool = False,
-    device: Any = None,
+    ask: _Ask,
     restored: list[int] | None = None,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
-    one that verifies, without ``step``); a damaged copy falls back to the next tier.
-    ``rank``: the part to read, or per tier (a distributed run's scratch holds each rank's
-    part as part 0 of a run of its own).
-    ``only``: the replicated keys only (engine.read_part's ``replicated_only``); ``device``:
-    where the torch leaves go (engine.read_part's)."""
-    ranks = [rank] * len(tiers) if isinstance(rank, int) else list(rank)
-    if len(tiers) == 1:
-        return _restore(
-            tiers[0],
-            step,
-            into=into,
-            rank=ranks[0],
-            allow_pickle=allow_pickle,
-            only=only,
-            device=device,
-            restored=restored,
-        )
+    one that verifies, without ``step``); a damaged copy falls back to the next tier. A
+    version saved by another number of ranks than ``ask.participants`` is a
+    :class:`WorldSizeError` before any tier is read (:func:`_check_world`). The versions are
+    those of every tier's records together (a rewind on one supersedes on all); the step
+    restored is appended to ``restored``."""
     where = " + ".join(t.url for t in tiers)
-    readers = [
-        _reader(rank=r, into=into, allow_pickle=allow_pickle, only=only, device=device)
-        for r in ranks
-    ]
+    readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
 
     def listed() -> list[int]:
         return sorted(_versions(tiers))
 
     def attempt(s: int) -> Any:
+        _check_world(tiers, ask, s, where)
         # Only the tiers holding the version itself: another may hold a record it superseded.
-        records = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
         versions = _versions(tiers)
         if s not in versions:
             raise CheckpointNotFoundError(f"step {s} not found on any tier ({where})")
+        held = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
         stores = [
             (t, read)
-            for t, read, held in zip(tiers, readers, records, strict=True)
-            if (s, versions[s]) in held
+            for t, read, have in zip(tiers, readers, held, strict=True)
+            if (s, versions[s]) in have
         ]
         first: CheckpointError | None = None
         for store, read in stores:
@@ -879,36 +872,44 @@ def _versions(tiers: Sequence[Store]) -> dict[int, Lineage | None]:
     return visible_versions([r for t in tiers for r in engine.list_records(t)])
 
 
-def _restore(
-    store: Store,
-    step: int | None,
-    *,
-    into: Any,
-    rank: int,
-    allow_pickle: bool,
-    only: bool = False,
-    device: Any = None,
-    restored: list[int] | None = None,
-) -> Any:
-    read = _reader(rank=rank, into=into, allow_pickle=allow_pickle, only=only, device=device)
-
-    def attempt(s: int) -> Any:
-        state = read(store, s)
-        if restored is not None:
-            restored.append(s)
-        return state
-
-    def listed() -> list[int]:
-        return engine.list_steps(store)
-
-    if step is not None:
-        return _explicit(store.url, attempt, listed, step)
-    return engine.newest_restorable(store.url, attempt, listed)
+def _check_world(tiers: Sequence[Store], ask: _Ask, step: int, where: str) -> None:
+    """Refuse a version saved by another number of ranks than restore it (unless only its
+    replicated keys are asked for). The saved number is a shared tier's commit record's: a
+    private tier (a distributed run's scratch) holds each rank's part as a run of one."""
+    if ask.participants is None or ask.only:
+        return
+    for tier, shared in zip(tiers, ask.shared, strict=True):
+        if shared and engine.step_exists(tier, step):
+            saved = engine.read_commit(tier, step).world_size
+            if saved != ask.participants:
+                raise _world_size_error(where, step, saved, ask.participants)
+            return
 
 
-def _reader(
-    *, rank: int, into: Any, allow_pickle: bool, only: bool, device: Any
-) -> Callable[[Store, int], Any]:
+def _world_size_error(where: str, step: int, saved: int, participants: int) -> WorldSizeError:
+    if participants < saved:
+        what = f"the part(s) of saved {_ranks(participants, saved)} would be left unread"
+    else:
+        what = f"{_ranks(saved, participants)} would have no part of it"
+    return WorldSizeError(
+        f"step {step} of {where} was saved by {saved} rank(s) and {participants} "
+        f"participant(s) restore it: {what}. Ways on: restore(replicated_only=True) (the keys "
+        f"saved as replicated, at any world size); cryosnap.load(path, step={step}, rank=k) "
+        f"reads saved rank k's part (0..{saved - 1}) to reshard it yourself; or restart at "
+        f"{saved} ranks"
+    )
+
+
+def _ranks(lo: int, hi: int) -> str:
+    """Ranks ``lo..hi-1`` for a message."""
+    return f"rank {lo}" if hi == lo + 1 else f"ranks {lo}..{hi - 1}"
+
+
+def _restore(store: Store, step: int | None, *, into: Any, ask: _Ask) -> Any:
+    return _restore_tiers([store], step, into=into, ask=ask)
+
+
+def _reader(*, rank: int, into: Any, ask: _Ask) -> Callable[[Store, int], Any]:
     """``read(store, step)``: one rank's part of a version from one store, as asked."""
 
     def read(store: Store, step: int) -> Any:
@@ -917,9 +918,10 @@ def _reader(
             step,
             rank=rank,
             into=into,
-            allow_pickle=allow_pickle,
-            replicated_only=only,
-            device=device,
+            allow_pickle=ask.allow_pickle,
+            replicated_only=ask.only,
+            device=ask.device,
+            keys=ask.keys,
         )
 
     return read
@@ -966,6 +968,7 @@ def load(
     *,
     step: int | None = None,
     into: Any = None,
+    keys: Sequence[str | int] | None = None,
     rank: int | None = None,
     allow_pickle: bool = False,
     map_location: Any = None,
@@ -975,18 +978,25 @@ def load(
     Without ``into`` the saved tree comes back (torch tensors on the CPU, numpy arrays, stateful
     objects as their state dicts). With ``into`` tensors and arrays are filled in place (on
     their own devices) and ``load_state_dict`` is called; a mismatch or damaged data raises
-    before anything changes. ``map_location`` (a str or ``torch.device``: ``"cuda"``,
-    ``"cuda:1"``) puts every torch tensor of the returned tree on that device, once every chunk
-    verified (not with ``into``). ``rank`` reads another rank's part of a distributed version.
-    Takes no lock.
+    before anything changes. ``keys`` (a list or tuple of top-level keys of a dict state):
+    only those keys are read and verified (damage elsewhere does not matter) and a dict of
+    them comes back; ``into`` gets only those keys filled. ``map_location`` (a str or
+    ``torch.device``: ``"cuda"``, ``"cuda:1"``) puts every torch tensor of the returned tree
+    on that device, once every chunk verified (not with ``into``). ``rank`` reads another
+    rank's part of a distributed version (default: part 0). Takes no lock.
     """
     if step is not None:
         validate_step(step)
     part = 0 if rank is None else validate_step(rank, "rank")
-    device = _map_location(map_location, into)
-    return _restore(
-        open_store(path), step, into=into, rank=part, allow_pickle=allow_pickle, device=device
+    ask = _Ask(
+        ranks=(part,),
+        shared=(True,),
+        participants=None,
+        allow_pickle=allow_pickle,
+        keys=engine.validate_keys(keys),
+        device=_map_location(map_location, into),
     )
+    return _restore(open_store(path), step, into=into, ask=ask)
 
 
 def _map_location(map_location: object, into: Any) -> Any:
@@ -1093,50 +1103,50 @@ def _metrics(metrics: object) -> dict[str, float] | None:
 def _restore_agreed(
     coord: Coordinator,
     stores: Sequence[Store],
-    ranks: Sequence[int],
     *,
     into: Any,
-    allow_pickle: bool,
-    only: bool,
-    device: Any = None,
+    ask: _Ask,
     restored: list[int] | None = None,
 ) -> Any:
     """The newest version every participant can restore: the steps complete for all of them,
     tried newest first until every participant read its part (damage on any one falls back
-    for all, so they resume from the same step). A version saved by fewer ranks than read it
-    fails on every participant alike (engine.PartNotFoundError, which says what to do)."""
+    for all, so they resume from the same step). A version saved by another number of ranks
+    is a :class:`WorldSizeError` on every participant alike (none resumes alone); every
+    version damaged an :class:`IntegrityError`, none at all a CheckpointNotFoundError."""
     listed = coord.all_gather(sorted(_versions(stores)))
     common = sorted(set.intersection(*(set(steps) for steps in listed)))
     where = " + ".join(st.url for st in stores)
+    damaged: dict[int, str] = {}
     for step in reversed(common):
         try:
-            state = _restore_tiers(
-                stores,
-                step,
-                into=None,
-                rank=ranks,
-                allow_pickle=allow_pickle,
-                only=only,
-                device=device,
-            )
-            error, missing = "", False
-        except (IntegrityError, CheckpointFormatError, CheckpointNotFoundError) as exc:
-            state, error = None, str(exc)
-            missing = isinstance(exc, engine.PartNotFoundError)
-        told = coord.all_gather([error, missing])
-        errors = [e for e, _missing in told if e]
-        absent = [e for e, missing in told if missing]
-        if absent:
-            raise engine.PartNotFoundError(absent[0])
+            state = _restore_tiers(stores, step, into=None, ask=ask)
+            error, kind = "", ""
+        except WorldSizeError as exc:
+            state, error, kind = None, str(exc), "world"
+        except (IntegrityError, CheckpointFormatError) as exc:
+            state, error, kind = None, str(exc), "damage"
+        except CheckpointNotFoundError as exc:
+            state, error, kind = None, str(exc), "missing"
+        told = coord.all_gather([error, kind])
+        world = [e for e, k in told if k == "world"]
+        if world:
+            raise WorldSizeError(world[0])
+        errors = [(e, k) for e, k in told if e]
         if not errors:
             if restored is not None:
                 restored.append(step)
             if into is None:
                 return state
-            return _restore_tiers(
-                stores, step, into=into, rank=ranks, allow_pickle=allow_pickle, only=only
-            )
-        log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0])
+            return _restore_tiers(stores, step, into=into, ask=ask)
+        if any(k == "damage" for _e, k in errors):
+            damaged[step] = next(e for e, k in errors if k == "damage")
+        log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0][0])
+    if not common:
+        raise CheckpointNotFoundError(
+            f"no version of {where} is committed for all {coord.world_size} participants"
+        )
+    if len(damaged) == len(common):
+        raise engine.every_version_damaged(where, damaged)
     raise CheckpointNotFoundError(
         f"no version of {where} can be restored by all {coord.world_size} participants"
     )

@@ -6,11 +6,18 @@ catch one class. Where a builtin already means the same thing, the error derives
 
     CheckpointError
     ├── CheckpointNotFoundError (+ FileNotFoundError)   no run, no such step, no version at all
+    │   └── WorldSizeError                               a restore by another number of
+    │                                                    participants than saved the version
+    │                                                    (parts left unread, or none to read)
     ├── CheckpointExistsError (+ FileExistsError)        the step is already committed
     ├── CheckpointFormatError                            a manifest or commit record is malformed,
     │                                                    of an unknown format_version, or escapes
     │                                                    the run directory
-    ├── IntegrityError                                   content does not match its hash
+    ├── IntegrityError                                   content does not match its hash (and
+    │                                                    a restore without a step: every
+    │                                                    version of the run is damaged)
+    ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
+    │                                                    version does not hold
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     ├── CoordinationError                                a collective among the run's participants
@@ -45,12 +52,14 @@ __all__ = [
     "CheckpointTimeoutError",
     "CoordinationError",
     "IntegrityError",
+    "KeyNotFoundError",
     "LockLostError",
     "ReplicaDivergenceError",
     "RunLockedError",
     "StateMismatchError",
     "StorageError",
     "StorageTimeoutError",
+    "WorldSizeError",
 ]
 
 
@@ -66,6 +75,13 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
+class WorldSizeError(CheckpointNotFoundError):
+    """A restore by more or fewer participants than saved the version: some saved parts would
+    be left unread, or a participant has no part to read. The message names the saved world
+    size and the ways on (``replicated_only=True``, ``cryosnap.load(path, rank=k)``, a restart
+    at the saved size); every participant raises it alike."""
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A version with this step is already committed in the run."""
 
@@ -79,6 +95,15 @@ class CheckpointFormatError(CheckpointError):
 
 class IntegrityError(CheckpointError):
     """Stored content does not match its recorded hash."""
+
+
+class KeyNotFoundError(CheckpointError, KeyError):
+    """``keys=`` names a top-level key that the version does not hold (the message names the
+    step, the tier and the keys the version has)."""
+
+    def __str__(self) -> str:
+        # KeyError's __str__ would quote the whole message.
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import sys
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import _validate, engine
+from ._torch_import import import_torch, loaded_torch
 from .checkpointer import load
 from .errors import CheckpointError, CheckpointNotFoundError
 from .run import runs_inside
@@ -241,7 +241,7 @@ def export_leaves(tree: Any) -> list[tuple[str, Any]]:
 
 
 def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
@@ -301,7 +301,7 @@ def _write_npz(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]
 
 def _import_torch(fmt: str) -> Any:
     try:
-        import torch
+        torch = import_torch()
     except ImportError as exc:
         raise ExportError(f"export to {fmt} needs torch: pip install 'cryosnap[torch]'") from exc
     return torch

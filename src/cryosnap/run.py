@@ -209,15 +209,18 @@ class Run:
         step: int | None = None,
         *,
         into: Any = None,
+        keys: Sequence[str | int] | None = None,
         rank: int | None = None,
         map_location: Any = None,
         allow_pickle: bool = False,
     ) -> Any:
-        """Version ``step`` (default: the newest that verifies), as :func:`cryosnap.load`."""
+        """Version ``step`` (default: the newest that verifies), as :func:`cryosnap.load`
+        (``keys``: only those top-level keys are read and verified)."""
         return load(
             self._store,
             step=step,
             into=into,
+            keys=keys,
             rank=rank,
             allow_pickle=allow_pickle,
             map_location=map_location,

@@ -46,6 +46,7 @@ import numpy as np
 
 from ._devcopy import copy_to_device, to_device
 from ._gc import paused_gc
+from ._torch_import import import_torch, loaded_torch
 from .errors import CheckpointError, CheckpointFormatError, StateMismatchError
 
 __all__ = [
@@ -268,7 +269,7 @@ class _Flattener:
         if tp in _SCALARS:
             self.leaves += 1
             return self.scalar(obj, path)
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             self.leaves += 1
             return self.tensor(obj, path)
@@ -316,7 +317,7 @@ class _Flattener:
                     )
                 keys.append(k)
             kind = "odict" if isinstance(obj, OrderedDict) else "dict"
-            torch = sys.modules.get("torch")
+            torch = loaded_torch()
             plain = torch.Tensor if torch is not None and self._depth <= MAX_DEPTH else None
             vals: list[Json] = []
             for k in keys:
@@ -331,7 +332,7 @@ class _Flattener:
             return {"t": "list", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
         if type(obj) is tuple:
             return {"t": "tuple", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         if torch is not None and type(obj) is torch.Size:
             return {"t": "size", "v": list(obj)}
         if self.allow_pickle:
@@ -435,7 +436,7 @@ class _Flattener:
 
     def _assign_tensor_blobs(self) -> bool:
         """Give every tensor its blob; whether any was packed."""
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         if torch is None or not self.tensors:
             return False
         # No autograd bookkeeping for the views taken below (cheaper than detach() each).
@@ -660,7 +661,7 @@ def blob_paths(skeleton: Json, nblobs: int) -> list[str]:
 
 def _torch() -> Any:
     try:
-        import torch
+        torch = import_torch()
     except ImportError as exc:  # pragma: no cover - exercised only without torch
         raise CheckpointFormatError(
             "this checkpoint holds torch tensors but torch is not installed "
@@ -1248,7 +1249,7 @@ def _mismatch(path: tuple[str | int, ...], what: str) -> StateMismatchError:
 
 
 def _fillable(into: Any) -> bool:
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     return isinstance(into, np.ndarray) or (torch is not None and isinstance(into, torch.Tensor))
 
 
@@ -1256,7 +1257,7 @@ def _is_object(into: Any) -> bool:
     kind = type(into)
     if kind in _PLAIN_VALUES:
         return False  # the common case, without two failed attribute lookups
-    torch = sys.modules.get("torch") if _PLAIN_TORCH else None
+    torch = loaded_torch() if _PLAIN_TORCH else None
     if torch is not None:
         _PLAIN_VALUES.update((torch.Tensor, torch.nn.Parameter))
         _PLAIN_TORCH.clear()
@@ -1289,7 +1290,7 @@ def _check_optimizer(inner: Json, into: Any, path: tuple[str | int, ...]) -> Non
 
 def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     t = node["t"]
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     if t == "stateful" or _is_object(into):
         if not _is_object(into):
             raise _mismatch(path, f"saved a stateful object, into= has {type(into).__name__}")
@@ -1401,7 +1402,7 @@ def _targets(
     if _is_object(into):
         return  # filled by its load_state_dict
     if t in ("dict", "odict"):
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         plain, strided = (torch.Tensor, torch.strided) if torch is not None else (None, None)
         for k, v in dict_items(node, ""):
             x = into[k]
@@ -1515,7 +1516,7 @@ def apply_into(
             ) from exc
     if fill_direct is not None:
         fill_direct()
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     on_device = []
     direct = []
     with torch.no_grad() if torch is not None else contextlib.nullcontext():
@@ -1553,7 +1554,7 @@ def _plan(
         loads.append((path, into, loaded))
         return into
     if t in ("dict", "odict"):
-        torch = sys.modules.get("torch")
+        torch = loaded_torch()
         plain = torch.Tensor if torch is not None else None
         for k, v in dict_items(node, format_path(path)):
             x = into[k]

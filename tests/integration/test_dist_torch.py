@@ -231,6 +231,22 @@ def test_replicated_state_is_written_once_split_across_two_processes(tmp_path: P
         engine.verify_part(LocalStore(run), 1, rank=rank)
 
 
+def test_another_world_size_is_refused_on_every_process(tmp_path: Path) -> None:
+    import cryosnap
+
+    launch("worldsize-save", 2, tmp_path / "saved")
+    run = tmp_path / "saved" / "run"
+    with cryosnap.Checkpointer(run) as ckpt:  # a world of one: saved rank 1 left unread
+        with pytest.raises(cryosnap.WorldSizeError, match="saved by 2 rank"):
+            ckpt.restore()
+        assert list(ckpt.restore(replicated_only=True)) == ["model"]
+    for got in launch("worldsize-restore", 3, tmp_path / "saved"):
+        assert got["error"] == "WorldSizeError"
+        assert "saved by 2 rank(s) and 3 participant(s)" in got["message"]
+        assert "rank 2 would have no part of it" in got["message"]
+        assert got["replicated"] == ["model"]
+
+
 def test_node_local_scratch_with_partner_copies_survives_a_wiped_node(tmp_path: Path) -> None:
     """Two processes on two "nodes" ($CRYOSNAP_NODE), each with its node's scratch: every
     version is on the rank's scratch, on its partner's, and (replicated state split) on the
@@ -541,6 +557,26 @@ def _rewind(out: Path) -> dict[str, Any]:
     return got
 
 
+def _world_size(out: Path, save: bool) -> dict[str, Any]:
+    import cryosnap
+    from cryosnap.dist import TorchCoordinator
+
+    rank, _ = _init()
+    run = out / "run"
+    with cryosnap.Checkpointer(run, comm=TorchCoordinator(timeout=TIMEOUT)) as ckpt:
+        if save:
+            state = {"model": np.arange(1024.0), "own": np.full(8, rank)}
+            ckpt.save(1, state, replicated=["model"]).result(timeout=TIMEOUT)
+            return {}
+        got: dict[str, Any] = {}
+        try:
+            ckpt.restore()
+        except cryosnap.CheckpointError as exc:
+            got.update(error=type(exc).__name__, message=str(exc))
+        got["replicated"] = list(ckpt.restore(replicated_only=True))
+    return got
+
+
 def main(scenario: str, out: Path) -> None:
     import torch.distributed as dist
 
@@ -556,6 +592,8 @@ def main(scenario: str, out: Path) -> None:
         got = _exchange(out)
     elif scenario == "rewind":
         got = _rewind(out)
+    elif scenario.startswith("worldsize-"):
+        got = _world_size(out, save=scenario == "worldsize-save")
     elif scenario.startswith("partner-"):
         got = _partner(out, restart=scenario == "partner-restore")
     else:

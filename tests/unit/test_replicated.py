@@ -22,9 +22,9 @@ from cryosnap import engine
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (
     CheckpointFormatError,
-    CheckpointNotFoundError,
     IntegrityError,
     ReplicaDivergenceError,
+    WorldSizeError,
 )
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore
@@ -326,11 +326,21 @@ def test_restore_with_fewer_and_more_ranks_than_saved(tmp_path: Path, reference:
 
     def fewer(c: Coordinator) -> Any:
         with cryosnap.Checkpointer(tmp_path, comm=c) as ckpt:
-            return ckpt.restore()
+            with pytest.raises(WorldSizeError) as refused:
+                ckpt.restore()
+            return str(refused.value), ckpt.restore(replicated_only=True)
 
-    for rank, got in enumerate(run_ranks(2, fewer)):
+    # Fewer ranks than saved: saved rank 2's part would be dropped, so every rank refuses;
+    # the replicated keys restore at any size, and load(rank=k) reads any saved part.
+    for message, got in run_ranks(2, fewer):
+        assert "saved by 3 rank(s) and 2 participant(s)" in message
+        assert "rank 2 would be left unread" in message
+        assert "replicated_only=True" in message and "rank=k" in message
+        assert "restart at 3 ranks" in message
+        assert set(got) == {"model", "optim"}
         assert_model_equal(got["model"], reference[0])
-        assert got["data"]["position"] == 100 * rank  # its own part
+    for rank in range(3):
+        assert cryosnap.load(tmp_path, rank=rank)["data"]["position"] == 100 * rank
 
     def more(c: Coordinator) -> Any:
         torch.manual_seed(1000 + c.rank)
@@ -339,19 +349,22 @@ def test_restore_with_fewer_and_more_ranks_than_saved(tmp_path: Path, reference:
         state = state_of(50 + c.rank, model, opt)
         rng_before = state["rng"].copy()
         with cryosnap.Checkpointer(tmp_path, comm=c) as ckpt:
-            with pytest.raises(CheckpointNotFoundError) as missing:
+            with pytest.raises(WorldSizeError) as missing:
                 ckpt.restore()
+            with pytest.raises(WorldSizeError):
+                ckpt.restore(0)  # an explicit step alike
             got = ckpt.restore(into=state, replicated_only=True)
         np.testing.assert_array_equal(state["rng"], rng_before)  # not replicated: untouched
         assert set(got) == {"model", "optim"}
         return str(missing.value), model.state_dict(), opt.state_dict()
 
     for message, model_sd, opt_sd in run_ranks(4, more):
-        assert "was saved by 3 rank(s): rank 3 has no part of it" in message
-        assert "replicated_only=True" in message and "rank=r" in message
+        assert "saved by 3 rank(s) and 4 participant(s)" in message
+        assert "rank 3 would have no part of it" in message
+        assert "replicated_only=True" in message and "rank=k" in message
         assert_model_equal(model_sd, reference[0])
         assert opt_sd["state"][1]["exp_avg_sq"].equal(reference[1]["state"][1]["exp_avg_sq"])
-    with pytest.raises(CheckpointNotFoundError, match="rank 3 has no part"):
+    with pytest.raises(WorldSizeError, match="rank 3 has no part"):
         cryosnap.load(tmp_path, rank=3)
 
 

@@ -121,6 +121,11 @@ def test_load_forwards_to_the_read_path(run_dir: Path) -> None:
         run.load(15)
     with pytest.raises(cryosnap.CheckpointNotFoundError, match="rank 3 has no part"):
         run.load(rank=3)
+    only = run.load(20, keys=["w", "meta"])
+    assert set(only) == {"w", "meta"}
+    assert_same(STATES[20]["w"], only["w"])
+    with pytest.raises(cryosnap.KeyNotFoundError, match="nope"):
+        run.load(keys=["nope"])
 
 
 def test_diff_names_the_changed_leaves_and_chunks(run_dir: Path) -> None:

@@ -25,6 +25,7 @@ from ._read import (
     FlatPart,
     PartNotFoundError,
     caller_stacklevel,
+    every_version_damaged,
     newest_restorable,
     read_blob,
     read_flat,
@@ -51,6 +52,7 @@ from ._resolved import (
 )
 from ._resolved import _resolve_one as _resolve_one
 from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
+from ._select import validate_keys
 from ._write import PartResult, PartWriter, assign_shares
 from ._write import _split_pieces as _split_pieces
 
@@ -65,6 +67,7 @@ __all__ = [
     "RetirePlan",
     "caller_stacklevel",
     "chain_manifests",
+    "every_version_damaged",
     "ignore_files",
     "list_records",
     "list_steps",
@@ -84,5 +87,6 @@ __all__ = [
     "plan_retire",
     "retire",
     "step_exists",
+    "validate_keys",
     "verify_part",
 ]

@@ -39,7 +39,9 @@ from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
+    KeyNotFoundError,
     StateMismatchError,
+    WorldSizeError,
 )
 from ..manifest import (
     PACKED_FORMAT_VERSION,
@@ -47,7 +49,6 @@ from ..manifest import (
     CommitRecord,
     Manifest,
     ManifestRef,
-    Replicated,
 )
 from ..progress import Progress, human_bytes
 from ..storage import Store
@@ -60,9 +61,7 @@ from ..tree import (
     blob_keys,
     blob_paths,
     check_into,
-    dict_items,
     direct_targets,
-    encode_key,
     format_path,
 )
 from ._fetch import Fetched, Mapped, read_blobs
@@ -74,11 +73,13 @@ from ._resolved import (
     chain_manifests,
     resolve,
 )
+from ._select import cut_part, keys_skeleton, renumbered, spread_paths
 
 __all__ = [
     "PartNotFoundError",
     "resolve_part",
     "caller_stacklevel",
+    "every_version_damaged",
     "newest_restorable",
     "read_part",
     "verify_part",
@@ -232,9 +233,12 @@ def _read_verified(
     allow_pickle: bool,
     into: Any = None,
     progress: bool = False,
+    keys: Sequence[str | int] | None = None,
 ) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
-    (with a progress line on a terminal if ``progress``).
+    (with a progress line on a terminal if ``progress``). ``keys``: only these top-level keys
+    (:mod:`._select`): the other keys' chunks are neither read nor verified, and the
+    restorer's skeleton holds these keys only.
 
     With ``into`` on a store with a local path, the leaves :func:`direct_targets` picks are not
     allocated: their chunks are verified, and the returned :class:`Fetched` reads them into
@@ -244,17 +248,20 @@ def _read_verified(
     request to a remote store: the leaves are read once and copied."""
     with paused_gc():
         record, manifest, ref, where = _open_part(store, step, rank)
+        skeleton, index = manifest.skeleton, list(range(len(manifest.blobs)))
+        if keys is not None:
+            skeleton, index = renumbered(keys_skeleton(skeleton, keys, where), len(index))
         targets: dict[int, Any] = {}
         if into is not None:
-            _check_into(manifest.skeleton, into, where)
+            _check_into(skeleton, into, where)
             if store.capabilities.local_path is not None:
-                targets = _direct_targets(manifest.skeleton, into, where)
+                targets = _direct_targets(skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
         # Every size, offset and count the chain claims is checked before any allocation.
         checked = _check_chain_claims(store, chain, set(record.data_files))
-        restorer = Restorer(
-            manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=allow_pickle
-        )
+        sizes = [manifest.blobs[i].nbytes for i in index]
+        restorer = Restorer(skeleton, sizes, allow_pickle=allow_pickle)
+        n = len(manifest.blobs)
         mapped: Mapped | None = None
         if getattr(store, "map_file", None) is None:
             views = _allocate(restorer, where, targets)
@@ -263,16 +270,15 @@ def _read_verified(
             # their fresh pages (a cost as large as reading the data from the page cache) on
             # another core while this one resolves the chain.
             with _prefaulted(fresh if manifest.base is not None else ()):
-                part = resolve(
-                    store, manifest, ref.key, ref.xxh3, chain=chain, paths=restorer.blob_paths
-                )
+                paths = spread_paths(restorer.blob_paths, index, n)
+                part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=paths)
+            part = part if keys is None else cut_part(part, index)
         else:
             # Resolved first: where each blob lies decides which leaves are built over the
             # mapped data files (no allocation, no copy). The leaf paths come from the
             # allocation's walk (resolving names none).
-            part = resolve(
-                store, manifest, ref.key, ref.xxh3, chain=chain, paths=[""] * len(manifest.blobs)
-            )
+            part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=[""] * n)
+            part = part if keys is None else cut_part(part, index)
             mapped = Mapped(store, part)
             views = _allocate(restorer, where, targets, mapped.place)
             for blob, path in zip(part.blobs, restorer.blob_paths, strict=True):
@@ -293,7 +299,8 @@ def _read_verified(
         try:
             if not progress:
                 return part, restorer, fetch()
-            line = Progress(f"cryosnap: restoring step {step}", manifest.logical_bytes)
+            total = manifest.logical_bytes if keys is None else sum(sizes)
+            line = Progress(f"cryosnap: restoring step {step}", total)
             try:
                 fetched = fetch(on_bytes=line.update)
             finally:
@@ -469,36 +476,74 @@ def read_part(
     allow_pickle: bool = False,
     replicated_only: bool = False,
     device: Any = None,
+    keys: Sequence[str | int] | None = None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
 
-    ``replicated_only``: only the keys saved as replicated, read from any saved rank's part
-    (they are the same on every rank), whatever ``rank`` is: see :func:`_read_replicated`.
+    ``keys``: only these top-level keys of a dict state are read and verified (damage in the
+    others' chunks does not matter); a dict of them comes back, and ``into`` (a dict holding
+    them) gets them filled, its other keys left as they are.
+    ``replicated_only``: only the keys saved as replicated (of those, ``keys``), read from any
+    saved rank's part (they are the same on every rank), whatever ``rank`` is: see
+    :func:`_read_replicated`.
     ``device``: a ``torch.device`` the torch leaves go to once verified (None: the CPU; the
     facade refuses it together with ``into``, whose tensors stay where they are).
     """
     if replicated_only:
         return _read_replicated(
-            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device, keys=keys
         )
     # The cyclic GC stays paused until the state is built (and into= filled): building tens
     # of thousands of leaves, then planning their copies, would set off collection after
     # collection, each walking every object the restore has made (for a state of 19,984
     # tensors about 0.08-0.25 s a restore), instead of the one at the end.
     with paused_gc():
-        return _read_whole(
-            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+        if keys is None:
+            return _read_whole(
+                store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+            )
+        target = _into_keys(into, keys, step, "selected")
+        tree = _read_whole(
+            store, step, rank=rank, into=target, allow_pickle=allow_pickle, device=device, keys=keys
         )
+        return _put_back(into, tree, keys)
+
+
+def _into_keys(into: Any, keys: Sequence[str | int], step: int, what: str) -> Any:
+    """The dict of ``keys`` of ``into`` that a selective restore fills (None without into)."""
+    if into is None:
+        return None
+    if not isinstance(into, dict) or any(k not in into for k in keys):
+        raise StateMismatchError(
+            f"into= must be a dict holding the {what} keys {list(keys)!r:.200} of "
+            f"step {step}, got {type(into).__name__}"
+            + (f" with keys {list(into)!r:.200}" if isinstance(into, dict) else "")
+        )
+    return {k: into[k] for k in keys}
+
+
+def _put_back(into: Any, filled: Any, keys: Sequence[str | int]) -> Any:
+    """``filled`` (the dict of ``keys``) into ``into``'s dict; the dict of those keys."""
+    if into is None:
+        return filled
+    into.update(filled)
+    return {k: into[k] for k in keys}
 
 
 def _read_whole(
-    store: Store, step: int, *, rank: int, into: Any, allow_pickle: bool, device: Any
+    store: Store,
+    step: int,
+    *,
+    rank: int,
+    into: Any,
+    allow_pickle: bool,
+    device: Any,
+    keys: Sequence[str | int] | None = None,
 ) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
-        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True
+        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True, keys=keys
     )
-    manifest = part.manifest
     if device is not None and device.type != "cpu":
         # Not wrapped: running out of device memory is no damage of the version.
         restorer.to_device(device)
@@ -513,19 +558,19 @@ def _read_whole(
         step,
         store.url,
         time.perf_counter() - t0,
-        human_bytes(manifest.logical_bytes),
+        human_bytes(part.manifest.logical_bytes),
     )
     if into is None:
         return tree
     try:
-        return apply_into(manifest.skeleton, tree, into, fill_direct=fetched.fill)
+        return apply_into(restorer.skeleton, tree, into, fill_direct=fetched.fill)
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
 
 
-class PartNotFoundError(CheckpointNotFoundError):
+class PartNotFoundError(WorldSizeError):
     """The version was saved by fewer ranks than the rank that asks for its part."""
 
 
@@ -552,65 +597,54 @@ def _no_part(store: Store, record: CommitRecord, rank: int) -> PartNotFoundError
     )
 
 
-def _replicated_skeleton(skeleton: Any, keys: Replicated, where: str) -> Any:
-    """The skeleton of the replicated keys only (a dict node with those keys)."""
-    if keys is True:
-        return skeleton
-    assert keys is not None
-    if not isinstance(skeleton, dict) or skeleton.get("t") not in ("dict", "odict"):
-        raise CheckpointFormatError(f"{where}: names replicated keys of a state that is no dict")
-    items = dict(dict_items(skeleton, where))
-    missing = [k for k in keys if k not in items]
-    if missing:
-        raise CheckpointFormatError(f"{where}: replicated keys {missing!r:.120} are not saved")
-    return {**skeleton, "k": [encode_key(k) for k in keys], "v": [items[k] for k in keys]}
-
-
 def _read_replicated(
-    store: Store, step: int, *, rank: int, into: Any, allow_pickle: bool, device: Any
+    store: Store,
+    step: int,
+    *,
+    rank: int,
+    into: Any,
+    allow_pickle: bool,
+    device: Any,
+    keys: Sequence[str | int] | None = None,
 ) -> Any:
-    """The keys of ``step`` saved as replicated (True: the whole state), read from saved part
-    ``rank % world_size`` (ranks spread their reads over the parts: they hold the same
-    content) and verified. Returns a dict of those keys; ``into`` (a dict holding at least
-    those keys) gets them filled, its other keys are left as they are."""
+    """The keys of ``step`` saved as replicated (True: the whole state; ``keys``: those of
+    them), read from saved part ``rank % world_size`` (ranks spread their reads over the
+    parts: they hold the same content) and verified, the other keys' chunks left unread.
+    Returns a dict of those keys; ``into`` (a dict holding at least those keys) gets them
+    filled, its other keys are left as they are."""
     record = read_commit(store, step)
     source = rank % record.world_size
     manifest, ref = read_manifest(store, record, source)
     where = f"step {step}, tier {store.url}: {ref.key}"
-    keys = manifest.replicated
-    if keys is None:
+    saved = manifest.replicated
+    if saved is None:
         raise CheckpointError(
             f"step {step} in {store.url} was saved without replicated=: no key of it is "
             "replicated; restore(replicated_only=True) needs a version saved with "
             "save(..., replicated=[...])"
         )
-    skeleton = _replicated_skeleton(manifest.skeleton, keys, where)
-    target = into
-    if into is not None and keys is not True:
-        if not isinstance(into, dict) or any(k not in into for k in keys):
-            raise StateMismatchError(
-                f"into= must be a dict holding the replicated keys {list(keys)!r:.200} of "
-                f"step {step}, got {type(into).__name__}"
-                + (f" with keys {list(into)!r:.200}" if isinstance(into, dict) else "")
+    if saved is not True:
+        keys_skeleton(manifest.skeleton, list(saved), where, asked=False)
+        if keys is not None and (other := [k for k in keys if k not in saved]):
+            raise KeyNotFoundError(
+                f"{where}: keys {other!r:.120} were not saved as replicated "
+                f"(replicated keys: {list(saved)!r:.200})"
             )
-        target = {k: into[k] for k in keys}
-    if target is not None:
-        _check_into(skeleton, target, where)
-    tree = read_part(store, step, rank=source, allow_pickle=allow_pickle, device=device)
-    if keys is not True:
-        tree = {k: tree[k] for k in keys}
-    if target is None:
-        return tree
-    try:
-        filled = apply_into(skeleton, tree, target)
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
-    if keys is True:
-        return filled
-    into.update(filled)
-    return {k: into[k] for k in keys}
+    elif keys is None:  # the whole state is replicated
+        return read_part(
+            store, step, rank=source, into=into, allow_pickle=allow_pickle, device=device
+        )
+    wanted = list(keys) if keys is not None else list(saved) if saved is not True else []
+    _into_keys(into, wanted, step, "replicated")  # checked here to say which keys
+    return read_part(
+        store,
+        step,
+        rank=source,
+        into=into,
+        allow_pickle=allow_pickle,
+        device=device,
+        keys=wanted,
+    )
 
 
 def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
@@ -691,5 +725,14 @@ def newest_restorable(
         raise CheckpointNotFoundError(
             f"no version of {where} could be read: the writer kept retiring them while reading"
         )
-    newest = damaged[max(damaged)]
-    raise IntegrityError(f"every version in {where} is damaged; newest error: {newest}")
+    raise every_version_damaged(where, damaged)
+
+
+def every_version_damaged(where: str, damaged: dict[int, str]) -> IntegrityError:
+    """What a restore without a step raises when each version it tried (``damaged``: step ->
+    what was wrong) is damaged: the steps, newest first, and the damage of the newest."""
+    tried = sorted(damaged, reverse=True)
+    return IntegrityError(
+        f"every version in {where} is damaged (steps tried: {', '.join(map(str, tried))}); "
+        f"step {tried[0]}: {damaged[tried[0]]}"
+    )
