@@ -525,12 +525,17 @@ class Checkpointer:
         """After restoring ``step``: when the run holds later versions, the next version
         starts a new generation forked at ``step``, whose first commit supersedes them
         (docs/FORMAT.md, "Superseding"); otherwise saves go on in the run's lineage. Every
-        participant restored the same step; they agree on the generation."""
+        participant restored the same step, and decides the same."""
         self._restored = step
         records = self._levels.records()
         later = any(s > step for s in visible_versions(records))
         newest = max_generation(records)
-        if self.coordinator.world_size > 1:
+        private = not all(level.shared for level in self._levels.levels)
+        if private and self.coordinator.world_size > 1:
+            # Each rank's scratch is its own: they may see different versions, and each
+            # commits its own scratch record in the lineage, so they agree on it. (On shared
+            # levels only, every rank lists the same records: no collective, and a survivor
+            # of a dead peer can still restore.)
             told = self._restore_channel.all_gather([later, newest])
             later, newest = any(t[0] for t in told), max(t[1] for t in told)
         current = self._lineage
