@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from . import engine
+from ._format.skeleton import iter_leaves
 from .chunks import chunk_count
 from .engine import ResolvedPart
 from .errors import CheckpointFormatError
 from .manifest import Manifest
 from .storage import Store
-from .tree import iter_leaves
 
 __all__ = ["LeafChange", "LeafInfo", "VersionDiff", "describe_leaves", "diff_versions"]
 

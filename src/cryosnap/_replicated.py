@@ -34,11 +34,12 @@ import numpy as np
 import xxhash
 
 from . import engine
+from ._format.skeleton import Json, dict_items, encode_key, iter_leaves
 from .dist import Coordinator
 from .engine._write import Owners, assign_shares
 from .errors import CheckpointError, ReplicaDivergenceError
 from .manifest import Replicated
-from .tree import FlatState, Json, dict_items, encode_key, iter_leaves
+from .tree import FlatState
 
 __all__ = ["Plan", "exchange", "plan", "replicated_keys", "send_failure", "top_level_keys"]
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Literal, NoReturn, overload
 
+from ._format.limits import MAX_STEP
+
 __all__ = [
     "bad_value",
     "boolean",
@@ -100,9 +102,6 @@ def positive_int_or_none(
 
 def step(value: object, name: str = "step") -> int:
     """``value`` if it is a step a version can have: an int from 0 to ``MAX_STEP``."""
-    # Imported here: manifest imports chunks, which uses this module (no cycle at import time).
-    from .manifest import MAX_STEP
-
     return integer(value, name, minimum=0, maximum=MAX_STEP)
 
 

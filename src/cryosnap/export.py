@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 
 from . import _validate, engine
+from ._format.skeleton import format_path
 from ._torch_import import import_torch, loaded_torch
 from .checkpointer import load
 from .errors import CheckpointError, CheckpointNotFoundError
 from .run import runs_inside
 from .storage import Store, open_store
-from .tree import format_path
 
 __all__ = [
     "EXPORT_FORMATS",

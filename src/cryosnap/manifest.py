@@ -33,17 +33,40 @@ import json
 import re
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import xxhash
 
+from ._format.keys import (
+    Lineage,
+    commit_key,
+    data_key,
+    generation_of_manifest_key,
+    manifest_key,
+    max_generation,
+    parse_commit_key,
+    parse_manifest_key,
+    step_of_commit_key,
+    validate_key,
+    version_prefix,
+    visible_versions,
+)
+from ._format.limits import (
+    MAX_BLOB_BYTES,
+    MAX_BLOB_CHUNKS,
+    MAX_COUNT,
+    MAX_FILE_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_RANK,
+    MAX_STEP,
+    MAX_UNIX,
+)
+from ._format.skeleton import check_depth, decode_key, encode_key
 from .chunks import HASH_BYTES, HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_count
 from .errors import CheckpointFormatError
-from .storage.base import validate_key
-from .tree import check_depth, decode_key, encode_key
 
 __all__ = [
     "FORMAT_VERSION",
@@ -83,29 +106,6 @@ PACKED_FORMAT_VERSION = 2
 # A blob's segment table of more rows than this is written packed (zlib-compressed
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
-MAX_STEP = 10**12 - 1
-
-# Limits on what a manifest or commit record may claim. A run directory can come from anyone,
-# so every number is checked before it sizes an allocation, indexes an array or reaches a
-# syscall; these bounds sit far above anything a real run writes and far below where numpy's
-# int64 arithmetic, preadv's off_t or Python's float conversion would overflow.
-# Ranks are C ints in MPI and torch.distributed.
-MAX_RANK = 2**31 - 1
-# Counters that are only reported (leaves, logical and written bytes, metrics): a uint64
-# holds them.
-MAX_COUNT = 2**64 - 1
-# One blob: 128 TiB, more than any single machine's memory. Segment offsets and sizes stay
-# below this, so offset + nbytes and chunk index * chunk_bytes never overflow int64.
-MAX_BLOB_BYTES = 2**47
-MAX_FILE_BYTES = 2**47
-# Chunks of one blob. Each segment covers at least one chunk, so a blob has at most this many
-# segments, and a sum of per-segment chunk counts stays below 2**62: no int64 sum can wrap.
-MAX_BLOB_CHUNKS = 2**31
-# Timestamps: 0 to the end of year 9999, what datetime (and the CLI) can render.
-MAX_UNIX = 253402300799.0
-# JSON nesting of a commit record (flat by design: 3 levels). The state tree of a manifest has
-# its own limit, tree.MAX_DEPTH.
-MAX_JSON_DEPTH = 16
 # A run id (which training wrote a version): letters, digits and ._:- only, 1 to 128 of them,
 # so it is safe in a log line, a file name or a shell command.
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -115,122 +115,6 @@ _MAX_REPLICATED_KEYS = 1 << 20
 # Which top-level keys of a part were saved as replicated: a tuple of keys, True (the whole
 # state), or None (none).
 Replicated = tuple[str | int, ...] | Literal[True] | None
-
-
-def version_prefix(step: int) -> str:
-    return f"versions/{step:012d}"
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Lineage:
-    """Which trajectory a version belongs to, for versions saved after a rewind.
-
-    A Checkpointer that restored step ``fork`` while the run held later versions saves its
-    next versions in a new *generation* ``generation`` (1 + the highest in the run): they
-    supersede every version of an older generation whose step is above ``fork``. Versions of
-    generation 0 (every run that never rewound) carry no lineage (``None``). Both numbers are
-    in the commit record's key, so a listing alone says which versions are visible.
-    """
-
-    generation: int
-    fork: int
-
-
-_LINEAGE_COMMIT = re.compile(r"COMMIT-g([1-9][0-9]{0,8})-f([0-9]{12})\.json")
-
-
-def commit_key(step: int, lineage: Lineage | None = None) -> str:
-    if lineage is None:
-        return f"{version_prefix(step)}/COMMIT.json"
-    return f"{version_prefix(step)}/COMMIT-g{lineage.generation}-f{lineage.fork:012d}.json"
-
-
-def manifest_key(step: int, rank: int, generation: int = 0) -> str:
-    if generation == 0:
-        return f"{version_prefix(step)}/rank-{rank:05d}.json"
-    return f"{version_prefix(step)}/rank-{rank:05d}-g{generation}.json"
-
-
-def data_key(step: int, rank: int, token: str) -> str:
-    return f"data/{step:012d}-r{rank:05d}-{token}.dat"
-
-
-_MANIFEST_NAME = re.compile(r"rank-([0-9]{5})(?:-g([1-9][0-9]{0,8}))?(?:-[0-9a-f]{8})?\.json")
-
-
-def parse_manifest_key(key: str) -> tuple[int, int] | None:
-    """The rank and generation in a manifest's key (``rank-<r>[-g<gen>][-<token>].json``: a
-    token when the step was saved again while its old manifest stayed), or None."""
-    m = _MANIFEST_NAME.fullmatch(key.rsplit("/", 1)[-1])
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2)) if m.group(2) else 0
-
-
-def generation_of_manifest_key(key: str) -> int | None:
-    """The generation in a manifest's key, or None for another key."""
-    parsed = parse_manifest_key(key)
-    return None if parsed is None else parsed[1]
-
-
-def parse_commit_key(key: str) -> tuple[int, Lineage | None] | None:
-    """The step and lineage of a commit record's key, or None for any other key."""
-    parts = key.split("/")
-    if len(parts) != 3 or parts[0] != "versions":
-        return None
-    s = parts[1]
-    if len(s) != 12 or not s.isdigit():
-        return None
-    if parts[2] == "COMMIT.json":
-        return int(s), None
-    m = _LINEAGE_COMMIT.fullmatch(parts[2])
-    if m is None:
-        return None
-    return int(s), Lineage(int(m.group(1)), int(m.group(2)))
-
-
-def step_of_commit_key(key: str) -> int | None:
-    """The step of a commit record's key (``versions/<step>/COMMIT*.json``), or None."""
-    parsed = parse_commit_key(key)
-    return None if parsed is None else parsed[0]
-
-
-def _generation(lineage: Lineage | None) -> int:
-    return 0 if lineage is None else lineage.generation
-
-
-def visible_versions(
-    records: Iterable[tuple[int, Lineage | None]],
-) -> dict[int, Lineage | None]:
-    """Of the commit records listed (step, lineage), the versions: step -> its lineage.
-
-    A record of generation ``r`` at step ``t`` is *superseded* when the records hold a newer
-    generation ``g > r`` forked at a step below ``t``: that generation was started by a
-    Checkpointer that restored its fork step and saved on from there, abandoning ``t``. Every
-    other record is a version; at a step, the newest generation wins (an older one there is
-    always superseded by it). Pure: the same listing gives the same versions on any tier, and
-    on the union of several tiers' listings.
-    """
-    listed = set(records)
-    forks: dict[int, int] = {}
-    for _step, lineage in listed:
-        if lineage is not None:
-            g = lineage.generation
-            forks[g] = min(forks.get(g, lineage.fork), lineage.fork)
-    bounds: dict[int, float] = {}
-    for r in {_generation(lin) for _s, lin in listed}:
-        newer = [fork for g, fork in forks.items() if g > r]
-        bounds[r] = min(newer) if newer else float("inf")
-    out: dict[int, Lineage | None] = {}
-    for step, lineage in sorted(listed, key=lambda rec: (rec[0], _generation(rec[1]))):
-        if step <= bounds[_generation(lineage)]:
-            out[step] = lineage  # ascending generations: the newest one at a step wins
-    return out
-
-
-def max_generation(records: Iterable[tuple[int, Lineage | None]]) -> int:
-    """The newest generation among the records listed (0 for a run that never rewound)."""
-    return max((_generation(lin) for _s, lin in records), default=0)
 
 
 def _checksum(doc: dict[str, Any]) -> str:

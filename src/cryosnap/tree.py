@@ -38,13 +38,24 @@ import pickle
 import struct
 import sys
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from ._devcopy import copy_to_device, to_device
+from ._format.skeleton import (
+    _BIG_INT_BITS,
+    MAX_DEPTH,
+    MAX_ELEMENTS,
+    MAX_NDIM,
+    Json,
+    _key_text,
+    dict_items,
+    encode_key,
+    format_path,
+)
 from ._gc import paused_gc
 from ._torch_import import import_torch, loaded_torch
 from .errors import CheckpointError, CheckpointFormatError, StateMismatchError
@@ -54,83 +65,17 @@ __all__ = [
     "FlatState",
     "Restorer",
     "apply_into",
-    "blob_keys",
-    "blob_paths",
     "check_into",
-    "decode_key",
     "direct_targets",
-    "dict_items",
-    "encode_key",
     "flatten",
-    "format_path",
-    "iter_leaves",
     "is_stateful",
 ]
 
-Json = Any  # a JSON-compatible value (dict / list / str / int / float / bool / None)
-
-
-# Levels of nesting a restored tree may have. Restoring walks the skeleton recursively (at most
-# two frames per level), so this keeps every walk well inside Python's default recursion limit
-# of 1000 wherever the caller stands; saving itself fails at about 330 levels.
-MAX_DEPTH = 200
-# Dimensions of a tensor or array: numpy's own limit (torch's is the same).
-MAX_NDIM = 64
-# Elements of one leaf, zero-sized dimensions included: shapes and strides stay in int64.
-MAX_ELEMENTS = 2**62
-
-_CONTAINERS = frozenset(("dict", "odict", "list", "tuple"))
 
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
 # packed (a fraction of the pack, so that a pack holds many).
 PACK_BYTES = 1 << 20
 PACK_LEAF_FRACTION = 16
-
-# Python ints beyond this many bits are written as hex strings: JSON readers (Python's included)
-# refuse numbers of more than a few thousand digits.
-_BIG_INT_BITS = 63
-
-
-def encode_key(key: str | int) -> Json:
-    """A dict key as stored: a string, an int, or ``{"int": hex}`` for a huge int."""
-    if type(key) is int and key.bit_length() > _BIG_INT_BITS:
-        return {"int": hex(key)}
-    return key
-
-
-def decode_key(key: Json, where: str) -> str | int:
-    """The dict key ``encode_key`` stored; ``CheckpointFormatError`` for anything else."""
-    if type(key) in (str, int):
-        return key  # type: ignore[no-any-return]
-    if isinstance(key, dict) and isinstance(key.get("int"), str) and len(key) == 1:
-        try:
-            return int(key["int"], 16)
-        except ValueError:
-            pass
-    raise CheckpointFormatError(f"{where}: invalid key {key!r:.80}")
-
-
-def dict_items(node: Json, where: str) -> list[tuple[str | int, Json]]:
-    """The decoded ``(key, child)`` pairs of a dict node, validated."""
-    keys, vals = node.get("k"), node.get("v")
-    if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
-        raise CheckpointFormatError(f"{where}: malformed dict node")
-    if set(map(type, keys)) <= _PLAIN_KEYS:  # the common case, decoded as they are
-        return list(zip(keys, vals, strict=True))
-    return [(decode_key(k, where), v) for k, v in zip(keys, vals, strict=True)]
-
-
-_PLAIN_KEYS = frozenset((str, int))
-
-
-def format_path(path: tuple[str | int, ...]) -> str:
-    """Human form of a leaf path: keys joined by ``/``; the root itself is ``<root>``."""
-    return "/".join(_key_text(p) for p in path) if path else "<root>"
-
-
-def _key_text(key: str | int) -> str:
-    # str() of an int of thousands of digits is refused (and useless in a message).
-    return hex(key) if type(key) is int and key.bit_length() > _BIG_INT_BITS else str(key)
 
 
 def is_stateful(obj: object) -> bool:
@@ -574,89 +519,6 @@ class _Packer:
 
 # ---------------------------------------------------------------------------------------------
 # restore
-
-
-def iter_leaves(node: Json, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str, Json]]:
-    """``(path, node)`` of every leaf of a skeleton, in tree order (reads no data).
-
-    Containers and stateful nodes are walked, everything else is a leaf; a malformed container
-    raises :class:`CheckpointFormatError` naming where.
-    """
-    where = format_path(path)
-    if not isinstance(node, dict):
-        raise CheckpointFormatError(f"leaf {where}: malformed node {node!r:.80}")
-    t = node.get("t")
-    if t in ("dict", "odict"):
-        for k, v in dict_items(node, where):
-            yield from iter_leaves(v, (*path, k))
-    elif t in ("list", "tuple"):
-        vals = node.get("v")
-        if not isinstance(vals, list):
-            raise CheckpointFormatError(f"{where}: malformed {t} node")
-        for i, v in enumerate(vals):
-            yield from iter_leaves(v, (*path, i))
-    elif t == "stateful":
-        yield from iter_leaves(node.get("v"), path)
-    else:
-        yield where, node
-
-
-def check_depth(skeleton: Json, where: str) -> None:
-    """Refuse a skeleton nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
-    stack: list[tuple[Json, int]] = [(skeleton, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise CheckpointFormatError(f"{where}: state nested deeper than {MAX_DEPTH} levels")
-        if not isinstance(node, dict):
-            continue  # malformed: the walk that meets it says so
-        t = node.get("t")
-        if isinstance(t, str) and t in _CONTAINERS:  # a list there is not hashable
-            vals = node.get("v")
-            if isinstance(vals, list):
-                stack.extend((v, depth + 1) for v in vals if isinstance(v, dict))
-        elif t == "stateful":
-            stack.append((node.get("v"), depth + 1))
-
-
-def blob_keys(skeleton: Json, nblobs: int) -> list[tuple[str | int, ...]]:
-    """The key path of the leaf that first refers to each blob, as :func:`flatten` names a
-    blob's owner (``Blob.key``); a blob no leaf refers to is a :class:`CheckpointFormatError`."""
-    keys: list[tuple[str | int, ...] | None] = [None] * nblobs
-    stack: list[tuple[Json, tuple[str | int, ...]]] = [(skeleton, ())]
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict):
-            raise CheckpointFormatError(f"leaf {format_path(path)}: malformed node")
-        t = node.get("t")
-        if t in ("dict", "odict"):
-            items = dict_items(node, format_path(path))
-            stack.extend(((v, (*path, k)) for k, v in reversed(items)))
-        elif t in ("list", "tuple"):
-            vals = node.get("v")
-            if not isinstance(vals, list):
-                raise CheckpointFormatError(f"{format_path(path)}: malformed {t} node")
-            stack.extend(((v, (*path, i)) for i, v in reversed(list(enumerate(vals)))))
-        elif t == "stateful":
-            stack.append((node.get("v"), path))
-        else:
-            b = node.get("b")
-            if type(b) is int and 0 <= b < nblobs and keys[b] is None:
-                keys[b] = path
-    missing = [i for i, k in enumerate(keys) if k is None]
-    if missing:
-        raise CheckpointFormatError(f"blob {missing[0]} is referenced by no leaf")
-    return [k for k in keys if k is not None]
-
-
-def blob_paths(skeleton: Json, nblobs: int) -> list[str]:
-    """The leaf path that first refers to each blob (what messages and diffs name)."""
-    paths = [""] * nblobs
-    for where, node in iter_leaves(skeleton):
-        b = node.get("b")
-        if type(b) is int and 0 <= b < nblobs and not paths[b]:
-            paths[b] = where
-    return paths
 
 
 def _torch() -> Any:

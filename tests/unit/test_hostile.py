@@ -41,11 +41,11 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.skeleton import MAX_DEPTH
 from cryosnap.chunks import merkle_root
 from cryosnap.errors import CheckpointFormatError, IntegrityError
 from cryosnap.manifest import MAX_BLOB_CHUNKS, commit_key, manifest_key
 from cryosnap.storage import LocalStore
-from cryosnap.tree import MAX_DEPTH
 
 CHUNK = 4096
 REPO = Path(__file__).resolve().parents[2]
@@ -858,7 +858,7 @@ def test_any_number_anywhere_is_refused_or_read(full_template: Path, data: st.Da
 
 def test_a_node_type_that_is_not_a_string_is_malformed() -> None:
     """Found by Hypothesis under CPU load: ``{"t": []}`` reached a set lookup (TypeError)."""
-    from cryosnap.tree import check_depth
+    from cryosnap._format.skeleton import check_depth
 
     check_depth({"t": [], "v": [{"t": {}}]}, "here")  # nothing to refuse at this depth
     restorer = cryosnap.tree.Restorer({"t": []}, [], allow_pickle=False)

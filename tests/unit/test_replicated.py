@@ -19,6 +19,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.skeleton import blob_paths
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (
     CheckpointFormatError,
@@ -28,7 +29,7 @@ from cryosnap.errors import (
 )
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore
-from cryosnap.tree import blob_paths, flatten
+from cryosnap.tree import flatten
 
 from .test_coordinator import run_ranks
 

@@ -15,11 +15,12 @@ import torch
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.skeleton import blob_paths
 from cryosnap.engine import _fetch, _read
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
-from cryosnap.tree import blob_paths, check_into, direct_targets, flatten
+from cryosnap.tree import check_into, direct_targets, flatten
 
 from .support import snapshot
 

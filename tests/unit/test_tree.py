@@ -11,8 +11,9 @@ import pytest
 import torch
 from hypothesis import given
 
+from cryosnap._format.skeleton import format_path
 from cryosnap.errors import CheckpointError, CheckpointFormatError, StateMismatchError
-from cryosnap.tree import Restorer, apply_into, check_into, flatten, format_path, is_stateful
+from cryosnap.tree import Restorer, apply_into, check_into, flatten, is_stateful
 
 from .support import assert_same, blob_bytes_of, leaves_of, state_trees
 

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from .. import engine
+from .._format.skeleton import dict_items
 from ..engine._fetch import read_blobs
 from ..storage import Store
-from ..tree import dict_items
 from ._schema import ROOT, DcpFormatError
 
 __all__ = ["PartReader", "dcp_node", "metadata_text", "part_state"]

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .._format.skeleton import blob_keys, blob_paths, format_path
 from .._gc import paused_gc
 from ..chunks import merkle_root, value_runs
 from ..errors import (
@@ -52,18 +53,7 @@ from ..manifest import (
 )
 from ..progress import Progress, human_bytes
 from ..storage import Store
-from ..tree import (
-    Blob,
-    FlatState,
-    Place,
-    Restorer,
-    apply_into,
-    blob_keys,
-    blob_paths,
-    check_into,
-    direct_targets,
-    format_path,
-)
+from ..tree import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
 from ._fetch import Fetched, Mapped, read_blobs
 from ._records import read_commit, read_manifest
 from ._resolved import (

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from .._format.skeleton import blob_paths
 from ..chunks import HASH_BYTES
 from ..errors import CheckpointFormatError
 from ..manifest import STORED, BaseRef, Manifest
 from ..storage import Store
-from ..tree import blob_paths
 from ._records import _load_manifest, read_commit, read_manifest
 
 __all__ = [

@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from .._format.skeleton import dict_items, encode_key
 from ..errors import CheckpointFormatError, KeyNotFoundError, StateMismatchError
-from ..tree import dict_items, encode_key
 from ._resolved import ResolvedPart
 
 __all__ = ["cut_part", "keys_skeleton", "renumbered", "spread_paths", "validate_keys"]

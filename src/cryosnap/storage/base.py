@@ -30,12 +30,12 @@ Runs on the calling thread; stores hold no locks, callers serialize writes to on
 from __future__ import annotations
 
 import builtins
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from .._format.keys import validate_key
 from ..errors import IntegrityError, StorageError
 
 __all__ = [
@@ -52,8 +52,6 @@ __all__ = [
 # Buffers cross this interface as memoryviews (numpy arrays and tensors are viewed first).
 BytesLike = bytes | bytearray | memoryview
 
-_KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
 
 class TruncatedError(IntegrityError):
     """A stored file ends before the byte range that was asked of it."""
@@ -61,28 +59,6 @@ class TruncatedError(IntegrityError):
 
 class ConditionalWritesUnsupported(StorageError):
     """The server behind a store refuses conditional requests (some S3-compatible ones do)."""
-
-
-def validate_key(key: str) -> str:
-    """Return ``key`` if it is a safe relative key, else raise ``ValueError``.
-
-    Safe: non-empty ``/``-separated segments of letters, digits, ``_``, ``.``, ``-``; no segment
-    is ``.`` or ``..``; no leading ``/``. This is what keeps a manifest from naming a file outside
-    the run.
-    """
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"invalid storage key {key!r}: must be a non-empty string")
-    for seg in key.split("/"):
-        if seg in ("", ".", "..") or not _KEY_SEGMENT.match(seg):
-            raise ValueError(
-                f"invalid storage key {key!r}: segments must be non-empty, not '.' or '..', "
-                "and made of letters, digits, '_', '.', '-'"
-            )
-    name = key.rsplit("/", 1)[-1]
-    if name.endswith(".partial") or (name.startswith(".") and name.endswith(".tmp")):
-        # These names are the stores' own files in progress (see _local.py).
-        raise ValueError(f"invalid storage key {key!r}: '.partial' and '.*.tmp' are reserved")
-    return key
 
 
 class BlobWriter(Protocol):
