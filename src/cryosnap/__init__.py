@@ -9,7 +9,8 @@ Imports nothing heavy: torch is imported only when a tensor is saved or loaded.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from .checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
 from .errors import (
@@ -32,7 +33,7 @@ from .errors import (
 from .run import Run, VerifyReport, VersionInfo
 from .storage.tiers import Tier
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from .integrations.torch import RNGState
 
 __all__ = [
@@ -69,7 +70,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     # RNGState lives with the torch integration; imported on first use, so that importing
     # cryosnap never imports torch.
     if name == "RNGState":

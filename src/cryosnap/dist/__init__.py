@@ -37,8 +37,8 @@ from ._threads import InProcessGroup
 from ._torch import TorchCoordinator
 
 __all__ = [
-    "DEFAULT_TIMEOUT_SECONDS",
     "Coordinator",
+    "DEFAULT_TIMEOUT_SECONDS",
     "InProcessGroup",
     "LocalCoordinator",
     "MPICoordinator",

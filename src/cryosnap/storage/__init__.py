@@ -32,10 +32,10 @@ from .base import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_SECONDS",
     "BlobWriter",
     "ConditionalWrites",
     "ConditionalWritesUnsupported",
+    "DEFAULT_TIMEOUT_SECONDS",
     "FsspecStore",
     "LocalStore",
     "Store",

@@ -1,0 +1,67 @@
+"""The public surface: each public namespace's ``__all__`` is sorted, complete and importable
+(as httpx checks its own), and importing cryosnap pulls in neither torch nor typer."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+import cryosnap
+
+PUBLIC = [
+    "cryosnap",
+    "cryosnap.errors",
+    "cryosnap.policy",
+    "cryosnap.plan",
+    "cryosnap.storage",
+    "cryosnap.dist",
+    "cryosnap.testing",
+    "cryosnap.dcp",
+    "cryosnap.integrations.torch",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_all_is_sorted_and_every_name_resolves(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = list(module.__all__)
+    assert exported == sorted(exported), f"{name}.__all__ is not sorted"
+    assert len(set(exported)) == len(exported), f"{name}.__all__ lists a name twice"
+    for item in exported:
+        assert getattr(module, item) is not None, f"{name}.{item}"
+
+
+def test_the_root_exports_every_public_name_it_defines() -> None:
+    public = {
+        n
+        for n, v in vars(cryosnap).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType)
+    }
+    public.discard("annotations")  # from __future__
+    assert public <= set(cryosnap.__all__), sorted(public - set(cryosnap.__all__))
+
+
+def test_every_error_is_in_errors_and_derives_from_checkpoint_error() -> None:
+    from cryosnap import errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.CheckpointError), name
+        assert name in errors.__doc__, f"{name} is not drawn in the tree of errors.py"
+    for name in errors.__all__:
+        assert getattr(cryosnap, name, None) is getattr(errors, name) or name in (
+            "CheckpointError",
+        ), f"cryosnap.{name}"
+
+
+def test_importing_cryosnap_imports_neither_torch_nor_typer() -> None:
+    code = (
+        "import sys, cryosnap\n"
+        "print(sorted(m for m in ('torch', 'typer', 'rich') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
