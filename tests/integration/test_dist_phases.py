@@ -127,7 +127,8 @@ def test_four_ranks_of_replicated_state_restore_bit_exact_at_four_two_and_one_ra
     on one rank, a fully changed tensor is written once in total, and a replica that drifts on
     one rank fails that version on all 4 naming the ranks on each side. Each rank's ``restore()``
     is bit-exact (NaN, -0.0, bf16 and int64 included); the replicated state restores bit-exact at
-    2 ranks and at 1 (``replicated_only``), every saved rank's own part loads from one process."""
+    2 ranks and at 1 (``replicated_only``), a full restore at 2 is a WorldSizeError on both, and
+    every saved rank's own part loads from one process."""
     import cryosnap
     from cryosnap import engine
     from cryosnap.storage import LocalStore
@@ -153,10 +154,12 @@ def test_four_ranks_of_replicated_state_restore_bit_exact_at_four_two_and_one_ra
         assert got["restored"] == digest(replicated_state(rank, 2)), rank
 
     expected = digest({k: replicated_state(0, 2)[k] for k in KEYS})
-    # 2 ranks: each reads the replicated keys from saved part rank % 4, its own part from r.
+    # 2 ranks: the replicated keys restore (any saved part); a full restore would leave saved
+    # ranks 2-3 unread and is refused on both (WorldSizeError); each reads a saved part itself.
     for rank, got in enumerate(launch("two", 2, tmp_path / "two")):
         assert got["replicated"] == expected, rank
-        assert got["restored"] == digest(replicated_state(rank, 2)), rank
+        assert "saved by 4 rank(s) and 2 participant(s)" in got["refused"], rank
+        assert got["own"] == digest(replicated_state(rank, 2)), rank
     # 1 rank (this process, no torch.distributed): the replicated keys, and any saved rank's part.
     with cryosnap.Checkpointer(run) as ckpt:
         assert ckpt.coordinator.world_size == 1
@@ -264,11 +267,17 @@ def _two(out: Path) -> dict[str, Any]:
     import cryosnap
 
     _init()
+    import torch.distributed as dist
+
     with cryosnap.Checkpointer(out.parent / "run", comm=None) as ckpt:
-        return {
-            "replicated": digest(ckpt.restore(replicated_only=True)),
-            "restored": digest(ckpt.restore()),
-        }
+        got: dict[str, Any] = {"replicated": digest(ckpt.restore(replicated_only=True))}
+        try:
+            ckpt.restore()  # saved by 4: two would leave parts unread (issue 26)
+        except cryosnap.WorldSizeError as exc:
+            got["refused"] = str(exc)
+        # The way on for its own part: read saved rank r's part directly.
+        got["own"] = digest(cryosnap.load(out.parent / "run", rank=dist.get_rank()))
+        return got
 
 
 def _faulty_store(run: Path, rank: int, phase: str) -> tuple[Any, threading.Event]:
