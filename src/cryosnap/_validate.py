@@ -23,7 +23,9 @@ from __future__ import annotations
 import math
 from typing import Literal, NoReturn, overload
 
-from ._format.limits import MAX_STEP
+# The largest step a version may have: the format's limit (cryosnap._format.limits re-exports
+# it), defined here at the bottom so that validation imports nothing of the package.
+MAX_STEP = 10**12 - 1
 
 __all__ = [
     "bad_value",

@@ -8,6 +8,8 @@ conversion would overflow. Pure constants.
 
 from __future__ import annotations
 
+from .._validate import MAX_STEP
+
 __all__ = [
     "MAX_BLOB_BYTES",
     "MAX_BLOB_CHUNKS",
@@ -22,7 +24,6 @@ __all__ = [
     "MAX_UNIX",
 ]
 
-MAX_STEP = 10**12 - 1
 
 # Ranks are C ints in MPI and torch.distributed.
 MAX_RANK = 2**31 - 1
