@@ -14,8 +14,14 @@ catch one class. Where a builtin already means the same thing, the error derives
     │                                                    of an unknown format_version, or escapes
     │                                                    the run directory
     ├── IntegrityError                                   content does not match its hash (and
-    │                                                    a restore without a step: every
-    │                                                    version of the run is damaged)
+    │   │                                                a restore without a step: every
+    │   │                                                version of the run is damaged)
+    │   └── TruncatedError                               a stored file ends before the bytes
+    │                                                    asked of it
+    ├── DcpError                                         a torch.distributed.checkpoint save or
+    │   │                                                load through cryosnap cannot go on
+    │   └── DcpFormatError (+ CheckpointFormatError)     a version's DCP metadata is missing or
+    │                                                    malformed
     ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
     │                                                    version does not hold
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
@@ -33,13 +39,16 @@ catch one class. Where a builtin already means the same thing, the error derives
     │                                                    lock (a Checkpointer is open on it)
     └── StorageError (+ OSError)                         the storage backend failed (full disk,
         │                                                permissions, unreachable endpoint)
-        └── StorageTimeoutError (+ TimeoutError)         one storage call did not return within
-                                                         the per-call timeout
+        ├── StorageTimeoutError (+ TimeoutError)         one storage call did not return within
+        │                                                the per-call timeout
+        └── ConditionalWritesUnsupported                 the server refuses conditional requests
 
 ``TypeError`` (a leaf of an unsupported type, with its path) and ``ValueError`` (a bad argument)
 are raised as themselves for programming errors detected eagerly on the caller's thread.
 
-Messages name what is wrong and where: the step, the tier or URL, and the leaf path.
+Messages name what is wrong and where: the step, the tier or URL, and the leaf path; where
+an error is about one step or one path, it also carries them as ``.step`` and ``.path``
+(None when it names none).
 """
 
 from __future__ import annotations
@@ -50,7 +59,10 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
+    "ConditionalWritesUnsupported",
     "CoordinationError",
+    "DcpError",
+    "DcpFormatError",
     "IntegrityError",
     "KeyNotFoundError",
     "LockLostError",
@@ -59,12 +71,24 @@ __all__ = [
     "StateMismatchError",
     "StorageError",
     "StorageTimeoutError",
+    "TruncatedError",
     "WorldSizeError",
 ]
 
 
 class CheckpointError(Exception):
-    """Base class of every error cryosnap raises on purpose."""
+    """Base class of every error cryosnap raises on purpose. ``step`` and ``path`` (the run,
+    tier or key it is about) are set where the raiser knows them."""
+
+    step: int | None = None
+    path: str | None = None
+
+    def __init__(self, *args: object, step: int | None = None, path: str | None = None) -> None:
+        super().__init__(*args)
+        if step is not None:
+            self.step = step
+        if path is not None:
+            self.path = path
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -95,6 +119,21 @@ class CheckpointFormatError(CheckpointError):
 
 class IntegrityError(CheckpointError):
     """Stored content does not match its recorded hash."""
+
+
+class TruncatedError(IntegrityError):
+    """A stored file ends before the byte range that was asked of it."""
+
+
+class DcpError(CheckpointError):
+    """A torch.distributed.checkpoint save or load through cryosnap cannot go on: the planner
+    keeps no metadata or keeps some that JSON cannot hold, DCP was called in a way cryosnap's
+    global commit cannot follow, or a staged copy does not fit its budget."""
+
+
+class DcpFormatError(DcpError, CheckpointFormatError):
+    """A version's DCP metadata is missing or malformed, or the version was not written
+    through :class:`cryosnap.dcp.StorageWriter`."""
 
 
 class KeyNotFoundError(CheckpointError, KeyError):
@@ -133,6 +172,10 @@ class RunLockedError(CheckpointError):
 
 class StorageTimeoutError(StorageError, TimeoutError):
     """A storage call did not return within the store's per-call timeout."""
+
+
+class ConditionalWritesUnsupported(StorageError):
+    """The server behind a store refuses conditional requests (some S3-compatible ones do)."""
 
 
 class CoordinationError(CheckpointError):

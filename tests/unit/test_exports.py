@@ -7,6 +7,7 @@ import importlib
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,17 @@ def test_importing_cryosnap_imports_neither_torch_nor_typer() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_errors_carry_the_step_and_path_they_name(tmp_path: Any) -> None:
+    import numpy as np
+
+    run = tmp_path / "run"
+    cryosnap.save(run, {"x": np.arange(4)}, step=3)
+    [manifest] = (run / "versions" / "000000000003").glob("rank-*.json")
+    manifest.write_bytes(manifest.read_bytes() + b" ")
+    with pytest.raises(cryosnap.IntegrityError) as damaged:
+        cryosnap.load(run, step=3)
+    assert damaged.value.step == 3
+    assert damaged.value.path == "versions/000000000003/rank-00000.json"
+    assert cryosnap.CheckpointError("no step").step is None

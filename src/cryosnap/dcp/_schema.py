@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointError, CheckpointFormatError
+from ..errors import DcpError, DcpFormatError
 
 __all__ = [
     "ROOT",
@@ -50,17 +50,6 @@ ROOT = "cryosnap.dcp"
 
 # (fqn, chunk offsets) of a stored tensor chunk; (fqn, None) of a stored bytes item.
 ItemKey = tuple[str, tuple[int, ...] | None]
-
-
-class DcpError(CheckpointError):
-    """A torch.distributed.checkpoint save or load through cryosnap cannot go on: the planner
-    keeps no metadata or keeps some that JSON cannot hold, DCP was called in a way cryosnap's
-    global commit cannot follow, or a staged copy does not fit its budget."""
-
-
-class DcpFormatError(DcpError, CheckpointFormatError):
-    """A version's DCP metadata is missing or malformed, or the version was not written
-    through :class:`cryosnap.dcp.StorageWriter`."""
 
 
 def item_key(index: MetadataIndex) -> ItemKey:

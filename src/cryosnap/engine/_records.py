@@ -76,13 +76,17 @@ def read_commit(
     if isinstance(lineage, _Newest):
         at = [lin for s, lin in list_records(store, version_prefix(step)) if s == step]
         if not at:
-            raise CheckpointNotFoundError(f"step {step} not found in {store.url}")
+            raise CheckpointNotFoundError(
+                f"step {step} not found in {store.url}", step=step, path=store.url
+            )
         lineage = max(at, key=lambda lin: 0 if lin is None else lin.generation)
     key = commit_key(step, lineage)
     try:
         data = store.read(key)
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"step {step} not found in {store.url}") from None
+        raise CheckpointNotFoundError(
+            f"step {step} not found in {store.url}", step=step, path=store.url
+        ) from None
     record = CommitRecord.from_json(data, f"{store.url}: {key}")
     if record.step != step or record.lineage != lineage:
         raise CheckpointFormatError(
@@ -112,9 +116,13 @@ def _load_manifest(store: Store, key: str, xxh3: str, nbytes: int | None, step: 
         data = store.read(key)
     except CheckpointNotFoundError:
         # The commit record (or a successor's base reference) names it: it is damage.
-        raise IntegrityError(f"step {step}, tier {store.url}: manifest {key} is missing") from None
+        raise IntegrityError(
+            f"step {step}, tier {store.url}: manifest {key} is missing", step=step, path=key
+        ) from None
     if (nbytes is not None and len(data) != nbytes) or xxhash.xxh3_128_hexdigest(data) != xxh3:
         raise IntegrityError(
-            f"step {step}, tier {store.url}: manifest {key} does not match its recorded hash"
+            f"step {step}, tier {store.url}: manifest {key} does not match its recorded hash",
+            step=step,
+            path=key,
         )
     return Manifest.from_json(data, f"{store.url}: {key}")

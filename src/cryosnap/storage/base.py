@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from .._format.keys import validate_key
-from ..errors import IntegrityError, StorageError
+from ..errors import ConditionalWritesUnsupported, TruncatedError
 
 __all__ = [
     "BlobWriter",
@@ -51,14 +51,6 @@ __all__ = [
 
 # Buffers cross this interface as memoryviews (numpy arrays and tensors are viewed first).
 BytesLike = bytes | bytearray | memoryview
-
-
-class TruncatedError(IntegrityError):
-    """A stored file ends before the byte range that was asked of it."""
-
-
-class ConditionalWritesUnsupported(StorageError):
-    """The server behind a store refuses conditional requests (some S3-compatible ones do)."""
 
 
 class BlobWriter(Protocol):
