@@ -10,9 +10,19 @@ import cryosnap.engine
 
 ENGINE = Path(cryosnap.engine.__file__).parent
 # Each module may import the ones before it (not necessarily all of them), never one after.
-ORDER = ["_records", "_resolved", "_retire", "_write", "_fetch", "_read", "__init__"]
+ORDER = [
+    "items",
+    "_records",
+    "_resolved",
+    "_select",
+    "_retire",
+    "_write",
+    "_fetch",
+    "_read",
+    "__init__",
+]
 # What the engine may import from the rest of cryosnap: the layers below it.
-BELOW = {"_gc", "capture", "chunks", "errors", "manifest", "policy", "progress", "storage", "tree"}
+BELOW = {"_gc", "chunks", "errors", "manifest", "policy", "progress", "storage", "tree"}
 
 
 def _relative_imports(path: Path) -> list[tuple[int, str]]:

@@ -33,7 +33,6 @@ import numpy as np
 import xxhash
 
 from .._gc import paused_gc
-from ..capture import Hashed, Item, Piece, Unchanged
 from ..chunks import (
     HASH_BYTES,
     chunk_count,
@@ -64,6 +63,7 @@ from ..storage.base import BlobWriter
 from ..storage.tiers import Placement
 from ..tree import FlatState
 from ._resolved import ResolvedPart, _Loc, _resolve_one
+from .items import Hashed, Item, Piece, Unchanged
 
 __all__ = ["Owners", "PartResult", "PartWriter", "assign_shares"]
 
@@ -546,7 +546,7 @@ class PartWriter(_Shares):
     def add(self, pieces: Sequence[Item], release: Callable[[], None] = lambda: None) -> None:
         """Hash and diff ``pieces``; their new bytes are appended by the I/O thread, which
         calls ``release`` once it no longer needs the pieces' memory (also on failure).
-        :class:`~cryosnap.capture.Unchanged` runs (found on the device) are inherited from the
+        :class:`~cryosnap.engine.items.Unchanged` runs (found on the device) are inherited from the
         base, which must be the version the capture compared with."""
         if self.placement is None:
             try:
