@@ -28,11 +28,12 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._gc import paused_gc
+from .._units import human_bytes
 from ..chunks import merkle_root, value_runs
 from ..errors import (
     CheckpointError,
@@ -50,7 +51,6 @@ from ..manifest import (
     Manifest,
     ManifestRef,
 )
-from ..progress import Progress, human_bytes
 from ..storage import Store
 from ..tree import (
     Blob,
@@ -86,6 +86,20 @@ __all__ = [
 ]
 
 log = logging.getLogger("cryosnap")
+
+
+class ProgressLine(Protocol):
+    """What a long read reports to: ``update(nbytes)`` as chunks arrive, ``close()`` at the
+    end (``cryosnap.progress.Progress`` is one)."""
+
+    def update(self, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ``progress(label, total_bytes)``: a line for one read, made by the caller's choice (the
+# engine draws nothing itself).
+ProgressFactory = Callable[[str, int], ProgressLine]
 
 
 def _check_chain_claims(
@@ -232,11 +246,11 @@ def _read_verified(
     rank: int,
     allow_pickle: bool,
     into: Any = None,
-    progress: bool = False,
+    progress: ProgressFactory | None = None,
     keys: Sequence[str | int] | None = None,
 ) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
-    (with a progress line on a terminal if ``progress``). ``keys``: only these top-level keys
+    (reported to a line ``progress`` makes, if given). ``keys``: only these top-level keys
     (:mod:`._select`): the other keys' chunks are neither read nor verified, and the
     restorer's skeleton holds these keys only.
 
@@ -297,10 +311,10 @@ def _read_verified(
             placed=restorer.placed,
         )
         try:
-            if not progress:
+            if progress is None:
                 return part, restorer, fetch()
             total = manifest.logical_bytes if keys is None else sum(sizes)
-            line = Progress(f"cryosnap: restoring step {step}", total)
+            line = progress(f"cryosnap: restoring step {step}", total)
             try:
                 fetched = fetch(on_bytes=line.update)
             finally:
@@ -477,6 +491,7 @@ def read_part(
     replicated_only: bool = False,
     device: Any = None,
     keys: Sequence[str | int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
 
@@ -488,10 +503,18 @@ def read_part(
     :func:`_read_replicated`.
     ``device``: a ``torch.device`` the torch leaves go to once verified (None: the CPU; the
     facade refuses it together with ``into``, whose tensors stay where they are).
+    ``progress``: makes the line the read reports its bytes to (None: none).
     """
     if replicated_only:
         return _read_replicated(
-            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device, keys=keys
+            store,
+            step,
+            rank=rank,
+            into=into,
+            allow_pickle=allow_pickle,
+            device=device,
+            keys=keys,
+            progress=progress,
         )
     # The cyclic GC stays paused until the state is built (and into= filled): building tens
     # of thousands of leaves, then planning their copies, would set off collection after
@@ -500,11 +523,24 @@ def read_part(
     with paused_gc():
         if keys is None:
             return _read_whole(
-                store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+                store,
+                step,
+                rank=rank,
+                into=into,
+                allow_pickle=allow_pickle,
+                device=device,
+                progress=progress,
             )
         target = _into_keys(into, keys, step, "selected")
         tree = _read_whole(
-            store, step, rank=rank, into=target, allow_pickle=allow_pickle, device=device, keys=keys
+            store,
+            step,
+            rank=rank,
+            into=target,
+            allow_pickle=allow_pickle,
+            device=device,
+            keys=keys,
+            progress=progress,
         )
         return _put_back(into, tree, keys)
 
@@ -539,10 +575,11 @@ def _read_whole(
     allow_pickle: bool,
     device: Any,
     keys: Sequence[str | int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
-        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True, keys=keys
+        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=progress, keys=keys
     )
     if device is not None and device.type != "cpu":
         # Not wrapped: running out of device memory is no damage of the version.
@@ -606,6 +643,7 @@ def _read_replicated(
     allow_pickle: bool,
     device: Any,
     keys: Sequence[str | int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     """The keys of ``step`` saved as replicated (True: the whole state; ``keys``: those of
     them), read from saved part ``rank % world_size`` (ranks spread their reads over the
@@ -632,7 +670,13 @@ def _read_replicated(
             )
     elif keys is None:  # the whole state is replicated
         return read_part(
-            store, step, rank=source, into=into, allow_pickle=allow_pickle, device=device
+            store,
+            step,
+            rank=source,
+            into=into,
+            allow_pickle=allow_pickle,
+            device=device,
+            progress=progress,
         )
     wanted = list(keys) if keys is not None else list(saved) if saved is not True else []
     _into_keys(into, wanted, step, "replicated")  # checked here to say which keys
@@ -644,6 +688,7 @@ def _read_replicated(
         allow_pickle=allow_pickle,
         device=device,
         keys=wanted,
+        progress=progress,
     )
 
 
