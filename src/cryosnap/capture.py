@@ -38,14 +38,15 @@ import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .chunks import chunk_count, hash_chunks_released, value_runs
+from .engine.items import Batch, Hashed, Item, Piece, Unchanged
 from .tree import Blob, FlatState
 
+# Batch, Hashed, Piece and Unchanged are the engine's (engine/items.py): re-exported here.
 __all__ = [
     "Batch",
     "CaptureTracker",
@@ -60,55 +61,6 @@ __all__ = [
 # Pieces of this many bytes or more are copied one call each; smaller ones are gathered into one
 # torch.cat per slab, so 20,000 small tensors do not cost 20,000 Python-level copies.
 _SMALL_PIECE_BYTES = 1 << 20
-
-
-@dataclass(slots=True)
-class Piece:
-    """``view`` holds bytes ``[offset, offset + len(view))`` of blob ``blob``."""
-
-    blob: int
-    offset: int
-    view: memoryview
-
-
-@dataclass(slots=True)
-class Unchanged:
-    """Chunks ``first .. first + count - 1`` of blob ``blob`` are the same as in the version
-    the capture compared with (never copied); ``nbytes`` of them."""
-
-    blob: int
-    first: int
-    count: int
-    nbytes: int
-
-
-@dataclass(slots=True)
-class Hashed:
-    """Bytes ``[offset, offset + nbytes)`` of blob ``blob`` (whole chunks, the last may be
-    short) that another rank writes: never copied, hashed in place; ``digests`` holds their
-    16-byte chunk hashes back to back."""
-
-    blob: int
-    offset: int
-    nbytes: int
-    digests: bytes
-
-
-Item = Piece | Unchanged | Hashed
-
-
-@dataclass(slots=True)
-class Batch:
-    """Pieces to write back to back (and unchanged or hashed runs, in blob order); ``release``
-    runs once they are on storage (or dropped)."""
-
-    pieces: list[Item]
-    release: Callable[[], None] = field(default=lambda: None)
-
-    @property
-    def nbytes(self) -> int:
-        """The state's bytes this batch covers (unchanged and hashed runs included)."""
-        return sum(p.view.nbytes if isinstance(p, Piece) else p.nbytes for p in self.pieces)
 
 
 class _Slab:

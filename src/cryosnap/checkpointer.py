@@ -63,6 +63,7 @@ from .manifest import (
     visible_versions,
 )
 from .policy import RetentionPolicy, SavePolicy, as_retention
+from .progress import Progress
 from .storage import DEFAULT_TIMEOUT_SECONDS, Store, join_location, open_store, unwrap
 from .storage.tiers import Placement, StripedStore, Tier
 from .tree import flatten
@@ -927,6 +928,7 @@ def _reader(*, rank: int, into: Any, ask: _Ask) -> Callable[[Store, int], Any]:
             replicated_only=ask.only,
             device=ask.device,
             keys=ask.keys,
+            progress=Progress,
         )
 
     return read

@@ -11,16 +11,9 @@ import sys
 import threading
 import time
 
+from ._units import human_bytes
+
 __all__ = ["Progress", "human_bytes"]
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in binary units with one decimal: ``48 B``, ``1.5 KiB``, ``1.0 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Progress:

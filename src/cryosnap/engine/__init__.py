@@ -5,9 +5,12 @@ One private module per pipeline; imports point one way (each only to those above
 - ``_records``: commit records and manifests: list, read, check against recorded hashes.
 - ``_resolved``: resolve a manifest's chain of bases into per-chunk locations
   (:class:`ResolvedPart`); no data is read.
-- ``_write``: :class:`PartWriter` (hash, diff against the base, append new chunks; of
-  replicated blobs only this rank's share (:func:`assign_shares`), the others' placed after
-  the ranks' exchange); the Checkpointer's background thread.
+- ``items``: what a capture hands the writer (:class:`~.items.Piece`, ``Unchanged``,
+  ``Hashed``, ``Batch``); pure values.
+- ``write/``: :class:`PartWriter`, composing the differ (hash, diff against the base), the
+  appenders (new chunks, one I/O thread per data file) and the share map of replicated blobs
+  (:func:`assign_shares`; the others' shares placed after the ranks' exchange); the
+  Checkpointer's background thread. ``_write`` re-exports it.
 - ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
 - ``_fetch``: read the data files into the leaves in large runs and verify every chunk.
 - ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
@@ -53,8 +56,8 @@ from ._resolved import (
 from ._resolved import _resolve_one as _resolve_one
 from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
 from ._select import validate_keys
-from ._write import PartResult, PartWriter, assign_shares
-from ._write import _split_pieces as _split_pieces
+from .write import PartResult, PartWriter, assign_shares
+from .write import _split_pieces as _split_pieces
 
 __all__ = [
     "IO_BATCH_BYTES",

@@ -28,12 +28,13 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._format.skeleton import blob_keys, blob_paths, format_path
 from .._gc import paused_gc
+from .._units import human_bytes
 from ..chunks import merkle_root, value_runs
 from ..errors import (
     CheckpointError,
@@ -51,7 +52,6 @@ from ..manifest import (
     Manifest,
     ManifestRef,
 )
-from ..progress import Progress, human_bytes
 from ..storage import Store
 from ..tree import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
 from ._fetch import Fetched, Mapped, read_blobs
@@ -76,6 +76,20 @@ __all__ = [
 ]
 
 log = logging.getLogger("cryosnap")
+
+
+class ProgressLine(Protocol):
+    """What a long read reports to: ``update(nbytes)`` as chunks arrive, ``close()`` at the
+    end (``cryosnap.progress.Progress`` is one)."""
+
+    def update(self, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ``progress(label, total_bytes)``: a line for one read, made by the caller's choice (the
+# engine draws nothing itself).
+ProgressFactory = Callable[[str, int], ProgressLine]
 
 
 def _check_chain_claims(
@@ -222,11 +236,11 @@ def _read_verified(
     rank: int,
     allow_pickle: bool,
     into: Any = None,
-    progress: bool = False,
+    progress: ProgressFactory | None = None,
     keys: Sequence[str | int] | None = None,
 ) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
-    (with a progress line on a terminal if ``progress``). ``keys``: only these top-level keys
+    (reported to a line ``progress`` makes, if given). ``keys``: only these top-level keys
     (:mod:`._select`): the other keys' chunks are neither read nor verified, and the
     restorer's skeleton holds these keys only.
 
@@ -287,10 +301,10 @@ def _read_verified(
             placed=restorer.placed,
         )
         try:
-            if not progress:
+            if progress is None:
                 return part, restorer, fetch()
             total = manifest.logical_bytes if keys is None else sum(sizes)
-            line = Progress(f"cryosnap: restoring step {step}", total)
+            line = progress(f"cryosnap: restoring step {step}", total)
             try:
                 fetched = fetch(on_bytes=line.update)
             finally:
@@ -467,6 +481,7 @@ def read_part(
     replicated_only: bool = False,
     device: Any = None,
     keys: Sequence[str | int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
 
@@ -478,10 +493,18 @@ def read_part(
     :func:`_read_replicated`.
     ``device``: a ``torch.device`` the torch leaves go to once verified (None: the CPU; the
     facade refuses it together with ``into``, whose tensors stay where they are).
+    ``progress``: makes the line the read reports its bytes to (None: none).
     """
     if replicated_only:
         return _read_replicated(
-            store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device, keys=keys
+            store,
+            step,
+            rank=rank,
+            into=into,
+            allow_pickle=allow_pickle,
+            device=device,
+            keys=keys,
+            progress=progress,
         )
     # The cyclic GC stays paused until the state is built (and into= filled): building tens
     # of thousands of leaves, then planning their copies, would set off collection after
@@ -490,11 +513,24 @@ def read_part(
     with paused_gc():
         if keys is None:
             return _read_whole(
-                store, step, rank=rank, into=into, allow_pickle=allow_pickle, device=device
+                store,
+                step,
+                rank=rank,
+                into=into,
+                allow_pickle=allow_pickle,
+                device=device,
+                progress=progress,
             )
         target = _into_keys(into, keys, step, "selected")
         tree = _read_whole(
-            store, step, rank=rank, into=target, allow_pickle=allow_pickle, device=device, keys=keys
+            store,
+            step,
+            rank=rank,
+            into=target,
+            allow_pickle=allow_pickle,
+            device=device,
+            keys=keys,
+            progress=progress,
         )
         return _put_back(into, tree, keys)
 
@@ -529,10 +565,11 @@ def _read_whole(
     allow_pickle: bool,
     device: Any,
     keys: Sequence[str | int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
-        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=True, keys=keys
+        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=progress, keys=keys
     )
     if device is not None and device.type != "cpu":
         # Not wrapped: running out of device memory is no damage of the version.
@@ -596,6 +633,7 @@ def _read_replicated(
     allow_pickle: bool,
     device: Any,
     keys: Sequence[str | int] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     """The keys of ``step`` saved as replicated (True: the whole state; ``keys``: those of
     them), read from saved part ``rank % world_size`` (ranks spread their reads over the
@@ -622,7 +660,13 @@ def _read_replicated(
             )
     elif keys is None:  # the whole state is replicated
         return read_part(
-            store, step, rank=source, into=into, allow_pickle=allow_pickle, device=device
+            store,
+            step,
+            rank=source,
+            into=into,
+            allow_pickle=allow_pickle,
+            device=device,
+            progress=progress,
         )
     wanted = list(keys) if keys is not None else list(saved) if saved is not True else []
     _into_keys(into, wanted, step, "replicated")  # checked here to say which keys
@@ -634,6 +678,7 @@ def _read_replicated(
         allow_pickle=allow_pickle,
         device=device,
         keys=wanted,
+        progress=progress,
     )
 
 
