@@ -25,7 +25,7 @@ ORDER = [
 # The order inside each subpackage, as ORDER's.
 PACKAGES = {"write": ["_differ", "_appender", "_shares", "part_writer", "__init__"]}
 # What the engine may import from the rest of cryosnap: the layers below it.
-BELOW = {"_gc", "_units", "chunks", "errors", "manifest", "policy", "storage", "tree"}
+BELOW = {"_format", "_gc", "_units", "chunks", "errors", "manifest", "policy", "storage", "tree"}
 
 
 def _relative_imports(path: Path) -> list[tuple[int, str]]:
