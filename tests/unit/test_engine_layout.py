@@ -10,18 +10,32 @@ import cryosnap.engine
 
 ENGINE = Path(cryosnap.engine.__file__).parent
 # Each module may import the ones before it (not necessarily all of them), never one after.
-ORDER = ["_records", "_resolved", "_retire", "_write", "_fetch", "_read", "__init__"]
+ORDER = ["_records", "_resolved", "_select", "_retire", "_write", "_fetch", "_read", "__init__"]
 # What the engine may import from the rest of cryosnap: the layers below it.
-BELOW = {"_gc", "capture", "chunks", "errors", "manifest", "policy", "progress", "storage", "tree"}
+BELOW = {
+    "_gc",
+    "_native",
+    "capture",
+    "chunks",
+    "errors",
+    "manifest",
+    "policy",
+    "progress",
+    "storage",
+    "tree",
+}
 
 
 def _relative_imports(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
-    return [
-        (node.level, (node.module or "").split(".")[0])
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.level > 0
-    ]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            if node.module:
+                out.append((node.level, node.module.split(".")[0]))
+            else:  # from .. import x: each name is a module of that package
+                out += [(node.level, a.name) for a in node.names]
+    return out
 
 
 def test_every_engine_module_is_placed_in_the_order() -> None:

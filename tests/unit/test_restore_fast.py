@@ -1,10 +1,9 @@
 """The restore's fast paths: chunks hashed with the GIL released (the same digests as
-``hash_chunks``), fresh leaves' pages mapped before their reads land, the bounced pieces of
+``hash_chunks``; its fallback and the page advice in test_native.py), the bounced pieces of
 ``into=``'s leaves read in one buffer per run; every chunk still verified on each of them."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -33,45 +32,6 @@ def test_released_hashing_gives_the_digests_of_hash_chunks(chunk_bytes: int, nby
     data.flags.writeable = False
     assert chunks.hash_chunks_released(data.data, chunk_bytes) == want
     assert chunks.hash_chunks_released(memoryview(bytes(data)), chunk_bytes) == want
-
-
-def test_released_hashing_falls_back_to_xxhash(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = np.arange(1 << 20, dtype=np.uint8)
-    want = chunks.hash_chunks(data.data, BIG_CHUNK)
-    monkeypatch.setattr(chunks, "_native", None)
-    assert chunks.hash_chunks_released(data.data, BIG_CHUNK) == want
-
-
-def test_populate_keeps_the_memory_as_it_is() -> None:
-    buf = np.random.default_rng(0).integers(0, 256, (4 << 20) + 123, dtype=np.uint8)
-    before = buf.copy()
-    _fetch._populate(buf.ctypes.data + 77, buf.nbytes - 100)
-    _fetch._populate(buf.ctypes.data, 0)
-    assert np.array_equal(buf, before)
-    fresh = np.empty(3 << 20, np.uint8)
-    _fetch._populate(fresh.ctypes.data, fresh.nbytes)
-    fresh[:] = 7
-    assert (fresh == 7).all()
-
-
-def test_populate_on_a_kernel_without_it_stops_asking(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-
-    def refuses(address: int, nbytes: int, advice: int) -> int:
-        calls.append(advice)
-        ctypes.set_errno(22)  # EINVAL: advice unknown to this kernel
-        return -1
-
-    monkeypatch.setattr(_fetch, "_madvise", refuses)
-    monkeypatch.setattr(_fetch, "_populate_works", True)  # restored after the test
-    monkeypatch.setattr(ctypes, "get_errno", lambda: 22)
-    buf = np.empty(1 << 20, np.uint8)
-    _fetch._populate(buf.ctypes.data, buf.nbytes)
-    _fetch._populate(buf.ctypes.data, buf.nbytes)
-    assert len(calls) == 1
-    # Other advice is still given: into='s mapped pieces are unmapped on such a kernel too.
-    _fetch._unmap(buf.ctypes.data, buf.nbytes)
-    assert calls == [_fetch._MADV_POPULATE_WRITE, _fetch._MADV_DONTNEED]
 
 
 def _big_state() -> dict[str, Any]:

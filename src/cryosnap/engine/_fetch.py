@@ -44,13 +44,10 @@ collectives here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import functools
 import itertools
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from ..chunks import HASH_BYTES, hash_bytes, hash_chunks_released
 from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 from ..storage import Store
@@ -138,7 +136,7 @@ class Mapped:
                 view = map_file(part.files[f])
                 if view is not None:
                     self.views[f] = view
-                    self.address[f] = _address(view)
+                    self.address[f] = _native.address_of(view)
         if not self.views:
             return
         # A blob lies in one piece of memory when its chunks follow each other in one file.
@@ -243,7 +241,7 @@ class _BlobReader:
         self.staged: dict[int, np.ndarray[Any, Any]] = {}  # scattered direct blobs, gathered
         # The address of each view's first byte, taken once: pieces are hashed and copied by
         # address (no view slices), with the GIL released.
-        self.address = [_address(v) for v in views]
+        self.address = [_native.address_of(v) for v in views]
         self.failures: list[tuple[int, BaseException]] = []  # (task number, what it raised)
         self.bad: list[tuple[int, int]] = []  # (blob, chunk) that did not match its hash
 
@@ -263,7 +261,7 @@ class _BlobReader:
 
     def second_pass(self) -> None:
         for blob, staged in self.staged.items():
-            _copy(self.address[blob], staged.ctypes.data, staged.nbytes)
+            _native.memmove(self.address[blob], staged.ctypes.data, staged.nbytes)
         if self.p_direct is None:
             return
         tasks = self._make_tasks(np.flatnonzero(self.p_direct & ~self.p_mapped))
@@ -311,28 +309,18 @@ class _BlobReader:
 
     def _cold(self, tasks: list[_Task]) -> bool:
         """Whether most of a few probes (the first byte of the first, middle and last of
-        ``tasks``) find their page out of the page cache (``preadv2`` with ``RWF_NOWAIT``):
+        ``tasks``) find their page out of the page cache (:func:`cryosnap._native.page_cached`):
         only on a store with a local path; False wherever it cannot be told."""
         root = self.store.capabilities.local_path
-        flag = getattr(os, "RWF_NOWAIT", None)
-        if root is None or flag is None:
+        if root is None:
             return False
-        probe = memoryview(bytearray(1))
         cold = 0
         picks = {0, len(tasks) // 2, len(tasks) - 1}
         for f, runs in (tasks[i] for i in picks):
-            try:
-                fd = os.open(root / self.part.files[f], os.O_RDONLY | os.O_NONBLOCK)
-            except OSError:
+            cached = _native.page_cached(root / self.part.files[f], runs[0][0])
+            if cached is None:
                 return False
-            try:
-                os.preadv(fd, [probe], runs[0][0], flag)
-            except BlockingIOError:
-                cold += 1
-            except OSError:
-                return False
-            finally:
-                os.close(fd)
+            cold += not cached
         return 2 * cold > len(picks)
 
     def _bounced_bytes(self, task: _Task) -> int:
@@ -551,7 +539,7 @@ class _BlobReader:
             bounce = buf.data if bounced else self.scratch
         else:
             bounce = self._bounce(bounced).data if bounced else self.scratch
-        base = _address(bounce) if bounced else 0
+        base = _native.address_of(bounce) if bounced else 0
         views, address, scratch, whole = self.views, self.address, self.scratch, self.p_whole
         dests: list[memoryview] = []  # where each piece lands
         sources: list[int] = []  # of each bounced piece, its address in the bounce buffer
@@ -568,7 +556,7 @@ class _BlobReader:
                     for p in pids
                 ]
                 for p in [p for p in pids if p_nbytes[p] >= _POPULATE_MIN_BYTES]:
-                    _populate(address[p_blob[p]] + p_start[p], p_nbytes[p])
+                    _native.populate(address[p_blob[p]] + p_start[p], p_nbytes[p])
                 dests += bufs
                 ranges.append((offset, bufs))
                 continue
@@ -601,7 +589,7 @@ class _BlobReader:
                 if nbytes != view.nbytes:
                     view = view[start : start + nbytes]
                 if nbytes >= _POPULATE_MIN_BYTES:
-                    _populate(address[blob] + start, nbytes)
+                    _native.populate(address[blob] + start, nbytes)
                 bufs.append(view)
                 dests.append(view)
             if merged >= 0:
@@ -651,7 +639,7 @@ class _BlobReader:
             address, p_blob, p_start = self.address, self.p_blob, self.p_start
             for i, (p, src, d) in enumerate(zip(pids, sources, dests, strict=True)):
                 if i not in bad:
-                    _copy(address[p_blob[p]] + p_start[p], src, d.nbytes)
+                    _native.memmove(address[p_blob[p]] + p_start[p], src, d.nbytes)
         return sum(d.nbytes for d in dests)
 
     def _compare(self, pids: list[int], got: list[bytes]) -> set[int]:
@@ -705,7 +693,7 @@ class _BlobReader:
         for p in pids:
             blob = p_blob[p]
             if direct[blob] and alone is not None and alone(blob):
-                _unmap(maddr[p_file[p]] + self.p_offset[p], self.p_nbytes[p])
+                _native.dontneed(maddr[p_file[p]] + self.p_offset[p], self.p_nbytes[p])
 
     def _copy_mapped(self, number: int, pids: list[int]) -> None:
         """Second pass over a direct blob's pieces of mapped files: hash each again where it
@@ -855,67 +843,8 @@ def _nothing() -> None:
     return None
 
 
-def _address(view: memoryview) -> int:
-    """The address of the first byte of ``view`` (a flat byte view; 0 if empty)."""
-    if not view.nbytes:
-        return 0
-    if view.readonly:
-        return int(np.frombuffer(view, np.uint8).ctypes.data)
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_MADV_DONTNEED = 4
 # Pieces of fresh memory smaller than this are left to fault in as the read lands.
 _POPULATE_MIN_BYTES = 1 << 20
-_madvise: Any = None
-_populate_works = True  # False once the kernel refused MADV_POPULATE_WRITE (older than 5.14)
-if sys.platform == "linux":
-    with contextlib.suppress(OSError, AttributeError):
-        _madvise = ctypes.CDLL(None, use_errno=True).madvise
-        _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _madvise.restype = ctypes.c_int
-
-
-def _populate(address: int, nbytes: int) -> None:
-    """Map the whole pages of ``nbytes`` at ``address`` (fresh memory a read is about to fill)
-    in one call (``MADV_POPULATE_WRITE``) instead of one page fault per page as the read
-    lands: about 30% less time for a fresh leaf here. Nothing changes in the memory; where
-    the kernel lacks the call, the pages fault in as before."""
-    global _populate_works
-    lo, hi = _whole_pages(address, nbytes)
-    if (
-        _populate_works
-        and _madvise is not None
-        and hi > lo
-        and _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
-        and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS)
-    ):
-        _populate_works = False  # an older kernel: never asked again
-
-
-def _unmap(address: int, nbytes: int) -> None:
-    """Drop this process's mapping of the whole pages of ``nbytes`` at ``address`` (a range of
-    a copy-on-write file mapping no leaf was built over, and nothing wrote to):
-    ``MADV_DONTNEED`` leaves the page cache as it is, and a later access maps the file's
-    pages again. A restore into existing tensors then keeps only the pieces in flight mapped,
-    not the whole state."""
-    lo, hi = _whole_pages(address, nbytes)
-    if _madvise is not None and hi > lo:
-        _madvise(lo, hi - lo, _MADV_DONTNEED)
-
-
-def _whole_pages(address: int, nbytes: int) -> tuple[int, int]:
-    """The bounds of the whole pages inside ``nbytes`` at ``address`` (empty: lo >= hi)."""
-    return -(-address // _PAGE_BYTES) * _PAGE_BYTES, (address + nbytes) // _PAGE_BYTES * _PAGE_BYTES
-
-
-def _copy(dest: int, source: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from address ``source`` to ``dest``, without holding the GIL (ctypes
-    releases it)."""
-    if nbytes:
-        ctypes.memmove(dest, source, nbytes)
 
 
 def _gather_windows(offs: np.ndarray[Any, Any], cb: int) -> list[_Window]:

@@ -17,7 +17,6 @@ here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from .._gc import paused_gc
 from ..chunks import merkle_root, value_runs
 from ..errors import (
@@ -198,11 +198,11 @@ def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
 
     def run() -> None:
         for v in big:
-            addr = np.frombuffer(v, np.uint8).ctypes.data
+            addr = _native.address_of(v)
             for lo in range(0, v.nbytes, _PREFAULT_STEP_BYTES):
                 if stop.is_set():
                     return
-                ctypes.memset(addr + lo, 0, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
+                _native.zero(addr + lo, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
 
     thread = threading.Thread(target=run, name="cryosnap-prefault", daemon=True)
     thread.start()
