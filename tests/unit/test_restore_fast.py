@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,8 @@ import torch
 
 import cryosnap
 from cryosnap import chunks, engine
-from cryosnap.engine import _fetch, _read
+from cryosnap.engine import _read
+from cryosnap.engine.read import _execute, _plan
 from cryosnap.errors import IntegrityError
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, open_store
@@ -76,7 +78,7 @@ def test_large_chunks_restore_bit_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, min_bytes: int
 ) -> None:
     monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", min_bytes)
-    monkeypatch.setattr(_fetch, "_POPULATE_MIN_BYTES", 4096)
+    monkeypatch.setattr(_execute, "_POPULATE_MIN_BYTES", 4096)
     state = _big_state()
     cryosnap.save(tmp_path, state, chunk_bytes=BIG_CHUNK)
     out = cryosnap.load(tmp_path)
@@ -116,8 +118,8 @@ def test_bounced_pieces_around_gaps_and_copied_leaves(
     """Leaves read into directly (bounced, one buffer per stretch of a run) beside leaves that
     are copied (non-contiguous into=), in tasks of a few pieces each."""
     monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 16 << 10)
-    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 48 << 10)
+    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 16 << 10)
+    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 48 << 10)
     rng = np.random.default_rng(9)
     sizes = rng.integers(1, 6000, 80).tolist()
     state = {
@@ -163,18 +165,17 @@ def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
         gaps = rng.choice([0, 0, 0, 100, 70 << 10, -5], int(mine.sum()))
         offsets[mine] = np.maximum(0, np.sort(np.cumsum(sizes[mine] + gaps) - sizes[mine] - gaps))
 
-    class Plan:
-        pieces = (files, offsets, sizes)
-        p_direct = rng.random(n) < 0.3 if seed % 2 else None
-
-    tasks = _fetch._BlobReader._make_tasks(Plan(), np.arange(n))  # type: ignore[arg-type]
+    direct = rng.random(n) < 0.3 if seed % 2 else None
+    pieces = SimpleNamespace(file=files, offset=offsets, nbytes=sizes)
+    reads = _plan._reads(pieces, np.arange(n), direct, _plan.ReadLimits.current())  # type: ignore[arg-type]
+    tasks = reads.tasks(offsets)
     assert [p for _f, runs in tasks for _o, pids, _g in runs for p in pids] == list(range(n))
     for f, runs in tasks:
         for offset, pids, gaps in runs:
             assert gaps[0] == 0 and offset == offsets[pids[0]]
             at = offset
             for p, gap in zip(pids, gaps, strict=True):
-                assert files[p] == f and 0 <= gap <= _fetch._GAP_BYTES
+                assert files[p] == f and 0 <= gap <= _plan._GAP_BYTES
                 at += gap
                 assert at == offsets[p]
                 at += sizes[p]

@@ -9,7 +9,8 @@ One private module per pipeline; imports point one way (each only to those above
   replicated blobs only this rank's share (:func:`assign_shares`), the others' placed after
   the ranks' exchange); the Checkpointer's background thread.
 - ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
-- ``_fetch``: read the data files into the leaves in large runs and verify every chunk.
+- ``read/``: the read plan of a part (pure), its executor on the read pool, the mapped data
+  files: read the leaves in large runs and verify every chunk (``_fetch`` re-exports it).
 - ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
   build), :func:`newest_restorable`; the caller's thread.
 
@@ -19,8 +20,6 @@ the Checkpointer's background thread, reads on the caller's; no collectives here
 
 from __future__ import annotations
 
-from ._fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from ._fetch import IO_BATCH_BYTES
 from ._read import (
     FlatPart,
     PartNotFoundError,
@@ -55,6 +54,8 @@ from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
 from ._select import validate_keys
 from ._write import PartResult, PartWriter, assign_shares
 from ._write import _split_pieces as _split_pieces
+from .read import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from .read import IO_BATCH_BYTES
 
 __all__ = [
     "IO_BATCH_BYTES",

@@ -4,11 +4,11 @@
 Read the commit record and the manifest chain, check every size, offset and count they claim
 against memory and against the real sizes of the data files before anything is allocated;
 allocate every leaf empty (an incremental version's fresh pages are faulted in on another core
-while its chain resolves), resolve, fetch and verify every chunk (:mod:`._fetch`), then build
+while its chain resolves), resolve, fetch and verify every chunk (:mod:`.read`), then build
 the tree. ``into=`` is checked before any byte is read and filled only after every chunk
 verified and every ``load_state_dict`` accepted; on a local store its large plain tensors and
 arrays are not allocated again but read a second time straight into place
-(:func:`cryosnap.tree.direct_targets`, :class:`._fetch.Fetched`).
+(:func:`cryosnap.tree.direct_targets`, :class:`.read.Fetched`).
 
 Runs on the caller's thread (plus the fetch's read pool and a prefault thread); no collectives
 here.
@@ -64,7 +64,6 @@ from ..tree import (
     direct_targets,
     format_path,
 )
-from ._fetch import Fetched, Mapped, read_blobs
 from ._records import read_commit, read_manifest
 from ._resolved import (
     ResolvedBlob,
@@ -74,6 +73,7 @@ from ._resolved import (
     resolve,
 )
 from ._select import cut_part, keys_skeleton, renumbered, spread_paths
+from .read import Fetched, Mapped, read_blobs
 
 __all__ = [
     "PartNotFoundError",
