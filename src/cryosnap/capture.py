@@ -34,7 +34,6 @@ slabs are released by the writer thread. Torch copies release the GIL.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from .chunks import chunk_count, hash_chunks_released, value_runs
 from .engine.items import Batch, Hashed, Item, Piece, Unchanged
 from .tree import Blob, FlatState
@@ -265,7 +265,7 @@ def capture_to_slabs(
             if type(src) is bytes or isinstance(src, np.ndarray) or not src.is_cpu:
                 rest.append(s)
             else:
-                ctypes.memmove(base + s[0], src.data_ptr() + s[2], s[3])
+                _native.memmove(base + s[0], src.data_ptr() + s[2], s[3])
         small = rest
         # Small pieces are back to back in the slab: one torch.cat copies all torch ones.
         torch_small = [s for s in small if not isinstance(s[1].source, (bytes, np.ndarray))]

@@ -9,22 +9,20 @@ unchanged. The root of an empty blob is the hash of the empty string.
 
 Runs on whichever thread calls it. xxhash holds the GIL while it hashes (about 30 GB/s on one
 core here), so callers hash in chunk-sized calls to keep other threads responsive.
-:func:`hash_chunks_released` (the read side's) calls the same xxh3-128 of the xxhash
-extension through ctypes, which releases the GIL: several threads hash on several cores at once.
+:func:`hash_chunks_released` (the read side's) hashes through :mod:`cryosnap._native`, which
+releases the GIL: several threads hash on several cores at once.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import os
-import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from . import _native
 from ._validate import integer
 
 __all__ = [
@@ -103,89 +101,17 @@ def hash_chunks(data: memoryview, chunk_bytes: int) -> bytes:
     )
 
 
-class _XXH128(ctypes.Structure):
-    _fields_ = (("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64))
-
-
-# A call through ctypes costs about a microsecond more than xxhash's own: chunks smaller than
-# this are hashed by xxhash (holding the GIL), larger ones by the native call (releasing it).
-_NATIVE_MIN_BYTES = 128 << 10
-
-
-def _native_digest() -> Callable[[int, int, int], _XXH128] | None:
-    """``XXH3_128bits_withSeed(address, nbytes, seed)`` of the xxhash extension (CPU-dispatched
-    where it exports that variant), if it exports it and it hashes as xxhash does; else None."""
-    try:
-        lib = ctypes.CDLL(getattr(xxhash, "_xxhash").__file__)  # noqa: B009 (private module)
-    except (OSError, AttributeError):
-        return None
-    for name in ("XXH3_128bits_withSeed_dispatch", "XXH3_128bits_withSeed"):
-        fn = getattr(lib, name, None)
-        if fn is None:
-            continue
-        fn.restype = _XXH128
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64)
-        sample = ctypes.create_string_buffer(os.urandom(5000), 5000)
-        address = ctypes.addressof(sample)
-        sizes = (0, 1, 16, 17, 128, 129, 240, 241, 1024, 4096, 4999)
-        if all(
-            _canonical.pack((h := fn(address, n, _CHUNK_SEED)).high64, h.low64)
-            == _digest(sample.raw[:n], _CHUNK_SEED)
-            for n in sizes
-        ):
-            return fn  # type: ignore[no-any-return]
-    return None
-
-
-_canonical = struct.Struct(">QQ")  # XXH128_canonical_t: the high half first, big-endian
-_native = _native_digest()
-
-
 def hash_chunks_released(data: memoryview, chunk_bytes: int) -> bytes:
     """:func:`hash_chunks` of ``data`` (a flat byte view the caller keeps unchanged meanwhile),
     with the GIL released while each chunk of at least 128 KiB hashes."""
-    n = data.nbytes
-    native = _native
-    if native is None or chunk_bytes < _NATIVE_MIN_BYTES or n < _NATIVE_MIN_BYTES:
-        return hash_chunks(data, chunk_bytes)
-    if data.readonly:
-        address = int(np.frombuffer(data, np.uint8).ctypes.data)
-    else:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(data))
-    pack = _canonical.pack
-    out = []
-    for s in range(0, n, chunk_bytes):
-        size = min(chunk_bytes, n - s)
-        if size < _NATIVE_MIN_BYTES:
-            out.append(_digest(data[s : s + size], _CHUNK_SEED))
-        else:
-            h = native(address + s, size, _CHUNK_SEED)
-            out.append(pack(h.high64, h.low64))
-    return b"".join(out)
+    return _native.hash_chunks(data, chunk_bytes, _CHUNK_SEED)
 
 
 def hash_each_released(views: Sequence[memoryview]) -> list[bytes]:
     """The digest of each of ``views`` (flat byte views of one chunk each, which the caller
     keeps unchanged meanwhile): :func:`hash_bytes` of a batch of small leaves in one call, with
     the GIL released while each view of at least 128 KiB hashes."""
-    digest = _digest
-    native = _native
-    if native is None:
-        return [digest(v, _CHUNK_SEED) for v in views]
-    pack = _canonical.pack
-    out: list[bytes] = []
-    for v in views:
-        n = v.nbytes
-        if n < _NATIVE_MIN_BYTES:
-            out.append(digest(v, _CHUNK_SEED))
-            continue
-        if v.readonly:
-            address = int(np.frombuffer(v, np.uint8).ctypes.data)
-        else:
-            address = ctypes.addressof(ctypes.c_char.from_buffer(v))
-        h = native(address, n, _CHUNK_SEED)
-        out.append(pack(h.high64, h.low64))
-    return out
+    return _native.hash_each(views, _CHUNK_SEED)
 
 
 def _split(hashes: bytes) -> list[bytes]:

@@ -32,7 +32,6 @@ imported only when a tensor is met.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import pickle
 import struct
@@ -44,6 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import _native
 from ._devcopy import copy_to_device, to_device
 from ._format.skeleton import (
     _BIG_INT_BITS,
@@ -503,11 +503,11 @@ class _Packer:
         # and cat cost more per call and run on its intra-op threads), and zeros in the
         # alignment gaps: every byte of a pack is defined.
         base, index = pack.data_ptr(), len(self.blobs)
-        memmove, memset = ctypes.memmove, ctypes.memset
+        memmove, zero = _native.memmove, _native.zero
         end = 0
         for node, t, n, at in members:
             if at > end:
-                memset(base + end, 0, at - end)
+                zero(base + end, at - end)
             memmove(base + at, t.data_ptr(), n)
             end = at + n
             node["b"] = index

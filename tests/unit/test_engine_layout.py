@@ -1,5 +1,6 @@
 """The engine package's imports point one way: its modules import only the layers below the
-engine and the engine modules listed before them, never the orchestration above it."""
+engine and the engine modules listed before them, never the orchestration above it; the same
+holds inside its ``read`` subpackage."""
 
 from __future__ import annotations
 
@@ -18,23 +19,41 @@ ORDER = [
     "_retire",
     "write",
     "_write",
+    "read",
     "_fetch",
     "_read",
     "__init__",
 ]
 # The order inside each subpackage, as ORDER's.
-PACKAGES = {"write": ["_differ", "_appender", "_shares", "part_writer", "__init__"]}
+PACKAGES = {
+    "write": ["_differ", "_appender", "_shares", "part_writer", "__init__"],
+    "read": ["_plan", "_verify", "_mapped", "_gather", "_execute", "__init__"],
+}
 # What the engine may import from the rest of cryosnap: the layers below it.
-BELOW = {"_format", "_gc", "_units", "chunks", "errors", "manifest", "policy", "storage", "tree"}
+BELOW = {
+    "_format",
+    "_gc",
+    "_native",
+    "_units",
+    "chunks",
+    "errors",
+    "manifest",
+    "policy",
+    "storage",
+    "tree",
+}
 
 
 def _relative_imports(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
-    return [
-        (node.level, (node.module or "").split(".")[0])
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.level > 0
-    ]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            if node.module:
+                out.append((node.level, node.module.split(".")[0]))
+            else:  # from .. import x: each name is a module of that package
+                out += [(node.level, a.name) for a in node.names]
+    return out
 
 
 def test_every_engine_module_is_placed_in_the_order() -> None:

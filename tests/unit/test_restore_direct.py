@@ -1,5 +1,5 @@
 """Restores that read straight into ``into=``'s own tensors and arrays (``tree.direct_targets``,
-two passes in ``engine._fetch``), the reads verified as they land, and the fallbacks: nothing in
+two passes in ``engine.read``), the reads verified as they land, and the fallbacks: nothing in
 ``into`` changes before every chunk verified, overlapping or non-contiguous targets keep the
 copy, and errors name the first damage in blob order whatever the read order."""
 
@@ -16,7 +16,8 @@ import torch
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.engine import _fetch, _read
+from cryosnap.engine import _read
+from cryosnap.engine.read import _execute, _plan
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
@@ -349,13 +350,13 @@ def test_a_file_that_changes_between_the_passes_is_caught(
     cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
     _store, _key, manifest = _data_file(str(tmp_path))
     offset, nbytes = _segment(manifest, "big")
-    second = _fetch._BlobReader.second_pass
+    second = _execute.PartReader.second_pass
 
     def damage_then_fill(self: Any) -> None:
         _damage(str(tmp_path), offset + nbytes // 2)
         second(self)
 
-    monkeypatch.setattr(_fetch._BlobReader, "second_pass", damage_then_fill)
+    monkeypatch.setattr(_execute.PartReader, "second_pass", damage_then_fill)
     into = _zeros_like(_state())
     with pytest.raises(cryosnap.IntegrityError, match="leaf big: chunk 24 "):
         cryosnap.load(tmp_path, step=STEP, into=into)
@@ -443,8 +444,8 @@ def test_stores_without_a_local_path_read_once(location: str) -> None:
 
 def test_many_small_leaves_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Many tasks, leaves split over them.
-    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 64 << 10)
-    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 32 << 10)
+    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 64 << 10)
+    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 32 << 10)
     rng = np.random.default_rng(1)
     state: dict[str, Any] = {
         f"t{i}": torch.from_numpy(rng.standard_normal(int(rng.integers(0, 3000))).astype("f4"))
@@ -472,9 +473,9 @@ def test_deduplicated_content_is_read_for_every_leaf(tmp_path: Path) -> None:
 def test_any_thread_count_restores(
     location: str, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    monkeypatch.setattr(_fetch, "_READ_THREADS", threads)
-    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 16 << 10)
-    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 8 << 10)
+    monkeypatch.setattr(_execute, "_READ_THREADS", threads)
+    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 16 << 10)
+    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 8 << 10)
     into = _zeros_like(_state())
     cryosnap.load(location, step=STEP, into=into)
     assert all(_equal(_state()[k], into[k]) for k in into)
@@ -486,8 +487,8 @@ def test_damage_among_many_small_leaves_is_named(
 ) -> None:
     """A task's small pieces are verified together: damage in any of them still names the
     first damaged leaf in blob order and its chunk, and leaves into= untouched."""
-    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 256 << 10)
-    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 64 << 10)
+    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 256 << 10)
+    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 64 << 10)
     rng = np.random.default_rng(2)
     state: dict[str, Any] = {
         f"t{i:03d}": torch.from_numpy(rng.standard_normal(int(rng.integers(1, 3000))).astype("f4"))
@@ -538,8 +539,8 @@ def test_damage_in_a_gathered_chunk_names_the_chunk(tmp_path: Path) -> None:
 def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Every restore reads into='s leaves as from a cold cache: one reader in file order, the
     pool verifying (small tasks, so that there are many); records each probe's answer."""
-    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 8 << 10)
-    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 16 << 10)
+    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 8 << 10)
+    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 16 << 10)
     _unmapped(monkeypatch)
     probes: list[bool] = []
 
@@ -547,7 +548,7 @@ def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         probes.append(True)
         return True
 
-    monkeypatch.setattr(_fetch._BlobReader, "_cold", cold)
+    monkeypatch.setattr(_execute.PartReader, "_cold", cold)
     return probes
 
 
@@ -555,7 +556,7 @@ def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def test_sequential_reads_restore_into_and_name_damage(
     tmp_path: Path, sequential_reads: list[bool], monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    monkeypatch.setattr(_fetch, "_READ_THREADS", threads)
+    monkeypatch.setattr(_execute, "_READ_THREADS", threads)
     location = str(tmp_path / "run")
     cryosnap.save(location, _state(), step=STEP, chunk_bytes=CHUNK)
     into = _zeros_like(_state())
@@ -585,15 +586,15 @@ def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) 
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
     cryosnap.save(tmp_path, state, step=STEP, chunk_bytes=CHUNK)
     seen: list[bool] = []
-    real = _fetch._BlobReader._cold
+    real = _execute.PartReader._cold
 
     def probe(self: Any, tasks: Any) -> bool:
         seen.append(real(self, tasks))
         return seen[-1]
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(_fetch._BlobReader, "_cold", probe)
-    mp.setattr(_fetch, "_BOUNCE_BYTES", 64 << 10)
+    mp.setattr(_execute.PartReader, "_cold", probe)
+    mp.setattr(_plan, "_BOUNCE_BYTES", 64 << 10)
     _unmapped(mp)
     try:
         into = {"w": torch.zeros(1 << 20)}

@@ -1,11 +1,11 @@
 """The restore's fast paths: chunks hashed with the GIL released (the same digests as
-``hash_chunks``), fresh leaves' pages mapped before their reads land, the bounced pieces of
+``hash_chunks``; its fallback and the page advice in test_native.py), the bounced pieces of
 ``into=``'s leaves read in one buffer per run; every chunk still verified on each of them."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,9 @@ import torch
 
 import cryosnap
 from cryosnap import chunks, engine
-from cryosnap.engine import _fetch, _read
+from cryosnap._format.skeleton import blob_paths
+from cryosnap.engine import _read
+from cryosnap.engine.read import _execute, _plan
 from cryosnap.errors import IntegrityError
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, open_store
@@ -33,45 +35,6 @@ def test_released_hashing_gives_the_digests_of_hash_chunks(chunk_bytes: int, nby
     data.flags.writeable = False
     assert chunks.hash_chunks_released(data.data, chunk_bytes) == want
     assert chunks.hash_chunks_released(memoryview(bytes(data)), chunk_bytes) == want
-
-
-def test_released_hashing_falls_back_to_xxhash(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = np.arange(1 << 20, dtype=np.uint8)
-    want = chunks.hash_chunks(data.data, BIG_CHUNK)
-    monkeypatch.setattr(chunks, "_native", None)
-    assert chunks.hash_chunks_released(data.data, BIG_CHUNK) == want
-
-
-def test_populate_keeps_the_memory_as_it_is() -> None:
-    buf = np.random.default_rng(0).integers(0, 256, (4 << 20) + 123, dtype=np.uint8)
-    before = buf.copy()
-    _fetch._populate(buf.ctypes.data + 77, buf.nbytes - 100)
-    _fetch._populate(buf.ctypes.data, 0)
-    assert np.array_equal(buf, before)
-    fresh = np.empty(3 << 20, np.uint8)
-    _fetch._populate(fresh.ctypes.data, fresh.nbytes)
-    fresh[:] = 7
-    assert (fresh == 7).all()
-
-
-def test_populate_on_a_kernel_without_it_stops_asking(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-
-    def refuses(address: int, nbytes: int, advice: int) -> int:
-        calls.append(advice)
-        ctypes.set_errno(22)  # EINVAL: advice unknown to this kernel
-        return -1
-
-    monkeypatch.setattr(_fetch, "_madvise", refuses)
-    monkeypatch.setattr(_fetch, "_populate_works", True)  # restored after the test
-    monkeypatch.setattr(ctypes, "get_errno", lambda: 22)
-    buf = np.empty(1 << 20, np.uint8)
-    _fetch._populate(buf.ctypes.data, buf.nbytes)
-    _fetch._populate(buf.ctypes.data, buf.nbytes)
-    assert len(calls) == 1
-    # Other advice is still given: into='s mapped pieces are unmapped on such a kernel too.
-    _fetch._unmap(buf.ctypes.data, buf.nbytes)
-    assert calls == [_fetch._MADV_POPULATE_WRITE, _fetch._MADV_DONTNEED]
 
 
 def _big_state() -> dict[str, Any]:
@@ -116,7 +79,7 @@ def test_large_chunks_restore_bit_exact(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, min_bytes: int
 ) -> None:
     monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", min_bytes)
-    monkeypatch.setattr(_fetch, "_POPULATE_MIN_BYTES", 4096)
+    monkeypatch.setattr(_execute, "_POPULATE_MIN_BYTES", 4096)
     state = _big_state()
     cryosnap.save(tmp_path, state, chunk_bytes=BIG_CHUNK)
     out = cryosnap.load(tmp_path)
@@ -136,7 +99,7 @@ def test_damage_in_a_large_chunk_is_named_and_leaves_into_untouched(
     store = open_store(tmp_path)
     manifest = Manifest.from_json(store.read(manifest_key(5, 0)), "test")
     (key,) = manifest.data_files
-    paths = cryosnap.tree.blob_paths(manifest.skeleton, len(manifest.blobs))
+    paths = blob_paths(manifest.skeleton, len(manifest.blobs))
     row = manifest.blobs[paths.index("w")].table[0]
     path = tmp_path / key
     raw = bytearray(path.read_bytes())
@@ -156,8 +119,8 @@ def test_bounced_pieces_around_gaps_and_copied_leaves(
     """Leaves read into directly (bounced, one buffer per stretch of a run) beside leaves that
     are copied (non-contiguous into=), in tasks of a few pieces each."""
     monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(_fetch, "_BOUNCE_BYTES", 16 << 10)
-    monkeypatch.setattr(_fetch, "IO_BATCH_BYTES", 48 << 10)
+    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 16 << 10)
+    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 48 << 10)
     rng = np.random.default_rng(9)
     sizes = rng.integers(1, 6000, 80).tolist()
     state = {
@@ -203,18 +166,17 @@ def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
         gaps = rng.choice([0, 0, 0, 100, 70 << 10, -5], int(mine.sum()))
         offsets[mine] = np.maximum(0, np.sort(np.cumsum(sizes[mine] + gaps) - sizes[mine] - gaps))
 
-    class Plan:
-        pieces = (files, offsets, sizes)
-        p_direct = rng.random(n) < 0.3 if seed % 2 else None
-
-    tasks = _fetch._BlobReader._make_tasks(Plan(), np.arange(n))  # type: ignore[arg-type]
+    direct = rng.random(n) < 0.3 if seed % 2 else None
+    pieces = SimpleNamespace(file=files, offset=offsets, nbytes=sizes)
+    reads = _plan._reads(pieces, np.arange(n), direct, _plan.ReadLimits.current())  # type: ignore[arg-type]
+    tasks = reads.tasks(offsets)
     assert [p for _f, runs in tasks for _o, pids, _g in runs for p in pids] == list(range(n))
     for f, runs in tasks:
         for offset, pids, gaps in runs:
             assert gaps[0] == 0 and offset == offsets[pids[0]]
             at = offset
             for p, gap in zip(pids, gaps, strict=True):
-                assert files[p] == f and 0 <= gap <= _fetch._GAP_BYTES
+                assert files[p] == f and 0 <= gap <= _plan._GAP_BYTES
                 at += gap
                 assert at == offsets[p]
                 at += sizes[p]

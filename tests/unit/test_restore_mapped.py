@@ -1,4 +1,4 @@
-"""Restores from mapped data files (engine/_fetch.py's Mapped, LocalStore.map_file): fresh
+"""Restores from mapped data files (engine/read's Mapped, LocalStore.map_file): fresh
 leaves are views of the page cache's pages, hashed where they lie; into= is filled from the
 mapping. What a user sees must not change: values, writability, dtypes, shared storages, errors
 naming the leaf; plus what the mapping adds: a file deleted or replaced after it was mapped
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap.engine import _fetch, _read
+from cryosnap.engine import _read
+from cryosnap.engine.read import _execute, _plan
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, TimeoutStore, _local, open_store
@@ -165,7 +166,7 @@ def test_into_survives_a_file_replaced_between_the_passes(
     big = torch.randn(400_000)
     cryosnap.save(tmp_path, {"big": big}, step=STEP, chunk_bytes=CHUNK)
     path = _data_file(tmp_path)
-    second = _fetch._BlobReader.second_pass
+    second = _execute.PartReader.second_pass
 
     def replace_then_fill(self: Any) -> None:
         damaged = bytearray(path.read_bytes())
@@ -175,7 +176,7 @@ def test_into_survives_a_file_replaced_between_the_passes(
         os.replace(spare, path)
         second(self)
 
-    monkeypatch.setattr(_fetch._BlobReader, "second_pass", replace_then_fill)
+    monkeypatch.setattr(_execute.PartReader, "second_pass", replace_then_fill)
     into = {"big": torch.zeros(400_000)}
     cryosnap.load(tmp_path, step=STEP, into=into)
     assert torch.equal(into["big"], big)
@@ -187,7 +188,7 @@ def test_bytes_overwritten_in_place_between_the_passes_never_reach_into(
     big = torch.randn(400_000)
     cryosnap.save(tmp_path, {"big": big}, step=STEP, chunk_bytes=CHUNK)
     path = _data_file(tmp_path)
-    second = _fetch._BlobReader.second_pass
+    second = _execute.PartReader.second_pass
 
     def overwrite_then_fill(self: Any) -> None:
         with open(path, "r+b") as f:  # in place: the mapped pages change too
@@ -197,7 +198,7 @@ def test_bytes_overwritten_in_place_between_the_passes_never_reach_into(
             f.write(bytes([byte[0] ^ 0xFF]))
         second(self)
 
-    monkeypatch.setattr(_fetch._BlobReader, "second_pass", overwrite_then_fill)
+    monkeypatch.setattr(_execute.PartReader, "second_pass", overwrite_then_fill)
     into = {"big": torch.zeros(400_000)}
     with pytest.raises(cryosnap.IntegrityError, match="leaf big: chunk 2 "):
         cryosnap.load(tmp_path, step=STEP, into=into)
@@ -319,7 +320,7 @@ def test_overlapping_ranges_are_found() -> None:
     nbytes = np.array([100, 100, 10, 100, 100, 10, 50, 50])
     # [0,100) and [100,200) touch without overlapping; [150,160) lies inside [100,200);
     # file 1's ranges are apart; file 2's two ranges are the same bytes.
-    got = _fetch._overlapping(files, lo, nbytes)
+    got = _plan.overlapping(files, lo, nbytes)
     assert got.tolist() == [False, True, True, False, False, False, True, True]
 
 

@@ -12,7 +12,8 @@ One private module per pipeline; imports point one way (each only to those above
   (:func:`assign_shares`; the others' shares placed after the ranks' exchange); the
   Checkpointer's background thread. ``_write`` re-exports it.
 - ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
-- ``_fetch``: read the data files into the leaves in large runs and verify every chunk.
+- ``read/``: the read plan of a part (pure), its executor on the read pool, the mapped data
+  files: read the leaves in large runs and verify every chunk (``_fetch`` re-exports it).
 - ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
   build), :func:`newest_restorable`; the caller's thread.
 
@@ -22,8 +23,6 @@ the Checkpointer's background thread, reads on the caller's; no collectives here
 
 from __future__ import annotations
 
-from ._fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from ._fetch import IO_BATCH_BYTES
 from ._read import (
     FlatPart,
     PartNotFoundError,
@@ -56,6 +55,8 @@ from ._resolved import (
 from ._resolved import _resolve_one as _resolve_one
 from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
 from ._select import validate_keys
+from .read import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from .read import IO_BATCH_BYTES
 from .write import PartResult, PartWriter, assign_shares
 from .write import _split_pieces as _split_pieces
 

@@ -4,11 +4,11 @@
 Read the commit record and the manifest chain, check every size, offset and count they claim
 against memory and against the real sizes of the data files before anything is allocated;
 allocate every leaf empty (an incremental version's fresh pages are faulted in on another core
-while its chain resolves), resolve, fetch and verify every chunk (:mod:`._fetch`), then build
+while its chain resolves), resolve, fetch and verify every chunk (:mod:`.read`), then build
 the tree. ``into=`` is checked before any byte is read and filled only after every chunk
 verified and every ``load_state_dict`` accepted; on a local store its large plain tensors and
 arrays are not allocated again but read a second time straight into place
-(:func:`cryosnap.tree.direct_targets`, :class:`._fetch.Fetched`).
+(:func:`cryosnap.tree.direct_targets`, :class:`.read.Fetched`).
 
 Runs on the caller's thread (plus the fetch's read pool and a prefault thread); no collectives
 here.
@@ -17,7 +17,6 @@ here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import _native
 from .._format.skeleton import blob_keys, blob_paths, format_path
 from .._gc import paused_gc
 from .._units import human_bytes
@@ -54,7 +54,6 @@ from ..manifest import (
 )
 from ..storage import Store
 from ..tree import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
-from ._fetch import Fetched, Mapped, read_blobs
 from ._records import read_commit, read_manifest
 from ._resolved import (
     ResolvedBlob,
@@ -64,6 +63,7 @@ from ._resolved import (
     resolve,
 )
 from ._select import cut_part, keys_skeleton, renumbered, spread_paths
+from .read import Fetched, Mapped, read_blobs
 
 __all__ = [
     "PartNotFoundError",
@@ -202,11 +202,11 @@ def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
 
     def run() -> None:
         for v in big:
-            addr = np.frombuffer(v, np.uint8).ctypes.data
+            addr = _native.address_of(v)
             for lo in range(0, v.nbytes, _PREFAULT_STEP_BYTES):
                 if stop.is_set():
                     return
-                ctypes.memset(addr + lo, 0, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
+                _native.zero(addr + lo, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
 
     thread = threading.Thread(target=run, name="cryosnap-prefault", daemon=True)
     thread.start()

@@ -401,7 +401,7 @@ def resolve(
 ) -> ResolvedPart:
     """Apply ``manifest``'s chain of bases (``chain``, as :func:`chain_manifests` gives it, or
     read here); reads manifests only, verified hash by hash. ``paths``: the leaf path of each
-    blob (:func:`cryosnap.tree.blob_paths`), when the caller has walked the skeleton already."""
+    blob (``_format.skeleton.blob_paths``), when the caller has walked the skeleton already."""
     if chain is None:
         chain = chain_manifests(store, manifest, key, xxh3)
     # Compact resolution up the chain; the per-blob arrays only for the version asked for.

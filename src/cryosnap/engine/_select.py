@@ -93,7 +93,7 @@ def _blob_refs(node: Any, used: set[int], nblobs: int) -> None:
 
 
 def _remap(node: Any, new: dict[int, int]) -> Any:
-    # Depth is bounded by tree.MAX_DEPTH (checked when the manifest was parsed).
+    # Depth is bounded by MAX_DEPTH (checked when the manifest was parsed).
     if not isinstance(node, dict):
         return node
     t, v = node.get("t"), node.get("v")

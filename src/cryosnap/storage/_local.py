@@ -29,7 +29,7 @@ Capabilities: the store declares its root as ``local_path`` (every key is the re
 
 Mapping: :meth:`LocalStore.map_file` maps a data file copy-on-write (``MAP_PRIVATE``) for the
 restore, which then hashes the page cache's pages where they are and hands out leaves that are
-views of them, instead of copying every byte into fresh memory (see engine/_fetch.py). Only on
+views of them, instead of copying every byte into fresh memory (see engine/read/). Only on
 a file system of a block device or memory (ext4, XFS, tmpfs...), where a page fault cannot hang
 on a network the way a read is bounded by a TimeoutStore; NFS, Lustre, GPFS, FUSE and the
 like are read.
@@ -37,18 +37,16 @@ like are read.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
-import mmap
 import os
 import secrets
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
-from typing import Any
 
+from .. import _native
 from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, StorageError
 from .base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
@@ -316,13 +314,13 @@ class LocalStore:
         program) and is unmapped when the last view of it goes. The file may be deleted or
         renamed meanwhile, but never truncated (a data file is written once and never
         modified): a page past a truncated end raises SIGBUS."""
-        if _libc_mmap is None:
+        if not _native.can_map():
             return None
         with self._open_regular(key) as fd, self._errors(key, "mapping"):
             st = os.fstat(fd)
             if not st.st_size or not _mappable_device(st.st_dev):
                 return None
-            return _map_private(fd, st.st_size)
+            return _native.map_private(fd, st.st_size)
 
     def write(self, key: str, data: BytesLike) -> None:
         parts = validate_key(key).split("/")
@@ -499,54 +497,6 @@ def _writev_all(fd: int, buffers: list[BytesLike]) -> int:
                 views[i] = v[n:]
                 break
     return total
-
-
-_libc_mmap: Any = None
-_libc_munmap: Any = None
-if hasattr(mmap, "MAP_PRIVATE"):
-    with suppress(OSError, AttributeError):
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc_mmap, _libc_munmap = _libc.mmap, _libc.munmap
-        _libc_mmap.restype = ctypes.c_void_p
-        _libc_mmap.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int64,
-        )
-        _libc_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-class _Unmap:
-    """Unmaps a mapping when the buffer that owns it is collected."""
-
-    __slots__ = ("address", "munmap", "nbytes")
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        # munmap held here: the module's globals may be gone when the last leaf goes at exit.
-        self.address, self.nbytes, self.munmap = address, nbytes, _libc_munmap
-
-    def __del__(self) -> None:
-        self.munmap(self.address, self.nbytes)
-
-
-def _map_private(fd: int, nbytes: int) -> memoryview:
-    """``nbytes`` of ``fd`` mapped copy-on-write, as a writable flat byte view that owns the
-    mapping (through a ctypes array holding an :class:`_Unmap`)."""
-    address = _libc_mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
-    if address is None or address == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    try:
-        array = (ctypes.c_ubyte * nbytes).from_address(address)
-        array._unmap = _Unmap(address, nbytes)  # type: ignore[attr-defined]
-    except BaseException:
-        _libc_munmap(address, nbytes)
-        raise
-    return memoryview(array).cast("B")
 
 
 # File systems whose page faults read a local block device or memory: a fault cannot wait on a

@@ -213,9 +213,15 @@ def _union_bytes(runs: dict[int, int]) -> int:
 @given(cases())
 def test_new_blobs_of_a_chunk_or_more_start_aligned(case: Case) -> None:
     differ, _at, _index = _diff(case, with_base=False)
+    earlier: set[bytes] = set()  # chunks of the blobs before: a reference to one is no new blob
     for i, entry in enumerate(differ.segments().entries):
         rows: list[Any] = entry.table.tolist()
+        first = entry.hashes[:HASH_BYTES]
         if rows and case.sizes[i] >= ALIGN_MIN_BYTES and rows[0][0] == STORED:
             key = differ.segments().data_files[rows[0][1]]
-            if key == OWN and differ.new_index[entry.hashes[:HASH_BYTES]] == (key, rows[0][2]):
+            written_here = first not in earlier
+            if key == OWN and written_here and differ.new_index[first] == (key, rows[0][2]):
                 assert rows[0][2] % ALIGN_BYTES == 0
+        earlier.update(
+            entry.hashes[j : j + HASH_BYTES] for j in range(0, len(entry.hashes), HASH_BYTES)
+        )

@@ -1,0 +1,348 @@
+"""Every raw-memory call: addresses, memmove/memset, madvise, libc mmap/munmap, the page-cache
+probe and the XXH3 binding that hashes with the GIL released.
+
+Each binding has a fallback, taken when it cannot load (no ctypes, no libc symbol, xxhash's
+private extension renamed): numpy copies by address, no advice, reads instead of mappings, the
+public ``xxhash`` API (the same digests, holding the GIL). Pure; runs on any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+__all__ = [
+    "address_of",
+    "can_map",
+    "dontneed",
+    "hash_chunks",
+    "hash_each",
+    "map_private",
+    "memmove",
+    "page_cached",
+    "populate",
+    "zero",
+]
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+# A call through ctypes costs about a microsecond more than xxhash's own: chunks smaller than
+# this are hashed by xxhash (holding the GIL), larger ones by the native call (releasing it).
+_NATIVE_MIN_BYTES = 128 << 10
+_canonical = struct.Struct(">QQ")  # XXH128_canonical_t: the high half first, big-endian
+_digest = xxhash.xxh3_128_digest
+
+_Fn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The native functions that loaded (None: the fallback is used)."""
+
+    memmove: _Fn | None = None
+    memset: _Fn | None = None
+    addressof: Callable[[memoryview], int] | None = None
+    madvise: _Fn | None = None
+    mmap: _Fn | None = None
+    munmap: _Fn | None = None
+    get_errno: Callable[[], int] | None = None
+    xxh3: _Fn | None = None
+
+
+def _open_libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _open_xxhash() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(getattr(xxhash, "_xxhash").__file__)  # noqa: B009 (private module)
+
+
+def bind(
+    open_libc: Callable[[], Any] = _open_libc, open_xxhash: Callable[[], Any] = _open_xxhash
+) -> Binding:
+    """Load what loads: ctypes' copies, libc's ``madvise``/``mmap``/``munmap`` (Linux), the
+    xxhash extension's XXH3 (checked against xxhash's digests); the rest stays None."""
+    try:
+        import ctypes
+    except ImportError:
+        return Binding()
+    found: dict[str, Any] = {
+        "memmove": ctypes.memmove,
+        "memset": ctypes.memset,
+        "addressof": lambda v: ctypes.addressof(ctypes.c_char.from_buffer(v)),
+        "get_errno": ctypes.get_errno,
+    }
+    with contextlib.suppress(OSError, AttributeError):
+        found.update(_bind_libc(open_libc()))
+    with contextlib.suppress(OSError, AttributeError):
+        found["xxh3"] = _bind_xxh3(open_xxhash())
+    return Binding(**found)
+
+
+def _bind_libc(libc: Any) -> dict[str, Any]:
+    import ctypes
+
+    out: dict[str, Any] = {}
+    if sys.platform == "linux":
+        madvise = libc.madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise.restype = ctypes.c_int
+        out["madvise"] = madvise
+    if hasattr(mmap, "MAP_PRIVATE"):
+        map_, unmap = libc.mmap, libc.munmap
+        map_.restype = ctypes.c_void_p
+        map_.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        )
+        unmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        out["mmap"], out["munmap"] = map_, unmap
+    return out
+
+
+def _bind_xxh3(lib: Any) -> _Fn | None:
+    """``XXH3_128bits_withSeed(address, nbytes, seed)`` (CPU-dispatched where the extension
+    exports that variant), if it hashes as xxhash does; else None."""
+    import ctypes
+
+    class XXH128(ctypes.Structure):
+        _fields_ = (("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64))
+
+    for name in ("XXH3_128bits_withSeed_dispatch", "XXH3_128bits_withSeed"):
+        fn = getattr(lib, name, None)
+        if fn is None:
+            continue
+        fn.restype = XXH128
+        fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64)
+        sample = ctypes.create_string_buffer(os.urandom(5000), 5000)
+        address = ctypes.addressof(sample)
+        sizes = (0, 1, 16, 17, 128, 129, 240, 241, 1024, 4096, 4999)
+        if all(
+            _canonical.pack((h := fn(address, n, 0)).high64, h.low64) == _digest(sample.raw[:n], 0)
+            for n in sizes
+        ):
+            return fn  # type: ignore[no-any-return]
+    return None
+
+
+_lib = bind()
+_populate_works = True  # False once the kernel refused MADV_POPULATE_WRITE (older than 5.14)
+
+
+# -- addresses and copies
+
+
+def address_of(buf: memoryview | np.ndarray[Any, Any]) -> int:
+    """The address of the first byte of ``buf`` (a flat byte view or an array; 0 if empty)."""
+    if isinstance(buf, np.ndarray):
+        return int(buf.__array_interface__["data"][0]) if buf.nbytes else 0
+    if not buf.nbytes:
+        return 0
+    addressof = _lib.addressof
+    if buf.readonly or addressof is None:
+        return int(np.frombuffer(buf, np.uint8).__array_interface__["data"][0])
+    return addressof(buf)
+
+
+class _At:
+    """``nbytes`` of memory at ``address`` as numpy sees it (the fallback's copies)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def _bytes_at(address: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.asarray(_At(address, nbytes))
+
+
+def memmove(dest: int, source: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``source`` to ``dest`` (ctypes releases the GIL)."""
+    if not nbytes:
+        return
+    native = _lib.memmove
+    if native is not None:
+        native(dest, source, nbytes)
+    else:
+        np.copyto(_bytes_at(dest, nbytes), _bytes_at(source, nbytes))
+
+
+def zero(address: int, nbytes: int) -> None:
+    """Write ``nbytes`` zeros at ``address``."""
+    if not nbytes:
+        return
+    native = _lib.memset
+    if native is not None:
+        native(address, 0, nbytes)
+    else:
+        _bytes_at(address, nbytes).fill(0)
+
+
+# -- advice
+
+
+def _whole_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """The bounds of the whole pages inside ``nbytes`` at ``address`` (empty: lo >= hi)."""
+    return -(-address // _PAGE_BYTES) * _PAGE_BYTES, (address + nbytes) // _PAGE_BYTES * _PAGE_BYTES
+
+
+def populate(address: int, nbytes: int) -> None:
+    """Map the whole pages of ``nbytes`` at ``address`` (fresh memory a read is about to fill)
+    in one call (``MADV_POPULATE_WRITE``) instead of one page fault per page as the read
+    lands: about 30% less time for a fresh leaf here. Nothing changes in the memory; where the
+    kernel lacks the call, the pages fault in as before."""
+    global _populate_works
+    lo, hi = _whole_pages(address, nbytes)
+    madvise, get_errno = _lib.madvise, _lib.get_errno
+    if (
+        _populate_works
+        and madvise is not None
+        and get_errno is not None
+        and hi > lo
+        and madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+        and get_errno() in (errno.EINVAL, errno.ENOSYS)
+    ):
+        _populate_works = False  # an older kernel: never asked again
+
+
+def dontneed(address: int, nbytes: int) -> None:
+    """Drop this process's mapping of the whole pages of ``nbytes`` at ``address`` (a range of
+    a copy-on-write file mapping no leaf was built over, and nothing wrote to):
+    ``MADV_DONTNEED`` leaves the page cache as it is, and a later access maps the file's pages
+    again. Without madvise the pages stay mapped."""
+    lo, hi = _whole_pages(address, nbytes)
+    madvise = _lib.madvise
+    if madvise is not None and hi > lo:
+        madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+# -- mappings and the page cache
+
+
+def can_map() -> bool:
+    """Whether :func:`map_private` maps (libc's ``mmap`` loaded)."""
+    return _lib.mmap is not None and _lib.munmap is not None
+
+
+class _Unmap:
+    """Unmaps a mapping when the buffer that owns it is collected."""
+
+    __slots__ = ("address", "munmap", "nbytes")
+
+    def __init__(self, address: int, nbytes: int, munmap: _Fn) -> None:
+        # munmap held here: the module's globals may be gone when the last leaf goes at exit.
+        self.address, self.nbytes, self.munmap = address, nbytes, munmap
+
+    def __del__(self) -> None:
+        self.munmap(self.address, self.nbytes)
+
+
+def map_private(fd: int, nbytes: int) -> memoryview | None:
+    """``nbytes`` of ``fd`` mapped copy-on-write (``MAP_PRIVATE``), as a writable flat byte
+    view that owns the mapping and holds no file descriptor; None without libc's ``mmap``.
+    Raises OSError when the call fails."""
+    map_, unmap, get_errno = _lib.mmap, _lib.munmap, _lib.get_errno
+    if map_ is None or unmap is None or get_errno is None:
+        return None
+    import ctypes  # loaded: the binding above came from it
+
+    address = map_(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = get_errno()
+        raise OSError(err, os.strerror(err))
+    try:
+        array = (ctypes.c_ubyte * nbytes).from_address(address)
+        array._unmap = _Unmap(address, nbytes, unmap)  # type: ignore[attr-defined]
+    except BaseException:
+        unmap(address, nbytes)
+        raise
+    return memoryview(array).cast("B")
+
+
+def page_cached(path: Path, offset: int) -> bool | None:
+    """Whether the page of ``path`` at ``offset`` is in the page cache (``preadv2`` with
+    ``RWF_NOWAIT``); None where it cannot be told (no such flag, an error)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        os.preadv(fd, [memoryview(bytearray(1))], offset, flag)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return True
+
+
+# -- XXH3
+
+
+def hash_chunks(data: memoryview, chunk_bytes: int, seed: int) -> bytes:
+    """The concatenated xxh3-128 digests of every ``chunk_bytes`` chunk of ``data`` (a flat
+    byte view the caller keeps unchanged meanwhile), with the GIL released while each chunk of
+    at least 128 KiB hashes; through xxhash's public API where the binding did not load."""
+    n = data.nbytes
+    native = _lib.xxh3
+    if native is None or chunk_bytes < _NATIVE_MIN_BYTES or n < _NATIVE_MIN_BYTES:
+        if n <= chunk_bytes:
+            return _digest(data, seed) if n else b""
+        return b"".join(_digest(data[s : s + chunk_bytes], seed) for s in range(0, n, chunk_bytes))
+    address = address_of(data)
+    pack = _canonical.pack
+    out = []
+    for s in range(0, n, chunk_bytes):
+        size = min(chunk_bytes, n - s)
+        if size < _NATIVE_MIN_BYTES:
+            out.append(_digest(data[s : s + size], seed))
+        else:
+            h = native(address + s, size, seed)
+            out.append(pack(h.high64, h.low64))
+    return b"".join(out)
+
+
+def hash_each(views: Sequence[memoryview], seed: int) -> list[bytes]:
+    """The xxh3-128 digest of each of ``views`` (flat byte views the caller keeps unchanged
+    meanwhile), with the GIL released while each view of at least 128 KiB hashes."""
+    native = _lib.xxh3
+    if native is None:
+        return [_digest(v, seed) for v in views]
+    pack = _canonical.pack
+    out: list[bytes] = []
+    for v in views:
+        n = v.nbytes
+        if n < _NATIVE_MIN_BYTES:
+            out.append(_digest(v, seed))
+            continue
+        h = native(address_of(v), n, seed)
+        out.append(pack(h.high64, h.low64))
+    return out

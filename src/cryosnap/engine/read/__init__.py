@@ -1,0 +1,21 @@
+"""The read path of one part: a pure plan (:mod:`._plan`), its executor on the read pool
+(:mod:`._execute`) and the mapped data files (:mod:`._mapped`); design in
+docs/design/read-path.md. Runs on the caller's thread and the read pool's threads.
+"""
+
+from __future__ import annotations
+
+from ._execute import Fetched, read_blobs
+from ._mapped import Mapped
+from ._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from ._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, plan_reads
+
+__all__ = [
+    "IO_BATCH_BYTES",
+    "Fetched",
+    "Mapped",
+    "ReadLimits",
+    "ReadPlan",
+    "plan_reads",
+    "read_blobs",
+]
