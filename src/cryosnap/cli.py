@@ -469,7 +469,7 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
     versions: list[dict[str, Any]] = []
     for step in _committed(run):
         try:
-            record = run._record(step)
+            summary = run.summary(step)
         except CheckpointNotFoundError:
             continue  # removed by retention while we were listing
         except (CheckpointFormatError, IntegrityError) as exc:
@@ -479,14 +479,14 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
             {
                 "step": step,
                 "damaged": False,
-                "created": iso_time(record.created_unix),
-                "created_unix": record.created_unix,
-                "world_size": record.world_size,
-                "leaves": record.leaves,
-                "logical_bytes": record.logical_bytes,
-                "written_bytes": record.written_bytes,
-                "data_files": len(record.data_files),
-                "chunk_bytes": record.chunk_bytes,
+                "created": iso_time(summary.created_unix),
+                "created_unix": summary.created_unix,
+                "world_size": summary.world_size,
+                "leaves": summary.leaves,
+                "logical_bytes": summary.logical_bytes,
+                "written_bytes": summary.written_bytes,
+                "data_files": summary.data_files,
+                "chunk_bytes": summary.chunk_bytes,
             }
         )
     if as_json:
