@@ -155,7 +155,6 @@ CLI_DIR = Path(cryosnap.cli.__file__).parent
 PUBLIC = {
     "cryosnap",
     "cryosnap.bench",
-    "cryosnap.benchmark",  # until it becomes the package cryosnap.bench
     "cryosnap.dcp",
     "cryosnap.demo",
     "cryosnap.errors",

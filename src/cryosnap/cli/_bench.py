@@ -37,7 +37,7 @@ def cmd_bench(
 
     Every argument is checked before anything is measured: a bad one costs no benchmark time.
     """
-    from .. import benchmark as bench
+    from .. import bench
 
     try:
         config = bench.BenchConfig(

@@ -1,18 +1,9 @@
-"""The entry point: run the command line, map every error to one line and an exit code.
-
-Exit codes::
-
-    0  success
-    1  corruption found: verify found damage, or any IntegrityError
-    2  usage errors, missing checkpoints and every other CheckpointError
-    3  an unexpected internal error (a bug: please report it)
-    130  interrupted (Ctrl-C)
-
-Every error is one line on stderr, ``cryosnap: error: ...``, never a traceback
-(``CRYOSNAP_TRACEBACK=1`` shows the traceback of an internal error). typer and rich (the
-``cli`` extra) are imported only when the command line runs, so ``import cryosnap`` never
-pulls them in. Runs on the caller's thread.
-"""
+"""The entry point: run the command line, map every error to one line on stderr
+(``cryosnap: error: ...``, never a traceback unless ``CRYOSNAP_TRACEBACK=1``) and an exit code:
+0 success, 1 corruption (verify found damage, any IntegrityError), 2 usage errors, missing
+checkpoints and every other CheckpointError, 3 an internal error (a bug), 130 interrupted.
+typer and rich (the ``cli`` extra) are imported only when the command line runs, so
+``import cryosnap`` never pulls them in. Runs on the caller's thread."""
 
 from __future__ import annotations
 
