@@ -1,6 +1,6 @@
 """Shared helpers for the benchmark scripts in bench/: timing, tables, the script's surroundings.
 
-The measuring helpers (fsync, page cache, peak RSS, medians) live in :mod:`cryosnap.benchmark`,
+The measuring helpers (fsync, page cache, peak RSS, medians) live in :mod:`cryosnap.bench`,
 which ``cryosnap bench`` runs; they are re-exported here for the scripts that are not (yet) part
 of it. cryosnap is taken from the interpreter, or else from the checkout's ``src/``.
 """
@@ -31,7 +31,7 @@ def import_cryosnap() -> ModuleType:
 
 import_cryosnap()
 
-from cryosnap.benchmark import (  # noqa: E402  (after the src/ fallback above)
+from cryosnap.bench import (  # noqa: E402  (after the src/ fallback above)
     current_rss_bytes,
     fsync_path,
     iter_files,

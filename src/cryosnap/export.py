@@ -21,9 +21,9 @@ A version written through torch.distributed.checkpoint (:mod:`cryosnap.dcp`) is 
 DCP's ``dcp_to_torch_save`` would write it: the state dict with every tensor whole, every
 rank's shards assembled (:func:`cryosnap.dcp.full_state_dict`); ``rank`` must be 0.
 
-Also owns :func:`committed_steps`, the committed steps of a run with a hint when the path holds
-runs rather than being one (the CLI's commands share it). Runs on the caller's thread; reads the
-run through :func:`cryosnap.load` and takes no lock. torch is imported only for ``.pt`` and
+:func:`committed_steps` and :func:`is_dcp_version` are re-exported from :mod:`cryosnap.run`,
+where they live. Runs on the caller's thread; reads the run through :func:`cryosnap.load` and
+takes no lock. torch is imported only for ``.pt`` and
 ``.safetensors``.
 """
 
@@ -42,12 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _validate, engine
+from . import _validate
 from ._format.skeleton import format_path
 from ._torch_import import import_torch, loaded_torch
 from .checkpointer import load
-from .errors import CheckpointError, CheckpointNotFoundError
-from .run import runs_inside
+from .errors import CheckpointError
+from .run import committed_steps, is_dcp_version
 from .storage import Store, open_store
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 EXPORT_FORMATS = (".pt", ".safetensors", ".npz")
-_DCP_ROOT = "cryosnap.dcp"  # cryosnap.dcp._schema.ROOT (that package imports torch)
 
 
 class ExportError(CheckpointError):
@@ -176,38 +175,6 @@ def check_out(out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path
             f"cannot export to {text!r}: directory {str(path.parent)!r} does not exist"
         )
     return path, fmt
-
-
-# ---------------------------------------------------------------------------------------------
-# finding the versions
-
-
-def committed_steps(store: Store) -> list[int]:
-    """The committed steps of the run in ``store``, ascending; CheckpointNotFoundError when
-    there are none (naming the runs just below it, if it holds runs rather than being one)."""
-    steps = engine.list_steps(store)
-    if not steps:
-        inner = runs_inside(store)
-        if inner:
-            raise CheckpointNotFoundError(
-                f"no committed version in {store.url}; it holds the run(s) "
-                + ", ".join(inner)
-                + " (a run with scratch tiers is one run per tier)"
-            )
-        if store.list(""):
-            raise CheckpointNotFoundError(f"no committed version in {store.url}")
-        raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
-    return steps
-
-
-def is_dcp_version(store: Store, step: int) -> bool:
-    """Whether ``step`` was written through torch.distributed.checkpoint (``cryosnap.dcp``):
-    rank 0's state is the one key ``cryosnap.dcp`` (its manifest only is read; no torch)."""
-    record = engine.read_commit(store, step)
-    skeleton = engine.read_manifest(store, record, 0)[0].skeleton
-    if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
-        return False
-    return skeleton.get("k") == [_DCP_ROOT]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,39 @@ from .errors import (
     RunLockedError,
 )
 from .lock import LOCK_KEY, acquire_run_lock
-from .manifest import CommitRecord, Replicated, commit_key
+from .manifest import MAX_STEP, Replicated, commit_key
 from .storage import Store, open_store
 
-__all__ = ["Damage", "Removal", "Run", "VerifyReport", "VersionCheck", "VersionInfo"]
+__all__ = [
+    "MAX_STEP",
+    "Damage",
+    "Removal",
+    "Run",
+    "VerifyReport",
+    "VersionCheck",
+    "VersionInfo",
+    "VersionSummary",
+    "committed_steps",
+    "is_dcp_version",
+    "runs_inside",
+]
+
+_DCP_ROOT = "cryosnap.dcp"  # cryosnap.dcp._schema.ROOT (that package imports torch)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSummary:
+    """One version as :meth:`Run.summary` describes it, from its commit record alone (no
+    manifest read): the whole version's figures, ``data_files`` the number of its files."""
+
+    step: int
+    created_unix: float
+    world_size: int
+    leaves: int
+    logical_bytes: int
+    written_bytes: int
+    data_files: int
+    chunk_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +216,21 @@ class Run:
             created_unix=record.created_unix,
         )
 
+    def summary(self, step: int) -> VersionSummary:
+        """Version ``step`` from its commit record only (what ``cryosnap ls`` lists): cheaper
+        than :meth:`info`. A damaged record raises CheckpointFormatError or IntegrityError."""
+        record = engine.read_commit(self._store, validate_step(step))
+        return VersionSummary(
+            step=step,
+            created_unix=record.created_unix,
+            world_size=record.world_size,
+            leaves=record.leaves,
+            logical_bytes=record.logical_bytes,
+            written_bytes=record.written_bytes,
+            data_files=len(record.data_files),
+            chunk_bytes=record.chunk_bytes,
+        )
+
     def verify(self, step: int | None = None) -> VerifyReport:
         """Read and hash every chunk of every rank of ``step`` (default: of every version);
         damage is reported, not raised. A missing ``step`` raises CheckpointNotFoundError."""
@@ -281,11 +325,7 @@ class Run:
             dry_run,
         )
 
-    # -- helpers for the command line ----------------------------------------------------------
-
-    def _record(self, step: int) -> CommitRecord:
-        """The commit record of ``step`` (``ls`` shows these without opening manifests)."""
-        return engine.read_commit(self._store, step)
+    # -- helpers -------------------------------------------------------------------------------
 
     def _step_or_latest(self, step: int | None) -> int:
         if step is not None:
@@ -362,3 +402,35 @@ def runs_inside(store: Store) -> list[str]:
     return sorted(
         str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
     )
+
+
+def committed_steps(path: str | os.PathLike[str] | Store) -> list[int]:
+    """The committed steps of the run at ``path``, ascending; CheckpointNotFoundError when
+    there are none (naming the runs just below it, if it holds runs rather than being one).
+
+    Unlike :class:`Run`, a path holding only an unfinished run is "no committed version"
+    (what ``cryosnap export`` and :class:`cryosnap.dcp.StorageReader` say by default)."""
+    store = open_store(path)
+    steps = engine.list_steps(store)
+    if not steps:
+        inner = runs_inside(store)
+        if inner:
+            raise CheckpointNotFoundError(
+                f"no committed version in {store.url}; it holds the run(s) "
+                + ", ".join(inner)
+                + " (a run with scratch tiers is one run per tier)"
+            )
+        if store.list(""):
+            raise CheckpointNotFoundError(f"no committed version in {store.url}")
+        raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
+    return steps
+
+
+def is_dcp_version(store: Store, step: int) -> bool:
+    """Whether ``step`` was written through torch.distributed.checkpoint (``cryosnap.dcp``):
+    rank 0's state is the one key ``cryosnap.dcp`` (its manifest only is read; no torch)."""
+    record = engine.read_commit(store, step)
+    skeleton = engine.read_manifest(store, record, 0)[0].skeleton
+    if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
+        return False
+    return skeleton.get("k") == [_DCP_ROOT]

@@ -6,6 +6,7 @@ call ``cryosnap.cli.main(argv)`` in process to stay fast.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -21,9 +22,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import cryosnap
+import cryosnap.cli
 import cryosnap.storage
-from cryosnap.cli import human_bytes, main
+from cryosnap.cli import main
 from cryosnap.export import ExportError, ExportResult, export
+from cryosnap.progress import human_bytes
 
 
 def torch_state() -> dict[str, Any]:
@@ -141,6 +144,68 @@ def test_human_bytes() -> None:
 def test_import_cryosnap_does_not_import_typer_or_rich() -> None:
     code = "import sys, cryosnap; assert not {'typer', 'rich'} & set(sys.modules), sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line stands on the public API only
+
+CLI_DIR = Path(cryosnap.cli.__file__).parent
+# The public modules a command may use; the engine, the format, the lock, storage internals and
+# every private module outside cli/ are out of bounds.
+PUBLIC = {
+    "cryosnap",
+    "cryosnap.bench",
+    "cryosnap.dcp",
+    "cryosnap.demo",
+    "cryosnap.errors",
+    "cryosnap.export",
+    "cryosnap.plan",
+    "cryosnap.policy",
+    "cryosnap.progress",
+    "cryosnap.run",
+}
+THIRD_PARTY = {"typer", "rich", "numpy", "matplotlib"}
+
+
+def cli_imports(source: Path) -> list[tuple[str, str | None]]:
+    """``(module, name)`` of every import in ``source``, deferred ones included; relative
+    imports resolved (``name`` None for a plain ``import``)."""
+    package = "cryosnap.cli"
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join([*base, node.module] if node.module else base)
+            if not node.level:
+                module = node.module or ""
+            found += [(module, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_cli_imports_only_the_public_api() -> None:
+    sources = sorted(CLI_DIR.glob("*.py"))
+    assert len(sources) > 5
+    wrong = []
+    for source in sources:
+        for module, name in cli_imports(source):
+            if module == "cryosnap.cli" or module.startswith("cryosnap.cli."):
+                continue
+            if module.startswith("cryosnap"):
+                target = f"{module}.{name}" if name and module == "cryosnap" else module
+                public = target in PUBLIC or (module == "cryosnap" and name == "__version__")
+                if not public or (name and name.startswith("_") and name != "__version__"):
+                    wrong.append(f"{source.name}: from {module} import {name}")
+            elif module.split(".")[0] not in sys.stdlib_module_names | THIRD_PARTY:
+                wrong.append(f"{source.name}: import {module}")
+    assert not wrong, wrong
+
+
+def test_the_import_check_sees_a_private_import(tmp_path: Path) -> None:
+    source = tmp_path / "bad.py"
+    source.write_text("def f():\n    from ..engine import list_steps\n    from .. import _gc\n")
+    assert cli_imports(source) == [("cryosnap.engine", "list_steps"), ("cryosnap", "_gc")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from cryosnap import benchmark
+from cryosnap import bench as benchmark
+from cryosnap.bench import _peers, _probes
 from cryosnap.cli import main
 
 TINY = ["--size", "4MiB", "--repeat", "1", "--warmup", "0"]
@@ -33,7 +34,7 @@ def expected_peers() -> set[str]:
     keys = {"memcpy", "raw", "torch", "cryosnap_eager", "cryosnap_lazy"}
     if importlib.util.find_spec("safetensors") is not None:
         keys.add("safetensors")
-    if benchmark._dcp_available():
+    if _peers.dcp_available():
         keys |= {"dcp", "dcp_async"}
     if importlib.util.find_spec("torchsnapshot") is not None:
         keys.add("torchsnapshot")
@@ -43,7 +44,7 @@ def expected_peers() -> set[str]:
 @pytest.fixture(autouse=True)
 def no_real_drop(monkeypatch: pytest.MonkeyPatch) -> None:
     # As root, the real drop would empty the page cache of the whole (shared) machine.
-    monkeypatch.setattr(benchmark, "drop_page_cache", lambda: True)
+    monkeypatch.setattr(_probes, "drop_page_cache", lambda: True)
 
 
 def bench(
@@ -136,7 +137,7 @@ def test_training(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     )  # fmt: skip
     methods = {(m["key"], m["every"]): m for m in doc["training"]["methods"]}
     keys = {"none", "cryosnap_eager", "cryosnap_lazy", "torch"}
-    if benchmark._dcp_available():
+    if _peers.dcp_available():
         keys.add("dcp_async")
     assert set(methods) == {(k, every) for k in keys for every in (1, 10)}
     for (key, _every), m in methods.items():
@@ -158,7 +159,7 @@ def test_ctrl_c_removes_the_temporary_folder(
         assert any(work.parent.parent.iterdir())  # the run's folder exists while it runs
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(benchmark.TorchSavePeer, "save", interrupted)
+    monkeypatch.setattr(_peers.TorchSavePeer, "save", interrupted)
     code = main(["bench", *TINY, "--dir", str(tmp_path), "--no-cold"])
     assert code == 130
     assert list(tmp_path.iterdir()) == []
@@ -176,7 +177,7 @@ def test_ctrl_c_wrapped_by_a_peer_still_stops_the_run(
         except BaseException as exc:
             raise RuntimeError(f"wrapped: {exc!r}") from exc
 
-    monkeypatch.setattr(benchmark.TorchSavePeer, "save", wrapping)
+    monkeypatch.setattr(_peers.TorchSavePeer, "save", wrapping)
     started = time.monotonic()
     code = main(["bench", *TINY, "--dir", str(tmp_path), "--no-cold"])
     assert code == 130

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap.run import Removal
+from cryosnap.run import Removal, VersionSummary, committed_steps
 from cryosnap.storage import FsspecStore, LocalStore, Store, TimeoutStore
 from cryosnap.testing import FaultyStore
 
@@ -107,6 +107,27 @@ def test_info_describes_a_version_from_its_manifest(run_dir: Path) -> None:
     assert first.written_bytes > 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         newest.step = 1  # type: ignore[misc]
+
+
+def test_summary_describes_a_version_from_its_commit_record(run_dir: Path) -> None:
+    run = cryosnap.Run(run_dir)
+    summary = run.summary(40)
+    info = run.info(40)
+    assert isinstance(summary, VersionSummary) and summary.step == 40
+    assert (summary.world_size, summary.leaves, summary.chunk_bytes) == (1, 4, CHUNK)
+    assert summary.logical_bytes == info.logical_bytes
+    assert summary.written_bytes == info.written_bytes
+    assert summary.created_unix == info.created_unix and summary.data_files >= 1
+    with pytest.raises(cryosnap.CheckpointNotFoundError, match="step 15 not found"):
+        run.summary(15)
+
+
+def test_committed_steps_names_what_holds_no_version(run_dir: Path, tmp_path: Path) -> None:
+    assert committed_steps(run_dir) == STEPS
+    with pytest.raises(cryosnap.CheckpointNotFoundError, match="holds the run"):
+        committed_steps(tmp_path)
+    with pytest.raises(cryosnap.CheckpointNotFoundError, match="no checkpoint at"):
+        committed_steps(tmp_path / "nope")
 
 
 def test_load_forwards_to_the_read_path(run_dir: Path) -> None:

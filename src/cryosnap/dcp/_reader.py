@@ -26,7 +26,7 @@ from torch.futures import Future
 
 from .. import _validate
 from ..checkpointer import PathLike
-from ..export import committed_steps
+from ..run import committed_steps
 from ..storage import open_store
 from ._parts import BYTES, TENSORS, PartReader, metadata_text
 from ._schema import DcpError, DcpFormatError, ItemKey, decode, item_key, leaf_name

@@ -1,0 +1,55 @@
+"""``cryosnap bench``: cryosnap against its peers on the same state, beside the machine's limits.
+
+:func:`run` measures what a :class:`BenchConfig` describes and returns a :class:`BenchResult`
+(the method: :func:`run`'s docstring); the probes are shared with the scripts in ``bench/``.
+Nothing here imports typer or rich; torch is imported lazily. Runs on the caller's thread.
+"""
+
+from ._config import (
+    WORKLOADS,
+    BenchConfig,
+    BenchError,
+    BenchStep,
+    MissingDependencyError,
+    parse_size,
+    require_torch,
+)
+from ._plot import check_plot_available, plot
+from ._probes import (
+    current_rss_bytes,
+    drop_page_cache,
+    fsync_path,
+    iter_files,
+    median,
+    peak_rss_bytes,
+    reset_peak_rss,
+    settle_disk,
+    tree_bytes,
+    warm_page_cache,
+)
+from ._result import BenchResult
+from ._runner import run
+
+__all__ = [
+    "WORKLOADS",
+    "BenchConfig",
+    "BenchError",
+    "BenchResult",
+    "BenchStep",
+    "MissingDependencyError",
+    "check_plot_available",
+    "current_rss_bytes",
+    "drop_page_cache",
+    "fsync_path",
+    "iter_files",
+    "median",
+    "parse_size",
+    "peak_rss_bytes",
+    "plot",
+    "require_torch",
+    "reset_peak_rss",
+    "run",
+    "settle_disk",
+    "tree_bytes",
+    "warm_page_cache",
+]

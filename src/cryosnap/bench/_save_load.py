@@ -1,0 +1,219 @@
+"""The save/load workloads (dense, many-small, sparse): every peer on the same state, interleaved
+round robin, each repetition's save and restores timed. Runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..progress import human_bytes
+from . import _probes
+from ._clock import Clock, CtrlC
+from ._config import SPARSE_FRACTION, BenchConfig, ProgressFn
+from ._peers import Peer, make_peers
+from ._probes import MemoryMeter, file_sizes, settle_disk, warm_page_cache, written_between
+from ._result import BenchResult, PeerFigures, new_result
+from ._workloads import (
+    SparseChange,
+    build_state,
+    dense_shapes,
+    first_mismatch,
+    many_small_shapes,
+    state_nbytes,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    StateDict = dict[str, torch.Tensor]
+
+
+def _title(workload: str, state: Mapping[str, Any], nbytes: int) -> str:
+    what = {
+        "dense": "fp32",
+        "many-small": "fp32, transformer-like names and mixed sizes",
+        "sparse": f"fp32, {SPARSE_FRACTION:.0%} of its 1 MiB chunks changed before each save",
+    }[workload]
+    return f"{human_bytes(nbytes)} of {what} in {len(state):,} tensors"
+
+
+def run_save_load(
+    config: BenchConfig,
+    root: Path,
+    command: str,
+    progress: ProgressFn | None,
+    ctrl_c: CtrlC,
+) -> BenchResult:
+    import torch
+
+    if config.workload == "many-small":
+        shapes = many_small_shapes(config.state_bytes, config.tensors)
+    else:
+        shapes = dense_shapes(config.state_bytes)
+    state = build_state(shapes)
+    nbytes = state_nbytes(state)
+    result = new_result(config, command, nbytes, len(state), _title(config.workload, state, nbytes))
+    # One preallocated, touched destination for every in-place load and the memcpy limit.
+    into = {name: torch.empty_like(t).zero_() for name, t in state.items()}
+    peers, result.missing = make_peers(config.workload, into)
+    figures = {p.key: PeerFigures(p.key, p.label, p.limit, note=p.note) for p in peers}
+    result.peers = [figures[p.key] for p in peers]
+    meter = MemoryMeter()
+    result.memory_method = meter.description
+    cold = config.cold and _probes.drop_page_cache()
+    if cold:
+        result.cold = "the page cache is dropped (/proc/sys/vm/drop_caches) before each cold read"
+    elif not config.cold:
+        result.cold = "not measured (--no-cold)"
+    else:
+        result.cold = "not measured (needs root)"
+    sparse = SparseChange(state) if config.workload == "sparse" else None
+    if sparse is not None:
+        result.notes.append(
+            f"sparse: {sparse.chunks} random chunks of 1 MiB changed before every timed save; the "
+            "cryosnap Checkpointers save incrementally against their untimed first version, the "
+            "other peers save the whole state"
+        )
+    rounds = config.warmup + config.repeat
+    clock = Clock(rounds * len(peers), progress)
+    try:
+        for peer in peers:
+            try:
+                peer.setup(root, state)
+            except Exception as exc:
+                figures[peer.key].error = ctrl_c.failure(exc)
+        for r in range(rounds):
+            timed = r >= config.warmup
+            shift = r % len(peers)
+            label = f"round {r + 1}/{rounds}" + ("" if timed else " (warm-up)")
+            for peer in peers[shift:] + peers[:shift]:
+                fig = figures[peer.key]
+                if fig.error is None:
+                    work = root / f"{peer.key}-{r}"
+                    try:
+                        _measure_peer(
+                            peer, fig if timed else None, state, into, work,
+                            verify=r == 0, cold=cold, meter=meter, sparse=sparse,
+                        )  # fmt: skip
+                    except Exception as exc:
+                        fig.error = ctrl_c.failure(exc)
+                clock.tick(f"{label}: {peer.label}")
+    finally:
+        for peer in peers:
+            with contextlib.suppress(Exception):
+                peer.close()
+    for fig in result.peers:
+        if fig.error is not None:
+            result.notes.append(f"{fig.label}: failed: {fig.error}")
+    result.notes += [f"{p.key}: {p.note}" for p in peers if p.note]
+    result.notes += [f"{key}: not measured ({why})" for key, why in result.missing.items()]
+    result.elapsed_seconds = clock.elapsed
+    return result
+
+
+def _measure_peer(
+    peer: Peer,
+    fig: PeerFigures | None,
+    state: StateDict,
+    into: StateDict,
+    work: Path,
+    *,
+    verify: bool,
+    cold: bool,
+    meter: MemoryMeter,
+    sparse: SparseChange | None,
+) -> None:
+    """One repetition of one peer: save (timed), then its restores (timed); ``fig`` None: a
+    warm-up round (nothing recorded). ``work`` is removed at the end, whatever happens."""
+    work.mkdir()
+    try:
+        peer.begin(work, state)
+        if sparse is not None:
+            sparse.apply(state)
+        sample = _time_save(peer, work, state, meter)
+        if fig is not None:
+            for metric, value in sample.items():
+                fig.add(metric, value)
+        if peer.restores or peer.restores_into:
+            warm_page_cache(peer.folder(work))
+        if peer.restores:
+            seconds, peak, loaded = _time_restore(lambda: peer.load(work), meter)
+            if verify:
+                _check_round_trip(state, loaded)
+            del loaded
+            if fig is not None:
+                fig.add("restore_seconds", seconds)
+                fig.add("restore_peak_bytes", peak)
+        if peer.restores_into:
+            if verify:
+                for tensor in into.values():
+                    tensor.zero_()  # so a load that fills nothing cannot pass the check
+            seconds, peak, loaded = _time_restore(lambda: peer.load_into(work, into), meter)
+            if verify:
+                _check_round_trip(state, loaded)
+            del loaded
+            if fig is not None:
+                fig.add("restore_into_seconds", seconds)
+                fig.add("restore_into_peak_bytes", peak)
+            if cold:
+                _probes.drop_page_cache()
+                seconds, _, loaded = _time_restore(lambda: peer.load_into(work, into), meter)
+                del loaded
+                if fig is not None:
+                    fig.add("restore_cold_seconds", seconds)
+        elif peer.restores and cold:
+            _probes.drop_page_cache()
+            seconds, _, loaded = _time_restore(lambda: peer.load(work), meter)
+            del loaded
+            if fig is not None:
+                fig.add("restore_cold_seconds", seconds)
+    finally:
+        try:
+            peer.end()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            settle_disk()
+
+
+def _time_save(peer: Peer, work: Path, state: StateDict, meter: MemoryMeter) -> dict[str, float]:
+    gc.collect()
+    settle_disk()
+    before = file_sizes(peer.folder(work))
+    meter.start()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    finish = peer.save(work, state)
+    t1, cpu1 = time.perf_counter(), time.process_time()
+    if finish is not None:
+        finish()
+    t2, cpu2 = time.perf_counter(), time.process_time()
+    peak = meter.stop()
+    sample = {"stall_seconds": t1 - t0, "save_peak_bytes": float(peak)}
+    if peer.durable:
+        sample.update(
+            durable_seconds=t2 - t0,
+            written_bytes=float(written_between(before, file_sizes(peer.folder(work)))),
+            cpu_seconds=cpu2 - cpu0,
+            background_cpu_seconds=(cpu2 - cpu0) - (cpu1 - cpu0),
+        )
+    return sample
+
+
+def _time_restore(fn: Callable[[], object], meter: MemoryMeter) -> tuple[float, int, object]:
+    gc.collect()
+    meter.start()
+    t0 = time.perf_counter()
+    loaded = fn()
+    seconds = time.perf_counter() - t0
+    return seconds, meter.stop(), loaded
+
+
+def _check_round_trip(state: StateDict, loaded: object) -> None:
+    mismatch = first_mismatch(state, loaded)
+    if mismatch is not None:
+        raise ValueError(f"round trip differs: {mismatch}")

@@ -1,0 +1,358 @@
+"""The typer app: each command's arguments, options and help, calling the command modules.
+
+Wiring only: every command function parses, then calls one ``cmd_*``. Imported by ``_main``
+once typer is known to be installed. Runs on the caller's thread.
+"""
+
+# No ``from __future__ import annotations`` here: typer reads the annotations of the command
+# functions at runtime.
+
+from typing import Annotated
+
+import typer
+
+from ..run import MAX_STEP
+from ._bench import cmd_bench
+from ._demo import cmd_demo
+from ._diff import cmd_diff
+from ._export import cmd_export
+from ._import_dcp import cmd_import_dcp
+from ._inspect import cmd_inspect
+from ._ls import cmd_ls
+from ._plan import cmd_plan
+from ._remove import cmd_gc, cmd_rm
+from ._render import PROG, Invocation, print_line
+from ._verify import cmd_verify
+
+PATH_ARG = typer.Argument(help="The run: a directory or an fsspec URL (memory://, s3://...).")
+JSON_OPT = typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
+RANK_OPT = typer.Option("--rank", min=0, help="Which rank's part of the version.")
+DRY_RUN_OPT = typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")
+
+
+def build_app(invocation: Invocation) -> typer.Typer:
+    """The app with every command, in the order ``--help`` lists them."""
+    app = typer.Typer(
+        name=PROG,
+        help="List, inspect, verify, diff, export, remove and garbage-collect cryosnap "
+        "checkpoints; plan intervals; benchmark against the peers.",
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    _add_root(app)
+    _add_read_commands(app)
+    _add_export_command(app)
+    _add_diff_command(app)
+    _add_remove_commands(app)
+    _add_demo_command(app)
+    _add_plan_command(app)
+    _add_bench_command(app, invocation)
+    _add_import_dcp_command(app)
+    return app
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print_line(f"{PROG} {__version__}")
+        raise typer.Exit(0)
+
+
+def _add_root(app: typer.Typer) -> None:
+    @app.callback()
+    def root(
+        version: Annotated[
+            bool,
+            typer.Option(
+                "--version", is_eager=True, callback=_show_version, help="Print the version."
+            ),
+        ] = False,
+    ) -> None:
+        """List, inspect, verify, diff, export, remove and garbage-collect cryosnap checkpoints."""
+
+
+def _add_read_commands(app: typer.Typer) -> None:
+    @app.command("ls")
+    def ls_command(
+        path: Annotated[str, PATH_ARG],
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """List the committed versions of a run."""
+        cmd_ls(path, as_json=json_output)
+
+    @app.command("inspect")
+    def inspect_command(
+        path: Annotated[str, PATH_ARG],
+        step: Annotated[
+            int | None,
+            typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
+        ] = None,
+        rank: Annotated[int, RANK_OPT] = 0,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Show the leaves of a version (paths, dtypes, shapes, sizes) without reading data."""
+        cmd_inspect(path, step=step, rank=rank, as_json=json_output)
+
+    @app.command("verify")
+    def verify_command(
+        path: Annotated[str, PATH_ARG],
+        step: Annotated[
+            int | None,
+            typer.Option(
+                "--step", min=0, max=MAX_STEP, help="The version (default: every version)."
+            ),
+        ] = None,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Read every chunk of every rank and check its hash; exit 1 if anything is damaged."""
+        code = cmd_verify(path, step=step, as_json=json_output)
+        if code:
+            raise typer.Exit(code)
+
+
+def _add_export_command(app: typer.Typer) -> None:
+    @app.command("export")
+    def export_command(
+        path: Annotated[str, PATH_ARG],
+        out: Annotated[str, typer.Argument(help="Output file: .pt, .safetensors or .npz.")],
+        step: Annotated[
+            int | None,
+            typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
+        ] = None,
+        rank: Annotated[int, RANK_OPT] = 0,
+        force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Write one version as a .pt, .safetensors or .npz file."""
+        cmd_export(path, out, step=step, rank=rank, force=force, as_json=json_output)
+
+
+def _add_diff_command(app: typer.Typer) -> None:
+    @app.command("diff")
+    def diff_command(
+        path: Annotated[str, PATH_ARG],
+        a: Annotated[int, typer.Argument(min=0, max=MAX_STEP, help="The older step.")],
+        b: Annotated[int, typer.Argument(min=0, max=MAX_STEP, help="The newer step.")],
+        rank: Annotated[int, RANK_OPT] = 0,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Which leaves changed between two versions, and how many bytes (reads no data)."""
+        cmd_diff(path, a, b, rank=rank, as_json=json_output)
+
+
+def _add_remove_commands(app: typer.Typer) -> None:
+    @app.command("gc")
+    def gc_command(
+        path: Annotated[str, PATH_ARG],
+        keep: Annotated[
+            int, typer.Option("--keep", min=1, help="How many of the newest versions to keep.")
+        ],
+        dry_run: Annotated[bool, DRY_RUN_OPT] = False,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Delete all but the newest K versions and every file no kept version needs."""
+        cmd_gc(path, keep=keep, dry_run=dry_run, as_json=json_output)
+
+    @app.command("rm")
+    def rm_command(
+        path: Annotated[str, PATH_ARG],
+        step: Annotated[
+            int, typer.Option("--step", min=0, max=MAX_STEP, help="The version to delete.")
+        ],
+        dry_run: Annotated[bool, DRY_RUN_OPT] = False,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Delete one version and every file no remaining version needs (a later version
+        built on it still restores)."""
+        cmd_rm(path, step=step, dry_run=dry_run, as_json=json_output)
+
+
+def _add_demo_command(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo_command(
+        directory: Annotated[
+            str,
+            typer.Option(
+                "--dir",
+                help="Work directory: new, empty or an earlier demo run's (another non-empty "
+                "directory is refused, exit 2).",
+            ),
+        ] = "demo-run",
+        steps: Annotated[
+            int, typer.Option("--steps", min=1, help="Training steps (at least 2 * every + 2).")
+        ] = 200,
+        every: Annotated[
+            int, typer.Option("--every", min=1, help="Checkpoint every N steps.")
+        ] = 20,
+        seed: Annotated[
+            int | None, typer.Option("--seed", help="Seed of the random kill step.")
+        ] = None,
+        json_output: Annotated[
+            bool,
+            typer.Option("--json", help="Progress on stderr, the summary as JSON on stdout."),
+        ] = False,
+    ) -> None:
+        """Train, SIGKILL, resume, check bit-exact against an uninterrupted run (needs torch)."""
+        code = cmd_demo(directory, steps=steps, every=every, seed=seed, as_json=json_output)
+        if code:
+            raise typer.Exit(code)
+
+
+def _add_plan_command(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_command(
+        cost: Annotated[
+            list[str],
+            typer.Option(
+                "--cost",
+                metavar="LEVEL=SECONDS",
+                help="Save cost of a level; repeat per level, fastest first (scratch first).",
+            ),
+        ],
+        mtbf: Annotated[
+            list[str],
+            typer.Option(
+                "--mtbf",
+                metavar="CLASS=SECONDS:LEVEL",
+                help="A failure class: mean time between failures and the lowest level that "
+                "survives it; repeat per class.",
+            ),
+        ],
+        restart: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--restart",
+                metavar="LEVEL=SECONDS",
+                help="Restart cost from a level (default: its save cost).",
+            ),
+        ] = None,
+        weibull: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--weibull",
+                metavar="CLASS=SHAPE",
+                help="Weibull inter-arrival times for a class (default: exponential).",
+            ),
+        ] = None,
+        method: Annotated[
+            str,
+            typer.Option("--method", help="auto (analytic where it applies), analytic or search."),
+        ] = "auto",
+        seed: Annotated[
+            int, typer.Option("--seed", min=0, help="Seed of the simulated failure traces.")
+        ] = 0,
+        plot: Annotated[
+            str | None,
+            typer.Option("--plot", metavar="OUT.png", help="Plot waste against the intervals."),
+        ] = None,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Per-level checkpoint intervals that minimise the expected waste (SECONDS may end in
+        s, m, h or d)."""
+        cmd_plan(
+            cost,
+            mtbf,
+            restart or [],
+            weibull or [],
+            method=method,
+            seed=seed,
+            plot=plot,
+            as_json=json_output,
+        )
+
+
+def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
+    @app.command("bench")
+    def bench_command(
+        size: Annotated[
+            str | None,
+            typer.Option(
+                "--size",
+                metavar="SIZE",
+                help="State size, e.g. 512MiB, 1GiB, 300MB (default 1GiB; training 288MiB).",
+            ),
+        ] = None,
+        workload: Annotated[
+            str,
+            typer.Option("--workload", help="dense, many-small, sparse or training."),
+        ] = "dense",
+        repeat: Annotated[
+            int, typer.Option("--repeat", help="Timed rounds; tables show medians.")
+        ] = 3,
+        warmup: Annotated[
+            int, typer.Option("--warmup", help="Untimed rounds before the timed ones.")
+        ] = 1,
+        json_file: Annotated[
+            str | None,
+            typer.Option(
+                "--json", metavar="FILE", help="Write machine, command, every sample to FILE."
+            ),
+        ] = None,
+        plot: Annotated[
+            str | None,
+            typer.Option("--plot", metavar="OUT.png", help="Draw a bar chart (needs matplotlib)."),
+        ] = None,
+        directory: Annotated[
+            str | None,
+            typer.Option(
+                "--dir",
+                metavar="PATH",
+                help="Where to write: a temporary folder inside it, deleted at the end "
+                "(default: the system temp dir).",
+            ),
+        ] = None,
+        tensors: Annotated[
+            int, typer.Option("--tensors", help="many-small: how many tensors.")
+        ] = 20_000,
+        steps: Annotated[
+            int, typer.Option("--steps", help="training: timed steps per method and interval.")
+        ] = 20,
+        step_seconds: Annotated[
+            float,
+            typer.Option("--step-seconds", help="training: the batch is tuned for this step time."),
+        ] = 1.0,
+        cold: Annotated[
+            bool,
+            typer.Option(
+                "--cold/--no-cold",
+                help="Also restore from a dropped page cache (needs root; drops it machine-wide).",
+            ),
+        ] = True,
+    ) -> None:
+        """Measure cryosnap against torch.save, safetensors, DCP (and torchsnapshot) on the same
+        state, beside this machine's limits (memcpy, raw write+fsync, raw read)."""
+        cmd_bench(
+            size=size,
+            workload=workload,
+            repeat=repeat,
+            warmup=warmup,
+            json_file=json_file,
+            plot=plot,
+            directory=directory,
+            tensors=tensors,
+            steps=steps,
+            step_seconds=step_seconds,
+            cold=cold,
+            command=invocation.command(),
+        )
+
+
+def _add_import_dcp_command(app: typer.Typer) -> None:
+    @app.command("import-dcp")
+    def import_dcp_command(
+        directory: Annotated[
+            str, typer.Argument(help="A torch.distributed.checkpoint directory (FileSystemWriter).")
+        ],
+        path: Annotated[str, typer.Argument(help="The run to save it in (a directory or URL).")],
+        step: Annotated[
+            int | None,
+            typer.Option(
+                "--step", min=0, max=MAX_STEP, help="The version (default: after the newest)."
+            ),
+        ] = None,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Save a torch.distributed.checkpoint directory as one version of a run."""
+        cmd_import_dcp(directory, path, step=step, as_json=json_output)

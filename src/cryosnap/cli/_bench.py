@@ -1,0 +1,132 @@
+"""``cryosnap bench``: cryosnap against its peers on this machine, rendered as a table, with
+``--json`` (every sample to a file) and ``--plot``.
+
+:mod:`cryosnap.bench` does the measuring; this module checks the arguments before any time is
+spent, shows progress on stderr and renders. Runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._common import CliUsageError, check_image_out
+from ._render import PROG, Column, Table, print_line, truncate
+
+
+def cmd_bench(
+    *,
+    size: str | None = None,
+    workload: str = "dense",
+    repeat: int = 3,
+    warmup: int = 1,
+    json_file: str | None = None,
+    plot: str | None = None,
+    directory: str | None = None,
+    tensors: int = 20_000,
+    steps: int = 20,
+    step_seconds: float = 1.0,
+    cold: bool = True,
+    command: str = PROG + " bench",
+) -> None:
+    """Run :func:`cryosnap.bench.run`, print the table, write ``--json`` and ``--plot``
+    (``command``: the command line, recorded in the JSON).
+
+    Every argument is checked before anything is measured: a bad one costs no benchmark time.
+    """
+    from .. import bench
+
+    try:
+        config = bench.BenchConfig(
+            workload=workload,
+            size_bytes=None if size is None else bench.parse_size(size),
+            repeat=repeat,
+            warmup=warmup,
+            directory=None if directory is None else Path(directory),
+            tensors=tensors,
+            steps=steps,
+            step_seconds=step_seconds,
+            cold=cold,
+        )
+        bench.require_torch()
+        if plot:
+            bench.check_plot_available()
+            check_image_out(plot)
+    except (bench.BenchError, bench.MissingDependencyError) as exc:
+        raise CliUsageError(str(exc)) from None
+    if json_file:
+        _check_out(json_file, "--json")
+    show = _BenchProgress()
+    try:
+        result = bench.run(config, command=command, progress=show)
+    finally:
+        show.close()
+    _render(result)
+    if json_file:
+        try:
+            with open(json_file, "w") as f:
+                json.dump(result.to_json(), f, indent=2)
+                f.write("\n")
+        except OSError as exc:
+            raise CliUsageError(f"--json {json_file}: cannot write: {exc}") from None
+        print_line(f"wrote {json_file}")
+    if plot:
+        try:
+            bench.plot(result, plot)
+        except (OSError, ValueError) as exc:
+            raise CliUsageError(f"--plot {plot}: cannot write the plot: {exc}") from None
+        print_line(f"wrote {plot}")
+
+
+def _render(result: Any) -> None:
+    """The summary's first two lines, the table, then the rest of the summary."""
+    summary = result.summary()
+    for line in summary[:2]:
+        print_line(line)
+    print_line()
+    columns, rows = result.table()
+    table = Table([Column(title, right=right) for title, right in columns])
+    for row in rows:
+        table.add(*row)
+    table.render()
+    print_line()
+    for line in summary[2:]:
+        print_line(line)
+
+
+def _check_out(out: str, option: str) -> None:
+    """Refuse an output that could not be written before spending minutes measuring."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise CliUsageError(f"{option} {out}: no such directory {folder}")
+    if os.path.isdir(out):
+        raise CliUsageError(f"{option} {out}: is a directory")
+
+
+class _BenchProgress:
+    """Progress on stderr: one line redrawn in place on a terminal; elsewhere a line every
+    30 seconds and one at the end (logs stay short)."""
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+        self._width = 0
+
+    def __call__(self, step: Any) -> None:
+        line = f"{PROG} bench: {step.done}/{step.total} {step.what} ({step.elapsed_seconds:.0f} s)"
+        if self._tty:
+            text = truncate(line, 120)
+            sys.stderr.write("\r" + text.ljust(self._width))
+            self._width = len(text)
+        elif step.done == step.total or step.elapsed_seconds - self._last >= 30:
+            self._last = step.elapsed_seconds
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._tty and self._width:
+            sys.stderr.write("\r" + " " * self._width + "\r")
+            sys.stderr.flush()

@@ -1,0 +1,73 @@
+"""``cryosnap export``: one version as a ``.pt``, ``.safetensors`` or ``.npz`` file.
+
+Runs on the caller's thread, over :func:`cryosnap.export.export` (which reads the run through
+:func:`cryosnap.load` and takes no lock).
+"""
+
+from __future__ import annotations
+
+from ..export import ExportError, ExportResult, check_out, export
+from ..progress import human_bytes
+from ..run import committed_steps
+from ._common import CliUsageError
+from ._render import note, plural, print_json, print_line
+
+
+def cmd_export(
+    location: str,
+    out: str,
+    *,
+    step: int | None = None,
+    rank: int = 0,
+    force: bool = False,
+    as_json: bool = False,
+) -> None:
+    """Write one version (default: the newest); an existing OUT is replaced only with
+    ``force``."""
+    try:
+        check_out(out, force=force)  # a bad OUT is refused before the run is even opened
+    except (ValueError, TypeError) as exc:
+        raise CliUsageError(str(exc)) from exc
+    if not location:
+        raise CliUsageError("PATH must not be empty")
+    if step is None:
+        step = committed_steps(location)[-1]
+    try:
+        result = export(location, out, step=step, rank=rank, force=force)
+    except (ExportError, ValueError) as exc:  # ValueError: --rank of a DCP version
+        raise CliUsageError(str(exc)) from exc
+    _export_notes(result)
+    if as_json:
+        print_json(
+            {
+                "path": result.path,
+                "step": result.step,
+                "rank": result.rank,
+                "out": str(result.out),
+                "format": result.format,
+                "leaves": result.leaves,
+                "skipped": list(result.skipped),
+                "bytes": result.bytes,
+            }
+        )
+        return
+    print_line(
+        f"exported step {result.step} of {result.path} to {result.out} "
+        f"({plural(result.leaves, 'leaf', 'leaves')}, {human_bytes(result.bytes)})"
+    )
+
+
+def _export_notes(result: ExportResult) -> None:
+    skipped = result.skipped
+    if skipped:
+        note(
+            f"{plural(len(skipped), 'None leaf', 'None leaves')} left out of {result.out.name} "
+            "(.npz has no None): " + ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        )
+    if result.numpy_leaves:
+        note(
+            f"{plural(len(result.numpy_leaves), 'leaf', 'leaves')} with numpy values "
+            f"(first: {result.numpy_leaves[0]}), which torch.load(weights_only=True) refuses: "
+            "load with weights_only=False or allow them with "
+            "torch.serialization.add_safe_globals"
+        )

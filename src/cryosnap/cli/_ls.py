@@ -1,0 +1,77 @@
+"""``cryosnap ls``: one row per committed version, from the commit records (no manifest read).
+
+Runs on the caller's thread, over :meth:`cryosnap.Run.summary`; takes no lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
+from ..progress import human_bytes
+from ..run import Run, VersionSummary
+from ._common import committed, open_run
+from ._render import Column, Table, iso_time, one_line, print_json
+
+
+def cmd_ls(location: str, *, as_json: bool) -> None:
+    """One row per committed version; a damaged commit record is a row, not an abort."""
+    run = open_run(location)
+    versions = _versions(run)
+    if as_json:
+        print_json({"path": run.url, "versions": versions})
+        return
+    table = Table(
+        [
+            Column("step", right=True),
+            Column("created"),
+            Column("world", right=True),
+            Column("leaves", right=True),
+            Column("logical", right=True),
+            Column("written", right=True),
+            Column("files", right=True),
+        ]
+    )
+    for v in versions:
+        if v["damaged"]:
+            table.add(str(v["step"]), f"DAMAGED: {v['error']}")
+            continue
+        table.add(
+            str(v["step"]),
+            v["created"],
+            str(v["world_size"]),
+            str(v["leaves"]),
+            human_bytes(v["logical_bytes"]),
+            human_bytes(v["written_bytes"]),
+            str(v["data_files"]),
+        )
+    table.render()
+
+
+def _versions(run: Run) -> list[dict[str, Any]]:
+    versions: list[dict[str, Any]] = []
+    for step in committed(run):
+        try:
+            summary = run.summary(step)
+        except CheckpointNotFoundError:
+            continue  # removed by retention while we were listing
+        except (CheckpointFormatError, IntegrityError) as exc:
+            versions.append({"step": step, "damaged": True, "error": one_line(str(exc))})
+            continue
+        versions.append(_version_doc(summary))
+    return versions
+
+
+def _version_doc(summary: VersionSummary) -> dict[str, Any]:
+    return {
+        "step": summary.step,
+        "damaged": False,
+        "created": iso_time(summary.created_unix),
+        "created_unix": summary.created_unix,
+        "world_size": summary.world_size,
+        "leaves": summary.leaves,
+        "logical_bytes": summary.logical_bytes,
+        "written_bytes": summary.written_bytes,
+        "data_files": summary.data_files,
+        "chunk_bytes": summary.chunk_bytes,
+    }
