@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap import _devcopy, engine, tree
+from cryosnap import _devcopy, engine
 from cryosnap._devcopy import _Copier, _job, copy_to_device, target_device, to_device
+from cryosnap._state import into as state_into
 from cryosnap.storage import open_store
 from cryosnap.tree import Restorer, apply_into, check_into, flatten
 
@@ -256,7 +257,7 @@ def test_apply_into_sends_device_fills_through_the_copier_in_one_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     batches: list[list[tuple[Any, Any]]] = []
-    monkeypatch.setattr(tree, "copy_to_device", lambda pairs: batches.append(list(pairs)))
+    monkeypatch.setattr(state_into, "copy_to_device", lambda pairs: batches.append(list(pairs)))
     saved = {"gpu": [torch.ones(2), torch.ones(3)], "cpu": torch.ones(4), "arr": np.ones(2)}
     flat = flatten(saved)
     loaded = {"gpu": [torch.full((2,), 5.0), torch.full((3,), 6.0)], "cpu": torch.full((4,), 7.0)}
@@ -275,7 +276,7 @@ def test_apply_into_sends_device_fills_through_the_copier_in_one_batch(
 
 
 def test_device_copier_is_the_one_apply_into_uses() -> None:
-    assert tree.copy_to_device is _devcopy.copy_to_device
+    assert vars(state_into)["copy_to_device"] is _devcopy.copy_to_device
 
 
 def test_replicated_only_reads_move_too(tmp_path: Path) -> None:

@@ -1,0 +1,22 @@
+"""State trees <-> blobs: flatten a state into a skeleton and blobs, build it back, fill
+``into=`` in place. Pure (a copy to a GPU aside); runs on the caller's thread."""
+
+from __future__ import annotations
+
+from .build import Place, Restorer
+from .flatten import PACK_BYTES, PACK_LEAF_FRACTION, Blob, FlatState, flatten, is_stateful
+from .into import apply_into, check_into, direct_targets
+
+__all__ = [
+    "PACK_BYTES",
+    "PACK_LEAF_FRACTION",
+    "Blob",
+    "FlatState",
+    "Place",
+    "Restorer",
+    "apply_into",
+    "check_into",
+    "direct_targets",
+    "flatten",
+    "is_stateful",
+]

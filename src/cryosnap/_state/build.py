@@ -1,0 +1,601 @@
+"""Build a state back from its skeleton and blobs (:class:`Restorer`): allocate empty leaves,
+hand out a byte view per blob for the reader to fill, then assemble the tree.
+
+Pure (``to_device`` aside, a copy to a GPU); runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+import sys
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from .._devcopy import to_device
+from .._format.skeleton import (
+    MAX_ELEMENTS,
+    MAX_NDIM,
+    Json,
+    _key_text,
+    dict_items,
+    format_path,
+)
+from .._torch_import import import_torch
+from ..errors import CheckpointError, CheckpointFormatError
+
+
+def _torch() -> Any:
+    try:
+        torch = import_torch()
+    except ImportError as exc:  # pragma: no cover - exercised only without torch
+        raise CheckpointFormatError(
+            "this checkpoint holds torch tensors but torch is not installed "
+            "(pip install 'cryosnap[torch]')"
+        ) from exc
+    return torch
+
+
+def _torch_dtype(name: Any, path: str) -> Any:
+    torch = _torch()
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"leaf {path}: unknown torch dtype {name!r}")
+    if type(name) is str:
+        _TORCH_DTYPES[name] = dtype
+    return dtype
+
+
+_TORCH_DTYPES: dict[str, Any] = {}  # the dtype names _torch_dtype found, and their dtypes
+
+
+def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
+    def tuples(d: Any) -> Any:
+        if isinstance(d, list):
+            return [tuple(tuples(x) for x in f) if isinstance(f, list) else f for f in d]
+        return d
+
+    try:
+        if isinstance(descr, list):
+            descr = [tuple(tuples(x) if isinstance(x, list) else x for x in f) for f in descr]
+        dtype: np.dtype[Any] = np.lib.format.descr_to_dtype(descr)
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, RecursionError) as exc:
+        raise CheckpointFormatError(f"leaf {path}: invalid numpy dtype {descr!r}") from exc
+    if dtype.hasobject:
+        raise CheckpointFormatError(f"leaf {path}: numpy dtype {descr!r} holds Python objects")
+    return dtype
+
+
+def _shape(node: dict[str, Any], path: str) -> tuple[int, ...]:
+    shape = node.get("shape")
+    # The common case (vectors, matrices) in a few operations: well inside every limit.
+    if (
+        type(shape) is list
+        and len(shape) <= 2
+        and all(type(s) is int and 0 <= s < _SMALL_DIM for s in shape)
+    ):
+        return tuple(shape)
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(s) is int and 0 <= s <= MAX_ELEMENTS for s in shape)
+        or math.prod(max(s, 1) for s in shape) > MAX_ELEMENTS
+    ):
+        raise CheckpointFormatError(f"leaf {path}: invalid shape {shape!r:.120}")
+    return tuple(shape)
+
+
+_SMALL_DIM = 2**31  # two such dimensions multiply to less than MAX_ELEMENTS
+
+
+def _expect_bytes(shape: tuple[int, ...], itemsize: int, have: int, path: str) -> None:
+    """Refuse a leaf whose shape does not fit its blob *before* anything is allocated for it."""
+    need = math.prod(shape) * itemsize
+    if need != have:
+        raise CheckpointFormatError(
+            f"leaf {path}: shape {list(shape)} of {itemsize}-byte items needs {need} bytes, "
+            f"its blob has {have}"
+        )
+
+
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def _view_of(base: Any, dtype: Any, geometry: _Geometry) -> Any:
+    """A tensor of ``dtype`` over the storage of ``base`` at ``geometry`` (offset in elements,
+    shape, stride), on the device of ``base``."""
+    offset, shape, stride = geometry
+    t = _torch().empty(0, dtype=dtype, device=base.device)
+    return t.set_(base.untyped_storage(), offset, shape, stride)
+
+
+# Where a blob's bytes already lie (engine/_fetch.py's mapped data files): blob, alignment ->
+# the memory, or None (see Restorer).
+Place = Callable[[int, int], "memoryview | None"]
+# The alignment asked of a storage that views of several dtypes share: the largest element.
+_MAX_ALIGN = 16
+
+_ITEMSIZE: dict[Any, int] = {}
+_NUMPY_DTYPES: frozenset[Any] = frozenset()
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element of a torch dtype (no tensor made for it after the first time)."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = _torch().empty(0, dtype=dtype).element_size()
+    return size
+
+
+def _byte_view(t: Any) -> memoryview:
+    """A flat writable byte view of the fresh contiguous CPU tensor ``t``, which it keeps
+    alive (a read that outlives a failed restore writes into memory still owned)."""
+    global _NUMPY_DTYPES
+    if not t.numel():
+        return memoryview(bytearray())
+    if not _NUMPY_DTYPES:
+        torch = _torch()
+        names = "float16 float32 float64 complex64 complex128 bool uint8 int8 int16 int32 int64"
+        _NUMPY_DTYPES = frozenset(getattr(torch, n) for n in names.split())
+    if t.dtype in _NUMPY_DTYPES:
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(_torch().uint8).numpy())
+
+
+def _as_leaf(t: Any, node: dict[str, Any], path: str) -> Any:
+    """``t`` as the saved leaf was: a Parameter, or requiring grad, if it was."""
+    try:
+        if node.get("param"):
+            return _torch().nn.Parameter(t, requires_grad=bool(node.get("grad")))
+        if node.get("grad"):
+            t.requires_grad_(True)
+    except RuntimeError as exc:  # e.g. requires_grad on an integer tensor
+        raise CheckpointFormatError(f"leaf {path}: {exc}") from exc
+    return t
+
+
+class Restorer:
+    """Rebuilds a tree from its skeleton, with leaves filled from blob bytes.
+
+    ``allocate()`` creates every tensor/array empty and returns, per blob, a writable flat byte
+    view of the memory its bytes go to. Fill them, then ``build()`` returns the tree.
+
+    ``allocate(targets)`` (from :func:`direct_targets`) allocates nothing for those leaves: the
+    view of such a blob is the memory of ``into=``'s own tensor or array (``direct[b]`` is
+    True), which the built tree holds, so :func:`apply_into` has nothing to copy for it.
+
+    ``allocate(place=...)`` allocates nothing for the tensors and arrays whose bytes already
+    lie in memory: ``place(blob, alignment)`` returns that memory (a view of a mapped data
+    file, engine/_fetch.py) when its address is a multiple of ``alignment``, or None; the leaf
+    is built over it (``placed[b]`` is True) and the reader only verifies it there.
+    """
+
+    def __init__(self, skeleton: Json, blob_sizes: list[int], *, allow_pickle: bool) -> None:
+        self.skeleton = skeleton
+        self.blob_sizes = blob_sizes
+        self.allow_pickle = allow_pickle
+        self.blob_paths: list[str] = [""] * len(blob_sizes)
+        self.direct: list[bool] = [False] * len(blob_sizes)
+        self.placed: list[bool] = [False] * len(blob_sizes)
+        self._place: Place | None = None
+        self._dest: list[Any] = [None] * len(blob_sizes)
+        self._values: dict[int, Any] = {}
+        self._items: dict[int, list[tuple[str | int, Json]]] = {}  # each dict node's, decoded
+        self._targets: Mapping[int, Any] = {}
+        # The blobs packed leaves claimed, each with where its last leaf so far ends: the leaves
+        # of a pack come in the order they were packed, each after the one before.
+        self._packs: dict[int, int] = {}
+        # Every torch leaf: its node, its blob and, for a view of a shared storage, its
+        # (offset in elements, shape, stride) in that storage.
+        self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
+
+    # phase 1 -------------------------------------------------------------------------------
+    def allocate(
+        self, targets: Mapping[int, Any] | None = None, place: Place | None = None
+    ) -> list[memoryview]:
+        self._targets = targets or {}
+        self._place = place
+        try:
+            self._alloc(self.skeleton, "")
+        finally:
+            self._place = None
+        if self._packs:  # what a message about a damaged pack names
+            packed = Counter(b for node, b, _g in self._tensors if "at" in node)
+            for b, count in packed.items():
+                if count > 1:
+                    more = count - 1
+                    self.blob_paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+        views: list[memoryview] = []
+        for i, dest in enumerate(self._dest):
+            if dest is None:
+                raise CheckpointFormatError(f"blob {i} is referenced by no leaf")
+            views.append(dest)
+        return views
+
+    def _blob(self, node: dict[str, Any], path: str) -> int:
+        b = node.get("b")
+        if type(b) is not int or not 0 <= b < len(self.blob_sizes):
+            raise CheckpointFormatError(f"leaf {path}: invalid blob reference {b!r}")
+        if not self.blob_paths[b]:
+            self.blob_paths[b] = path
+        return b
+
+    def _claim(self, b: int, view: memoryview, path: str) -> None:
+        if self._dest[b] is not None:
+            raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+        if view.nbytes != self.blob_sizes[b]:
+            raise CheckpointFormatError(
+                f"leaf {path}: holds {view.nbytes} bytes but its blob has {self.blob_sizes[b]}"
+            )
+        self._dest[b] = view
+
+    def _alloc(self, node: Json, where: str) -> None:
+        """Allocate the leaves under ``node``, at ``where`` (its path as format_path writes it,
+        built key by key on the way down; the root's is empty)."""
+        if not isinstance(node, dict):
+            raise CheckpointFormatError(f"leaf {where or '<root>'}: malformed node {node!r:.80}")
+        t = node.get("t")
+        if t in ("dict", "odict"):
+            items = self._items[id(node)] = dict_items(node, where or "<root>")
+            prefix = f"{where}/" if where else ""
+            fast = self._plain_tensor
+            for k, v in items:
+                path = prefix + (k if type(k) is str else _key_text(k))
+                if not fast(v, path):
+                    self._alloc(v, path)
+        elif t in ("list", "tuple"):
+            vals = node.get("v")
+            if not isinstance(vals, list):
+                raise CheckpointFormatError(f"{where or '<root>'}: malformed {t} node")
+            for i, v in enumerate(vals):
+                self._alloc(v, f"{where}/{i}" if where else str(i))
+        elif t == "stateful":
+            self._alloc(node.get("v"), where)
+        elif t == "torch":
+            self._alloc_tensor(node, where or "<root>")
+        elif t == "numpy":
+            p = where or "<root>"
+            dtype, shape = _np_dtype(node.get("dtype"), p), _shape(node, p)
+            order: Literal["C", "F"] = "F" if node.get("order") == "F" else "C"
+            b = self._blob(node, p)
+            _expect_bytes(shape, dtype.itemsize, self.blob_sizes[b], p)
+            target = self._targets.get(id(node))
+            if target is not None:  # into='s own C-contiguous array (direct_targets)
+                self._claim(b, target.reshape(-1).view(np.uint8).data, p)
+                self.direct[b] = True
+                self._values[id(node)] = target
+                return
+            placed = self._placed(b, dtype.alignment)
+            if placed is not None:
+                # The blob holds the array's elements in its order: C, or F (the transpose's C).
+                if order == "F":
+                    arr = np.frombuffer(placed, dtype=dtype).reshape(shape[::-1]).T
+                else:
+                    arr = np.frombuffer(placed, dtype=dtype).reshape(shape)
+                self._claim(b, placed, p)
+                self._values[id(node)] = arr
+                return
+            arr = np.empty(shape, dtype=dtype, order=order)
+            flat = arr.T.reshape(-1) if order == "F" else arr.reshape(-1)
+            self._claim(b, flat.view(np.uint8).data if flat.size else memoryview(bytearray()), p)
+            self._values[id(node)] = arr
+        elif t in ("bytes", "bytearray", "pickle"):
+            p = where or "<root>"
+            if t == "pickle" and not self.allow_pickle:
+                # Not damage: the version is fine, the caller has to opt in.
+                raise CheckpointError(
+                    f"leaf {p} is pickled; loading it could run code from the checkpoint, "
+                    "so it needs allow_pickle=True"
+                )
+            b = self._blob(node, p)
+            buf = bytearray(self.blob_sizes[b])
+            self._claim(b, memoryview(buf), p)
+            self._values[id(node)] = buf
+        elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
+            raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
+
+    def _placed(self, b: int, alignment: int) -> memoryview | None:
+        """The memory ``place`` has for blob ``b`` at ``alignment`` (and ``placed[b]`` set),
+        or None: the leaf is allocated (always for an empty blob)."""
+        if self._place is None or not self.blob_sizes[b]:
+            return None
+        view = self._place(b, alignment)
+        if view is not None:
+            self.placed[b] = True
+        return view
+
+    def _plain_tensor(self, node: Any, path: str) -> bool:
+        """Allocate ``node`` if it is the most common leaf of a state dict (a plain CPU tensor
+        of a known dtype and up to two dimensions, not a view, not filled in place; or packed,
+        in a pack an earlier leaf claimed) with every check :meth:`_alloc_tensor` makes, inline;
+        False (nothing done) for anything else, which :meth:`_alloc` then takes, errors
+        included."""
+        if type(node) is not dict or node.get("t") != "torch" or "view" in node:
+            return False
+        name = node.get("dtype")
+        dtype = _TORCH_DTYPES.get(name) if type(name) is str else None
+        shape = node.get("shape")
+        b = node.get("b")
+        if (
+            dtype is None
+            or type(shape) is not list
+            or type(b) is not int
+            or not 0 <= b < len(self._dest)
+        ):
+            return False
+        at = node.get("at")
+        if at is None:
+            if self._dest[b] is not None:
+                return False
+        elif type(at) is not int or at < self._packs.get(b, _NO_PACK):
+            return False  # not packed here yet (the first leaf), or malformed
+        n = len(shape)
+        if n == 1:
+            d0 = shape[0]
+            if type(d0) is not int or not 0 <= d0 < _SMALL_DIM:
+                return False
+            count = d0
+        elif n == 2:
+            d0, d1 = shape
+            if type(d0) is not int or type(d1) is not int:
+                return False
+            if not (0 <= d0 < _SMALL_DIM and 0 <= d1 < _SMALL_DIM):
+                return False
+            count = d0 * d1
+        else:
+            return False
+        item = _ITEMSIZE.get(dtype)
+        if item is None or (self._targets and id(node) in self._targets):
+            return False
+        # A dtype in _TORCH_DTYPES was found in torch: it is imported.
+        torch = sys.modules["torch"]
+        nbytes = count * item
+        if at is not None:  # packed (as _packed does it)
+            if not nbytes or at < 0 or at % item or at + nbytes > self.blob_sizes[b]:
+                return False
+            t = torch.frombuffer(self._dest[b][at : at + nbytes], dtype=dtype)
+            if n == 2:
+                t = t.view(shape)
+            self._packs[b] = at + nbytes
+            self._tensors.append((node, b, None))
+            self._values[id(node)] = (
+                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            )
+            return True
+        if nbytes != self.blob_sizes[b]:
+            return False
+        placed = self._placed(b, item)
+        if placed is not None:
+            t = torch.frombuffer(placed, dtype=dtype)  # one dimension: the shape already
+            if n == 2:
+                t = t.view(shape)
+            self._dest[b] = placed
+        else:
+            t = torch.empty(shape, dtype=dtype)
+            self._dest[b] = (
+                memoryview(t.numpy()).cast("B")
+                if dtype in _NUMPY_DTYPES and count
+                else _byte_view(t)
+            )
+        if not self.blob_paths[b]:
+            self.blob_paths[b] = path
+        self._tensors.append((node, b, None))
+        self._values[id(node)] = _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+        return True
+
+    def _alloc_tensor(self, node: dict[str, Any], path: str) -> None:
+        torch = _torch()
+        name = node.get("dtype")
+        dtype = _TORCH_DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            dtype = _torch_dtype(name, path)
+        shape = _shape(node, path)
+        b = self._blob(node, path)
+        view = node.get("view")
+        item = _itemsize(dtype)
+        if "at" in node:
+            if view is not None:
+                raise CheckpointFormatError(f"leaf {path}: both packed and a view")
+            t = self._packed(node, b, dtype, item, shape, path)
+            self._tensors.append((node, b, None))
+            self._values[id(node)] = (
+                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            )
+            return
+        if view is None:
+            if math.prod(shape) * item != self.blob_sizes[b]:
+                _expect_bytes(shape, item, self.blob_sizes[b], path)
+            target = self._targets.get(id(node))
+            if target is not None:  # into='s own contiguous CPU tensor (direct_targets)
+                self._claim(b, _byte_view(target.detach()), path)
+                self.direct[b] = True
+                self._values[id(node)] = target
+                return
+            if self._dest[b] is not None:
+                raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+            placed = self._placed(b, item)
+            if placed is not None:
+                t = torch.frombuffer(placed, dtype=dtype).view(shape)
+                self._dest[b] = placed
+            else:
+                t = torch.empty(shape, dtype=dtype)
+                self._dest[b] = _byte_view(t)
+            self._tensors.append((node, b, None))
+            self._values[id(node)] = (
+                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            )
+            return
+        else:
+            if not isinstance(view, dict):
+                raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
+            offset, stride = view.get("offset"), view.get("stride")
+            if (
+                type(offset) is not int
+                or not 0 <= offset <= MAX_ELEMENTS
+                or offset % item
+                or not isinstance(stride, list)
+                or len(stride) != len(shape)
+                or not all(type(s) is int and 0 <= s <= MAX_ELEMENTS for s in stride)
+            ):
+                raise CheckpointFormatError(f"leaf {path}: malformed view {view!r}")
+            extent = sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+            if math.prod(shape) and offset + (extent + 1) * item > self.blob_sizes[b]:
+                raise CheckpointFormatError(f"leaf {path}: view reaches past its blob")
+            base = self._dest[b]
+            if base is None:
+                # A storage shared by views of any dtypes: placed only if aligned for all.
+                placed = self._placed(b, _MAX_ALIGN)
+                if placed is not None:
+                    base_t = torch.frombuffer(placed, dtype=torch.uint8)
+                    self._claim(b, placed, path)
+                else:
+                    base_t = torch.empty(self.blob_sizes[b], dtype=torch.uint8)
+                    self._claim(b, memoryview(base_t.numpy()), path)
+                self._values[-b - 1] = base_t  # keep the shared storage for its views
+            geometry = (offset // item, shape, tuple(stride))
+            try:
+                t = _view_of(self._values[-b - 1], dtype, geometry)
+            except RuntimeError as exc:
+                raise CheckpointFormatError(f"leaf {path}: malformed view {view!r:.80}") from exc
+            self._tensors.append((node, b, geometry))
+        self._values[id(node)] = _as_leaf(t, node, path)
+
+    def _packed(
+        self, node: dict[str, Any], b: int, dtype: Any, item: int, shape: tuple[int, ...], path: str
+    ) -> Any:
+        """The tensor of a packed leaf: its own tensor over its bytes in the pack's memory
+        (claimed by the first of its leaves: mapped, or allocated once for all of them)."""
+        torch = _torch()
+        at = node["at"]
+        need = math.prod(shape) * item
+        if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
+            raise CheckpointFormatError(f"leaf {path}: malformed pack offset {at!r:.40}")
+        dest = self._dest[b]
+        if dest is None:
+            dest = self._placed(b, _MAX_ALIGN)
+            if dest is None:
+                dest = _byte_view(torch.empty(self.blob_sizes[b], dtype=torch.uint8))
+            self._claim(b, dest, path)
+        elif b not in self._packs:
+            raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+        elif at < self._packs[b]:
+            # Leaves over the same bytes would change each other: never as saved.
+            raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
+        self._packs[b] = at + need
+        if not need:
+            return torch.empty(shape, dtype=dtype)
+        # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
+        # independent of its neighbours as when it was saved.
+        return torch.frombuffer(dest[at : at + need], dtype=dtype).view(shape)
+
+    def to_device(self, device: Any) -> None:
+        """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
+        and before :meth:`build`: through the pinned slabs of :mod:`._devcopy`. Leaves that
+        shared a storage share one storage there; Parameters stay Parameters. (The leaves are
+        copied even when ``device`` is the CPU: callers skip that case.)"""
+        if not self._tensors:
+            return
+        plain = [(node, b) for node, b, geometry in self._tensors if geometry is None]
+        bases = sorted({b for _node, b, geometry in self._tensors if geometry is not None})
+        sources = [self._values[id(node)].detach() for node, _b in plain]
+        sources += [self._values[-b - 1] for b in bases]
+        moved = to_device(sources, device)
+        for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
+            self._values[id(node)] = _as_leaf(t, node, "")
+        for b, base in zip(bases, moved[len(plain) :], strict=True):
+            self._values[-b - 1] = base
+        for node, b, geometry in self._tensors:
+            if geometry is not None:
+                dtype = self._values[id(node)].dtype
+                view = _view_of(self._values[-b - 1], dtype, geometry)
+                self._values[id(node)] = _as_leaf(view, node, "")
+
+    # phase 2 -------------------------------------------------------------------------------
+    def build(self) -> Any:
+        return self._build(self.skeleton, ())
+
+    def _build(self, node: dict[str, Any], path: tuple[str | int, ...]) -> Any:
+        t = node["t"]
+        if t in ("dict", "odict"):
+            items = self._items.get(id(node))
+            if items is None:
+                items = dict_items(node, format_path(path))
+            values = self._values
+            # A leaf allocated by allocate() is taken as it is, without a call per leaf.
+            built = {
+                k: values[id(v)] if v["t"] in _ALLOCATED else self._build(v, (*path, k))
+                for k, v in items
+            }
+            return OrderedDict(built) if t == "odict" else built
+        if t == "list":
+            return [self._build(v, (*path, i)) for i, v in enumerate(node["v"])]
+        if t == "tuple":
+            return tuple(self._build(v, (*path, i)) for i, v in enumerate(node["v"]))
+        if t == "stateful":
+            return self._build(node["v"], path)
+        if t in _ALLOCATED:
+            return self._values[id(node)]
+        if t == "bytes":
+            return bytes(self._values[id(node)])
+        if t == "pickle":
+            return pickle.loads(self._values[id(node)])
+        return _scalar(node, format_path(path))
+
+
+_ALLOCATED = frozenset(("torch", "numpy", "bytearray"))
+_NO_PACK = 1 << 63  # Restorer._packs' answer for a blob no packed leaf claimed yet
+
+
+def _scalar(node: dict[str, Any], path: str) -> Any:
+    t = node["t"]
+    v: Any = node.get("v")
+    try:
+        if t == "none":
+            return None
+        if t == "bool" and type(v) is bool:
+            return v
+        if t == "int" and type(v) is int:
+            return v
+        if t == "int" and isinstance(node.get("hex"), str):
+            return int(node["hex"], 16)
+        if t == "float":
+            bits = node.get("bits")
+            if bits is not None:
+                return float(struct.unpack("<d", bytes.fromhex(bits))[0])
+            return float.fromhex(v)
+        if t == "complex" and "bits" in node:
+            real, imag = struct.unpack("<dd", bytes.fromhex(node["bits"]))
+            return complex(real, imag)
+        if t == "complex":
+            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+        if t == "str" and type(v) is str:
+            return v
+        if t == "size":
+            return _torch().Size(v)
+        if t == "npscalar":
+            dtype = _np_dtype(node.get("dtype"), path)
+            raw = bytes.fromhex(node["hex"])
+            # Indexing an array strips trailing NULs of fixed-width strings: rebuild those.
+            if dtype.kind == "S":
+                return np.bytes_(raw)
+            if dtype.kind == "U":
+                big = dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder == "big")
+                return np.str_(raw.decode("utf-32-be" if big else "utf-32-le"))
+            return np.frombuffer(raw, dtype=dtype)[0]
+    except (
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        OverflowError,
+        RuntimeError,
+        struct.error,
+    ) as exc:
+        # OverflowError: float.fromhex of a huge exponent; RuntimeError: torch.Size of one;
+        # struct.error: NaN bits of the wrong length.
+        raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}") from exc
+    raise CheckpointFormatError(f"leaf {path}: malformed {t} value {v!r:.80}")

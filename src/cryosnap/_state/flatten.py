@@ -1,0 +1,469 @@
+"""Flatten a state into a JSON skeleton plus byte blobs (:func:`flatten`, :class:`FlatState`):
+tensors sharing storage become one blob, small CPU tensors are packed several to a blob.
+
+Pure; runs on the caller's thread; torch is imported only when a tensor is met.
+docs/design/state-trees.md has the why.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _native
+from .._format.skeleton import (
+    _BIG_INT_BITS,
+    MAX_DEPTH,
+    Json,
+    encode_key,
+    format_path,
+)
+from .._gc import paused_gc
+from .._torch_import import loaded_torch
+
+# Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
+# packed (a fraction of the pack, so that a pack holds many).
+PACK_BYTES = 1 << 20
+PACK_LEAF_FRACTION = 16
+
+
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` follows the ``state_dict()`` / ``load_state_dict()`` protocol."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+@dataclass(slots=True)
+class Blob:
+    """The bytes of one stored buffer.
+
+    ``source`` is a 1-D uint8 view of the live data (a torch tensor, maybe on a GPU, or a numpy
+    array) or an immutable ``bytes``. It is not copied here: the caller captures or writes it.
+    """
+
+    key: tuple[str | int, ...]
+    nbytes: int
+    source: Any
+    # data_ptr of the torch storage the bytes come from (0: not a tensor, or a private copy);
+    # lazy capture uses it to find the blobs an optimizer step mutates.
+    origin: int = 0
+    # The source is memory of cryosnap's own that nothing else writes (a pack of small
+    # tensors, copied by flatten): the capture hands it to the writer without copying it.
+    private: bool = False
+
+    @property
+    def path(self) -> str:
+        """The leaf path of the blob's first owner (formatted when asked: most saves never
+        need it)."""
+        return format_path(self.key)
+
+    def host_view(self) -> memoryview:
+        """A flat byte view of the data in host memory (copies only from a GPU)."""
+        src = self.source
+        kind = type(src)
+        if kind is bytes:
+            return memoryview(src)
+        if kind is np.ndarray or isinstance(src, np.ndarray):
+            return src.data.cast("B") if src.nbytes else memoryview(b"")
+        if isinstance(src, bytes):
+            return memoryview(src)
+        if not src.is_cpu:  # a flag: src.device would build an object per call
+            src = src.cpu()
+        return src.numpy().data if src.nbytes else memoryview(b"")
+
+
+@dataclass(slots=True)
+class FlatState:
+    """A flattened state: the JSON skeleton, its blobs and a count of leaves."""
+
+    skeleton: Json
+    blobs: list[Blob]
+    leaves: int
+    logical_bytes: int
+    stateful: list[tuple[str, Any]] = field(default_factory=list)
+    packed: bool = False  # whether any tensor of the skeleton is packed (has "at")
+
+
+_SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
+_DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a skeleton ("float32")
+
+
+def flatten(
+    state: Any, *, allow_pickle: bool = False, pack_bytes: int = 0, pack_apart: object = None
+) -> FlatState:
+    """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf.
+
+    ``pack_bytes`` > 0 packs small CPU tensors into shared blobs of at most that many bytes
+    (capped at :data:`PACK_BYTES`; see the module docstring); 0 stores every tensor alone.
+    ``pack_apart``: top-level keys (a list or tuple, as ``save(replicated=...)`` takes them)
+    whose leaves never share a pack with the other keys' leaves."""
+    apart = frozenset(
+        k
+        for k in (pack_apart if isinstance(pack_apart, (list, tuple)) else ())
+        if type(k) in (str, int)
+    )
+    with paused_gc():
+        return _Flattener(allow_pickle, min(max(pack_bytes, 0), PACK_BYTES), apart).run(state)
+
+
+class _Flattener:
+    def __init__(
+        self, allow_pickle: bool, pack_bytes: int = 0, apart: frozenset[Any] = frozenset()
+    ) -> None:
+        self.allow_pickle = allow_pickle
+        self.pack_bytes = pack_bytes
+        self.apart = apart
+        self.blobs: list[Blob] = []
+        self.leaves = 0
+        self.stateful: list[tuple[str, Any]] = []
+        # Tensors are grouped by storage after the walk, so tied weights become one blob.
+        self.tensors: list[tuple[dict[str, Any], Any, tuple[str | int, ...]]] = []
+        self._active: set[int] = set()
+        self._depth = 0
+
+    def run(self, state: Any) -> FlatState:
+        skeleton = self.visit(state, ())
+        packed = self._assign_tensor_blobs()
+        logical = sum(b.nbytes for b in self.blobs)
+        return FlatState(skeleton, self.blobs, self.leaves, logical, self.stateful, packed)
+
+    def pickled(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: pickling failed: {exc}"
+            ) from exc
+        return {"t": "pickle", "b": self.add_blob(path, data, len(data))}
+
+    def add_blob(self, path: tuple[str | int, ...], source: Any, nbytes: int) -> int:
+        self.blobs.append(Blob(path, nbytes, source))
+        return len(self.blobs) - 1
+
+    def visit(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if self._depth > MAX_DEPTH:
+            # What load() refuses (check_depth) must not be saved in the first place.
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: the state is nested deeper than "
+                f"{MAX_DEPTH} levels"
+            )
+        self._depth += 1
+        try:
+            return self._visit(obj, path)
+        finally:
+            self._depth -= 1
+
+    def _visit(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        tp = type(obj)
+        if tp in _SCALARS:
+            self.leaves += 1
+            return self.scalar(obj, path)
+        torch = loaded_torch()
+        if torch is not None and isinstance(obj, torch.Tensor):
+            self.leaves += 1
+            return self.tensor(obj, path)
+        if type(obj) is np.ndarray:
+            self.leaves += 1
+            return self.ndarray(obj, path)
+        if isinstance(obj, np.generic):
+            self.leaves += 1
+            return self.npscalar(obj, path)
+        if isinstance(obj, (dict, list, tuple)):
+            key = id(obj)
+            if key in self._active:
+                raise TypeError(f"state contains a reference cycle at {format_path(path)}")
+            self._active.add(key)
+            try:
+                return self.container(obj, path)
+            finally:
+                self._active.discard(key)
+        if is_stateful(obj):
+            self.stateful.append((format_path(path), obj))
+            cls = type(obj)
+            return {
+                "t": "stateful",
+                "type": f"{cls.__module__}.{cls.__qualname__}",
+                "v": self.visit(obj.state_dict(), path),
+            }
+        if self.allow_pickle:
+            self.leaves += 1
+            return self.pickled(obj, path)
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: unsupported type "
+            f"{tp.__module__}.{tp.__qualname__} (supported: tensors, numpy arrays and scalars, "
+            "int/float/bool/complex/str/bytes/None, dict/list/tuple, objects with state_dict(); "
+            "pass allow_pickle=True to pickle anything else)"
+        )
+
+    def container(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if isinstance(obj, dict):
+            keys: list[str | int] = []
+            for k in obj:
+                if type(k) not in (str, int):
+                    raise TypeError(
+                        f"cannot checkpoint {format_path(path)}: dict key {k!r} of type "
+                        f"{type(k).__name__} (keys must be str or int)"
+                    )
+                keys.append(k)
+            kind = "odict" if isinstance(obj, OrderedDict) else "dict"
+            torch = loaded_torch()
+            plain = torch.Tensor if torch is not None and self._depth <= MAX_DEPTH else None
+            vals: list[Json] = []
+            for k in keys:
+                v = obj[k]
+                if type(v) is plain:  # a state dict's tensors: visit() without its checks
+                    self.leaves += 1
+                    vals.append(self.tensor(v, (*path, k)))
+                else:
+                    vals.append(self.visit(v, (*path, k)))
+            return {"t": kind, "k": [encode_key(k) for k in keys], "v": vals}
+        if type(obj) is list:
+            return {"t": "list", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
+        if type(obj) is tuple:
+            return {"t": "tuple", "v": [self.visit(v, (*path, i)) for i, v in enumerate(obj)]}
+        torch = loaded_torch()
+        if torch is not None and type(obj) is torch.Size:
+            return {"t": "size", "v": list(obj)}
+        if self.allow_pickle:
+            self.leaves += 1
+            return self.pickled(obj, path)
+        tp = type(obj)
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: {tp.__module__}.{tp.__qualname__} is a "
+            "list/tuple subclass (namedtuples and the like need allow_pickle=True)"
+        )
+
+    def scalar(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if obj is None:
+            return {"t": "none"}
+        if isinstance(obj, bool):
+            return {"t": "bool", "v": obj}
+        if isinstance(obj, int):
+            if obj.bit_length() > _BIG_INT_BITS:
+                return {"t": "int", "hex": hex(obj)}
+            return {"t": "int", "v": obj}
+        if isinstance(obj, float):
+            if math.isnan(obj):  # float.hex() says 'nan' for every NaN: keep sign and payload
+                return {"t": "float", "bits": struct.pack("<d", obj).hex()}
+            return {"t": "float", "v": obj.hex()}
+        if isinstance(obj, complex):
+            if math.isnan(obj.real) or math.isnan(obj.imag):  # keep NaN sign and payload
+                return {"t": "complex", "bits": struct.pack("<dd", obj.real, obj.imag).hex()}
+            return {"t": "complex", "v": [obj.real.hex(), obj.imag.hex()]}
+        if isinstance(obj, str):
+            return {"t": "str", "v": obj}
+        data = bytes(obj)
+        kind = "bytes" if isinstance(obj, bytes) else "bytearray"
+        return {"t": kind, "b": self.add_blob(path, data, len(data))}
+
+    def ndarray(self, arr: np.ndarray, path: tuple[str | int, ...]) -> Json:
+        if arr.dtype.hasobject:
+            if self.allow_pickle:
+                return self.pickled(arr, path)
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: numpy array of dtype {arr.dtype} holds "
+                "Python objects (pass allow_pickle=True to pickle it)"
+            )
+        node: dict[str, Any] = {
+            "t": "numpy",
+            "dtype": np.lib.format.dtype_to_descr(arr.dtype),
+            "shape": list(arr.shape),
+        }
+        if arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous:
+            node["order"] = "F"
+            flat = arr.T.reshape(-1)
+        else:
+            flat = np.ascontiguousarray(arr).reshape(-1)
+        raw = flat.view(np.uint8) if flat.size else np.empty(0, np.uint8)
+        node["b"] = self.add_blob(path, raw, raw.nbytes)
+        return node
+
+    def npscalar(self, obj: np.generic, path: tuple[str | int, ...]) -> Json:
+        if obj.dtype.hasobject:
+            return self._refuse_object(obj, path)
+        return {
+            "t": "npscalar",
+            "dtype": np.lib.format.dtype_to_descr(obj.dtype),
+            "hex": obj.tobytes().hex(),
+        }
+
+    def _refuse_object(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        if self.allow_pickle:
+            return self.pickled(obj, path)
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: numpy object scalar "
+            "(pass allow_pickle=True to pickle it)"
+        )
+
+    def tensor(self, t: Any, path: tuple[str | int, ...]) -> Json:
+        torch = sys.modules["torch"]
+        if t.layout != torch.strided or t.is_quantized or t.is_meta:
+            if self.allow_pickle and not t.is_meta:
+                return self.pickled(t, path)
+            raise TypeError(
+                f"cannot checkpoint {format_path(path)}: {t.layout} / quantized / meta tensors "
+                "are not supported (dense strided tensors only)"
+            )
+        dtype = t.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+        node: dict[str, Any] = {
+            "t": "torch",
+            "dtype": name,
+            "shape": list(t.shape),
+            # is_cpu is a flag; t.device builds an object (and str() a string) per call.
+            "device": "cpu" if t.is_cpu else str(t.device),
+        }
+        # Parameter's metaclass makes isinstance slow; plain tensors skip it.
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
+            node["param"] = True
+        if t.requires_grad:
+            node["grad"] = True
+        self.tensors.append((node, t, path))
+        return node
+
+    def _assign_tensor_blobs(self) -> bool:
+        """Give every tensor its blob; whether any was packed."""
+        torch = loaded_torch()
+        if torch is None or not self.tensors:
+            return False
+        # No autograd bookkeeping for the views taken below (cheaper than detach() each).
+        with torch.no_grad():
+            return self._assign_groups(torch)
+
+    def _assign_groups(self, torch: Any) -> bool:
+        groups: dict[tuple[str, int, int], list[int]] = {}
+        ptrs: list[int] = []
+        for i, (_node, t, _path) in enumerate(self.tensors):
+            storage = t.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+            ptrs.append(ptr)
+            if size == 0 or t.numel() == 0:
+                groups[("empty", i, 0)] = [i]
+            else:
+                # Two storages may start at one address (views of one numpy buffer): the size
+                # is part of the key, so only the very same storage is shared.
+                groups.setdefault(("cpu" if t.is_cpu else t.device.type, ptr, size), []).append(i)
+        uint8, blobs, tensors = torch.uint8, self.blobs, self.tensors
+        packer = _Packer(blobs, self.pack_bytes, torch, self.apart)
+        leaf_max = self.pack_bytes // PACK_LEAF_FRACTION
+        for members in groups.values():
+            if len(members) == 1:
+                i = members[0]
+                node, t, path = tensors[i]
+                x = t
+                if x.is_complex():  # only complex tensors carry lazy conj/neg bits
+                    x = x.resolve_conj().resolve_neg()
+                if not x.is_contiguous():
+                    x = x.contiguous()
+                n = x.nbytes
+                if 0 < n <= leaf_max and x.is_cpu:
+                    # contiguous: its n bytes lie at x.data_ptr()
+                    packer.add(node, path, x, n, x.element_size())
+                    continue
+                if n == x.element_size() and x.dim() and x.stride()[-1] != 1:
+                    # torch calls a one-element view of any stride contiguous, but a byte view
+                    # needs stride 1.
+                    x = x.as_strided((1,), (1,))
+                flat = x.reshape(-1).view(uint8) if n else x.new_empty(0).view(uint8).reshape(0)
+                if flat.requires_grad:  # a view taken before no_grad (never, but be sure)
+                    flat = flat.detach()
+                # add_blob inlined (one call less per tensor of a state of many small ones)
+                node["b"] = len(blobs)
+                origin = ptrs[i] if x is t or x.untyped_storage().data_ptr() == ptrs[i] else 0
+                blobs.append(Blob(path, n, flat, origin))
+                continue
+            # Shared storage: one blob covering every byte the group uses, aligned so each
+            # member's offset stays a multiple of its element size.
+            spans = []
+            for i in members:
+                _node, t, _path = self.tensors[i]
+                item = t.element_size()
+                start = t.storage_offset() * item
+                extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+                spans.append((start, start + (extent + 1) * item, item))
+            align = max(item for _s, _e, item in spans)
+            lo = min(s for s, _e, _i in spans) // align * align
+            hi = max(e for _s, e, _i in spans)
+            _node, first, first_path = self.tensors[members[0]]
+            base = torch.empty(0, dtype=torch.uint8, device=first.device)
+            base.set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+            blob = self.add_blob(first_path, base.detach(), hi - lo)
+            self.blobs[-1].origin = first.untyped_storage().data_ptr()
+            for i, (start, _end, _item) in zip(members, spans, strict=True):
+                node, t, _path = self.tensors[i]
+                if t.is_conj() or t.is_neg():
+                    raise TypeError(
+                        f"cannot checkpoint {format_path(_path)}: a lazily conjugated/negated "
+                        "view that shares storage; call .resolve_conj()/.resolve_neg() first"
+                    )
+                node["b"] = blob
+                node["view"] = {"offset": start - lo, "stride": list(t.stride())}
+        packer.close()
+        return packer.packs > 0
+
+
+class _Packer:
+    """Collects small tensors into packs (see the module docstring), in the order they come;
+    a pack is closed when the next leaf would not fit, or when it crosses between the
+    top-level keys in ``apart`` and the others (replicated state is chosen by top-level key,
+    and a blob belongs to the key of its first leaf: a pack never mixes the two kinds)."""
+
+    def __init__(
+        self, blobs: list[Blob], pack_bytes: int, torch: Any, apart: frozenset[Any]
+    ) -> None:
+        self.blobs = blobs
+        self.pack_bytes = pack_bytes
+        self.torch = torch
+        self.apart = apart
+        # (node, contiguous CPU tensor, its bytes, its offset in the pack)
+        self.members: list[tuple[dict[str, Any], Any, int, int]] = []
+        self.path: tuple[str | int, ...] = ()
+        self.kind = False  # whether the open pack holds leaves of keys in apart
+        self.size = 0
+        self.packs = 0  # packs closed
+
+    def add(
+        self, node: dict[str, Any], path: tuple[str | int, ...], t: Any, n: int, item: int
+    ) -> None:
+        at = -(-self.size // item) * item
+        kind = bool(self.apart) and bool(path) and path[0] in self.apart
+        if self.members and (at + n > self.pack_bytes or kind != self.kind):
+            self.close()
+            at = 0
+        if not self.members:
+            self.path, self.kind = path, kind
+        self.members.append((node, t, n, at))
+        self.size = at + n
+
+    def close(self) -> None:
+        members = self.members
+        if not members:
+            return
+        self.members = []
+        pack = self.torch.empty(self.size, dtype=self.torch.uint8)
+        # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
+        # and cat cost more per call and run on its intra-op threads), and zeros in the
+        # alignment gaps: every byte of a pack is defined.
+        base, index = pack.data_ptr(), len(self.blobs)
+        memmove, zero = _native.memmove, _native.zero
+        end = 0
+        for node, t, n, at in members:
+            if at > end:
+                zero(base + end, at - end)
+            memmove(base + at, t.data_ptr(), n)
+            end = at + n
+            node["b"] = index
+            node["at"] = at
+        # A private copy: nothing the program does from now on can change it (origin 0).
+        self.blobs.append(Blob(self.path, self.size, pack, 0, True))
+        self.packs += 1

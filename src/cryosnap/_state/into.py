@@ -1,0 +1,369 @@
+"""``into=``: check a target tree against a skeleton, find the leaves a reader may fill
+directly, and fill the others in place once every chunk verified (:func:`apply_into`).
+
+Pure (a copy to a GPU aside); runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._devcopy import copy_to_device
+from .._format.skeleton import (
+    Json,
+    dict_items,
+    format_path,
+)
+from .._torch_import import loaded_torch
+from ..errors import StateMismatchError
+from .build import _np_dtype, _torch
+from .flatten import _DTYPE_NAMES, is_stateful
+
+
+def check_into(skeleton: Json, into: Any) -> None:
+    """Check that ``into`` can take the saved tree; raise :class:`StateMismatchError` if not.
+
+    Nothing is filled here: :func:`apply_into` does that once every byte has been read and
+    verified, so a mismatch or a corrupt chunk leaves ``into`` untouched.
+    """
+    _check(skeleton, into, ())
+
+
+def _mismatch(path: tuple[str | int, ...], what: str) -> StateMismatchError:
+    return StateMismatchError(f"into= does not match the checkpoint at {format_path(path)}: {what}")
+
+
+def _fillable(into: Any) -> bool:
+    torch = loaded_torch()
+    return isinstance(into, np.ndarray) or (torch is not None and isinstance(into, torch.Tensor))
+
+
+def _is_object(into: Any) -> bool:
+    kind = type(into)
+    if kind in _PLAIN_VALUES:
+        return False  # the common case, without two failed attribute lookups
+    torch = loaded_torch() if _PLAIN_TORCH else None
+    if torch is not None:
+        _PLAIN_VALUES.update((torch.Tensor, torch.nn.Parameter))
+        _PLAIN_TORCH.clear()
+        if kind in _PLAIN_VALUES:
+            return False
+    return is_stateful(into) and not isinstance(into, (dict, list, tuple))
+
+
+# Types that are no stateful object (torch's added once a tensor is met: cryosnap never
+# imports torch itself).
+_PLAIN_VALUES: set[type] = {dict, list, tuple, np.ndarray, str, int, float, bool, bytes, type(None)}
+_PLAIN_TORCH = [True]
+
+
+def _check_optimizer(inner: Json, into: Any, path: tuple[str | int, ...]) -> None:
+    # Optimizer.load_state_dict refuses other group/parameter counts; find out before any
+    # leaf is filled.
+    saved = dict(dict_items(inner, format_path(path)))
+    groups = saved.get("param_groups", {}).get("v", [])
+    sizes = []
+    for g in groups:
+        params = dict(dict_items(g, format_path(path))).get("params", {})
+        sizes.append(len(params.get("v", [])))
+    have = [len(g["params"]) for g in into.param_groups]
+    if sizes != have:
+        raise _mismatch(
+            path, f"saved optimizer has parameter groups of sizes {sizes}, into= has {have}"
+        )
+
+
+def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
+    t = node["t"]
+    torch = loaded_torch()
+    if t == "stateful" or _is_object(into):
+        if not _is_object(into):
+            raise _mismatch(path, f"saved a stateful object, into= has {type(into).__name__}")
+        inner = node["v"] if t == "stateful" else node
+        if inner.get("t") not in ("dict", "odict"):
+            raise _mismatch(path, f"saved a {inner.get('t')} leaf, into= has a stateful object")
+        if torch is not None and isinstance(into, torch.nn.Module):
+            # Module.load_state_dict copies parameter by parameter and reports mismatches only
+            # at the end: check keys and shapes up front so a mismatch changes nothing.
+            _check(inner, into.state_dict(), path)
+        elif torch is not None and isinstance(into, torch.optim.Optimizer):
+            _check_optimizer(inner, into, path)
+        return
+    if t in ("dict", "odict"):
+        if not isinstance(into, dict):
+            raise _mismatch(path, f"saved a dict, into= has {type(into).__name__}")
+        items = dict_items(node, format_path(path))
+        saved = [k for k, _v in items]
+        missing = [k for k in saved if k not in into]
+        known = set(saved)
+        extra = [k for k in into if k not in known]
+        if missing or extra:
+            raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
+        plain = torch.Tensor if torch is not None else None
+        for k, v in items:
+            x = into[k]
+            # A state dict's tensors, checked here without a call each (what the torch
+            # branch below checks).
+            if (
+                type(x) is plain
+                and v.get("t") == "torch"
+                and _DTYPE_NAMES.get(x.dtype) == v.get("dtype")
+                and list(x.shape) == v.get("shape")
+            ):
+                continue
+            _check(v, x, (*path, k))
+        return
+    if t in ("list", "tuple"):
+        if not isinstance(into, (list, tuple)):
+            raise _mismatch(path, f"saved a {t}, into= has {type(into).__name__}")
+        if len(into) != len(node["v"]):
+            raise _mismatch(path, f"saved {len(node['v'])} items, into= has {len(into)}")
+        for i, v in enumerate(node["v"]):
+            _check(v, into[i], (*path, i))
+        return
+    if isinstance(into, (dict, list, tuple)):
+        raise _mismatch(path, f"saved a {t} leaf, into= has a {type(into).__name__}")
+    if t == "torch" and torch is not None and isinstance(into, torch.Tensor):
+        dtype = _DTYPE_NAMES.get(into.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[into.dtype] = str(into.dtype).removeprefix("torch.")
+        if list(into.shape) != node["shape"] or dtype != node["dtype"]:
+            raise _mismatch(
+                path,
+                f"saved {node['dtype']}{node['shape']}, into= has {dtype}{list(into.shape)}",
+            )
+        return
+    if t == "numpy" and isinstance(into, np.ndarray):
+        saved_dtype = _np_dtype(node["dtype"], format_path(path))
+        if list(into.shape) != node["shape"] or into.dtype != saved_dtype:
+            raise _mismatch(
+                path,
+                f"saved {saved_dtype}{node['shape']}, into= has {into.dtype}{list(into.shape)}",
+            )
+        if not into.flags.writeable:
+            raise _mismatch(path, "into= array is read-only")
+        return
+    if _fillable(into):
+        raise _mismatch(path, f"saved a {t} leaf, into= has {type(into).__name__}")
+    # Scalars, strings, bytes, None: nothing to fill in place; the loaded value replaces them.
+
+
+def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int, Any]:
+    """The leaves of ``into`` (checked by :func:`check_into`) of at least ``min_bytes`` that a
+    restore may read straight into: ``id`` of the skeleton node -> ``into``'s tensor or array.
+
+    Those are the tensors and arrays :func:`apply_into` would fill by a plain copy (not those
+    inside stateful objects, which ``load_state_dict`` fills), that are on the CPU, C-contiguous,
+    writable, non-empty, of a plain type (``torch.Tensor``, ``nn.Parameter``, ``np.ndarray``;
+    no inference tensor) and not a view of a shared saved storage, and whose memory overlaps
+    no other leaf's that apply_into fills: where two overlap, the order of their copies decides
+    what is left, so both keep the copy.
+    """
+    found: list[tuple[int, Any]] = []
+    spans: list[tuple[int, int, int]] = []  # (first byte, end, index in found or -1)
+    try:
+        _targets(skeleton, into, found, spans, min_bytes)
+    except _Unknown:
+        return {}  # a leaf whose memory cannot be told: every leaf keeps the copy
+    spans.sort()
+    shared: set[int] = set()
+    reach = -1
+    for i, (lo, hi, which) in enumerate(spans):
+        overlaps = lo < reach or (i + 1 < len(spans) and spans[i + 1][0] < hi)
+        if overlaps and which >= 0:
+            shared.add(which)
+        reach = max(reach, hi)
+    return {key: leaf for i, (key, leaf) in enumerate(found) if i not in shared}
+
+
+def _targets(
+    node: Json,
+    into: Any,
+    found: list[tuple[int, Any]],
+    spans: list[tuple[int, int, int]],
+    min_bytes: int,
+) -> None:
+    t = node["t"]
+    if _is_object(into):
+        return  # filled by its load_state_dict
+    if t in ("dict", "odict"):
+        torch = loaded_torch()
+        plain, strided = (torch.Tensor, torch.strided) if torch is not None else (None, None)
+        for k, v in dict_items(node, ""):
+            x = into[k]
+            if type(x) is plain and x.is_cpu and x.layout == strided and x.is_contiguous():
+                # A state dict's tensors, without a call each (what _span and _direct find)
+                n = x.nbytes
+                if not n:
+                    continue
+                lo = x.data_ptr()
+                direct = n >= min_bytes and _direct(v, x)
+                spans.append((lo, lo + n, len(found) if direct else -1))
+                if direct:
+                    found.append((id(v), x))
+                continue
+            _targets(v, x, found, spans, min_bytes)
+        return
+    if t in ("list", "tuple"):
+        for i, v in enumerate(node["v"]):
+            _targets(v, into[i], found, spans, min_bytes)
+        return
+    if not _fillable(into):
+        return
+    span = _span(into)
+    if span is None:
+        return  # on a GPU, or empty
+    direct = span[1] - span[0] >= min_bytes and _direct(node, into)
+    spans.append((*span, len(found) if direct else -1))
+    if direct:
+        found.append((id(node), into))
+
+
+class _Unknown(Exception):
+    """A leaf of into= whose host memory cannot be told (direct_targets then picks none)."""
+
+
+def _span(leaf: Any) -> tuple[int, int] | None:
+    """The bytes ``leaf`` (a tensor or array) spans in host memory; None on a GPU, empty or not
+    strided (sparse)."""
+    if isinstance(leaf, np.ndarray):
+        if not leaf.size:
+            return None
+        addr, item, strides = leaf.ctypes.data, leaf.itemsize, leaf.strides
+        if leaf.flags.c_contiguous:
+            return addr, addr + leaf.nbytes
+        shape: tuple[int, ...] = leaf.shape
+    else:
+        torch = _torch()
+        if leaf.device.type != "cpu" or leaf.layout != torch.strided or not leaf.numel():
+            return None
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+            raise _Unknown  # a subclass (DTensor, fake tensors...): its memory is its own business
+        addr, item = leaf.data_ptr(), leaf.element_size()
+        if leaf.is_contiguous():
+            return addr, addr + leaf.numel() * item
+        strides, shape = tuple(s * item for s in leaf.stride()), tuple(leaf.shape)
+    lo = addr + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
+    hi = addr + item + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0)
+    return lo, hi
+
+
+def _direct(node: dict[str, Any], leaf: Any) -> bool:
+    """Whether a restore may read the bytes of ``node`` straight into ``leaf``."""
+    if isinstance(leaf, np.ndarray):
+        return (
+            node["t"] == "numpy"
+            and node.get("order") != "F"
+            and type(leaf) is np.ndarray
+            and leaf.flags.c_contiguous
+            and leaf.flags.writeable
+            and list(leaf.shape) == node["shape"]
+        )
+    torch = _torch()
+    return (
+        node["t"] == "torch"
+        and "view" not in node
+        and "at" not in node
+        and type(leaf) in (torch.Tensor, torch.nn.Parameter)
+        and leaf.layout == torch.strided
+        and leaf.is_contiguous()
+        and not leaf.is_inference()
+        and not leaf.is_conj()
+        and not leaf.is_neg()
+        and (_DTYPE_NAMES.get(leaf.dtype) or str(leaf.dtype).removeprefix("torch."))
+        == node["dtype"]
+        and list(leaf.shape) == node["shape"]
+    )
+
+
+def apply_into(
+    node: Json, loaded: Any, into: Any, *, fill_direct: Callable[[], None] | None = None
+) -> Any:
+    """Fill ``into`` from the verified ``loaded`` tree; return the tree as restored.
+
+    Stateful objects get ``load_state_dict`` first (the only step that can still refuse), then
+    ``fill_direct`` fills the leaves that ``loaded`` shares with ``into`` (read straight into
+    them: :func:`direct_targets`), then the other tensors and arrays are copied in place (those
+    on a GPU in one batch through the pinned slabs of :mod:`._devcopy`) and mutable containers
+    (dict, list) get the new values of their non-fillable leaves.
+    """
+    loads: list[tuple[tuple[str | int, ...], Any, Any]] = []
+    fills: list[tuple[Any, Any]] = []
+    sets: list[tuple[Any, Any, Any]] = []
+    result = _plan(node, loaded, into, (), loads, fills, sets)
+    for path, obj, state in loads:
+        try:
+            obj.load_state_dict(state)
+        except Exception as exc:
+            raise StateMismatchError(
+                f"into= does not match the checkpoint at {format_path(path)}: "
+                f"{type(obj).__name__}.load_state_dict refused it: {exc}"
+            ) from exc
+    if fill_direct is not None:
+        fill_direct()
+    torch = loaded_torch()
+    on_device = []
+    direct = []
+    with torch.no_grad() if torch is not None else contextlib.nullcontext():
+        for dst, src in fills:
+            if dst is src:
+                if not isinstance(dst, np.ndarray):
+                    direct.append(dst)
+            elif isinstance(dst, np.ndarray):
+                np.copyto(dst, src)
+            elif dst.device.type != "cpu":
+                on_device.append((src, dst))  # one batch through pinned slabs, below
+            else:
+                dst.copy_(src)
+    copy_to_device(on_device)
+    if direct:
+        # Read straight into them: what a copy_ would have done to their version counters
+        # (autograd's check of the tensors it saved for backward), done here.
+        torch.autograd.graph.increment_version(direct)  # type: ignore[union-attr]
+    for container, key, value in sets:
+        container[key] = value
+    return result
+
+
+def _plan(
+    node: Json,
+    loaded: Any,
+    into: Any,
+    path: tuple[str | int, ...],
+    loads: list[tuple[tuple[str | int, ...], Any, Any]],
+    fills: list[tuple[Any, Any]],
+    sets: list[tuple[Any, Any, Any]],
+) -> Any:
+    t = node["t"]
+    if _is_object(into):
+        loads.append((path, into, loaded))
+        return into
+    if t in ("dict", "odict"):
+        torch = loaded_torch()
+        plain = torch.Tensor if torch is not None else None
+        for k, v in dict_items(node, format_path(path)):
+            x = into[k]
+            if type(x) is plain:  # a state dict's tensors: filled in place (as below)
+                fills.append((x, loaded[k]))
+                continue
+            new = _plan(v, loaded[k], x, (*path, k), loads, fills, sets)
+            if new is not x:
+                sets.append((into, k, new))
+        return into
+    if t in ("list", "tuple"):
+        items = [
+            _plan(v, loaded[i], into[i], (*path, i), loads, fills, sets)
+            for i, v in enumerate(node["v"])
+        ]
+        if isinstance(into, list):
+            sets.extend((into, i, new) for i, new in enumerate(items) if new is not into[i])
+            return into
+        return tuple(items)
+    if _fillable(into):
+        fills.append((into, loaded))
+        return into
+    return loaded
