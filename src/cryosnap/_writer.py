@@ -1,20 +1,9 @@
 """The writer: a version's write and commit on one level, and the thread that runs them.
 
-:class:`VersionWriter` writes one job and runs the commit protocol, on the calling thread;
-:class:`WriterThread` is the Checkpointer's background thread around one, and
-:class:`Rewriter` the flush that writes a version again with one (a distributed run's scratch).
-Versions are written one after the other, in the order they were saved: the captured batches
-are hashed and diffed against the base (:class:`~cryosnap._chain.ChainIndex`), new chunks go to
-the first level's data file (of replicated state, only this rank's share: _replicated.py;
-with several participants they then exchange fingerprints and where their shares lie), then
-the manifest; then the participants agree on the commit
-(each one's :class:`~cryosnap.manifest.PartSummary` is gathered, rank 0 writes the commit record
-once every part is durable and tells the others how it went), retention runs on the first
-level, the policy is told what the version cost, and the version is reported durable on the
-first level and handed to the next (levels.py).
-
-Runs on the writer thread (and a hand-off's, for the Rewriter); each VersionWriter's
-collectives use a channel of its own, so they never interleave with another's.
+:class:`VersionWriter` writes one job and runs the commit protocol, no thread of its own;
+:class:`WriterThread` runs it for each saved version in order, then retention, policy events
+and the hand-off; :class:`Rewriter` writes a version again with one (distributed scratch).
+Runs on the writer thread (a hand-off's for the Rewriter); each VersionWriter on its own channel.
 """
 
 from __future__ import annotations
@@ -75,8 +64,14 @@ def summary_of(part: engine.PartResult) -> PartSummary:
 
 class VersionWriter:
     """Writes one :class:`Job` on ``level`` and commits it with the other participants, on
-    the calling thread: data, manifest, then (once every part is durable) the commit record.
-    ``chain`` is this rank's chain on that level; collectives go to ``channel``."""
+    the calling thread; ``chain`` is this rank's chain there, collectives go to ``channel``.
+
+    The captured batches are hashed and diffed against the chain's base, new chunks go to the
+    level's data file (of replicated state, only this rank's share: _replicated.py; with
+    several participants they then exchange fingerprints and where their shares lie), then the
+    manifest; then every participant's :class:`~cryosnap.manifest.PartSummary` is gathered and
+    rank 0 writes the commit record once every part is durable (on a private level each rank
+    its own), and tells the others how it went."""
 
     def __init__(
         self,
