@@ -62,6 +62,10 @@ class PolicyRoom:
         self.preempted = True
         log.warning("received %s: the run is preempted, save and exit", signal.Signals(signum).name)
 
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """The handler _signals.py calls (main thread): the run is preempted."""
+        self.on_signal(signum)
+
     def top_level(self, step: int, last: int) -> int:
         """How far up the levels the version of ``step`` goes: the policy's say
         (``MultiLevel``), else every level (``last``)."""

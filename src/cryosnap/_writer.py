@@ -1,17 +1,9 @@
-"""The writer: the Checkpointer's one background thread that makes versions durable.
+"""The writer: a version's write and commit on one level, and the thread that runs them.
 
-Versions are written one after the other, in the order they were saved: the captured batches
-are hashed and diffed against the base (:class:`~cryosnap._chain.ChainIndex`), new chunks go to
-the first level's data file (of replicated state, only this rank's share: _replicated.py;
-with several participants they then exchange fingerprints and where their shares lie), then
-the manifest; then the participants agree on the commit
-(each one's :class:`~cryosnap.manifest.PartSummary` is gathered, rank 0 writes the commit record
-once every part is durable and tells the others how it went), retention runs on the first
-level, the policy is told what the version cost, and the version is reported durable on the
-first level and handed to the next (levels.py).
-
-Runs on the writer thread; its collectives use the coordinator's ``"writer"`` channel, so they
-never interleave with a hand-off's.
+:class:`VersionWriter` writes one job and runs the commit protocol, no thread of its own;
+:class:`WriterThread` runs it for each saved version in order, then retention, policy events
+and the hand-off; :class:`Rewriter` writes a version again with one (distributed scratch).
+Runs on the writer thread (a hand-off's for the Rewriter); each VersionWriter on its own channel.
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ from .chunks import merkle_root
 from .dist import Coordinator
 from .errors import CheckpointError, CoordinationError, StorageTimeoutError
 from .flush import SourceDamagedError
-from .levels import Levels
+from .levels import Level, Levels
 from .manifest import (
     CommitRecord,
     Manifest,
@@ -49,7 +41,7 @@ from .storage import Store
 from .storage.tiers import Placement
 from .tree import FlatState
 
-__all__ = ["Rewriter", "Writer", "summary_of"]
+__all__ = ["Rewriter", "VersionWriter", "WriterThread", "summary_of"]
 
 log = logging.getLogger("cryosnap")
 
@@ -70,63 +62,53 @@ def summary_of(part: engine.PartResult) -> PartSummary:
     )
 
 
-class Writer:
-    """Runs each saved :class:`Job` through write -> commit -> retention -> hand-off."""
+class VersionWriter:
+    """Writes one :class:`Job` on ``level`` and commits it with the other participants, on
+    the calling thread; ``chain`` is this rank's chain there, collectives go to ``channel``.
+
+    The captured batches are hashed and diffed against the chain's base, new chunks go to the
+    level's data file (of replicated state, only this rank's share: _replicated.py; with
+    several participants they then exchange fingerprints and where their shares lie), then the
+    manifest; then every participant's :class:`~cryosnap.manifest.PartSummary` is gathered and
+    rank 0 writes the commit record once every part is durable (on a private level each rank
+    its own), and tells the others how it went."""
 
     def __init__(
         self,
         *,
-        levels: Levels,
+        level: Level,
         chain: ChainIndex,
         coordinator: Coordinator,
         chunk_bytes: int,
-        placement: Placement | None,
         fence: Callable[[], None],
-        policy_event: PolicyEvent,
-        clock: Callable[[], float],
-        inflight: threading.BoundedSemaphore,
+        placement: Placement | None = None,
         run_id: str | None = None,
-        level: int = 0,
         channel: str = "writer",
         partners: Partners | None = None,
-        thread: bool = True,
     ) -> None:
-        self.levels = levels
+        self.level = level
         self.chain = chain
         self.coord = coordinator.channel(channel)
-        # The level this writer commits versions on (0: the first; a distributed run with
-        # scratch writes the persistent level again from each rank's scratch copy: levels.py).
-        self.level = level
-        # A private first level of a distributed run (node-local scratch): each rank writes
-        # its whole part there as a run of its own (rank 0 of a world of one), commits it
-        # itself once every rank's part is durable, and copies it to its partner.
-        self.private = not levels.levels[level].shared and coordinator.world_size > 1
+        # A private level of a distributed run (node-local scratch): each rank writes its
+        # whole part there as a run of its own (rank 0 of a world of one), commits it itself
+        # once every rank's part is durable, and copies it to its partner.
+        self.private = not level.shared and coordinator.world_size > 1
         self.partners = partners
         self.chunk_bytes = chunk_bytes
         self.placement = placement
         self.fence = fence
-        self.policy_event = policy_event
-        self.clock = clock
-        self.inflight = inflight
         self.run_id = run_id  # recorded in every commit record this writer writes
         # Steps whose commit record write timed out (it may still land): save them again under
-        # another step only. Their files are reserved on the first level.
+        # another step only. Their files are reserved on the level.
         self.in_doubt: set[int] = set()
-        # Set once a collective of the writer channel failed (a participant died or did not
+        # Set once a collective of the writer's channel failed (a participant died or did not
         # arrive in time): the channel is broken for good (gloo, MPI), so this writer stops
         # saving, as one that lost its lock does.
         self.disagreed: CoordinationError | None = None
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._queued = 0  # jobs submitted and not yet through _run (settle waits for none)
-        self._settled = threading.Condition()
-        self._thread: threading.Thread | None = None
-        if thread:
-            self._thread = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
-            self._thread.start()
 
     @property
     def store(self) -> Store:
-        return self.levels.levels[self.level].store
+        return self.level.store
 
     def plan(self, flat: FlatState, keys: Replicated) -> _replicated.Plan:
         """Who writes which chunks of ``flat``'s replicated blobs on this writer's level (the
@@ -138,111 +120,28 @@ class Writer:
         """This rank's number in the parts this writer writes (0 on a private level)."""
         return 0 if self.private else self.coord.rank
 
-    def submit(self, job: Job) -> None:
-        with self._settled:
-            self._queued += 1
-        self._jobs.put(job)
-
-    def settle(self) -> None:
-        """Block until every submitted job is written, committed or failed, and the retention
-        that follows a commit is done (its deletes run after the version is reported)."""
-        with self._settled:
-            self._settled.wait_for(lambda: self._queued == 0)
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            part: engine.PartResult | None = None
-            info: SaveInfo | None = None
-            try:
-                info, part = self._write(job)
-            except BaseException as exc:
-                log.error("checkpoint of step %d failed: %s", job.step, exc)
-                self._note_disagreement(exc)
-                job.pending.fail(exc)
-            finally:
-                self.inflight.release()
-            try:
-                if part is not None and info is not None:
-                    self._after_commit(job, part, info)
-                else:
-                    self._tell_policy("failed", job.step)
-            finally:
-                with self._settled:
-                    self._queued -= 1
-                    self._settled.notify_all()
-
-    def _after_commit(self, job: Job, part: engine.PartResult, info: SaveInfo) -> None:
-        later: list[Callable[[], None]] = []
-        try:
-            # Retention before the version is reported, so that a caller sees the run as
-            # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
-            self.chain.advance(part)
-            # The commit records of dropped versions go now, their files once the version
-            # is reported (below): still before this writer's next write.
-            self.levels.retire(self.level, protect={job.step}, later=later)
-            if self.partners is not None:
-                # Copies of versions the next level has not committed yet are kept.
-                levels = self.levels.levels
-                nxt = levels[self.level + 1].store if self.level + 1 < len(levels) else None
-                self.partners.retire(levels[self.level].keep, nxt)
-            self._tell_policy(
-                "durable",
-                job.step,
-                seconds=self.clock() - job.clock0,
-                stall_seconds=job.stall_clock + job.pending.stall_seconds,
-            )
-        except Exception as exc:
-            # The version is committed; a failing retention or policy must not stop the
-            # writer (the next version is full: the base may be half-retired), unless the
-            # participants no longer agree.
-            log.exception("after committing step %d", job.step)
-            self._note_disagreement(exc)
-            self.chain.forget()
-            later.clear()
-        self.levels.reached(self.level, job.step, job.pending, info)
-        try:
-            for finish in later:
-                finish()  # logs the failures of the store (Levels.retire)
-        except Exception:
-            log.exception("retention after step %d", job.step)
-            self.chain.forget()
-
-    def _note_disagreement(self, exc: BaseException) -> None:
+    def note_disagreement(self, exc: BaseException) -> None:
+        """Stop for good when ``exc`` (or its cause) is a failed collective."""
         while exc is not None and self.disagreed is None:
             if isinstance(exc, CoordinationError):
                 self.disagreed = exc
                 log.error("the run's participants no longer agree (%s); this writer stops", exc)
             exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
-    def _tell_policy(self, event: str, step: int, **figures: float) -> None:
-        self.policy_event(event, step, **figures)
-
     # -- one version ---------------------------------------------------------------------------
-
-    def write(self, job: Job) -> tuple[SaveInfo, engine.PartResult]:
-        """Write ``job`` on this thread (a writer without a thread of its own); raises when
-        the version is not committed."""
-        return self._write(job)
 
     def fail(self, step: int, exc: BaseException) -> None:
         """This rank cannot write ``step`` at all: take part in the version's collectives,
-        saying so, so that every rank fails it alike (a writer without a thread)."""
+        saying so, so that every rank fails it alike."""
         if self.disagreed is None and not isinstance(exc, CoordinationError):
             try:
                 _replicated.send_failure(self.coord, exc)
                 self._agree_commit(step, None, exc)
             except CheckpointError as agree:
-                self._note_disagreement(agree)
+                self.note_disagreement(agree)
 
-    def _write(self, job: Job) -> tuple[SaveInfo, engine.PartResult]:
+    def write(self, job: Job) -> tuple[SaveInfo, engine.PartResult]:
+        """Write and commit ``job`` on this thread; raises when it is not committed."""
         store = self.store
         writer: engine.PartWriter | None = None
         ended = False
@@ -266,19 +165,7 @@ class Writer:
                 base = self.chain.base_for_next(store, full=job.full, exact=job.diff_base)
             except CheckpointError as exc:
                 raise CheckpointError(f"step {job.step}: {exc}") from exc
-            writer = engine.PartWriter(
-                store,
-                job.step,
-                job.flat,
-                chunk_bytes=self.chunk_bytes,
-                base=base,
-                index=self.chain.index if base is not None else None,
-                placement=self.placement,
-                rank=self.own_rank(),
-                shares=plan.shares,
-                replicated=plan.keys,
-                lineage=job.lineage,
-            )
+            writer = self._part_writer(job, plan, base)
             while item is not END:
                 if isinstance(item, BaseException):
                     raise item
@@ -306,21 +193,45 @@ class Writer:
                 # so a capture blocked on the staging budget can finish.
                 job.pending.request_abort(exc)
                 job.drain()
-            # The others wait for this part in the exchange and the commit: tell them it failed.
-            if self.disagreed is None and not isinstance(exc, CoordinationError):
-                try:
-                    if not exchanged:
-                        _replicated.send_failure(self.coord, exc)
-                    if self.partners is not None and not copied:
-                        self.partners.copy_files(self.coord, store, job.step, [])
-                    self._agree_commit(job.step, None, exc, job)
-                except CheckpointError as agree:
-                    log.error("step %d: telling the other participants failed: %s", job.step, agree)
-                    self._note_disagreement(agree)
+            self._tell_failure(job, exc, exchanged=exchanged, copied=copied)
             raise
         finally:
             progress.close()
         self._agree_commit(job.step, part, None, job)
+        return self._saved(job, part), part
+
+    def _part_writer(
+        self, job: Job, plan: _replicated.Plan, base: engine.ResolvedPart | None
+    ) -> engine.PartWriter:
+        return engine.PartWriter(
+            self.store,
+            job.step,
+            job.flat,
+            chunk_bytes=self.chunk_bytes,
+            base=base,
+            index=self.chain.index if base is not None else None,
+            placement=self.placement,
+            rank=self.own_rank(),
+            shares=plan.shares,
+            replicated=plan.keys,
+            lineage=job.lineage,
+        )
+
+    def _tell_failure(self, job: Job, exc: BaseException, *, exchanged: bool, copied: bool) -> None:
+        """The others wait for this part in the exchange and the commit: tell them it failed."""
+        if self.disagreed is None and not isinstance(exc, CoordinationError):
+            try:
+                if not exchanged:
+                    _replicated.send_failure(self.coord, exc)
+                if self.partners is not None and not copied:
+                    self.partners.copy_files(self.coord, self.store, job.step, [])
+                self._agree_commit(job.step, None, exc, job)
+            except CheckpointError as agree:
+                log.error("step %d: telling the other participants failed: %s", job.step, agree)
+                self.note_disagreement(agree)
+
+    def _saved(self, job: Job, part: engine.PartResult) -> SaveInfo:
+        """What the committed ``part`` cost (the SaveInfo of this level)."""
         seconds = time.perf_counter() - job.pending.started
         log.info(
             "step %d durable in %.3f s: %s written",
@@ -328,7 +239,7 @@ class Writer:
             seconds,
             human_bytes(part.written_bytes),
         )
-        info = SaveInfo(
+        return SaveInfo(
             step=job.step,
             logical_bytes=part.logical_bytes,
             written_bytes=part.written_bytes,
@@ -337,10 +248,9 @@ class Writer:
             stall_seconds=job.stall_seconds + job.pending.stall_seconds,
             seconds=seconds,
             incremental=part.incremental,
-            tiers=(self.levels.levels[self.level].name,),
+            tiers=(self.level.name,),
             captured_bytes=job.captured_bytes,
         )
-        return info, part
 
     # -- the global commit ---------------------------------------------------------------------
 
@@ -459,12 +369,117 @@ class Writer:
             keys = {p.ref.key for p in parts} | {f for p in parts for f in p.data_files}
             gens = {0, 0 if job is None or job.lineage is None else job.lineage.generation}
             keys |= {manifest_key(s, p.ref.rank, g) for p in parts for s in p.chain for g in gens}
-            self.levels.levels[self.level].reserved.update(keys)
+            self.level.reserved.update(keys)
             return exc
         except CheckpointError as exc:
             return exc
         log.debug("committed step %d in %s", step, store.url)
         return None
+
+
+class WriterThread:
+    """Runs each saved :class:`Job` through ``version`` (write -> commit) on a thread of its
+    own, then retention on level ``index``, the policy's events and the hand-off."""
+
+    def __init__(
+        self,
+        version: VersionWriter,
+        *,
+        levels: Levels,
+        policy_event: PolicyEvent,
+        clock: Callable[[], float],
+        inflight: threading.BoundedSemaphore,
+        index: int = 0,
+    ) -> None:
+        self.version = version
+        self.levels = levels
+        self.index = index
+        self.policy_event = policy_event
+        self.clock = clock
+        self.inflight = inflight
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queued = 0  # jobs submitted and not yet through _run (settle waits for none)
+        self._settled = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="cryosnap-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._settled:
+            self._queued += 1
+        self._jobs.put(job)
+
+    def settle(self) -> None:
+        """Block until every submitted job is written, committed or failed, and the retention
+        that follows a commit is done (its deletes run after the version is reported)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._queued == 0)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            part: engine.PartResult | None = None
+            info: SaveInfo | None = None
+            try:
+                info, part = self.version.write(job)
+            except BaseException as exc:
+                log.error("checkpoint of step %d failed: %s", job.step, exc)
+                self.version.note_disagreement(exc)
+                job.pending.fail(exc)
+            finally:
+                self.inflight.release()
+            try:
+                if part is not None and info is not None:
+                    self._after_commit(job, part, info)
+                else:
+                    self.policy_event("failed", job.step)
+            finally:
+                with self._settled:
+                    self._queued -= 1
+                    self._settled.notify_all()
+
+    def _after_commit(self, job: Job, part: engine.PartResult, info: SaveInfo) -> None:
+        later: list[Callable[[], None]] = []
+        chain = self.version.chain
+        partners = self.version.partners
+        try:
+            # Retention before the version is reported, so that a caller sees the run as
+            # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
+            chain.advance(part)
+            # The commit records of dropped versions go now, their files once the version
+            # is reported (below): still before this writer's next write.
+            self.levels.retire(self.index, protect={job.step}, later=later)
+            if partners is not None:
+                # Copies of versions the next level has not committed yet are kept.
+                levels = self.levels.levels
+                nxt = levels[self.index + 1].store if self.index + 1 < len(levels) else None
+                partners.retire(levels[self.index].keep, nxt)
+            self.policy_event(
+                "durable",
+                job.step,
+                seconds=self.clock() - job.clock0,
+                stall_seconds=job.stall_clock + job.pending.stall_seconds,
+            )
+        except Exception as exc:
+            # The version is committed; a failing retention or policy must not stop the
+            # writer (the next version is full: the base may be half-retired), unless the
+            # participants no longer agree.
+            log.exception("after committing step %d", job.step)
+            self.version.note_disagreement(exc)
+            chain.forget()
+            later.clear()
+        self.levels.reached(self.index, job.step, job.pending, info)
+        try:
+            for finish in later:
+                finish()  # logs the failures of the store (Levels.retire)
+        except Exception:
+            log.exception("retention after step %d", job.step)
+            chain.forget()
 
 
 class Rewriter:
@@ -475,14 +490,14 @@ class Rewriter:
     its part of the version back from its scratch (every chunk verified) and the ranks write it
     on the persistent level exactly as a distributed save without scratch does: replicated
     state split across them, divergence checked, rank 0 committing once every part is durable.
-    ``writer`` is a :class:`Writer` of that level without a thread of its own (its channel is
-    the hand-off's); ``chain`` its chain on that level. Runs on the hand-off thread, one
+    ``writer`` is a :class:`VersionWriter` of that level (its channel is the hand-off's), its
+    chain this rank's on that level. Runs on the hand-off thread, one
     version after the other in the order every rank committed them on scratch.
     """
 
-    def __init__(self, writer: Writer, chain: ChainIndex) -> None:
+    def __init__(self, writer: VersionWriter) -> None:
         self.writer = writer
-        self.chain = chain
+        self.chain = writer.chain
 
     def __call__(
         self,
@@ -516,7 +531,7 @@ class Rewriter:
         flat, manifest = got.flat, got.manifest
         tracker = CaptureTracker(0)
         tracker.finish()
-        names = (writer.levels.levels[writer.level].name,)
+        names = (writer.level.name,)
         pending = PendingSave(step, tracker, time.perf_counter(), names, names)
         job = Job(
             step,

@@ -9,72 +9,75 @@ run's :class:`~cryosnap.dist.Coordinator`; hand-offs (levels.py) copy it to the 
 (lazy); ``PendingSave.result()`` returns the :class:`SaveInfo` once the version is durable on
 every level (``result(tier="scratch")``: on that one).
 
-This module validates arguments, wires the rooms together and keeps what the caller sees: the
-pending saves, failures not yet received (raised once more by the next ``save``, ``wait`` or
-``close``), restores from the fastest level holding a complete copy. docs/ARCHITECTURE.md draws
-the rooms and which thread runs what. Runs on the caller's thread.
+This module is a facade: the arguments become a :class:`~cryosnap._run.options.RunOptions`,
+``_run/open.py`` opens the rooms, ``_run/restore.py`` reads versions back; it keeps what the
+caller sees: the pending saves and failures not yet received (raised once more by the next
+``save``, ``wait`` or ``close``). docs/ARCHITECTURE.md draws the rooms and which thread runs
+what. Runs on the caller's thread.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, NoReturn, TypeVar, overload
 
-from . import _replicated, _signals, _validate, engine
-from ._capturing import Capturer, Job
-from ._chain import ChainIndex
-from ._devcopy import target_device
-from ._devdiff import DeviceDiff
-from ._partner import Partners, rebuild
-from ._policy_room import PolicyRoom
+from . import _validate, engine
+from ._capturing import Job
 from ._results import PendingSave, SaveInfo, Status
+from ._run.open import newest_record, open_run
+from ._run.options import PathLike, RunOptions
+from ._run.restore import Ask, device_for, restore_one, restore_run, rewound_lineage
+from ._run.saves import Saves
 from ._validate import step as validate_step
-from ._writer import Rewriter, Writer
-from .capture import CaptureTracker
-from .chunks import validate_chunk_bytes
-from .dist import Coordinator, LocalCoordinator
-from .errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    CoordinationError,
-    IntegrityError,
-    LockLostError,
-    WorldSizeError,
-)
-from .levels import Level, Levels
-from .lock import RunLock, acquire_run_lock
-from .manifest import (
-    RUN_ID_PATTERN,
-    CommitRecord,
-    Lineage,
-    commit_key,
-    max_generation,
-    version_prefix,
-    visible_versions,
-)
-from .policy import RetentionPolicy, SavePolicy, as_retention
-from .progress import Progress
-from .storage import DEFAULT_TIMEOUT_SECONDS, Store, join_location, open_store, unwrap
-from .storage.tiers import Placement, StripedStore, Tier
-from .tree import flatten
+from .dist import Coordinator
+from .errors import CheckpointError, CheckpointNotFoundError
+from .policy import RetentionPolicy, SavePolicy
+from .storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store
+from .storage.tiers import StripedStore, Tier
 
-__all__ = ["Checkpointer", "PendingSave", "SaveInfo", "Status", "load", "run_id_of", "save"]
-
-SCRATCH, PERSISTENT = "scratch", "persistent"
+__all__ = [
+    "Checkpointer",
+    "PathLike",
+    "PendingSave",
+    "SaveInfo",
+    "Status",
+    "load",
+    "run_id_of",
+    "save",
+]
 
 log = logging.getLogger("cryosnap")
 
-PathLike = str | os.PathLike[str] | Store
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """A Checkpointer attribute that reads ``options.<name>``; it cannot be assigned."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self._attribute = attribute
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _Option[T]: ...
+    @overload
+    def __get__(self, obj: Checkpointer, owner: type) -> T: ...
+    def __get__(self, obj: Checkpointer | None, owner: type) -> _Option[T] | T:
+        if obj is None:
+            return self
+        value: T = getattr(obj.options, self._name)
+        return value
+
+    def __set__(self, obj: Checkpointer, value: object) -> NoReturn:
+        raise AttributeError(
+            f"Checkpointer.{self._attribute} is read-only: it is an argument of the "
+            "Checkpointer, given when the run is opened (ckpt.options)"
+        )
 
 
 class Checkpointer:
@@ -191,94 +194,40 @@ class Checkpointer:
         device_diff: bool | None = None,
         partner: bool = False,
     ) -> None:
-        self._run_id = _validate_run_id(run_id)
-        self.chunk_bytes = validate_chunk_bytes(chunk_bytes)
-        budget = _validate.positive_int_or_none(staging_bytes, "staging_bytes")
-        if budget is not None and budget < self.chunk_bytes:
-            raise ValueError(
-                f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
-            )
-        self.max_inflight = _validate.positive_int(max_inflight, "max_inflight")
-        self.keep = as_retention(keep)
-        policy = _policy(policy)
-        signals = _signals.parse_signals(handle_signals)
-        if keep_scratch is not None and scratch is None:
-            raise ValueError(
-                f"keep_scratch={keep_scratch!r} needs scratch=: without scratch tiers every "
-                "version goes to the persistent tier, whose retention is keep="
-            )
-        self.keep_scratch = (
-            2 if keep_scratch is None else _validate.positive_int(keep_scratch, "keep_scratch")
+        self._options = RunOptions(
+            path=path,
+            scratch=scratch,
+            keep=keep,
+            keep_scratch=keep_scratch,
+            incremental=incremental,
+            full_every=full_every,
+            chunk_bytes=chunk_bytes,
+            staging_bytes=staging_bytes,
+            max_inflight=max_inflight,
+            allow_pickle=allow_pickle,
+            policy=policy,
+            handle_signals=handle_signals,
+            storage_options=storage_options,
+            flush_retry_seconds=flush_retry_seconds,
+            storage_timeout_seconds=storage_timeout_seconds,
+            comm=comm,
+            clock=clock,
+            run_id=run_id,
+            device_diff=device_diff,
+            partner=partner,
         )
-        retry = _validate.seconds(flush_retry_seconds, "flush_retry_seconds", allow_zero=True)
-        timeout = _validate.seconds(
-            storage_timeout_seconds, "storage_timeout_seconds", allow_none=True
-        )
-        if not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
-        self._clock = clock
-        self.coordinator = _coordinator(comm)
-        # One channel per thread that issues collectives: the caller's (policy, restore),
-        # the writer's and the hand-offs' never interleave.
-        self._policies = PolicyRoom(policy, clock=clock, coordinator=self.coordinator)
-        self._restore_channel = self.coordinator.channel("restore")
-        self.full_every = _validate.positive_int(full_every, "full_every")
-        self.incremental = _validate.boolean(incremental, "incremental")
-        self.allow_pickle = bool(allow_pickle)
-        partner = _validate.boolean(partner, "partner")
-        if partner and (scratch is None or self.coordinator.world_size == 1):
-            raise ValueError(
-                "partner=True copies each participant's scratch to another node's: it needs "
-                "scratch= and several participants (comm=)"
-            )
-        self.persistent, self.scratch = _open_stores(
-            path, scratch, storage_options, timeout, self.coordinator
-        )
-        if self._run_id is not None:
-            stores = [self.persistent] if self.scratch is None else [self.scratch, self.persistent]
-            _check_run_id(stores, self._run_id)
-        self._placement = Placement(self.scratch) if self.scratch is not None else None
-        chain = ChainIndex(
-            incremental=self.incremental,
-            full_every=self.full_every,
-            chunk_bytes=self.chunk_bytes,
-            # A distributed run's scratch holds each rank's part as a run of its own (rank 0).
-            rank=self.coordinator.rank if self.scratch is None else 0,
-        )
-        self._levels = _open_levels(self, chain)
-        self._partners = _open_partners(self, scratch, timeout) if partner else None
-        self._levels.observe = self._policies.reached
-        self.store: Store = self._levels.first.store  # where versions are written first
-        self._chain = chain
+        run = open_run(self._options)
+        self._run = run
+        self._levels = run.levels
+        self._capturer = run.capturer
+        self._writer = run.writer
+        self._policies = run.policies
+        self._saves = Saves(run, self._options)
         # The lineage new versions are committed in: the run's newest generation, or a new one
         # once a restore rewound the run (docs/FORMAT.md, "Superseding").
-        self._lineage = _current_lineage(self._levels.records())
+        self._lineage = run.lineage
         self._restored: int | None = None
-        self._capturer = Capturer(
-            chunk_bytes=self.chunk_bytes,
-            budget=budget,
-            clock=clock,
-            diff=_device_diff(device_diff, self.incremental, self.chunk_bytes, self.full_every),
-        )
-        self._inflight = threading.BoundedSemaphore(self.max_inflight)
-        self._pending: list[PendingSave] = []
         self._closed = False
-        self._signals: list[int] = []
-        self._retry_seconds = retry
-        _start_background(self, signals)
-        self._writer = Writer(
-            levels=self._levels,
-            chain=self._chain,
-            coordinator=self.coordinator,
-            chunk_bytes=self.chunk_bytes,
-            placement=self._placement,
-            fence=self._levels.fence,
-            policy_event=self._policies.event,
-            clock=clock,
-            inflight=self._inflight,
-            run_id=self._run_id,
-            partners=self._partners,
-        )
 
     # context manager ---------------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -304,10 +253,44 @@ class Checkpointer:
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r})"
 
+    # what it was opened with -------------------------------------------------------------------
+    @property
+    def options(self) -> RunOptions:
+        """The validated arguments this Checkpointer was opened with (read-only)."""
+        return self._options
+
     @property
     def run_id(self) -> str | None:
         """The run id recorded with each version this Checkpointer saves (None: none)."""
-        return self._run_id
+        return self._options.run_id
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The run's participants (this one's view)."""
+        return self._run.coordinator
+
+    @property
+    def store(self) -> Store:
+        """Where versions are written first (the scratch level, else the persistent one)."""
+        return self._levels.first.store
+
+    @property
+    def persistent(self) -> Store:
+        return self._run.persistent
+
+    @property
+    def scratch(self) -> StripedStore | None:
+        """The scratch devices as one striped store (None: no scratch level)."""
+        return self._run.scratch
+
+    # Read-only: the options they were opened with (assigning one raises AttributeError).
+    keep = _Option[RetentionPolicy | None]("retention")
+    keep_scratch = _Option[int]("scratch_keep")
+    incremental = _Option[bool]("incremental")
+    full_every = _Option[int]("full_every")
+    chunk_bytes = _Option[int]("chunk_bytes")
+    max_inflight = _Option[int]("max_inflight")
+    allow_pickle = _Option[bool]("allow_pickle")
 
     # policies and preemption ----------------------------------------------------------------
     @property
@@ -329,14 +312,6 @@ class Checkpointer:
         true once the run is preempted. Every participant gets the same answer: rank 0's
         policy, or yes when any participant is preempted."""
         return self._policies.should_save(validate_step(step))
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._policies.on_signal(signum)
-
-    def _restore_handlers(self) -> None:
-        signals, self._signals = self._signals, []
-        for signum in signals:
-            _signals.unsubscribe(signum, self)
 
     # saving --------------------------------------------------------------------------------------
     def save(
@@ -393,73 +368,26 @@ class Checkpointer:
         metrics: dict[str, float] | None = None,
         replicated: object = None,
     ) -> Job:
-        clock0 = self._clock()
+        clock0 = self._options.clock()
         self._check_open()
-        self._capturer.remove_spent_hooks()
-        validate_step(step)
-        self._raise_undelivered()
-        if self._levels.lock_lost is not None:
-            raise LockLostError(f"this writer stopped saving: {self._levels.lock_lost}")
-        if self._writer.disagreed is not None:
-            raise CoordinationError(
-                f"step {step}: this writer stopped saving: the run's participants no longer "
-                f"agree ({self._writer.disagreed}); restart the job (every rank reopens the run)"
-            )
-        if step in self._writer.in_doubt:
-            raise CheckpointExistsError(
-                f"step {step}: the commit record of an earlier save timed out and may still "
-                f"appear in {self.store.url}; save under another step"
-            )
-        if any(p.step == step and not p.done() for p in self._pending):
-            raise CheckpointExistsError(f"step {step} is already being saved in {self!r}")
-        lineage = self._lineage
-        where = self._levels.step_exists(step, lineage)
-        if where is not None:
-            raise CheckpointExistsError(f"step {step} already exists in {where}")
-        flat = flatten(
-            state,
-            allow_pickle=self.allow_pickle,
-            pack_bytes=self.chunk_bytes,
-            pack_apart=replicated,
-        )
-        keys = _replicated.replicated_keys(replicated, flat)
-        self._inflight.acquire()
-        # Forget finished versions, but keep failed ones the caller has not received yet.
-        self._pending = [p for p in self._pending if not p.done() or p.failed_undelivered()]
-        tracker = CaptureTracker(len(flat.blobs))
-        names = self._levels.names
-        top = self._policies.top_level(step, len(names) - 1)
-        pending = PendingSave(step, tracker, t0, names[: top + 1], names)
-        job = Job(
+        return self._saves.start(
             step,
-            flat,
-            pending,
-            queue.SimpleQueue(),
-            metrics,
+            state,
+            t0,
             clock0=clock0,
-            replicated=keys,
-            lineage=lineage,
+            lineage=self._lineage,
+            metrics=metrics,
+            replicated=replicated,
         )
-        job.plan, job.rank = self._writer.plan(flat, keys), self._writer.own_rank()
-        self._pending.append(pending)
-        self._writer.submit(job)
-        return job
 
     # waiting and reading -----------------------------------------------------------------------
-    def _raise_undelivered(self) -> None:
-        for p in self._pending:
-            err = p.undelivered_error()
-            if err is not None:
-                raise err
-
     def wait(self) -> None:
         """Block until every pending save is durable and the writer is done with it (the
         files that retention drops are deleted after a version is reported: once this returns
         the run's folder holds what ``keep`` says); raise the first undelivered failure."""
-        for p in list(self._pending):
-            p._done.wait()
+        self._saves.drain()
         self._writer.settle()
-        self._raise_undelivered()
+        self._saves.raise_undelivered()
 
     def steps(self) -> list[int]:
         """Versions complete on at least one tier and superseded on none, ascending."""
@@ -497,24 +425,17 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             validate_step(step)
-        ask = _Ask(
-            ranks=tuple(self._part_ranks()),
-            shared=tuple(level.shared for level in self._levels.levels),
-            participants=self.coordinator.world_size,
+        state, restored = restore_run(
+            self._levels,
+            self._run.restore_channel,
+            step,
+            into=into,
             allow_pickle=self.allow_pickle,
             only=_validate.boolean(replicated_only, "replicated_only"),
             keys=engine.validate_keys(keys),
-            device=_map_location(map_location, into),
+            device=device_for(map_location, into),
         )
-        stores = self._levels.stores()
-        restored: list[int] = []
-        if step is not None or self.coordinator.world_size == 1:
-            state = _restore_tiers(stores, step, into=into, ask=ask, restored=restored)
-        else:
-            state = _restore_agreed(
-                self._restore_channel, stores, into=into, ask=ask, restored=restored
-            )
-        self._rewound(restored[-1])
+        self._rewound(restored)
         return state
 
     @property
@@ -523,35 +444,12 @@ class Checkpointer:
         return self._restored
 
     def _rewound(self, step: int) -> None:
-        """After restoring ``step``: when the run holds later versions, the next version
-        starts a new generation forked at ``step``, whose first commit supersedes them
-        (docs/FORMAT.md, "Superseding"); otherwise saves go on in the run's lineage. Every
-        participant restored the same step, and decides the same."""
+        """After restoring ``step``: the lineage of the next versions (restore.py)."""
         self._restored = step
-        records = self._levels.records()
-        later = any(s > step for s in visible_versions(records))
-        newest = max_generation(records)
-        private = not all(level.shared for level in self._levels.levels)
-        if private and self.coordinator.world_size > 1:
-            # Each rank's scratch is its own: they may see different versions, and each
-            # commits its own scratch record in the lineage, so they agree on it. (On shared
-            # levels only, every rank lists the same records: no collective, and a survivor
-            # of a dead peer can still restore.)
-            told = self._restore_channel.all_gather([later, newest])
-            later, newest = any(t[0] for t in told), max(t[1] for t in told)
-        current = self._lineage
-        if later:
-            self._lineage = Lineage(newest + 1, step)
-        else:
-            self._lineage = _current_lineage(records)
-        if later or self._lineage != current:
-            self._chain.restart_from(step)
-
-    def _part_ranks(self) -> list[int]:
-        """Per level, the part this participant reads: its rank on a shared level, part 0 of
-        its own run on a private one (a distributed run's node-local scratch)."""
-        me = self.coordinator.rank
-        return [me if level.shared else 0 for level in self._levels.levels]
+        channel = self._run.restore_channel
+        self._lineage, restart = rewound_lineage(self._levels, channel, step, self._lineage)
+        if restart:
+            self._levels.chain.restart_from(step)
 
     def close(self) -> None:
         """Drain every pending save, stop the writer, release the write lock.
@@ -562,10 +460,9 @@ class Checkpointer:
         if self._closed:
             return
         # Every flush still queued gets flush_retry_seconds in all, not each.
-        self._levels.finish_within(self._retry_seconds)
+        self._levels.finish_within(self._options.flush_retry_seconds)
         try:
-            for p in list(self._pending):
-                p._done.wait()
+            self._saves.drain()
         finally:
             self._closed = True
             try:
@@ -577,34 +474,12 @@ class Checkpointer:
                 self._capturer.clear()
             finally:
                 self._levels.release_locks()
-                self._restore_handlers()
-        self._raise_undelivered()
+                self._run.release_signals()
+        self._saves.raise_undelivered()
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
-
-
-def _device_diff(
-    wanted: object, incremental: bool, chunk_bytes: int, full_every: int
-) -> DeviceDiff | None:
-    """The change detection on the device that ``Checkpointer(device_diff=...)`` asks for."""
-    if wanted is not None and not isinstance(wanted, bool):
-        raise TypeError(f"device_diff must be None, True or False, got {wanted!r}")
-    if wanted is None:
-        torch = sys.modules.get("torch")
-        cuda = torch is not None and torch.cuda.is_available()
-        if not (cuda and incremental and DeviceDiff.usable(chunk_bytes)):
-            return None
-    elif not wanted:
-        return None
-    elif not incremental:
-        raise ValueError("device_diff=True needs incremental=True (it skips unchanged chunks)")
-    elif not DeviceDiff.usable(chunk_bytes):
-        raise ValueError(
-            f"device_diff=True needs chunk_bytes of whole 32-bit words, got {chunk_bytes}"
-        )
-    return DeviceDiff(chunk_bytes, full_every=full_every, cpu=wanted is True)
 
 
 def _note_interrupt(exc: KeyboardInterrupt, job: Job) -> None:
@@ -621,334 +496,6 @@ def _note_interrupt(exc: KeyboardInterrupt, job: Job) -> None:
         exc.add_note(what)
     else:
         log.error("%s", what)
-
-
-def _start_background(ckpt: Checkpointer, signals: list[int]) -> None:
-    """Start the hand-offs (resuming flushes a crash interrupted) and the signal handlers;
-    on failure undo what was started and release the locks."""
-    levels = ckpt._levels
-    try:
-        if ckpt.scratch is not None and ckpt.coordinator.world_size > 1:
-            _drop_partial_scratch(ckpt)
-        levels.start_handoffs(
-            retry_seconds=ckpt._retry_seconds,
-            yield_to=ckpt._capturer.wait_no_capture,
-            rewrite=lambda index: _rewriter(ckpt, index),
-        )
-        ckpt._pending.extend(levels.resume_unflushed(ckpt.keep))
-        for signum in signals:
-            _signals.subscribe(signum, ckpt)
-            ckpt._signals.append(signum)
-    except BaseException:
-        levels.abandon()
-        levels.close_handoffs()
-        ckpt._restore_handlers()
-        levels.release_locks()
-        raise
-
-
-def _rewriter(ckpt: Checkpointer, index: int) -> Rewriter:
-    """The flush into level ``index`` when every rank writes it again (levels.py)."""
-    chain = ChainIndex(
-        incremental=ckpt.incremental,
-        full_every=ckpt.full_every,
-        chunk_bytes=ckpt.chunk_bytes,
-        rank=ckpt.coordinator.rank,
-    )
-    ckpt._levels.chains[index] = chain
-    writer = Writer(
-        levels=ckpt._levels,
-        chain=chain,
-        coordinator=ckpt.coordinator,
-        chunk_bytes=ckpt.chunk_bytes,
-        placement=None,
-        fence=ckpt._levels.fence,
-        policy_event=_ignore_event,
-        clock=ckpt._clock,
-        inflight=threading.BoundedSemaphore(1),
-        run_id=ckpt._run_id,
-        level=index,
-        channel=f"flush-{index}",
-        thread=False,
-    )
-    return Rewriter(writer, chain)
-
-
-def _ignore_event(event: str, step: int, **figures: float) -> None:
-    return None
-
-
-def _drop_partial_scratch(ckpt: Checkpointer) -> None:
-    """At open (collective): a version committed on some ranks' scratch only (a rank was
-    killed between the commit records) exists for no restore; unless the persistent level
-    has it, its commit record goes from this rank's scratch (and from the partner copies this
-    rank holds), so it is saved again normally."""
-    coord = ckpt.coordinator
-    scratch = ckpt._levels.first.store
-    own = engine.list_steps(scratch)
-    told = coord.all_gather(own)
-    common = set.intersection(*(set(t) for t in told))
-    persistent = set(engine.list_steps(ckpt.persistent))
-    stores = [scratch, *(ckpt._partners.held.values() if ckpt._partners is not None else ())]
-    for store in stores:
-        for step, lineage in engine.list_versions(store).items():
-            if step in common or step in persistent:
-                continue
-            log.warning(
-                "step %d is on %s but not on every rank's scratch: a rank stopped while it was "
-                "committed; removing it there",
-                step,
-                store.url,
-            )
-            store.delete(commit_key(step, lineage))
-
-
-def _open_stores(
-    path: PathLike,
-    scratch: object,
-    storage_options: object,
-    timeout: float | None,
-    coord: Coordinator,
-) -> tuple[Store, StripedStore | None]:
-    """The persistent store and the scratch devices as one striped store (or None)."""
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
-    devices = _scratch_tiers(scratch)
-    if devices and coord.world_size > 1:
-        # Node-local: ranks of one node may share a scratch path, each keeps its own run.
-        devices = [Tier(_rank_dir(t, coord.rank), t.capacity_bytes) for t in devices]
-    persistent = open_store(path, timeout_seconds=timeout, **(storage_options or {}))
-    stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
-    _check_distinct(persistent, stores)
-    if not stores:
-        return persistent, None
-    return persistent, StripedStore(stores, [t.capacity_bytes for t in devices])
-
-
-def _rank_dir(tier: Tier, rank: int) -> str:
-    """``<tier>/rank-<r>``: where rank ``r`` keeps its scratch part."""
-    if isinstance(tier.path, Store):
-        raise ValueError(
-            f"scratch={tier.path!r}: with several participants give scratch as a path or URL "
-            "(each rank keeps its part under <scratch>/rank-<r>), not a Store"
-        )
-    return join_location(os.fspath(tier.path), _rank_name(rank))
-
-
-def _rank_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def _open_partners(ckpt: Checkpointer, scratch: object, timeout: float | None) -> Partners:
-    """Agree on the partners, open the copies this rank holds (their locks go with the
-    scratch level's), and get back from the partner what this rank's scratch lost."""
-    root = _scratch_tiers(scratch)[0].path
-    assert not isinstance(root, Store)  # refused by _rank_dir
-    levels = ckpt._levels
-    try:
-        partners = Partners.open(
-            ckpt.coordinator, os.fspath(root), open_store=open_store, timeout=timeout
-        )
-        levels.first.locks.extend(partners.locks)
-        partners.locks = []
-        rebuild(ckpt.coordinator, levels.first.store, partners)
-    except BaseException:
-        levels.release_locks()
-        raise
-    return partners
-
-
-def _open_levels(ckpt: Checkpointer, chain: ChainIndex) -> Levels:
-    """The levels, fastest first, each with its write lock (the shared persistent level's is
-    taken by rank 0 for every participant)."""
-    levels: list[Level] = []
-    if ckpt.scratch is not None:
-        levels.append(Level(SCRATCH, ckpt.scratch, ckpt.keep_scratch, shared=False))
-    levels.append(Level(PERSISTENT, ckpt.persistent, ckpt.keep, shared=True))
-    opened = Levels(levels, chain=chain, coordinator=ckpt.coordinator)
-    try:
-        levels[-1].locks.extend(_shared_lock(ckpt.persistent, ckpt.coordinator))
-        for dev in ckpt.scratch.devices if ckpt.scratch is not None else ():
-            levels[0].locks.append(acquire_run_lock(dev))
-    except BaseException:
-        opened.release_locks()
-        raise
-    return opened
-
-
-def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:
-    """Rank 0 takes the shared level's write lock for every participant; all of them learn
-    whether it could, so a second writer fails on every rank alike."""
-    lock: RunLock | None = None
-    error = ""
-    if coord.rank == 0:
-        try:
-            lock = acquire_run_lock(store)
-        except CheckpointError as exc:
-            if coord.world_size == 1:
-                raise
-            error = str(exc)
-    if coord.world_size > 1:
-        error = coord.broadcast(error)
-        if error:
-            if lock is not None:
-                lock.release()
-            raise CheckpointError(f"rank {coord.rank}: the run's write lock: {error}")
-    return [lock] if lock is not None else []
-
-
-def _current_lineage(records: Sequence[tuple[int, Lineage | None]]) -> Lineage | None:
-    """The lineage of the run's newest generation (None: the run never rewound)."""
-    newest = max_generation(records)
-    forks = [lin.fork for _s, lin in records if lin is not None and lin.generation == newest]
-    return Lineage(newest, min(forks)) if forks else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Ask:
-    """What a restore reads: per tier, the part (``ranks``) and whether every participant
-    shares the tier (``shared``: its commit records say how many ranks saved a version);
-    ``participants``: how many restore together (None: no world-size check, ``load``);
-    ``only``, ``keys``, ``device``: engine.read_part's ``replicated_only``, ``keys``,
-    ``device``."""
-
-    ranks: tuple[int, ...]
-    shared: tuple[bool, ...]
-    participants: int | None
-    allow_pickle: bool
-    only: bool = False
-    keys: tuple[str | int, ...] | None = None
-    device: Any = None
-
-
-def _restore_tiers(
-    tiers: Sequence[Store],
-    step: int | None,
-    *,
-    into: Any,
-    ask: _Ask,
-    restored: list[int] | None = None,
-) -> Any:
-    """Restore from the fastest tier holding a complete copy of the version (of the newest
-    one that verifies, without ``step``); a damaged copy falls back to the next tier. A
-    version saved by another number of ranks than ``ask.participants`` is a
-    :class:`WorldSizeError` before any tier is read (:func:`_check_world`). The versions are
-    those of every tier's records together (a rewind on one supersedes on all); the step
-    restored is appended to ``restored``."""
-    where = " + ".join(t.url for t in tiers)
-    readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
-
-    def listed() -> list[int]:
-        return sorted(_versions(tiers))
-
-    def attempt(s: int) -> Any:
-        _check_world(tiers, ask, s, where)
-        # Only the tiers holding the version itself: another may hold a record it superseded.
-        versions = _versions(tiers)
-        if s not in versions:
-            raise CheckpointNotFoundError(f"step {s} not found on any tier ({where})")
-        held = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
-        stores = [
-            (t, read)
-            for t, read, have in zip(tiers, readers, held, strict=True)
-            if (s, versions[s]) in have
-        ]
-        first: CheckpointError | None = None
-        for store, read in stores:
-            try:
-                state = read(store, s)
-                if restored is not None:
-                    restored.append(s)
-                return state
-            except CheckpointError as exc:
-                if store is not stores[-1][0]:
-                    log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
-                first = first or exc
-        assert first is not None
-        raise first
-
-    if step is not None:
-        return _explicit(where, attempt, listed, step)
-    return engine.newest_restorable(where, attempt, listed)
-
-
-def _versions(tiers: Sequence[Store]) -> dict[int, Lineage | None]:
-    """The versions of a run over its tiers: a record one tier holds may be superseded by
-    one another tier holds (a rewind not flushed yet)."""
-    return visible_versions([r for t in tiers for r in engine.list_records(t)])
-
-
-def _check_world(tiers: Sequence[Store], ask: _Ask, step: int, where: str) -> None:
-    """Refuse a version saved by another number of ranks than restore it (unless only its
-    replicated keys are asked for). The saved number is a shared tier's commit record's: a
-    private tier (a distributed run's scratch) holds each rank's part as a run of one."""
-    if ask.participants is None or ask.only:
-        return
-    for tier, shared in zip(tiers, ask.shared, strict=True):
-        if shared and engine.step_exists(tier, step):
-            saved = engine.read_commit(tier, step).world_size
-            if saved != ask.participants:
-                raise _world_size_error(where, step, saved, ask.participants)
-            return
-
-
-def _world_size_error(where: str, step: int, saved: int, participants: int) -> WorldSizeError:
-    if participants < saved:
-        what = f"the part(s) of saved {_ranks(participants, saved)} would be left unread"
-    else:
-        what = f"{_ranks(saved, participants)} would have no part of it"
-    return WorldSizeError(
-        f"step {step} of {where} was saved by {saved} rank(s) and {participants} "
-        f"participant(s) restore it: {what}. Ways on: restore(replicated_only=True) (the keys "
-        f"saved as replicated, at any world size); cryosnap.load(path, step={step}, rank=k) "
-        f"reads saved rank k's part (0..{saved - 1}) to reshard it yourself; or restart at "
-        f"{saved} ranks"
-    )
-
-
-def _ranks(lo: int, hi: int) -> str:
-    """Ranks ``lo..hi-1`` for a message."""
-    return f"rank {lo}" if hi == lo + 1 else f"ranks {lo}..{hi - 1}"
-
-
-def _restore(store: Store, step: int | None, *, into: Any, ask: _Ask) -> Any:
-    return _restore_tiers([store], step, into=into, ask=ask)
-
-
-def _reader(*, rank: int, into: Any, ask: _Ask) -> Callable[[Store, int], Any]:
-    """``read(store, step)``: one rank's part of a version from one store, as asked."""
-
-    def read(store: Store, step: int) -> Any:
-        return engine.read_part(
-            store,
-            step,
-            rank=rank,
-            into=into,
-            allow_pickle=ask.allow_pickle,
-            replicated_only=ask.only,
-            device=ask.device,
-            keys=ask.keys,
-            progress=Progress,
-        )
-
-    return read
-
-
-def _explicit(
-    where: str, attempt: Callable[[int], Any], listed: Callable[[], list[int]], step: int
-) -> Any:
-    """``attempt(step)``; a version the writer retired while it was read is reported as such.
-    A step that is no version (never committed, or superseded) is not found."""
-    if step not in listed():
-        raise CheckpointNotFoundError(f"step {step} not found in {where}")
-    try:
-        return attempt(step)
-    except CheckpointError as exc:
-        if isinstance(exc, CheckpointNotFoundError) or step in listed():
-            raise
-        raise CheckpointNotFoundError(
-            f"step {step} of {where} was deleted by the run's retention while it was read"
-        ) from exc
 
 
 def save(
@@ -995,26 +542,15 @@ def load(
     if step is not None:
         validate_step(step)
     part = 0 if rank is None else validate_step(rank, "rank")
-    ask = _Ask(
+    ask = Ask(
         ranks=(part,),
         shared=(True,),
         participants=None,
         allow_pickle=allow_pickle,
         keys=engine.validate_keys(keys),
-        device=_map_location(map_location, into),
+        device=device_for(map_location, into),
     )
-    return _restore(open_store(path), step, into=into, ask=ask)
-
-
-def _map_location(map_location: object, into: Any) -> Any:
-    """The ``torch.device`` restored tensors go to (None: the CPU); refused with ``into``."""
-    device = target_device(map_location, "map_location")
-    if device is not None and into is not None:
-        raise ValueError(
-            f"map_location={map_location!r} cannot be combined with into=: the tensors of "
-            "into= are filled where they are, on their own devices"
-        )
-    return device
+    return restore_one(open_store(path), step, into=into, ask=ask)
 
 
 def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -1024,72 +560,10 @@ def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) 
     holds no version. Resume a training with ``Checkpointer(path, run_id=run_id_of(path))``.
     """
     store = path if isinstance(path, Store) else open_store(path, **(storage_options or {}))
-    newest = _newest_record(store)
+    newest = newest_record(store)
     if newest is None:
         raise CheckpointNotFoundError(f"{store.url} holds no version")
     return newest.run_id
-
-
-def _newest_record(*stores: Store) -> CommitRecord | None:
-    """The commit record of the newest version on any of ``stores`` that reads (a damaged
-    record is skipped, as restore skips it)."""
-    steps = sorted({(s, i) for i, st in enumerate(stores) for s in engine.list_steps(st)})
-    for step, i in reversed(steps):
-        try:
-            return engine.read_commit(stores[i], step)
-        except (CheckpointFormatError, CheckpointNotFoundError) as exc:
-            log.warning("step %d of %s: %s; looking at the previous one", step, stores[i].url, exc)
-    return None
-
-
-def _check_run_id(stores: Sequence[Store], run_id: str) -> None:
-    """Refuse to open a run whose newest version another training saved."""
-    newest = _newest_record(*stores)
-    if newest is None or newest.run_id == run_id:
-        return
-    where = stores[-1].url
-    if newest.run_id is None:
-        theirs, resume = "no run id", "open it without run_id"
-    else:
-        theirs = f"run id {newest.run_id!r}"
-        resume = f"pass run_id={newest.run_id!r} (cryosnap.run_id_of(path))"
-    raise CheckpointError(
-        f"{where}: its newest version (step {newest.step}) was saved by another training "
-        f"({theirs}), not by run_id={run_id!r}: start a new training in a new path, or, to "
-        f"resume that one, {resume}"
-    )
-
-
-def _validate_run_id(run_id: object) -> str | None:
-    if run_id is None:
-        return None
-    if not isinstance(run_id, str):
-        raise TypeError(f"run_id must be a str or None, got {type(run_id).__name__}")
-    if not RUN_ID_PATTERN.fullmatch(run_id):
-        raise ValueError(
-            f"run_id={run_id!r:.160} is invalid: allowed are 1 to 128 of A-Z a-z 0-9 . _ : -"
-        )
-    return run_id
-
-
-def _check_distinct(persistent: Store, scratch: Sequence[Store]) -> None:
-    """A scratch device that is the persistent directory itself would be one run opened twice
-    (its own lock would report this very process as the other writer)."""
-    for device in scratch:
-        if unwrap(device) == unwrap(persistent):
-            raise ValueError(
-                f"scratch={device.url!r} is the persistent path itself: a scratch tier must be "
-                "another directory (node-local: tmpfs, NVMe)"
-            )
-
-
-def _scratch_tiers(scratch: object) -> list[Tier]:
-    if scratch is None:
-        return []
-    items = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
-    if not items:
-        raise ValueError("scratch=[] is invalid: give None or at least one path or Tier")
-    return [t if isinstance(t, Tier) else Tier(t) for t in items]  # type: ignore[arg-type]
 
 
 def _metrics(metrics: object) -> dict[str, float] | None:
@@ -1105,80 +579,3 @@ def _metrics(metrics: object) -> dict[str, float] | None:
             value = value.item()  # a 0-d tensor or numpy scalar
         out[name] = _validate.number(value, f"metrics[{name!r}]")
     return out
-
-
-def _restore_agreed(
-    coord: Coordinator,
-    stores: Sequence[Store],
-    *,
-    into: Any,
-    ask: _Ask,
-    restored: list[int] | None = None,
-) -> Any:
-    """The newest version every participant can restore: the steps complete for all of them,
-    tried newest first until every participant read its part (damage on any one falls back
-    for all, so they resume from the same step). A version saved by another number of ranks
-    is a :class:`WorldSizeError` on every participant alike (none resumes alone); every
-    version damaged an :class:`IntegrityError`, none at all a CheckpointNotFoundError."""
-    listed = coord.all_gather(sorted(_versions(stores)))
-    common = sorted(set.intersection(*(set(steps) for steps in listed)))
-    where = " + ".join(st.url for st in stores)
-    damaged: dict[int, str] = {}
-    for step in reversed(common):
-        try:
-            state = _restore_tiers(stores, step, into=None, ask=ask)
-            error, kind = "", ""
-        except WorldSizeError as exc:
-            state, error, kind = None, str(exc), "world"
-        except (IntegrityError, CheckpointFormatError) as exc:
-            state, error, kind = None, str(exc), "damage"
-        except CheckpointNotFoundError as exc:
-            state, error, kind = None, str(exc), "missing"
-        told = coord.all_gather([error, kind])
-        world = [e for e, k in told if k == "world"]
-        if world:
-            raise WorldSizeError(world[0])
-        errors = [(e, k) for e, k in told if e]
-        if not errors:
-            if restored is not None:
-                restored.append(step)
-            if into is None:
-                return state
-            return _restore_tiers(stores, step, into=into, ask=ask)
-        if any(k == "damage" for _e, k in errors):
-            damaged[step] = next(e for e, k in errors if k == "damage")
-        log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0][0])
-    if not common:
-        raise CheckpointNotFoundError(
-            f"no version of {where} is committed for all {coord.world_size} participants"
-        )
-    if len(damaged) == len(common):
-        raise engine.every_version_damaged(where, damaged)
-    raise CheckpointNotFoundError(
-        f"no version of {where} can be restored by all {coord.world_size} participants"
-    )
-
-
-def _policy(policy: object) -> SavePolicy | None:
-    if policy is not None and not isinstance(policy, SavePolicy):
-        raise TypeError(
-            f"policy must be a save policy (cryosnap.policy.EveryNSteps, EveryNSeconds, "
-            f"Adaptive or an object with should_save/saved/durable), got {policy!r}"
-        )
-    return policy
-
-
-def _coordinator(comm: object) -> Coordinator:
-    """``comm``, or without one the job this process is part of: a TorchCoordinator when
-    torch.distributed is initialized with several processes (each Checkpointer gets gloo groups
-    of its own, created collectively), else a world of one."""
-    if comm is None:
-        from .dist._torch import TorchCoordinator, initialized_world
-
-        return TorchCoordinator() if initialized_world() else LocalCoordinator()
-    if not isinstance(comm, Coordinator):
-        raise TypeError(
-            f"comm must be None or a cryosnap.dist.Coordinator (e.g. a rank of "
-            f"cryosnap.dist.InProcessGroup), got {comm!r}"
-        )
-    return comm

@@ -73,6 +73,9 @@ def test_errors_carry_the_step_and_path_they_name(tmp_path: Any) -> None:
 
     run = tmp_path / "run"
     cryosnap.save(run, {"x": np.arange(4)}, step=3)
+    with pytest.raises(cryosnap.CheckpointNotFoundError) as missing:
+        cryosnap.load(run, step=5)
+    assert missing.value.step == 5 and missing.value.path == str(run)
     [manifest] = (run / "versions" / "000000000003").glob("rank-*.json")
     manifest.write_bytes(manifest.read_bytes() + b" ")
     with pytest.raises(cryosnap.IntegrityError) as damaged:

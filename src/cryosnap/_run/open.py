@@ -1,0 +1,361 @@
+"""open_run: a managed run's I/O at open, from validated :class:`RunOptions` to live rooms.
+
+Opens the stores, takes the write locks, agrees on partners and rebuilds from them, drops
+versions only some ranks' scratch committed, resumes interrupted hand-offs and starts the
+threads, in that order; a failure anywhere undoes what was done (one ExitStack).
+Runs on the caller's thread; collectives on the coordinator's channels, created in open order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from .. import _signals, engine
+from .._capturing import Capturer
+from .._chain import ChainIndex
+from .._partner import Partners, rebuild
+from .._policy_room import PolicyRoom
+from .._results import PendingSave
+from .._writer import Rewriter, VersionWriter, WriterThread
+from ..dist import Coordinator, LocalCoordinator
+from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from ..levels import Level, Levels
+from ..lock import RunLock, acquire_run_lock
+from ..manifest import CommitRecord, Lineage, commit_key
+from ..storage import Store, join_location, open_store, unwrap
+from ..storage.tiers import Placement, StripedStore, Tier
+from .options import RunOptions
+from .restore import current_lineage
+
+__all__ = ["OpenRun", "newest_record", "open_run"]
+
+SCRATCH, PERSISTENT = "scratch", "persistent"
+
+log = logging.getLogger("cryosnap")
+
+
+@dataclass(eq=False)
+class OpenRun:
+    """The rooms of an open run. ``pending``: the versions whose interrupted hand-off was
+    resumed; ``lineage``: the one new versions are committed in (docs/FORMAT.md,
+    "Superseding"); ``signals``: the preemption signals ``policies`` is subscribed to."""
+
+    coordinator: Coordinator
+    policies: PolicyRoom
+    restore_channel: Coordinator
+    persistent: Store
+    scratch: StripedStore | None
+    levels: Levels
+    partners: Partners | None
+    capturer: Capturer
+    writer: WriterThread
+    lineage: Lineage | None
+    pending: list[PendingSave] = field(default_factory=list)
+    signals: list[int] = field(default_factory=list)
+
+    def release_signals(self) -> None:
+        """Put the program's own handlers back (where this was the last run using them)."""
+        signals, self.signals = self.signals, []
+        for signum in signals:
+            _signals.unsubscribe(signum, self.policies)
+
+
+def open_run(options: RunOptions) -> OpenRun:
+    """Open the run ``options`` describe: every participant calls it at the same point."""
+    coord = _coordinator(options.comm)
+    options.check_world(coord.world_size)
+    # One channel per thread that issues collectives: the caller's (policy, restore),
+    # the writer's and the hand-offs' never interleave.
+    policies = PolicyRoom(options.policy, clock=options.clock, coordinator=coord)
+    restore_channel = coord.channel("restore")
+    persistent, scratch = open_stores(options, coord)
+    if options.run_id is not None:
+        check_run_id([persistent] if scratch is None else [scratch, persistent], options.run_id)
+    chain = ChainIndex(
+        incremental=options.incremental,
+        full_every=options.full_every,
+        chunk_bytes=options.chunk_bytes,
+        # A distributed run's scratch holds each rank's part as a run of its own (rank 0).
+        rank=coord.rank if scratch is None else 0,
+    )
+    with ExitStack() as undo:
+        levels = open_levels(options, coord, persistent, scratch, chain, undo)
+        partners = open_partners(options, coord, levels) if options.partner else None
+        levels.observe = policies.reached
+        capturer = Capturer(
+            chunk_bytes=options.chunk_bytes,
+            budget=options.staging_bytes,
+            clock=options.clock,
+            diff=options.device_diff_for(cuda=_cuda()),
+        )
+        lineage = current_lineage(levels.records())
+        inflight = threading.BoundedSemaphore(options.max_inflight)
+        resumed = start_background(options, coord, levels, partners, capturer, undo)
+        signals = subscribe_signals(options.signals, policies, undo)
+        version = VersionWriter(
+            level=levels.first,
+            chain=chain,
+            coordinator=coord,
+            chunk_bytes=options.chunk_bytes,
+            fence=levels.fence,
+            placement=Placement(scratch) if scratch is not None else None,
+            run_id=options.run_id,
+            partners=partners,
+        )
+        writer = WriterThread(
+            version,
+            levels=levels,
+            policy_event=policies.event,
+            clock=options.clock,
+            inflight=inflight,
+        )
+        undo.pop_all()
+    return OpenRun(
+        coordinator=coord,
+        policies=policies,
+        restore_channel=restore_channel,
+        persistent=persistent,
+        scratch=scratch,
+        levels=levels,
+        partners=partners,
+        capturer=capturer,
+        writer=writer,
+        lineage=lineage,
+        pending=resumed,
+        signals=signals,
+    )
+
+
+def _cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+def _coordinator(comm: Coordinator | None) -> Coordinator:
+    """``comm``, or without one the job this process is part of: a TorchCoordinator when
+    torch.distributed is initialized with several processes (each Checkpointer gets gloo groups
+    of its own, created collectively), else a world of one."""
+    if comm is None:
+        from ..dist._torch import TorchCoordinator, initialized_world
+
+        return TorchCoordinator() if initialized_world() else LocalCoordinator()
+    return comm
+
+
+# -- stores and locks --------------------------------------------------------------------------
+
+
+def open_stores(options: RunOptions, coord: Coordinator) -> tuple[Store, StripedStore | None]:
+    """The persistent store and the scratch devices as one striped store (or None)."""
+    timeout = options.storage_timeout_seconds
+    devices = list(options.scratch_tiers)
+    if devices and coord.world_size > 1:
+        # Node-local: ranks of one node may share a scratch path, each keeps its own run.
+        devices = [Tier(_rank_dir(t, coord.rank), t.capacity_bytes) for t in devices]
+    persistent = open_store(
+        options.path, timeout_seconds=timeout, **(options.storage_options or {})
+    )
+    stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
+    _check_distinct(persistent, stores)
+    if not stores:
+        return persistent, None
+    return persistent, StripedStore(stores, [t.capacity_bytes for t in devices])
+
+
+def _rank_dir(tier: Tier, rank: int) -> str:
+    """``<tier>/rank-<r>``: where rank ``r`` keeps its scratch part (a path: check_world)."""
+    assert not isinstance(tier.path, Store)
+    return join_location(os.fspath(tier.path), f"rank-{rank:05d}")
+
+
+def _check_distinct(persistent: Store, scratch: Sequence[Store]) -> None:
+    """A scratch device that is the persistent directory itself would be one run opened twice
+    (its own lock would report this very process as the other writer)."""
+    for device in scratch:
+        if unwrap(device) == unwrap(persistent):
+            raise ValueError(
+                f"scratch={device.url!r} is the persistent path itself: a scratch tier must be "
+                "another directory (node-local: tmpfs, NVMe)"
+            )
+
+
+def open_levels(
+    options: RunOptions,
+    coord: Coordinator,
+    persistent: Store,
+    scratch: StripedStore | None,
+    chain: ChainIndex,
+    undo: ExitStack,
+) -> Levels:
+    """The levels, fastest first, each with its write lock (the shared persistent level's is
+    taken by rank 0 for every participant); ``undo`` releases them."""
+    levels: list[Level] = []
+    if scratch is not None:
+        levels.append(Level(SCRATCH, scratch, options.scratch_keep, shared=False))
+    levels.append(Level(PERSISTENT, persistent, options.retention, shared=True))
+    opened = Levels(levels, chain=chain, coordinator=coord)
+    undo.callback(opened.release_locks)
+    levels[-1].locks.extend(_shared_lock(persistent, coord))
+    for dev in scratch.devices if scratch is not None else ():
+        levels[0].locks.append(acquire_run_lock(dev))
+    return opened
+
+
+def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:
+    """Rank 0 takes the shared level's write lock for every participant; all of them learn
+    whether it could, so a second writer fails on every rank alike."""
+    lock: RunLock | None = None
+    error = ""
+    if coord.rank == 0:
+        try:
+            lock = acquire_run_lock(store)
+        except CheckpointError as exc:
+            if coord.world_size == 1:
+                raise
+            error = str(exc)
+    if coord.world_size > 1:
+        error = coord.broadcast(error)
+        if error:
+            if lock is not None:
+                lock.release()
+            raise CheckpointError(f"rank {coord.rank}: the run's write lock: {error}")
+    return [lock] if lock is not None else []
+
+
+def open_partners(options: RunOptions, coord: Coordinator, levels: Levels) -> Partners:
+    """Agree on the partners, open the copies this rank holds (their locks go with the
+    scratch level's), and get back from the partner what this rank's scratch lost."""
+    root = options.scratch_tiers[0].path
+    assert not isinstance(root, Store)  # refused by check_world
+    partners = Partners.open(
+        coord, os.fspath(root), open_store=open_store, timeout=options.storage_timeout_seconds
+    )
+    levels.first.locks.extend(partners.locks)
+    partners.locks = []
+    rebuild(coord, levels.first.store, partners)
+    return partners
+
+
+# -- the run id --------------------------------------------------------------------------------
+
+
+def newest_record(*stores: Store) -> CommitRecord | None:
+    """The commit record of the newest version on any of ``stores`` that reads (a damaged
+    record is skipped, as restore skips it)."""
+    steps = sorted({(s, i) for i, st in enumerate(stores) for s in engine.list_steps(st)})
+    for step, i in reversed(steps):
+        try:
+            return engine.read_commit(stores[i], step)
+        except (CheckpointFormatError, CheckpointNotFoundError) as exc:
+            log.warning("step %d of %s: %s; looking at the previous one", step, stores[i].url, exc)
+    return None
+
+
+def check_run_id(stores: Sequence[Store], run_id: str) -> None:
+    """Refuse to open a run whose newest version another training saved."""
+    newest = newest_record(*stores)
+    if newest is None or newest.run_id == run_id:
+        return
+    where = stores[-1].url
+    if newest.run_id is None:
+        theirs, resume = "no run id", "open it without run_id"
+    else:
+        theirs = f"run id {newest.run_id!r}"
+        resume = f"pass run_id={newest.run_id!r} (cryosnap.run_id_of(path))"
+    raise CheckpointError(
+        f"{where}: its newest version (step {newest.step}) was saved by another training "
+        f"({theirs}), not by run_id={run_id!r}: start a new training in a new path, or, to "
+        f"resume that one, {resume}"
+    )
+
+
+# -- the background ----------------------------------------------------------------------------
+
+
+def start_background(
+    options: RunOptions,
+    coord: Coordinator,
+    levels: Levels,
+    partners: Partners | None,
+    capturer: Capturer,
+    undo: ExitStack,
+) -> list[PendingSave]:
+    """Start the hand-offs, resuming the flushes a crash interrupted (their PendingSaves);
+    ``undo`` stops them."""
+    if len(levels.levels) > 1 and coord.world_size > 1:
+        drop_partial_scratch(coord, levels.first.store, levels.levels[-1].store, partners)
+    undo.callback(levels.close_handoffs)
+    undo.callback(levels.abandon)
+    levels.start_handoffs(
+        retry_seconds=options.flush_retry_seconds,
+        yield_to=capturer.wait_no_capture,
+        rewrite=lambda index: rewriter(options, coord, levels, index),
+    )
+    return levels.resume_unflushed(options.retention)
+
+
+def subscribe_signals(signals: Sequence[int], policies: PolicyRoom, undo: ExitStack) -> list[int]:
+    """Install the preemption handlers (``policies`` is told); ``undo`` removes them."""
+    subscribed: list[int] = []
+
+    def release() -> None:
+        for signum in subscribed:
+            _signals.unsubscribe(signum, policies)
+
+    undo.callback(release)
+    for signum in signals:
+        _signals.subscribe(signum, policies)
+        subscribed.append(signum)
+    return subscribed
+
+
+def rewriter(options: RunOptions, coord: Coordinator, levels: Levels, index: int) -> Rewriter:
+    """The flush into level ``index`` when every rank writes it again (levels.py)."""
+    chain = ChainIndex(
+        incremental=options.incremental,
+        full_every=options.full_every,
+        chunk_bytes=options.chunk_bytes,
+        rank=coord.rank,
+    )
+    levels.chains[index] = chain
+    writer = VersionWriter(
+        level=levels.levels[index],
+        chain=chain,
+        coordinator=coord,
+        chunk_bytes=options.chunk_bytes,
+        fence=levels.fence,
+        run_id=options.run_id,
+        channel=f"flush-{index}",
+    )
+    return Rewriter(writer)
+
+
+def drop_partial_scratch(
+    coord: Coordinator, scratch: Store, persistent: Store, partners: Partners | None
+) -> None:
+    """At open (collective): a version committed on some ranks' scratch only (a rank was
+    killed between the commit records) exists for no restore; unless the persistent level
+    has it, its commit record goes from this rank's scratch (and from the partner copies this
+    rank holds), so it is saved again normally."""
+    own = engine.list_steps(scratch)
+    told = coord.all_gather(own)
+    common = set.intersection(*(set(t) for t in told))
+    on_persistent = set(engine.list_steps(persistent))
+    stores = [scratch, *(partners.held.values() if partners is not None else ())]
+    for store in stores:
+        for step, lineage in engine.list_versions(store).items():
+            if step in common or step in on_persistent:
+                continue
+            log.warning(
+                "step %d is on %s but not on every rank's scratch: a rank stopped while it was "
+                "committed; removing it there",
+                step,
+                store.url,
+            )
+            store.delete(commit_key(step, lineage))

@@ -1,0 +1,232 @@
+"""RunOptions: every ``Checkpointer`` argument, validated into one frozen value.
+
+Pure: no I/O, no threads, no collectives; what needs the number of participants waits for
+:meth:`RunOptions.check_world`, called by ``open_run`` once the coordinator is known.
+Runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _signals, _validate
+from .._devdiff import DeviceDiff
+from ..chunks import validate_chunk_bytes
+from ..dist import Coordinator
+from ..manifest import RUN_ID_PATTERN
+from ..policy import RetentionPolicy, SavePolicy, as_retention
+from ..storage import DEFAULT_TIMEOUT_SECONDS, Store
+from ..storage.tiers import Tier
+
+__all__ = ["DEFAULT_KEEP_SCRATCH", "PathLike", "RunOptions"]
+
+PathLike = str | os.PathLike[str] | Store
+
+DEFAULT_KEEP_SCRATCH = 2
+
+ScratchLike = PathLike | Tier | Sequence[PathLike | Tier] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The arguments of :class:`~cryosnap.Checkpointer` (documented there), checked and
+    normalised: ``keep`` a retention policy or None, ``scratch`` a tuple of
+    :class:`~cryosnap.Tier` or None, ``handle_signals`` a tuple of signal numbers,
+    ``keep_scratch`` an int with scratch (None without). Validating a valid value again
+    gives it back unchanged. A bad argument raises on construction, naming it."""
+
+    path: PathLike
+    scratch: ScratchLike = None
+    keep: int | RetentionPolicy | None = None
+    keep_scratch: int | None = None
+    incremental: bool = True
+    full_every: int = 16
+    chunk_bytes: int = 1 << 20
+    staging_bytes: int | None = None
+    max_inflight: int = 1
+    allow_pickle: bool = False
+    policy: SavePolicy | None = None
+    handle_signals: Sequence[int] = ()
+    storage_options: dict[str, Any] | None = None
+    flush_retry_seconds: float = 300.0
+    storage_timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS
+    comm: Coordinator | None = None
+    clock: Callable[[], float] = field(default=time.monotonic)
+    run_id: str | None = None
+    device_diff: bool | None = None
+    partner: bool = False
+
+    def __post_init__(self) -> None:
+        # The order of the checks is the Checkpointer's of old: with several bad arguments,
+        # the same one is reported.
+        _set(self, "run_id", _run_id(self.run_id))
+        chunk_bytes = validate_chunk_bytes(self.chunk_bytes)
+        _set(self, "chunk_bytes", chunk_bytes)
+        budget = _validate.positive_int_or_none(self.staging_bytes, "staging_bytes")
+        if budget is not None and budget < chunk_bytes:
+            raise ValueError(
+                f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
+            )
+        _set(self, "staging_bytes", budget)
+        _set(self, "max_inflight", _validate.positive_int(self.max_inflight, "max_inflight"))
+        _set(self, "keep", as_retention(self.keep))
+        _set(self, "policy", _policy(self.policy))
+        _set(self, "handle_signals", tuple(_signals.parse_signals(self.handle_signals)))
+        self._check_scratch_retention()
+        _set(
+            self,
+            "flush_retry_seconds",
+            _validate.seconds(self.flush_retry_seconds, "flush_retry_seconds", allow_zero=True),
+        )
+        timeout = _validate.seconds(
+            self.storage_timeout_seconds, "storage_timeout_seconds", allow_none=True
+        )
+        _set(self, "storage_timeout_seconds", timeout)
+        if not callable(self.clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {self.clock!r}")
+        _check_comm(self.comm)
+        _set(self, "full_every", _validate.positive_int(self.full_every, "full_every"))
+        _set(self, "incremental", _validate.boolean(self.incremental, "incremental"))
+        _set(self, "allow_pickle", bool(self.allow_pickle))
+        self._check_partner()
+        self._check_storage()
+        _check_device_diff(self.device_diff, self.incremental, chunk_bytes)
+
+    def _check_scratch_retention(self) -> None:
+        keep_scratch = self.keep_scratch
+        if keep_scratch is not None and self.scratch is None:
+            raise ValueError(
+                f"keep_scratch={keep_scratch!r} needs scratch=: without scratch tiers every "
+                "version goes to the persistent tier, whose retention is keep="
+            )
+        if self.scratch is not None:
+            n = DEFAULT_KEEP_SCRATCH if keep_scratch is None else keep_scratch
+            _set(self, "keep_scratch", _validate.positive_int(n, "keep_scratch"))
+
+    def _check_partner(self) -> None:
+        partner = _validate.boolean(self.partner, "partner")
+        _set(self, "partner", partner)
+        if partner and self.scratch is None:
+            raise _partner_error()
+
+    def _check_storage(self) -> None:
+        options = self.storage_options
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"storage_options must be a dict, got {type(options).__name__}")
+        if options is not None:
+            _set(self, "storage_options", dict(options))
+        _set(self, "scratch", _scratch_tiers(self.scratch))
+
+    # -- normalised views ----------------------------------------------------------------------
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """``keep`` as the persistent level's retention policy (None: keep all)."""
+        assert self.keep is None or isinstance(self.keep, RetentionPolicy)
+        return self.keep
+
+    @property
+    def scratch_tiers(self) -> tuple[Tier, ...]:
+        """The scratch devices, fastest first (empty: no scratch level)."""
+        assert self.scratch is None or isinstance(self.scratch, tuple)
+        return self.scratch or ()
+
+    @property
+    def scratch_keep(self) -> int:
+        """The scratch level's retention: its newest ``keep_scratch`` versions."""
+        return DEFAULT_KEEP_SCRATCH if self.keep_scratch is None else self.keep_scratch
+
+    @property
+    def signals(self) -> tuple[int, ...]:
+        return tuple(self.handle_signals)
+
+    def check_world(self, world_size: int) -> None:
+        """What depends on the number of participants (known once the coordinator is):
+        partner copies need several; several need scratch given as paths or URLs."""
+        if self.partner and world_size == 1:
+            raise _partner_error()
+        if world_size > 1:
+            for tier in self.scratch_tiers:
+                if isinstance(tier.path, Store):
+                    raise ValueError(
+                        f"scratch={tier.path!r}: with several participants give scratch as a "
+                        "path or URL (each rank keeps its part under <scratch>/rank-<r>), not a "
+                        "Store"
+                    )
+
+    def device_diff_for(self, *, cuda: bool) -> DeviceDiff | None:
+        """The change detection on the device that ``device_diff`` asks for (None: none);
+        ``cuda``: whether CUDA is available (the default uses it for CUDA tensors)."""
+        wanted = self.device_diff
+        if wanted is None:
+            if not (cuda and self.incremental and DeviceDiff.usable(self.chunk_bytes)):
+                return None
+        elif not wanted:
+            return None
+        return DeviceDiff(self.chunk_bytes, full_every=self.full_every, cpu=wanted is True)
+
+
+def _set(options: RunOptions, name: str, value: object) -> None:
+    object.__setattr__(options, name, value)  # normalising a frozen value in __post_init__
+
+
+def _partner_error() -> ValueError:
+    return ValueError(
+        "partner=True copies each participant's scratch to another node's: it needs "
+        "scratch= and several participants (comm=)"
+    )
+
+
+def _run_id(run_id: object) -> str | None:
+    if run_id is None:
+        return None
+    if not isinstance(run_id, str):
+        raise TypeError(f"run_id must be a str or None, got {type(run_id).__name__}")
+    if not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ValueError(
+            f"run_id={run_id!r:.160} is invalid: allowed are 1 to 128 of A-Z a-z 0-9 . _ : -"
+        )
+    return run_id
+
+
+def _policy(policy: object) -> SavePolicy | None:
+    if policy is not None and not isinstance(policy, SavePolicy):
+        raise TypeError(
+            f"policy must be a save policy (cryosnap.policy.EveryNSteps, EveryNSeconds, "
+            f"Adaptive or an object with should_save/saved/durable), got {policy!r}"
+        )
+    return policy
+
+
+def _check_comm(comm: object) -> None:
+    if comm is not None and not isinstance(comm, Coordinator):
+        raise TypeError(
+            f"comm must be None or a cryosnap.dist.Coordinator (e.g. a rank of "
+            f"cryosnap.dist.InProcessGroup), got {comm!r}"
+        )
+
+
+def _scratch_tiers(scratch: object) -> tuple[Tier, ...] | None:
+    if scratch is None:
+        return None
+    items = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
+    if not items:
+        raise ValueError("scratch=[] is invalid: give None or at least one path or Tier")
+    return tuple(t if isinstance(t, Tier) else Tier(t) for t in items)  # type: ignore[arg-type]
+
+
+def _check_device_diff(wanted: object, incremental: bool, chunk_bytes: int) -> None:
+    if wanted is not None and not isinstance(wanted, bool):
+        raise TypeError(f"device_diff must be None, True or False, got {wanted!r}")
+    if not wanted:
+        return
+    if not incremental:
+        raise ValueError("device_diff=True needs incremental=True (it skips unchanged chunks)")
+    if not DeviceDiff.usable(chunk_bytes):
+        raise ValueError(
+            f"device_diff=True needs chunk_bytes of whole 32-bit words, got {chunk_bytes}"
+        )

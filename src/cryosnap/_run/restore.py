@@ -1,0 +1,319 @@
+"""Restore: a version read back from the fastest level holding a complete copy of it.
+
+Without a step, the newest version that verifies (with several participants: the newest every
+one can read, agreed on the ``"restore"`` channel); a damaged copy falls back to the next level,
+a version saved by another number of ranks is a WorldSizeError on every participant alike.
+Also the lineage new versions are committed in after a restore rewound the run.
+Runs on the caller's thread; its collectives use the channel it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import engine
+from .._devcopy import target_device
+from ..dist import Coordinator
+from ..errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    WorldSizeError,
+)
+from ..levels import Levels
+from ..manifest import Lineage, max_generation, version_prefix, visible_versions
+from ..progress import Progress
+from ..storage import Store
+
+__all__ = [
+    "Ask",
+    "current_lineage",
+    "device_for",
+    "restore_agreed",
+    "restore_levels",
+    "restore_one",
+    "restore_run",
+    "rewound_lineage",
+]
+
+log = logging.getLogger("cryosnap")
+
+
+def restore_run(
+    levels: Levels,
+    channel: Coordinator,
+    step: int | None,
+    *,
+    into: Any,
+    allow_pickle: bool,
+    only: bool,
+    keys: tuple[str | int, ...] | None,
+    device: Any,
+) -> tuple[Any, int]:
+    """A managed run's restore (``Checkpointer.restore``): the state and the step restored.
+    Per level, this participant reads its rank's part on a shared level, part 0 of its own
+    run on a private one (a distributed run's node-local scratch); without a step and with
+    several participants, the step is agreed on ``channel``."""
+    me = channel.rank
+    ask = Ask(
+        ranks=tuple(me if level.shared else 0 for level in levels.levels),
+        shared=tuple(level.shared for level in levels.levels),
+        participants=channel.world_size,
+        allow_pickle=allow_pickle,
+        only=only,
+        keys=keys,
+        device=device,
+    )
+    stores = levels.stores()
+    restored: list[int] = []
+    if step is not None or channel.world_size == 1:
+        state = restore_levels(stores, step, into=into, ask=ask, restored=restored)
+    else:
+        state = restore_agreed(channel, stores, into=into, ask=ask, restored=restored)
+    return state, restored[-1]
+
+
+def rewound_lineage(
+    levels: Levels, channel: Coordinator, step: int, current: Lineage | None
+) -> tuple[Lineage | None, bool]:
+    """The lineage after restoring ``step``, and whether the chain restarts from ``step``.
+    When the run holds later versions, the next version starts a new generation forked at
+    ``step``, whose first commit supersedes them (docs/FORMAT.md, "Superseding"); otherwise
+    saves go on in the run's lineage. Every participant restored the same step, and decides
+    the same."""
+    records = levels.records()
+    later = any(s > step for s in visible_versions(records))
+    newest = max_generation(records)
+    private = not all(level.shared for level in levels.levels)
+    if private and channel.world_size > 1:
+        # Each rank's scratch is its own: they may see different versions, and each
+        # commits its own scratch record in the lineage, so they agree on it. (On shared
+        # levels only, every rank lists the same records: no collective, and a survivor
+        # of a dead peer can still restore.)
+        told = channel.all_gather([later, newest])
+        later, newest = any(t[0] for t in told), max(t[1] for t in told)
+    lineage = Lineage(newest + 1, step) if later else current_lineage(records)
+    return lineage, later or lineage != current
+
+
+def current_lineage(records: Sequence[tuple[int, Lineage | None]]) -> Lineage | None:
+    """The lineage of the run's newest generation (None: the run never rewound)."""
+    newest = max_generation(records)
+    forks = [lin.fork for _s, lin in records if lin is not None and lin.generation == newest]
+    return Lineage(newest, min(forks)) if forks else None
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a restore reads: per tier, the part (``ranks``) and whether every participant
+    shares the tier (``shared``: its commit records say how many ranks saved a version);
+    ``participants``: how many restore together (None: no world-size check, ``load``);
+    ``only``, ``keys``, ``device``: engine.read_part's ``replicated_only``, ``keys``,
+    ``device``."""
+
+    ranks: tuple[int, ...]
+    shared: tuple[bool, ...]
+    participants: int | None
+    allow_pickle: bool
+    only: bool = False
+    keys: tuple[str | int, ...] | None = None
+    device: Any = None
+
+
+def restore_levels(
+    tiers: Sequence[Store],
+    step: int | None,
+    *,
+    into: Any,
+    ask: Ask,
+    restored: list[int] | None = None,
+) -> Any:
+    """Restore from the fastest tier holding a complete copy of the version (of the newest
+    one that verifies, without ``step``); a damaged copy falls back to the next tier. A
+    version saved by another number of ranks than ``ask.participants`` is a
+    :class:`WorldSizeError` before any tier is read (:func:`_check_world`). The versions are
+    those of every tier's records together (a rewind on one supersedes on all); the step
+    restored is appended to ``restored``."""
+    where = " + ".join(t.url for t in tiers)
+    readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
+
+    def listed() -> list[int]:
+        return sorted(_versions(tiers))
+
+    def attempt(s: int) -> Any:
+        _check_world(tiers, ask, s, where)
+        # Only the tiers holding the version itself: another may hold a record it superseded.
+        versions = _versions(tiers)
+        held = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
+        stores = [
+            (t, read)
+            for t, read, have in zip(tiers, readers, held, strict=True)
+            if s in versions and (s, versions[s]) in have
+        ]
+        if not stores:  # never committed, superseded, or retired since the listing
+            raise CheckpointNotFoundError(
+                f"step {s} not found on any tier ({where})", step=s, path=where
+            )
+        first: CheckpointError | None = None
+        for store, read in stores:
+            try:
+                state = read(store, s)
+                if restored is not None:
+                    restored.append(s)
+                return state
+            except CheckpointError as exc:
+                if store is not stores[-1][0]:
+                    log.warning("step %d on %s: %s; reading the next tier", s, store.url, exc)
+                first = first or exc
+        assert first is not None
+        raise first
+
+    if step is not None:
+        return _explicit(where, attempt, listed, step)
+    return engine.newest_restorable(where, attempt, listed)
+
+
+def _versions(tiers: Sequence[Store]) -> dict[int, Lineage | None]:
+    """The versions of a run over its tiers: a record one tier holds may be superseded by
+    one another tier holds (a rewind not flushed yet)."""
+    return visible_versions([r for t in tiers for r in engine.list_records(t)])
+
+
+def _check_world(tiers: Sequence[Store], ask: Ask, step: int, where: str) -> None:
+    """Refuse a version saved by another number of ranks than restore it (unless only its
+    replicated keys are asked for). The saved number is a shared tier's commit record's: a
+    private tier (a distributed run's scratch) holds each rank's part as a run of one."""
+    if ask.participants is None or ask.only:
+        return
+    for tier, shared in zip(tiers, ask.shared, strict=True):
+        if shared and engine.step_exists(tier, step):
+            saved = engine.read_commit(tier, step).world_size
+            if saved != ask.participants:
+                raise _world_size_error(where, step, saved, ask.participants)
+            return
+
+
+def _world_size_error(where: str, step: int, saved: int, participants: int) -> WorldSizeError:
+    if participants < saved:
+        what = f"the part(s) of saved {_ranks(participants, saved)} would be left unread"
+    else:
+        what = f"{_ranks(saved, participants)} would have no part of it"
+    return WorldSizeError(
+        f"step {step} of {where} was saved by {saved} rank(s) and {participants} "
+        f"participant(s) restore it: {what}. Ways on: restore(replicated_only=True) (the keys "
+        f"saved as replicated, at any world size); cryosnap.load(path, step={step}, rank=k) "
+        f"reads saved rank k's part (0..{saved - 1}) to reshard it yourself; or restart at "
+        f"{saved} ranks"
+    )
+
+
+def _ranks(lo: int, hi: int) -> str:
+    """Ranks ``lo..hi-1`` for a message."""
+    return f"rank {lo}" if hi == lo + 1 else f"ranks {lo}..{hi - 1}"
+
+
+def restore_one(store: Store, step: int | None, *, into: Any, ask: Ask) -> Any:
+    return restore_levels([store], step, into=into, ask=ask)
+
+
+def _reader(*, rank: int, into: Any, ask: Ask) -> Callable[[Store, int], Any]:
+    """``read(store, step)``: one rank's part of a version from one store, as asked."""
+
+    def read(store: Store, step: int) -> Any:
+        return engine.read_part(
+            store,
+            step,
+            rank=rank,
+            into=into,
+            allow_pickle=ask.allow_pickle,
+            replicated_only=ask.only,
+            device=ask.device,
+            keys=ask.keys,
+            progress=Progress,
+        )
+
+    return read
+
+
+def _explicit(
+    where: str, attempt: Callable[[int], Any], listed: Callable[[], list[int]], step: int
+) -> Any:
+    """``attempt(step)``; a version the writer retired while it was read is reported as such.
+    A step that is no version (never committed, or superseded) is not found."""
+    if step not in listed():
+        raise CheckpointNotFoundError(f"step {step} not found in {where}", step=step, path=where)
+    try:
+        return attempt(step)
+    except CheckpointError as exc:
+        if isinstance(exc, CheckpointNotFoundError) or step in listed():
+            raise
+        raise CheckpointNotFoundError(
+            f"step {step} of {where} was deleted by the run's retention while it was read"
+        ) from exc
+
+
+def device_for(map_location: object, into: Any) -> Any:
+    """The ``torch.device`` restored tensors go to (None: the CPU); refused with ``into``."""
+    device = target_device(map_location, "map_location")
+    if device is not None and into is not None:
+        raise ValueError(
+            f"map_location={map_location!r} cannot be combined with into=: the tensors of "
+            "into= are filled where they are, on their own devices"
+        )
+    return device
+
+
+def restore_agreed(
+    coord: Coordinator,
+    stores: Sequence[Store],
+    *,
+    into: Any,
+    ask: Ask,
+    restored: list[int] | None = None,
+) -> Any:
+    """The newest version every participant can restore: the steps complete for all of them,
+    tried newest first until every participant read its part (damage on any one falls back
+    for all, so they resume from the same step). A version saved by another number of ranks
+    is a :class:`WorldSizeError` on every participant alike (none resumes alone); every
+    version damaged an :class:`IntegrityError`, none at all a CheckpointNotFoundError."""
+    listed = coord.all_gather(sorted(_versions(stores)))
+    common = sorted(set.intersection(*(set(steps) for steps in listed)))
+    where = " + ".join(st.url for st in stores)
+    damaged: dict[int, str] = {}
+    for step in reversed(common):
+        try:
+            state = restore_levels(stores, step, into=None, ask=ask)
+            error, kind = "", ""
+        except WorldSizeError as exc:
+            state, error, kind = None, str(exc), "world"
+        except (IntegrityError, CheckpointFormatError) as exc:
+            state, error, kind = None, str(exc), "damage"
+        except CheckpointNotFoundError as exc:
+            state, error, kind = None, str(exc), "missing"
+        told = coord.all_gather([error, kind])
+        world = [e for e, k in told if k == "world"]
+        if world:
+            raise WorldSizeError(world[0])
+        errors = [(e, k) for e, k in told if e]
+        if not errors:
+            if restored is not None:
+                restored.append(step)
+            if into is None:
+                return state
+            return restore_levels(stores, step, into=into, ask=ask)
+        if any(k == "damage" for _e, k in errors):
+            damaged[step] = next(e for e, k in errors if k == "damage")
+        log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0][0])
+    if not common:
+        raise CheckpointNotFoundError(
+            f"no version of {where} is committed for all {coord.world_size} participants"
+        )
+    if len(damaged) == len(common):
+        raise engine.every_version_damaged(where, damaged)
+    raise CheckpointNotFoundError(
+        f"no version of {where} can be restored by all {coord.world_size} participants"
+    )

@@ -1,0 +1,122 @@
+"""Saves: the versions a run is saving, from ``save()`` to the writer's queue.
+
+Refuses a save that cannot be (a lost lock, participants that stopped agreeing, a step that
+exists or may), flattens the state into the writer's :class:`Job`, keeps each version's
+:class:`PendingSave` and hands a failure nobody received to the next ``save``/``wait``/``close``.
+Runs on the caller's thread; no collectives here.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from .. import _replicated
+from .._capturing import Job
+from .._results import PendingSave
+from .._validate import step as validate_step
+from .._writer import WriterThread
+from ..capture import CaptureTracker
+from ..errors import CheckpointExistsError, CoordinationError, LockLostError
+from ..levels import Levels
+from ..manifest import Lineage
+from ..tree import flatten
+from .open import OpenRun
+from .options import RunOptions
+
+__all__ = ["Saves"]
+
+
+class Saves:
+    """The pending saves of one run, and the jobs handed to its writer."""
+
+    def __init__(self, run: OpenRun, options: RunOptions) -> None:
+        self._levels: Levels = run.levels
+        self._writer: WriterThread = run.writer
+        self._run = run
+        self._options = options
+        # Saves not yet done, and failed ones the caller has not received yet.
+        self.pending: list[PendingSave] = run.pending
+
+    def start(
+        self,
+        step: int,
+        state: Any,
+        t0: float,
+        *,
+        clock0: float,
+        lineage: Lineage | None,
+        metrics: dict[str, float] | None = None,
+        replicated: object = None,
+    ) -> Job:
+        """Flatten ``state`` into the job of version ``step`` and queue it for the writer
+        (its capture is the caller's to run); raises when the version cannot be saved."""
+        self._run.capturer.remove_spent_hooks()
+        validate_step(step)
+        self.raise_undelivered()
+        self._refuse(step, lineage)
+        flat = flatten(
+            state,
+            allow_pickle=self._options.allow_pickle,
+            pack_bytes=self._options.chunk_bytes,
+            pack_apart=replicated,
+        )
+        keys = _replicated.replicated_keys(replicated, flat)
+        self._writer.inflight.acquire()
+        # Forget finished versions, but keep failed ones the caller has not received yet.
+        self.pending = [p for p in self.pending if not p.done() or p.failed_undelivered()]
+        tracker = CaptureTracker(len(flat.blobs))
+        names = self._levels.names
+        top = self._run.policies.top_level(step, len(names) - 1)
+        pending = PendingSave(step, tracker, t0, names[: top + 1], names)
+        job = Job(
+            step,
+            flat,
+            pending,
+            queue.SimpleQueue(),
+            metrics,
+            clock0=clock0,
+            replicated=keys,
+            lineage=lineage,
+        )
+        version = self._writer.version
+        job.plan, job.rank = version.plan(flat, keys), version.own_rank()
+        self.pending.append(pending)
+        self._writer.submit(job)
+        return job
+
+    def _refuse(self, step: int, lineage: Lineage | None) -> None:
+        """Raise when version ``step`` (in ``lineage``) cannot be saved now."""
+        store = self._levels.first.store
+        if self._levels.lock_lost is not None:
+            raise LockLostError(f"this writer stopped saving: {self._levels.lock_lost}")
+        version = self._writer.version
+        if version.disagreed is not None:
+            raise CoordinationError(
+                f"step {step}: this writer stopped saving: the run's participants no longer "
+                f"agree ({version.disagreed}); restart the job (every rank reopens the run)"
+            )
+        if step in version.in_doubt:
+            raise CheckpointExistsError(
+                f"step {step}: the commit record of an earlier save timed out and may still "
+                f"appear in {store.url}; save under another step"
+            )
+        if any(p.step == step and not p.done() for p in self.pending):
+            raise CheckpointExistsError(
+                f"step {step} is already being saved in Checkpointer({store.url!r})"
+            )
+        where = self._levels.step_exists(step, lineage)
+        if where is not None:
+            raise CheckpointExistsError(f"step {step} already exists in {where}", step=step)
+
+    def drain(self) -> None:
+        """Block until every pending save is durable on every level or failed."""
+        for p in list(self.pending):
+            p._done.wait()
+
+    def raise_undelivered(self) -> None:
+        """Raise the first failure nobody received yet (once)."""
+        for p in self.pending:
+            err = p.undelivered_error()
+            if err is not None:
+                raise err

@@ -1,0 +1,88 @@
+"""Levels, Handoff and flush_version built from their collaborators: a flush copies a version
+whole with its commit record last, refuses a damaged source, and a hand-off reports each level."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cryosnap
+from cryosnap import engine
+from cryosnap.dist import LocalCoordinator
+from cryosnap.flush import SourceDamagedError, flush_version
+from cryosnap.levels import Levels
+from cryosnap.manifest import commit_key
+from cryosnap.storage import LocalStore
+from cryosnap.testing import FaultyStore
+
+from .rooms import chain, job, level, state, version_writer
+
+
+def _version_on(path: Path, step: int) -> LocalStore:
+    store = LocalStore(path)
+    version_writer(level(store)).write(job(step, state(step)))
+    return store
+
+
+def test_a_flush_copies_a_version_whole_commit_record_last(tmp_path: Path) -> None:
+    src = _version_on(tmp_path / "scratch", 2)
+    dst = FaultyStore(LocalStore(tmp_path / "persistent"))
+    copied = flush_version(src, dst, 2)
+    writes = [key for op, key in dst.ops if op in ("write", "open_writer")]
+    assert writes[-1] == commit_key(2)
+    assert set(writes) == {key for key in src.list("") if key != "writer.lock"}
+    assert copied > 0 and engine.list_steps(dst) == [2]
+    got = cryosnap.load(tmp_path / "persistent", step=2)
+    assert np.array_equal(got["big"], state(2)["big"])
+
+
+def test_a_damaged_source_is_refused_and_nothing_is_committed(tmp_path: Path) -> None:
+    src = _version_on(tmp_path / "scratch", 2)
+    data = next(key for key in src.list("data"))
+    path = tmp_path / "scratch" / data
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    dst = LocalStore(tmp_path / "persistent")
+    with pytest.raises(SourceDamagedError):
+        flush_version(src, dst, 2)
+    assert engine.list_steps(dst) == []
+
+
+def test_a_handoff_reports_each_level_and_the_next_one_lists_it(tmp_path: Path) -> None:
+    scratch = level(LocalStore(tmp_path / "scratch"), "scratch", shared=False, keep=2)
+    persistent = level(LocalStore(tmp_path / "persistent"), "persistent")
+    idx = chain()
+    levels = Levels([scratch, persistent], chain=idx, coordinator=LocalCoordinator())
+    reached: list[tuple[int, str]] = []
+    levels.observe = lambda step, name, seconds: reached.append((step, name))
+    levels.start_handoffs(retry_seconds=5.0, yield_to=lambda: None)
+    try:
+        j = job(4, state(4), levels=levels.names)
+        info, _part = version_writer(scratch, chain_index=idx).write(j)
+        levels.reached(0, 4, j.pending, info)
+        done = j.pending.result(30)
+    finally:
+        levels.close_handoffs()
+    assert done.tiers == ("scratch", "persistent")
+    assert reached == [(4, "scratch"), (4, "persistent")]
+    assert levels.status().steps == {"scratch": (4,), "persistent": (4,)}
+    assert levels.status().not_persistent == ()
+
+
+def test_versions_left_unflushed_are_handed_off_on_open(tmp_path: Path) -> None:
+    scratch_store = _version_on(tmp_path / "scratch", 7)
+    scratch = level(scratch_store, "scratch", shared=False, keep=2)
+    persistent = level(LocalStore(tmp_path / "persistent"), "persistent")
+    levels = Levels([scratch, persistent], chain=chain(), coordinator=LocalCoordinator())
+    levels.start_handoffs(retry_seconds=5.0, yield_to=lambda: None)
+    try:
+        resumed = levels.resume_unflushed(None)
+        assert [p.step for p in resumed] == [7]
+        # A version this session did not save: done, with no SaveInfo of its own.
+        assert resumed[0]._done.wait(30) and not resumed[0].failed()
+    finally:
+        levels.close_handoffs()
+    assert engine.list_steps(persistent.store) == [7]
