@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from .checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
-from .errors import (
+from cryosnap.checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
+from cryosnap.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
@@ -34,11 +34,11 @@ from .errors import (
     TruncatedError,
     WorldSizeError,
 )
-from .run import Run, VerifyReport, VersionInfo
-from .storage.tiers import Tier
+from cryosnap.run import Run, VerifyReport, VersionInfo
+from cryosnap.storage.tiers import Tier
 
 if _TYPE_CHECKING:
-    from .integrations.torch import RNGState
+    from cryosnap.integrations.torch import RNGState
 
 __all__ = [
     "CheckpointError",
@@ -82,7 +82,7 @@ def __getattr__(name: str) -> _Any:
     # RNGState lives with the torch integration; imported on first use, so that importing
     # cryosnap never imports torch.
     if name == "RNGState":
-        from .integrations.torch import RNGState
+        from cryosnap.integrations.torch import RNGState
 
         return RNGState
     raise AttributeError(f"module 'cryosnap' has no attribute {name!r}")

@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from . import engine
-from ._devdiff import DeviceDiff, DiffPlan
-from ._gc import paused_gc
-from ._replicated import Plan
-from ._results import PendingSave
-from .capture import Batch, StagingPool, capture_to_slabs, direct_batches
-from .manifest import Lineage, Replicated
-from .tree import FlatState
+from cryosnap import engine
+from cryosnap._devdiff import DeviceDiff, DiffPlan
+from cryosnap._gc import paused_gc
+from cryosnap._replicated import Plan
+from cryosnap._results import PendingSave
+from cryosnap.capture import Batch, StagingPool, capture_to_slabs, direct_batches
+from cryosnap.manifest import Lineage, Replicated
+from cryosnap.tree import FlatState
 
 __all__ = ["END", "Capturer", "Job"]
 

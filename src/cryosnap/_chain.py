@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from . import engine
-from .errors import CheckpointError
-from .storage import Store
+from cryosnap import engine
+from cryosnap.errors import CheckpointError
+from cryosnap.storage import Store
 
 __all__ = ["ChainIndex"]
 

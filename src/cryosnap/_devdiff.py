@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ._results import PendingSave
-from .fingerprint import Fingerprinter, supported
-from .tree import FlatState
+from cryosnap._results import PendingSave
+from cryosnap.fingerprint import Fingerprinter, supported
+from cryosnap.tree import FlatState
 
 __all__ = ["DeviceDiff", "DiffPlan"]
 

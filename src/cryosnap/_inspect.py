@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from . import engine
-from ._format.skeleton import iter_leaves
-from .chunks import chunk_count
-from .engine import ResolvedPart
-from .errors import CheckpointFormatError
-from .manifest import Manifest
-from .storage import Store
+from cryosnap import engine
+from cryosnap._format.skeleton import iter_leaves
+from cryosnap.chunks import chunk_count
+from cryosnap.engine import ResolvedPart
+from cryosnap.errors import CheckpointFormatError
+from cryosnap.manifest import Manifest
+from cryosnap.storage import Store
 
 __all__ = ["LeafChange", "LeafInfo", "VersionDiff", "describe_leaves", "diff_versions"]
 

@@ -34,13 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import engine
-from .dist import Coordinator
-from .errors import CheckpointError, CheckpointFormatError, CoordinationError
-from .lock import RunLock, acquire_run_lock
-from .manifest import CommitRecord, commit_key, parse_commit_key
-from .policy import RetentionPolicy
-from .storage import BlobWriter, Store, join_location
+from cryosnap import engine
+from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointError, CheckpointFormatError, CoordinationError
+from cryosnap.lock import RunLock, acquire_run_lock
+from cryosnap.manifest import CommitRecord, commit_key, parse_commit_key
+from cryosnap.policy import RetentionPolicy
+from cryosnap.storage import BlobWriter, Store, join_location
 
 __all__ = ["NODE_ENV", "WINDOW_BYTES", "Partners", "node_name", "partner_map", "rebuild"]
 

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .dist import Coordinator
-from .policy import SavePolicy
+from cryosnap.dist import Coordinator
+from cryosnap.policy import SavePolicy
 
 __all__ = ["PolicyRoom"]
 

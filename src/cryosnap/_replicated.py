@@ -33,13 +33,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import engine
-from ._format.skeleton import Json, dict_items, encode_key, iter_leaves
-from .dist import Coordinator
-from .engine._write import Owners, assign_shares
-from .errors import CheckpointError, ReplicaDivergenceError
-from .manifest import Replicated
-from .tree import FlatState
+from cryosnap import engine
+from cryosnap._format.skeleton import Json, dict_items, encode_key, iter_leaves
+from cryosnap.dist import Coordinator
+from cryosnap.engine._write import Owners, assign_shares
+from cryosnap.errors import CheckpointError, ReplicaDivergenceError
+from cryosnap.manifest import Replicated
+from cryosnap.tree import FlatState
 
 __all__ = ["Plan", "exchange", "plan", "replicated_keys", "send_failure", "top_level_keys"]
 

@@ -14,8 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .capture import CaptureTracker
-from .errors import CheckpointTimeoutError
+from cryosnap.capture import CaptureTracker
+from cryosnap.errors import CheckpointTimeoutError
 
 __all__ = ["PendingSave", "SaveInfo", "Status"]
 

@@ -17,18 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from . import _replicated, engine
-from ._capturing import END, Job
-from ._chain import ChainIndex
-from ._partner import Partners
-from ._results import PendingSave, SaveInfo
-from .capture import Batch, CaptureTracker, direct_batches
-from .chunks import merkle_root
-from .dist import Coordinator
-from .errors import CheckpointError, CoordinationError, StorageTimeoutError
-from .flush import SourceDamagedError
-from .levels import Level, Levels
-from .manifest import (
+from cryosnap import _replicated, engine
+from cryosnap._capturing import END, Job
+from cryosnap._chain import ChainIndex
+from cryosnap._partner import Partners
+from cryosnap._results import PendingSave, SaveInfo
+from cryosnap.capture import Batch, CaptureTracker, direct_batches
+from cryosnap.chunks import merkle_root
+from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointError, CoordinationError, StorageTimeoutError
+from cryosnap.flush import SourceDamagedError
+from cryosnap.levels import Level, Levels
+from cryosnap.manifest import (
     CommitRecord,
     Manifest,
     PartSummary,
@@ -36,10 +36,10 @@ from .manifest import (
     commit_key,
     manifest_key,
 )
-from .progress import Progress, human_bytes
-from .storage import Store
-from .storage.tiers import Placement
-from .tree import FlatState
+from cryosnap.progress import Progress, human_bytes
+from cryosnap.storage import Store
+from cryosnap.storage.tiers import Placement
+from cryosnap.tree import FlatState
 
 __all__ = ["Rewriter", "VersionWriter", "WriterThread", "summary_of"]
 

@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
-from .chunks import chunk_count, hash_chunks_released, value_runs
-from .engine.items import Batch, Hashed, Item, Piece, Unchanged
-from .tree import Blob, FlatState
+from cryosnap import _native
+from cryosnap.chunks import chunk_count, hash_chunks_released, value_runs
+from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
+from cryosnap.tree import Blob, FlatState
 
 # Batch, Hashed, Piece and Unchanged are the engine's (engine/items.py): re-exported here.
 __all__ = [

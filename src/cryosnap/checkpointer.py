@@ -24,19 +24,19 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Generic, NoReturn, TypeVar, overload
 
-from . import _validate, engine
-from ._capturing import Job
-from ._results import PendingSave, SaveInfo, Status
-from ._run.open import newest_record, open_run
-from ._run.options import PathLike, RunOptions
-from ._run.restore import Ask, device_for, restore_one, restore_run, rewound_lineage
-from ._run.saves import Saves
-from ._validate import step as validate_step
-from .dist import Coordinator
-from .errors import CheckpointError, CheckpointNotFoundError
-from .policy import RetentionPolicy, SavePolicy
-from .storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store
-from .storage.tiers import StripedStore, Tier
+from cryosnap import _validate, engine
+from cryosnap._capturing import Job
+from cryosnap._results import PendingSave, SaveInfo, Status
+from cryosnap._run.open import newest_record, open_run
+from cryosnap._run.options import PathLike, RunOptions
+from cryosnap._run.restore import Ask, device_for, restore_one, restore_run, rewound_lineage
+from cryosnap._run.saves import Saves
+from cryosnap._validate import step as validate_step
+from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointError, CheckpointNotFoundError
+from cryosnap.policy import RetentionPolicy, SavePolicy
+from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store
+from cryosnap.storage.tiers import StripedStore, Tier
 
 __all__ = [
     "Checkpointer",

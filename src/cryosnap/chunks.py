@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import _native
-from ._validate import integer
+from cryosnap import _native
+from cryosnap._validate import integer
 
 __all__ = [
     "HASH_BYTES",

@@ -42,13 +42,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _validate
-from ._format.skeleton import format_path
-from ._torch_import import import_torch, loaded_torch
-from .checkpointer import load
-from .errors import CheckpointError
-from .run import committed_steps, is_dcp_version
-from .storage import Store, open_store
+from cryosnap import _validate
+from cryosnap._format.skeleton import format_path
+from cryosnap._torch_import import import_torch, loaded_torch
+from cryosnap.checkpointer import load
+from cryosnap.errors import CheckpointError
+from cryosnap.run import committed_steps, is_dcp_version
+from cryosnap.storage import Store, open_store
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -118,7 +118,7 @@ def export(
                 "torch.distributed.checkpoint (cryosnap.dcp) and is exported whole, every "
                 "rank's shards assembled"
             )
-        from .dcp import full_state_dict
+        from cryosnap.dcp import full_state_dict
 
         tree = full_state_dict(store, step)
     else:

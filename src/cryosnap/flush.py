@@ -33,9 +33,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import xxhash
 
-from .chunks import HASH_BYTES, hash_chunks_released
-from .engine import chain_manifests, read_commit, read_manifest
-from .errors import (
+from cryosnap.chunks import HASH_BYTES, hash_chunks_released
+from cryosnap.engine import chain_manifests, read_commit, read_manifest
+from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -43,8 +43,8 @@ from .errors import (
     LockLostError,
     StorageError,
 )
-from .manifest import STORED, CommitRecord, manifest_key
-from .storage import Store
+from cryosnap.manifest import STORED, CommitRecord, manifest_key
+from cryosnap.storage import Store
 
 __all__ = ["Flusher", "SourceDamagedError", "flush_keys", "flush_version"]
 

@@ -24,17 +24,17 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
-from . import engine
-from ._chain import ChainIndex
-from ._results import PendingSave, SaveInfo, Status
-from .capture import CaptureTracker
-from .dist import Coordinator
-from .errors import CheckpointError, CoordinationError, LockLostError
-from .flush import CollectiveFlush, Flusher, SourceDamagedError, flush_keys, flush_version
-from .lock import RunLock
-from .manifest import Lineage, visible_versions
-from .policy import KeepLast, RetentionPolicy
-from .storage import Store
+from cryosnap import engine
+from cryosnap._chain import ChainIndex
+from cryosnap._results import PendingSave, SaveInfo, Status
+from cryosnap.capture import CaptureTracker
+from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointError, CoordinationError, LockLostError
+from cryosnap.flush import CollectiveFlush, Flusher, SourceDamagedError, flush_keys, flush_version
+from cryosnap.lock import RunLock
+from cryosnap.manifest import Lineage, visible_versions
+from cryosnap.policy import KeepLast, RetentionPolicy
+from cryosnap.storage import Store
 
 __all__ = ["Handoff", "Level", "Levels"]
 

@@ -73,14 +73,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import (
+from cryosnap.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     LockLostError,
     RunLockedError,
     StorageError,
 )
-from .storage import ConditionalWrites, ConditionalWritesUnsupported, Store
+from cryosnap.storage import ConditionalWrites, ConditionalWritesUnsupported, Store
 
 __all__ = ["CLAIMS_PREFIX", "LOCK_KEY", "STALE_SECONDS", "RunLock", "acquire_run_lock"]
 

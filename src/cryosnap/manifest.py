@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
-from ._format.keys import (
+from cryosnap._format.keys import (
     Lineage,
     commit_key,
     data_key,
@@ -54,7 +54,7 @@ from ._format.keys import (
     version_prefix,
     visible_versions,
 )
-from ._format.limits import (
+from cryosnap._format.limits import (
     MAX_BLOB_BYTES,
     MAX_BLOB_CHUNKS,
     MAX_COUNT,
@@ -64,9 +64,9 @@ from ._format.limits import (
     MAX_STEP,
     MAX_UNIX,
 )
-from ._format.skeleton import check_depth, decode_key, encode_key
-from .chunks import HASH_BYTES, HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_count
-from .errors import CheckpointFormatError
+from cryosnap._format.skeleton import check_depth, decode_key, encode_key
+from cryosnap.chunks import HASH_BYTES, HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_count
+from cryosnap.errors import CheckpointFormatError
 
 __all__ = [
     "FORMAT_VERSION",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol, runtime_checkable
 
-from ._validate import (
+from cryosnap._validate import (
     bad_value,
     fraction,
     integer,
@@ -43,7 +43,7 @@ from ._validate import (
     positive_int_or_none,
     wrong_type,
 )
-from ._validate import seconds as _seconds  # EveryNSeconds has an argument named seconds
+from cryosnap._validate import seconds as _seconds  # EveryNSeconds has an argument named seconds
 
 __all__ = [
     "Adaptive",
@@ -177,7 +177,7 @@ class MultiLevel:
         replan_every: int = 10,
         method: Literal["analytic", "search", "auto"] = "analytic",
     ) -> None:
-        from .plan import FailureClass
+        from cryosnap.plan import FailureClass
 
         if not isinstance(failures, (list, tuple)) or not failures:
             wrong_type(failures, "failures", "a non-empty list of cryosnap.plan.FailureClass")
@@ -228,7 +228,7 @@ class MultiLevel:
         return statistics.median(samples) if samples else None
 
     def _replan(self) -> None:
-        from .plan import LevelCost, plan
+        from cryosnap.plan import LevelCost, plan
 
         costs = [self.cost_seconds(n) for n in self.levels]
         if any(c is None or c <= 0 for c in costs):

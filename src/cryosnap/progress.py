@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from ._units import human_bytes
+from cryosnap._units import human_bytes
 
 __all__ = ["Progress", "human_bytes"]
 

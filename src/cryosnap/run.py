@@ -15,20 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import engine
-from ._inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
-from ._validate import positive_int
-from ._validate import step as validate_step
-from .checkpointer import load
-from .errors import (
+from cryosnap import engine
+from cryosnap._inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
+from cryosnap._validate import positive_int
+from cryosnap._validate import step as validate_step
+from cryosnap.checkpointer import load
+from cryosnap.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
     RunLockedError,
 )
-from .lock import LOCK_KEY, acquire_run_lock
-from .manifest import MAX_STEP, Replicated, commit_key
-from .storage import Store, open_store
+from cryosnap.lock import LOCK_KEY, acquire_run_lock
+from cryosnap.manifest import MAX_STEP, Replicated, commit_key
+from cryosnap.storage import Store, open_store
 
 __all__ = [
     "MAX_STEP",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._devcopy import copy_to_device
-from ._state import (
+from cryosnap._devcopy import copy_to_device
+from cryosnap._state import (
     PACK_BYTES,
     PACK_LEAF_FRACTION,
     Blob,
@@ -16,7 +16,7 @@ from ._state import (
     flatten,
     is_stateful,
 )
-from ._state.flatten import _Packer
+from cryosnap._state.flatten import _Packer
 
 __all__ = [
     "PACK_BYTES",

@@ -8,7 +8,7 @@ conversion would overflow. Pure constants.
 
 from __future__ import annotations
 
-from .._validate import MAX_STEP
+from cryosnap._validate import MAX_STEP
 
 __all__ = [
     "MAX_BLOB_BYTES",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CheckpointFormatError
-from .limits import MAX_DEPTH, MAX_ELEMENTS, MAX_NDIM
+from cryosnap._format.limits import MAX_DEPTH, MAX_ELEMENTS, MAX_NDIM
+from cryosnap.errors import CheckpointFormatError
 
 __all__ = [
     "MAX_DEPTH",

@@ -16,22 +16,22 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from .. import _signals, engine
-from .._capturing import Capturer
-from .._chain import ChainIndex
-from .._partner import Partners, rebuild
-from .._policy_room import PolicyRoom
-from .._results import PendingSave
-from .._writer import Rewriter, VersionWriter, WriterThread
-from ..dist import Coordinator, LocalCoordinator
-from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from ..levels import Level, Levels
-from ..lock import RunLock, acquire_run_lock
-from ..manifest import CommitRecord, Lineage, commit_key
-from ..storage import Store, join_location, open_store, unwrap
-from ..storage.tiers import Placement, StripedStore, Tier
-from .options import RunOptions
-from .restore import current_lineage
+from cryosnap import _signals, engine
+from cryosnap._capturing import Capturer
+from cryosnap._chain import ChainIndex
+from cryosnap._partner import Partners, rebuild
+from cryosnap._policy_room import PolicyRoom
+from cryosnap._results import PendingSave
+from cryosnap._run.options import RunOptions
+from cryosnap._run.restore import current_lineage
+from cryosnap._writer import Rewriter, VersionWriter, WriterThread
+from cryosnap.dist import Coordinator, LocalCoordinator
+from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from cryosnap.levels import Level, Levels
+from cryosnap.lock import RunLock, acquire_run_lock
+from cryosnap.manifest import CommitRecord, Lineage, commit_key
+from cryosnap.storage import Store, join_location, open_store, unwrap
+from cryosnap.storage.tiers import Placement, StripedStore, Tier
 
 __all__ = ["OpenRun", "newest_record", "open_run"]
 
@@ -142,7 +142,7 @@ def _coordinator(comm: Coordinator | None) -> Coordinator:
     torch.distributed is initialized with several processes (each Checkpointer gets gloo groups
     of its own, created collectively), else a world of one."""
     if comm is None:
-        from ..dist._torch import TorchCoordinator, initialized_world
+        from cryosnap.dist._torch import TorchCoordinator, initialized_world
 
         return TorchCoordinator() if initialized_world() else LocalCoordinator()
     return comm

@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _signals, _validate
-from .._devdiff import DeviceDiff
-from ..chunks import validate_chunk_bytes
-from ..dist import Coordinator
-from ..manifest import RUN_ID_PATTERN
-from ..policy import RetentionPolicy, SavePolicy, as_retention
-from ..storage import DEFAULT_TIMEOUT_SECONDS, Store
-from ..storage.tiers import Tier
+from cryosnap import _signals, _validate
+from cryosnap._devdiff import DeviceDiff
+from cryosnap.chunks import validate_chunk_bytes
+from cryosnap.dist import Coordinator
+from cryosnap.manifest import RUN_ID_PATTERN
+from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention
+from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store
+from cryosnap.storage.tiers import Tier
 
 __all__ = ["DEFAULT_KEEP_SCRATCH", "PathLike", "RunOptions"]
 

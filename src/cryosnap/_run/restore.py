@@ -14,20 +14,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import engine
-from .._devcopy import target_device
-from ..dist import Coordinator
-from ..errors import (
+from cryosnap import engine
+from cryosnap._devcopy import target_device
+from cryosnap.dist import Coordinator
+from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
     WorldSizeError,
 )
-from ..levels import Levels
-from ..manifest import Lineage, max_generation, version_prefix, visible_versions
-from ..progress import Progress
-from ..storage import Store
+from cryosnap.levels import Levels
+from cryosnap.manifest import Lineage, max_generation, version_prefix, visible_versions
+from cryosnap.progress import Progress
+from cryosnap.storage import Store
 
 __all__ = [
     "Ask",

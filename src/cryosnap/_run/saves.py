@@ -11,18 +11,18 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from .. import _replicated
-from .._capturing import Job
-from .._results import PendingSave
-from .._validate import step as validate_step
-from .._writer import WriterThread
-from ..capture import CaptureTracker
-from ..errors import CheckpointExistsError, CoordinationError, LockLostError
-from ..levels import Levels
-from ..manifest import Lineage
-from ..tree import flatten
-from .open import OpenRun
-from .options import RunOptions
+from cryosnap import _replicated
+from cryosnap._capturing import Job
+from cryosnap._results import PendingSave
+from cryosnap._run.open import OpenRun
+from cryosnap._run.options import RunOptions
+from cryosnap._validate import step as validate_step
+from cryosnap._writer import WriterThread
+from cryosnap.capture import CaptureTracker
+from cryosnap.errors import CheckpointExistsError, CoordinationError, LockLostError
+from cryosnap.levels import Levels
+from cryosnap.manifest import Lineage
+from cryosnap.tree import flatten
 
 __all__ = ["Saves"]
 

@@ -3,9 +3,16 @@
 
 from __future__ import annotations
 
-from .build import Place, Restorer
-from .flatten import PACK_BYTES, PACK_LEAF_FRACTION, Blob, FlatState, flatten, is_stateful
-from .into import apply_into, check_into, direct_targets
+from cryosnap._state.build import Place, Restorer
+from cryosnap._state.flatten import (
+    PACK_BYTES,
+    PACK_LEAF_FRACTION,
+    Blob,
+    FlatState,
+    flatten,
+    is_stateful,
+)
+from cryosnap._state.into import apply_into, check_into, direct_targets
 
 __all__ = [
     "PACK_BYTES",

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._devcopy import to_device
-from .._format.skeleton import (
+from cryosnap._devcopy import to_device
+from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
     Json,
@@ -25,8 +25,8 @@ from .._format.skeleton import (
     dict_items,
     format_path,
 )
-from .._torch_import import import_torch
-from ..errors import CheckpointError, CheckpointFormatError
+from cryosnap._torch_import import import_torch
+from cryosnap.errors import CheckpointError, CheckpointFormatError
 
 
 def _torch() -> Any:

@@ -17,16 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native
-from .._format.skeleton import (
+from cryosnap import _native
+from cryosnap._format.skeleton import (
     _BIG_INT_BITS,
     MAX_DEPTH,
     Json,
     encode_key,
     format_path,
 )
-from .._gc import paused_gc
-from .._torch_import import loaded_torch
+from cryosnap._gc import paused_gc
+from cryosnap._torch_import import loaded_torch
 
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
 # packed (a fraction of the pack, so that a pack holds many).

@@ -12,16 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from .._devcopy import copy_to_device
-from .._format.skeleton import (
+from cryosnap._devcopy import copy_to_device
+from cryosnap._format.skeleton import (
     Json,
     dict_items,
     format_path,
 )
-from .._torch_import import loaded_torch
-from ..errors import StateMismatchError
-from .build import _np_dtype, _torch
-from .flatten import _DTYPE_NAMES, is_stateful
+from cryosnap._state.build import _np_dtype, _torch
+from cryosnap._state.flatten import _DTYPE_NAMES, is_stateful
+from cryosnap._torch_import import loaded_torch
+from cryosnap.errors import StateMismatchError
 
 
 def check_into(skeleton: Json, into: Any) -> None:

@@ -5,7 +5,7 @@
 Nothing here imports typer or rich; torch is imported lazily. Runs on the caller's thread.
 """
 
-from ._config import (
+from cryosnap.bench._config import (
     WORKLOADS,
     BenchConfig,
     BenchError,
@@ -14,8 +14,8 @@ from ._config import (
     parse_size,
     require_torch,
 )
-from ._plot import check_plot_available, plot
-from ._probes import (
+from cryosnap.bench._plot import check_plot_available, plot
+from cryosnap.bench._probes import (
     current_rss_bytes,
     drop_page_cache,
     fsync_path,
@@ -27,8 +27,8 @@ from ._probes import (
     tree_bytes,
     warm_page_cache,
 )
-from ._result import BenchResult
-from ._runner import run
+from cryosnap.bench._result import BenchResult
+from cryosnap.bench._runner import run
 
 __all__ = [
     "WORKLOADS",

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from ._config import BenchStep, ProgressFn
+from cryosnap.bench._config import BenchStep, ProgressFn
 
 
 class CtrlC:

@@ -16,9 +16,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._config import CHUNK_BYTES
-from ._probes import fsync_path
-from ._workloads import byte_view, state_nbytes
+from cryosnap.bench._config import CHUNK_BYTES
+from cryosnap.bench._probes import fsync_path
+from cryosnap.bench._workloads import byte_view, state_nbytes
 
 if TYPE_CHECKING:
     import torch

@@ -10,8 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ._config import TRAIN_EVERY, MissingDependencyError
-from ._result import BenchResult
+from cryosnap.bench._config import TRAIN_EVERY, MissingDependencyError
+from cryosnap.bench._result import BenchResult
 
 # -------------------------------------------------------------------------------------- plot
 

@@ -253,7 +253,7 @@ def machine_info() -> dict[str, Any]:
             info[name] = importlib.import_module(name).__version__
         except (ImportError, AttributeError):
             info[name] = None
-    from .. import __version__
+    from cryosnap import __version__
 
     info["cryosnap"] = f"{__version__} ({Path(__file__).resolve().parent.parent})"
     return info

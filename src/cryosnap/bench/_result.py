@@ -10,9 +10,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..progress import human_bytes
-from ._config import BenchConfig
-from ._probes import machine_info, median
+from cryosnap.bench._config import BenchConfig
+from cryosnap.bench._probes import machine_info, median
+from cryosnap.progress import human_bytes
 
 _GB = 1e9
 

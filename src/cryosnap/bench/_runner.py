@@ -11,12 +11,12 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from ._clock import CtrlC
-from ._config import BenchConfig, ProgressFn, require_torch
-from ._peers import import_peers, quiet_dcp
-from ._result import BenchResult
-from ._save_load import run_save_load
-from ._training import run_training
+from cryosnap.bench._clock import CtrlC
+from cryosnap.bench._config import BenchConfig, ProgressFn, require_torch
+from cryosnap.bench._peers import import_peers, quiet_dcp
+from cryosnap.bench._result import BenchResult
+from cryosnap.bench._save_load import run_save_load
+from cryosnap.bench._training import run_training
 
 
 def run(

@@ -12,14 +12,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..progress import human_bytes
-from . import _probes
-from ._clock import Clock, CtrlC
-from ._config import SPARSE_FRACTION, BenchConfig, ProgressFn
-from ._peers import Peer, make_peers
-from ._probes import MemoryMeter, file_sizes, settle_disk, warm_page_cache, written_between
-from ._result import BenchResult, PeerFigures, new_result
-from ._workloads import (
+from cryosnap.bench import _probes
+from cryosnap.bench._clock import Clock, CtrlC
+from cryosnap.bench._config import SPARSE_FRACTION, BenchConfig, ProgressFn
+from cryosnap.bench._peers import Peer, make_peers
+from cryosnap.bench._probes import (
+    MemoryMeter,
+    file_sizes,
+    settle_disk,
+    warm_page_cache,
+    written_between,
+)
+from cryosnap.bench._result import BenchResult, PeerFigures, new_result
+from cryosnap.bench._workloads import (
     SparseChange,
     build_state,
     dense_shapes,
@@ -27,6 +32,7 @@ from ._workloads import (
     many_small_shapes,
     state_nbytes,
 )
+from cryosnap.progress import human_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -15,12 +15,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..progress import human_bytes
-from ._clock import Clock, CtrlC
-from ._config import SEED, TRAIN_EVERY, BenchConfig, ProgressFn
-from ._peers import dcp_async_save, dcp_available
-from ._probes import file_sizes, fsync_path, median, settle_disk, written_between
-from ._result import BenchResult, TrainingFigures, new_result
+from cryosnap.bench._clock import Clock, CtrlC
+from cryosnap.bench._config import SEED, TRAIN_EVERY, BenchConfig, ProgressFn
+from cryosnap.bench._peers import dcp_async_save, dcp_available
+from cryosnap.bench._probes import file_sizes, fsync_path, median, settle_disk, written_between
+from cryosnap.bench._result import BenchResult, TrainingFigures, new_result
+from cryosnap.progress import human_bytes
 
 if TYPE_CHECKING:
     import torch

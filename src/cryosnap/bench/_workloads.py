@@ -10,7 +10,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._config import CHUNK_BYTES, SEED, SPARSE_FRACTION
+from cryosnap.bench._config import CHUNK_BYTES, SEED, SPARSE_FRACTION
 
 if TYPE_CHECKING:
     import torch

@@ -5,6 +5,6 @@
 draws; one module per command. Runs on the caller's thread; no collectives.
 """
 
-from ._main import main
+from cryosnap.cli._main import main
 
 __all__ = ["main"]

@@ -11,18 +11,18 @@ from typing import Annotated
 
 import typer
 
-from ..run import MAX_STEP
-from ._bench import cmd_bench
-from ._demo import cmd_demo
-from ._diff import cmd_diff
-from ._export import cmd_export
-from ._import_dcp import cmd_import_dcp
-from ._inspect import cmd_inspect
-from ._ls import cmd_ls
-from ._plan import cmd_plan
-from ._remove import cmd_gc, cmd_rm
-from ._render import PROG, Invocation, print_line
-from ._verify import cmd_verify
+from cryosnap.cli._bench import cmd_bench
+from cryosnap.cli._demo import cmd_demo
+from cryosnap.cli._diff import cmd_diff
+from cryosnap.cli._export import cmd_export
+from cryosnap.cli._import_dcp import cmd_import_dcp
+from cryosnap.cli._inspect import cmd_inspect
+from cryosnap.cli._ls import cmd_ls
+from cryosnap.cli._plan import cmd_plan
+from cryosnap.cli._remove import cmd_gc, cmd_rm
+from cryosnap.cli._render import PROG, Invocation, print_line
+from cryosnap.cli._verify import cmd_verify
+from cryosnap.run import MAX_STEP
 
 PATH_ARG = typer.Argument(help="The run: a directory or an fsspec URL (memory://, s3://...).")
 JSON_OPT = typer.Option("--json", help="Machine-readable output (JSON) on stdout.")
@@ -54,7 +54,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
 
 def _show_version(value: bool) -> None:
     if value:
-        from .. import __version__
+        from cryosnap import __version__
 
         print_line(f"{PROG} {__version__}")
         raise typer.Exit(0)

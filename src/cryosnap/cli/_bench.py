@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._common import CliUsageError, check_image_out
-from ._render import PROG, Column, Table, print_line, truncate
+from cryosnap.cli._common import CliUsageError, check_image_out
+from cryosnap.cli._render import PROG, Column, Table, print_line, truncate
 
 
 def cmd_bench(
@@ -37,7 +37,7 @@ def cmd_bench(
 
     Every argument is checked before anything is measured: a bad one costs no benchmark time.
     """
-    from .. import bench
+    from cryosnap import bench
 
     try:
         config = bench.BenchConfig(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CheckpointNotFoundError
-from ..run import Run
+from cryosnap.errors import CheckpointNotFoundError
+from cryosnap.run import Run
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1

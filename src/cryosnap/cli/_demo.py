@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def cmd_demo(directory: str, *, steps: int, every: int, seed: int | None, as_json: bool) -> int:
     """Run the demo; return its exit code."""
-    from .. import demo
+    from cryosnap import demo
 
     argv = ["--dir", directory, "--steps", str(steps), "--every", str(every)]
     if seed is not None:

@@ -6,9 +6,9 @@ small tensors read where they differ); takes no lock.
 
 from __future__ import annotations
 
-from ..progress import human_bytes
-from ._common import open_run
-from ._render import Column, Table, plural, print_json, print_line
+from cryosnap.cli._common import open_run
+from cryosnap.cli._render import Column, Table, plural, print_json, print_line
+from cryosnap.progress import human_bytes
 
 
 def cmd_diff(location: str, a: int, b: int, *, rank: int, as_json: bool) -> None:

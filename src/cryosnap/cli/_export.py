@@ -6,11 +6,11 @@ Runs on the caller's thread, over :func:`cryosnap.export.export` (which reads th
 
 from __future__ import annotations
 
-from ..export import ExportError, ExportResult, check_out, export
-from ..progress import human_bytes
-from ..run import committed_steps
-from ._common import CliUsageError
-from ._render import note, plural, print_json, print_line
+from cryosnap.cli._common import CliUsageError
+from cryosnap.cli._render import note, plural, print_json, print_line
+from cryosnap.export import ExportError, ExportResult, check_out, export
+from cryosnap.progress import human_bytes
+from cryosnap.run import committed_steps
 
 
 def cmd_export(

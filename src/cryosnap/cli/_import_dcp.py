@@ -6,9 +6,9 @@ the run's write lock). torch is imported only when the command runs.
 
 from __future__ import annotations
 
-from ..progress import human_bytes
-from ._common import CliUsageError
-from ._render import plural, print_json, print_line
+from cryosnap.cli._common import CliUsageError
+from cryosnap.cli._render import plural, print_json, print_line
+from cryosnap.progress import human_bytes
 
 
 def cmd_import_dcp(directory: str, location: str, *, step: int | None, as_json: bool) -> None:
@@ -17,7 +17,7 @@ def cmd_import_dcp(directory: str, location: str, *, step: int | None, as_json: 
     if not directory or not location:
         raise CliUsageError("DIR and PATH must not be empty")
     try:
-        from ..dcp import import_dcp
+        from cryosnap.dcp import import_dcp
     except ImportError as exc:
         raise CliUsageError(
             f"import-dcp needs torch: pip install 'cryosnap[torch]' ({exc})"

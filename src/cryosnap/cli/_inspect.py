@@ -5,10 +5,10 @@ Runs on the caller's thread, over :meth:`cryosnap.Run.info`; takes no lock.
 
 from __future__ import annotations
 
-from ..progress import human_bytes
-from ..run import VersionInfo
-from ._common import committed, open_run
-from ._render import Column, Table, iso_time, plural, print_json, print_line, truncate
+from cryosnap.cli._common import committed, open_run
+from cryosnap.cli._render import Column, Table, iso_time, plural, print_json, print_line, truncate
+from cryosnap.progress import human_bytes
+from cryosnap.run import VersionInfo
 
 
 def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
-from ..progress import human_bytes
-from ..run import Run, VersionSummary
-from ._common import committed, open_run
-from ._render import Column, Table, iso_time, one_line, print_json
+from cryosnap.cli._common import committed, open_run
+from cryosnap.cli._render import Column, Table, iso_time, one_line, print_json
+from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
+from cryosnap.progress import human_bytes
+from cryosnap.run import Run, VersionSummary
 
 
 def cmd_ls(location: str, *, as_json: bool) -> None:

@@ -12,8 +12,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import CheckpointError, IntegrityError
-from ._common import (
+from cryosnap.cli._common import (
     EXIT_DAMAGED,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
@@ -21,7 +20,8 @@ from ._common import (
     EXIT_USAGE,
     CliUsageError,
 )
-from ._render import PROG, Invocation
+from cryosnap.cli._render import PROG, Invocation
+from cryosnap.errors import CheckpointError, IntegrityError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +44,7 @@ def _run(invocation: Invocation) -> int:
     except ImportError:
         error("the command line needs the 'cli' extra: pip install -e '.[cli]'", EXIT_USAGE)
         return EXIT_USAGE
-    from ._app import build_app
+    from cryosnap.cli._app import build_app
 
     click_exc = _click_exceptions()
     command = typer.main.get_command(build_app(invocation))

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import FailureClass, LevelCost, Plan, Simulation, Weibull, plan, waste_profile
-from ._common import CliUsageError, check_image_out
-from ._render import Column, Table, note, print_json, print_line
+from cryosnap.cli._common import CliUsageError, check_image_out
+from cryosnap.cli._render import Column, Table, note, print_json, print_line
+from cryosnap.plan import FailureClass, LevelCost, Plan, Simulation, Weibull, plan, waste_profile
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 

@@ -6,9 +6,9 @@ which take the run's write lock as a writer does (``--dry-run`` takes none).
 
 from __future__ import annotations
 
-from ..progress import human_bytes
-from ._common import committed, open_run
-from ._render import plural, print_json, print_line
+from cryosnap.cli._common import committed, open_run
+from cryosnap.cli._render import plural, print_json, print_line
+from cryosnap.progress import human_bytes
 
 
 def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = False) -> None:

@@ -5,9 +5,9 @@ Runs on the caller's thread, over :meth:`cryosnap.Run.verify`; takes no lock.
 
 from __future__ import annotations
 
-from ..progress import human_bytes
-from ._common import EXIT_DAMAGED, EXIT_OK, committed, open_run
-from ._render import Column, Table, plural, print_json, print_line
+from cryosnap.cli._common import EXIT_DAMAGED, EXIT_OK, committed, open_run
+from cryosnap.cli._render import Column, Table, plural, print_json, print_line
+from cryosnap.progress import human_bytes
 
 
 def cmd_verify(location: str, *, step: int | None, as_json: bool) -> int:

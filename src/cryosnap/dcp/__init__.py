@@ -26,10 +26,10 @@ docs/INTEGRATIONS.md ("torch.distributed.checkpoint") says how to use it, docs/F
 
 from __future__ import annotations
 
-from ._convert import ImportResult, full_state_dict, import_dcp
-from ._reader import StorageReader, read_version_metadata
-from ._schema import DcpError, DcpFormatError
-from ._writer import StorageWriter
+from cryosnap.dcp._convert import ImportResult, full_state_dict, import_dcp
+from cryosnap.dcp._reader import StorageReader, read_version_metadata
+from cryosnap.dcp._schema import DcpError, DcpFormatError
+from cryosnap.dcp._writer import StorageWriter
 
 __all__ = [
     "DcpError",

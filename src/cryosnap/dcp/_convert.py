@@ -40,13 +40,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .. import _validate
-from ..checkpointer import Checkpointer, PathLike, SaveInfo
-from ..errors import CheckpointError
-from ._parts import part_state
-from ._reader import StorageReader, read_version_metadata
-from ._schema import DcpError, ItemKey, encode, item_key, leaf_name
-from ._writer import _tensor_bytes
+from cryosnap import _validate
+from cryosnap.checkpointer import Checkpointer, PathLike, SaveInfo
+from cryosnap.dcp._parts import part_state
+from cryosnap.dcp._reader import StorageReader, read_version_metadata
+from cryosnap.dcp._schema import DcpError, ItemKey, encode, item_key, leaf_name
+from cryosnap.dcp._writer import _tensor_bytes
+from cryosnap.errors import CheckpointError
 
 __all__ = ["ImportResult", "full_state_dict", "import_dcp"]
 

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import engine
-from .._format.skeleton import dict_items
-from ..engine._fetch import read_blobs
-from ..storage import Store
-from ._schema import ROOT, DcpFormatError
+from cryosnap import engine
+from cryosnap._format.skeleton import dict_items
+from cryosnap.dcp._schema import ROOT, DcpFormatError
+from cryosnap.engine._fetch import read_blobs
+from cryosnap.storage import Store
 
 __all__ = ["PartReader", "dcp_node", "metadata_text", "part_state"]
 

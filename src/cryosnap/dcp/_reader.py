@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageReader
 from torch.futures import Future
 
-from .. import _validate
-from ..checkpointer import PathLike
-from ..run import committed_steps
-from ..storage import open_store
-from ._parts import BYTES, TENSORS, PartReader, metadata_text
-from ._schema import DcpError, DcpFormatError, ItemKey, decode, item_key, leaf_name
-from ._writer import is_step_id, step_of
+from cryosnap import _validate
+from cryosnap.checkpointer import PathLike
+from cryosnap.dcp._parts import BYTES, TENSORS, PartReader, metadata_text
+from cryosnap.dcp._schema import DcpError, DcpFormatError, ItemKey, decode, item_key, leaf_name
+from cryosnap.dcp._writer import is_step_id, step_of
+from cryosnap.run import committed_steps
+from cryosnap.storage import open_store
 
 __all__ = ["StorageReader", "read_version_metadata"]
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import DcpError, DcpFormatError
+from cryosnap.errors import DcpError, DcpFormatError
 
 __all__ = [
     "ROOT",

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..capture import StagingPool
-from ._schema import DcpError
+from cryosnap.capture import StagingPool
+from cryosnap.dcp._schema import DcpError
 
 __all__ = ["Staging"]
 

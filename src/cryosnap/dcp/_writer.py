@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .. import _validate
-from ..checkpointer import Checkpointer, PathLike, SaveInfo
-from ..errors import CheckpointError
-from ._parts import part_state
-from ._schema import DcpError, ItemKey, encode, item_key, leaf_name
-from ._staging import Staging
+from cryosnap import _validate
+from cryosnap.checkpointer import Checkpointer, PathLike, SaveInfo
+from cryosnap.dcp._parts import part_state
+from cryosnap.dcp._schema import DcpError, ItemKey, encode, item_key, leaf_name
+from cryosnap.dcp._staging import Staging
+from cryosnap.errors import CheckpointError
 
 __all__ = ["StorageWriter", "step_of"]
 

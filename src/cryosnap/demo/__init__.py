@@ -4,8 +4,8 @@ restore from the persistent tier alone (:func:`main` tells the whole story). Thr
 the parent and two training children (``--child``). Needs torch; matplotlib for the plot.
 """
 
-from ._main import main
-from ._report import plot
-from ._workdir import MARKER, prepare
+from cryosnap.demo._main import main
+from cryosnap.demo._report import plot
+from cryosnap.demo._workdir import MARKER, prepare
 
 __all__ = ["MARKER", "main", "plot", "prepare"]

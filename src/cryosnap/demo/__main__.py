@@ -2,6 +2,6 @@
 Runs as its own process.
 """
 
-from ._main import main
+from cryosnap.demo._main import main
 
 raise SystemExit(main())

@@ -15,9 +15,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._report import ms, plot, print_figures, print_saves, torch_save_seconds
-from ._training import KEEP, KEEP_SCRATCH, child, need_torch, reference, restore_persistent, same
-from ._workdir import prepare
+from cryosnap.demo._report import ms, plot, print_figures, print_saves, torch_save_seconds
+from cryosnap.demo._training import (
+    KEEP,
+    KEEP_SCRATCH,
+    child,
+    need_torch,
+    reference,
+    restore_persistent,
+    same,
+)
+from cryosnap.demo._workdir import prepare
 
 DESCRIPTION = (
     "The main job, ``make demo`` (``python -m cryosnap.demo``): train, get killed, resume exactly."

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..progress import human_bytes
-from ._training import build, final_state, need_torch, train
-from ._workdir import TORCH_SAVES
+from cryosnap.demo._training import build, final_state, need_torch, train
+from cryosnap.demo._workdir import TORCH_SAVES
+from cryosnap.progress import human_bytes
 
 
 def torch_save_seconds(work: Path) -> float:

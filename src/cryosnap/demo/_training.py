@@ -64,7 +64,7 @@ def _whole_batch(batch: tuple[Any, Any]) -> tuple[Any, Any]:
 def build() -> dict[str, Any]:
     """Model, optimizers and data loader, as every run (killed, resumed, reference) makes them."""
     torch = need_torch()
-    from ..integrations.torch import ResumableLoader, ResumableSampler
+    from cryosnap.integrations.torch import ResumableLoader, ResumableSampler
 
     torch.manual_seed(MODEL_SEED)
     model = torch.nn.ModuleDict(
@@ -121,8 +121,7 @@ def final_state(parts: dict[str, Any]) -> dict[str, Any]:
 def child(work: Path, steps: int, every: int, kill_at: int | None) -> None:
     """Train (resuming if a checkpoint exists), checkpointing every ``every`` steps."""
     import cryosnap
-
-    from ..policy import EveryNSteps
+    from cryosnap.policy import EveryNSteps
 
     torch = need_torch()
     torch.set_num_threads(1)

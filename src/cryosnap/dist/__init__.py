@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from ._common import DEFAULT_TIMEOUT_SECONDS
-from ._local import LocalCoordinator
-from ._mpi import MPICoordinator
-from ._threads import InProcessGroup
-from ._torch import TorchCoordinator
+from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS
+from cryosnap.dist._local import LocalCoordinator
+from cryosnap.dist._mpi import MPICoordinator
+from cryosnap.dist._threads import InProcessGroup
+from cryosnap.dist._torch import TorchCoordinator
 
 __all__ = [
     "Coordinator",

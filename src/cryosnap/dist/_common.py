@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .._validate import integer, wrong_type
+from cryosnap._validate import integer, wrong_type
 
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "MAX_MESSAGE_BYTES", "outgoing", "to_bytes"]
 

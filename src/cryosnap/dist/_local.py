@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._common import outgoing, to_bytes
+from cryosnap.dist._common import outgoing, to_bytes
 
 __all__ = ["LocalCoordinator"]
 

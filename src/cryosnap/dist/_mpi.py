@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .._validate import integer, seconds
-from ..errors import CoordinationError
-from ._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
+from cryosnap._validate import integer, seconds
+from cryosnap.errors import CoordinationError
+from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
 
 __all__ = ["MPICoordinator"]
 

@@ -20,9 +20,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .._validate import integer, positive_int, seconds
-from ..errors import CoordinationError
-from ._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
+from cryosnap._validate import integer, positive_int, seconds
+from cryosnap.errors import CoordinationError
+from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
 
 __all__ = ["InProcessGroup"]
 

@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .._validate import integer, seconds
-from ..errors import CoordinationError
-from ._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
+from cryosnap._validate import integer, seconds
+from cryosnap.errors import CoordinationError
+from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
 
 __all__ = ["TorchCoordinator", "initialized_world"]
 

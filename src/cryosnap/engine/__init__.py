@@ -23,7 +23,7 @@ the Checkpointer's background thread, reads on the caller's; no collectives here
 
 from __future__ import annotations
 
-from ._read import (
+from cryosnap.engine._read import (
     FlatPart,
     PartNotFoundError,
     caller_stacklevel,
@@ -35,8 +35,8 @@ from ._read import (
     resolve_part,
     verify_part,
 )
-from ._read import _prefaulted as _prefaulted
-from ._records import (
+from cryosnap.engine._read import _prefaulted as _prefaulted
+from cryosnap.engine._records import (
     list_records,
     list_steps,
     list_versions,
@@ -44,7 +44,7 @@ from ._records import (
     read_manifest,
     step_exists,
 )
-from ._resolved import (
+from cryosnap.engine._resolved import (
     MAX_CHAIN,
     ResolvedBlob,
     ResolvedPart,
@@ -52,13 +52,13 @@ from ._resolved import (
     resolve,
     resolve_version,
 )
-from ._resolved import _resolve_one as _resolve_one
-from ._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
-from ._select import validate_keys
-from .read import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from .read import IO_BATCH_BYTES
-from .write import PartResult, PartWriter, assign_shares
-from .write import _split_pieces as _split_pieces
+from cryosnap.engine._resolved import _resolve_one as _resolve_one
+from cryosnap.engine._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
+from cryosnap.engine._select import validate_keys
+from cryosnap.engine.read import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from cryosnap.engine.read import IO_BATCH_BYTES
+from cryosnap.engine.write import PartResult, PartWriter, assign_shares
+from cryosnap.engine.write import _split_pieces as _split_pieces
 
 __all__ = [
     "IO_BATCH_BYTES",

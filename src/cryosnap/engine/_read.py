@@ -31,12 +31,22 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import _native
-from .._format.skeleton import blob_keys, blob_paths, format_path
-from .._gc import paused_gc
-from .._units import human_bytes
-from ..chunks import merkle_root, value_runs
-from ..errors import (
+from cryosnap import _native
+from cryosnap._format.skeleton import blob_keys, blob_paths, format_path
+from cryosnap._gc import paused_gc
+from cryosnap._units import human_bytes
+from cryosnap.chunks import merkle_root, value_runs
+from cryosnap.engine._records import read_commit, read_manifest
+from cryosnap.engine._resolved import (
+    ResolvedBlob,
+    ResolvedPart,
+    _check_claimed_bytes,
+    chain_manifests,
+    resolve,
+)
+from cryosnap.engine._select import cut_part, keys_skeleton, renumbered, spread_paths
+from cryosnap.engine.read import Fetched, Mapped, read_blobs
+from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -45,25 +55,15 @@ from ..errors import (
     StateMismatchError,
     WorldSizeError,
 )
-from ..manifest import (
+from cryosnap.manifest import (
     PACKED_FORMAT_VERSION,
     STORED,
     CommitRecord,
     Manifest,
     ManifestRef,
 )
-from ..storage import Store
-from ..tree import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
-from ._records import read_commit, read_manifest
-from ._resolved import (
-    ResolvedBlob,
-    ResolvedPart,
-    _check_claimed_bytes,
-    chain_manifests,
-    resolve,
-)
-from ._select import cut_part, keys_skeleton, renumbered, spread_paths
-from .read import Fetched, Mapped, read_blobs
+from cryosnap.storage import Store
+from cryosnap.tree import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
 
 __all__ = [
     "PartNotFoundError",

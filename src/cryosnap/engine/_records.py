@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import xxhash
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
-from ..manifest import (
+from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
+from cryosnap.manifest import (
     CommitRecord,
     Lineage,
     Manifest,
@@ -22,7 +22,7 @@ from ..manifest import (
     version_prefix,
     visible_versions,
 )
-from ..storage import Store
+from cryosnap.storage import Store
 
 __all__ = [
     "list_records",

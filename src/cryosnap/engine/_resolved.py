@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from .._format.skeleton import blob_paths
-from ..chunks import HASH_BYTES
-from ..errors import CheckpointFormatError
-from ..manifest import STORED, BaseRef, Manifest
-from ..storage import Store
-from ._records import _load_manifest, read_commit, read_manifest
+from cryosnap._format.skeleton import blob_paths
+from cryosnap.chunks import HASH_BYTES
+from cryosnap.engine._records import _load_manifest, read_commit, read_manifest
+from cryosnap.errors import CheckpointFormatError
+from cryosnap.manifest import STORED, BaseRef, Manifest
+from cryosnap.storage import Store
 
 __all__ = [
     "MAX_CHAIN",

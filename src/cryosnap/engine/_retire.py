@@ -14,8 +14,9 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError
-from ..manifest import (
+from cryosnap.engine._records import _no_fence, list_records, read_commit
+from cryosnap.errors import CheckpointError
+from cryosnap.manifest import (
     CommitRecord,
     Lineage,
     commit_key,
@@ -23,9 +24,8 @@ from ..manifest import (
     step_of_commit_key,
     visible_versions,
 )
-from ..policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
-from ..storage import Store
-from ._records import _no_fence, list_records, read_commit
+from cryosnap.policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
+from cryosnap.storage import Store
 
 __all__ = ["RetirePlan", "apply_retire", "ignore_files", "plan_retire", "retire"]
 

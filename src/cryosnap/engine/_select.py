@@ -11,9 +11,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from .._format.skeleton import dict_items, encode_key
-from ..errors import CheckpointFormatError, KeyNotFoundError, StateMismatchError
-from ._resolved import ResolvedPart
+from cryosnap._format.skeleton import dict_items, encode_key
+from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.errors import CheckpointFormatError, KeyNotFoundError, StateMismatchError
 
 __all__ = ["cut_part", "keys_skeleton", "renumbered", "spread_paths", "validate_keys"]
 

@@ -7,6 +7,6 @@ from __future__ import annotations
 # Tests replace secrets.token_hex through this module to make data file names predictable.
 import secrets as secrets
 
-from .write import Owners, PartResult, PartWriter, assign_shares
+from cryosnap.engine.write import Owners, PartResult, PartWriter, assign_shares
 
 __all__ = ["Owners", "PartResult", "PartWriter", "assign_shares"]

@@ -35,13 +35,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _signals, engine
-from .._validate import positive_int
-from ..checkpointer import Checkpointer, run_id_of
-from ..dist import LocalCoordinator
-from ..errors import CheckpointExistsError
-from ..policy import EveryNSteps, SavePolicy
-from ..storage import open_store
+from cryosnap import _signals, engine
+from cryosnap._validate import positive_int
+from cryosnap.checkpointer import Checkpointer, run_id_of
+from cryosnap.dist import LocalCoordinator
+from cryosnap.errors import CheckpointExistsError
+from cryosnap.policy import EveryNSteps, SavePolicy
+from cryosnap.storage import open_store
 
 __all__ = ["DEFAULT_SIGNALS", "RunSaver", "split_step"]
 

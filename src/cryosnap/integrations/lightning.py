@@ -61,15 +61,15 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from .. import engine
-from .._validate import step as validate_step
-from ..checkpointer import Checkpointer, PendingSave, load
-from ..dist import LocalCoordinator
-from ..errors import CheckpointError
-from ..policy import SavePolicy
-from ..storage import open_store
-from ._base import RunSaver, split_step
-from .torch import RNGState
+from cryosnap import engine
+from cryosnap._validate import step as validate_step
+from cryosnap.checkpointer import Checkpointer, PendingSave, load
+from cryosnap.dist import LocalCoordinator
+from cryosnap.errors import CheckpointError
+from cryosnap.integrations._base import RunSaver, split_step
+from cryosnap.integrations.torch import RNGState
+from cryosnap.policy import SavePolicy
+from cryosnap.storage import open_store
 
 __all__ = [
     "CryosnapCallback",

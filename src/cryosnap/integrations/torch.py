@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
-from .._validate import integer, non_negative_int, positive_int, wrong_type
-from ..errors import StateMismatchError
+from cryosnap._validate import integer, non_negative_int, positive_int, wrong_type
+from cryosnap.errors import StateMismatchError
 
 _T_co = TypeVar("_T_co", covariant=True)
 _Setter = Callable[[], object]

@@ -59,11 +59,11 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..checkpointer import load
-from ..errors import CheckpointNotFoundError
-from ..policy import SavePolicy
-from ._base import RunSaver, split_step
-from .torch import RNGState
+from cryosnap.checkpointer import load
+from cryosnap.errors import CheckpointNotFoundError
+from cryosnap.integrations._base import RunSaver, split_step
+from cryosnap.integrations.torch import RNGState
+from cryosnap.policy import SavePolicy
 
 __all__ = ["CryosnapCallback", "resume"]
 
@@ -210,8 +210,8 @@ def _same_path(a: str, b: str) -> bool:
 
 
 def _holds_versions(path: str) -> bool:
-    from .. import engine
-    from ..storage import open_store
+    from cryosnap import engine
+    from cryosnap.storage import open_store
 
     try:
         return bool(engine.list_steps(open_store(path)))

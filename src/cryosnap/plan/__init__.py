@@ -25,8 +25,15 @@ caller's thread: no I/O, no threads, no clock.
 
 from __future__ import annotations
 
-from ._model import FailureClass, LevelCost, Schedule, Weibull, daly_interval, young_interval
-from ._plan import (
+from cryosnap.plan._model import (
+    FailureClass,
+    LevelCost,
+    Schedule,
+    Weibull,
+    daly_interval,
+    young_interval,
+)
+from cryosnap.plan._plan import (
     Curve,
     LevelPlan,
     Plan,
@@ -37,7 +44,7 @@ from ._plan import (
     simulate,
     waste_profile,
 )
-from ._search import Grid
+from cryosnap.plan._search import Grid
 
 __all__ = [
     "Curve",

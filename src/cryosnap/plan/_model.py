@@ -22,7 +22,7 @@ from typing import Literal, TypeAlias
 
 import numpy as np
 
-from .. import _validate
+from cryosnap import _validate
 
 __all__ = [
     "FailureClass",

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import _validate
-from ._model import (
+from cryosnap import _validate
+from cryosnap.plan._model import (
     FailureClass,
     LevelCost,
     Problem,
@@ -27,8 +27,8 @@ from ._model import (
     first_order,
     optimal_base_seconds,
 )
-from ._search import EVERY_LADDER, Grid, build_grid, search
-from ._simulate import Trace, failure_traces, simulate_waste
+from cryosnap.plan._search import EVERY_LADDER, Grid, build_grid, search
+from cryosnap.plan._simulate import Trace, failure_traces, simulate_waste
 
 __all__ = [
     "Curve",

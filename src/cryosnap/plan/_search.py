@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _validate
-from ._model import Problem, Schedule, analytic_schedule
+from cryosnap import _validate
+from cryosnap.plan._model import Problem, Schedule, analytic_schedule
 
 __all__ = ["EVERY_LADDER", "Grid", "SearchResult", "search", "build_grid"]
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _validate
-from ._model import Problem, Schedule
+from cryosnap import _validate
+from cryosnap.plan._model import Problem, Schedule
 
 __all__ = ["Trace", "failure_traces", "simulate_waste"]
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._fsspec import FsspecStore
-from ._local import LocalStore
-from ._timeout import TimeoutStore
-from ._wrap import WrapperStore, unwrap
-from .base import (
+from cryosnap.storage._fsspec import FsspecStore
+from cryosnap.storage._local import LocalStore
+from cryosnap.storage._timeout import TimeoutStore
+from cryosnap.storage._wrap import WrapperStore, unwrap
+from cryosnap.storage.base import (
     BlobWriter,
     ConditionalWrites,
     ConditionalWritesUnsupported,

@@ -29,9 +29,9 @@ from typing import Any
 
 import fsspec
 
-from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from ._s3 import s3_conditional_writes
-from .base import BytesLike, StoreCapabilities, TruncatedError, validate_key
+from cryosnap.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from cryosnap.storage._s3 import s3_conditional_writes
+from cryosnap.storage.base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["FsspecStore"]
 

@@ -46,9 +46,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
-from .. import _native
-from ..errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, StorageError
-from .base import BytesLike, StoreCapabilities, TruncatedError, validate_key
+from cryosnap import _native
+from cryosnap.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    StorageError,
+)
+from cryosnap.storage.base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["LocalStore"]
 

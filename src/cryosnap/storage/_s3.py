@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import StorageError, StorageTimeoutError
-from .base import ConditionalWritesUnsupported
+from cryosnap.errors import StorageError, StorageTimeoutError
+from cryosnap.storage.base import ConditionalWritesUnsupported
 
 __all__ = ["S3ConditionalWrites", "s3_conditional_writes"]
 

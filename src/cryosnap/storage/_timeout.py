@@ -50,9 +50,9 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any, Generic, TypeVar
 
-from ..errors import StorageError, StorageTimeoutError
-from ._wrap import WrapperStore
-from .base import BlobWriter, BytesLike, ConditionalWrites, Store, StoreCapabilities
+from cryosnap.errors import StorageError, StorageTimeoutError
+from cryosnap.storage._wrap import WrapperStore
+from cryosnap.storage.base import BlobWriter, BytesLike, ConditionalWrites, Store, StoreCapabilities
 
 __all__ = ["DEFAULT_MAX_STUCK_CALLS", "TimeoutStore"]
 

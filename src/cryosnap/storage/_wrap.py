@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
-from .base import BlobWriter, BytesLike, Store, StoreCapabilities
+from cryosnap.storage.base import BlobWriter, BytesLike, Store, StoreCapabilities
 
 __all__ = ["WrapperStore", "unwrap"]
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from .._format.keys import validate_key
-from ..errors import ConditionalWritesUnsupported, TruncatedError
+from cryosnap._format.keys import validate_key
+from cryosnap.errors import ConditionalWritesUnsupported, TruncatedError
 
 __all__ = [
     "BlobWriter",

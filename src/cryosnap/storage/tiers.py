@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
-from .base import BlobWriter, BytesLike, Store, StoreCapabilities
+from cryosnap.errors import CheckpointError, CheckpointNotFoundError, StorageError
+from cryosnap.storage.base import BlobWriter, BytesLike, Store, StoreCapabilities
 
 __all__ = ["Placement", "StripedStore", "Tier", "device_of"]
 

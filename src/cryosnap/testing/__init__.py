@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-from ._faulty import Fault, FaultyStore
+from cryosnap.testing._faulty import Fault, FaultyStore
 
 __all__ = ["Fault", "FaultyStore"]
 

@@ -18,8 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ..storage._wrap import WrapperStore
-from ..storage.base import BlobWriter, BytesLike, Store
+from cryosnap.storage._wrap import WrapperStore
+from cryosnap.storage.base import BlobWriter, BytesLike, Store
 
 __all__ = ["FaultyStore"]
 

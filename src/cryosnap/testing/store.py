@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from ..errors import CheckpointNotFoundError
-from ..storage import Store, StoreCapabilities, TruncatedError
-from ..storage.base import BytesLike
+from cryosnap.errors import CheckpointNotFoundError
+from cryosnap.storage import Store, StoreCapabilities, TruncatedError
+from cryosnap.storage.base import BytesLike
 
 __all__ = ["INVALID_KEYS", "StoreTests"]
 

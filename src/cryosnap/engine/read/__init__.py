@@ -5,10 +5,10 @@ docs/design/read-path.md. Runs on the caller's thread and the read pool's thread
 
 from __future__ import annotations
 
-from ._execute import Fetched, read_blobs
-from ._mapped import Mapped
-from ._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from ._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, plan_reads
+from cryosnap.engine.read._execute import Fetched, read_blobs
+from cryosnap.engine.read._mapped import Mapped
+from cryosnap.engine.read._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from cryosnap.engine.read._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, plan_reads
 
 __all__ = [
     "IO_BATCH_BYTES",

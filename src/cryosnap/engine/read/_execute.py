@@ -19,15 +19,23 @@ from typing import Any
 
 import numpy as np
 
-from ... import _native
-from ...errors import CheckpointError, CheckpointNotFoundError, IntegrityError
-from ...storage import Store
-from ...storage.base import TruncatedError
-from .._resolved import ResolvedPart
-from ._gather import Gatherer, unreadable
-from ._mapped import Mapped, MappedWork
-from ._plan import _GAP_BYTES, PieceLists, ReadPlan, Run, Task, plan_reads, wrong_chunk_count
-from ._verify import Outcome, Verifier
+from cryosnap import _native
+from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.engine.read._gather import Gatherer, unreadable
+from cryosnap.engine.read._mapped import Mapped, MappedWork
+from cryosnap.engine.read._plan import (
+    _GAP_BYTES,
+    PieceLists,
+    ReadPlan,
+    Run,
+    Task,
+    plan_reads,
+    wrong_chunk_count,
+)
+from cryosnap.engine.read._verify import Outcome, Verifier
+from cryosnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError
+from cryosnap.storage import Store
+from cryosnap.storage.base import TruncatedError
 
 __all__ = ["Fetched", "read_blobs"]
 

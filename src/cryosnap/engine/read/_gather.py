@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from ...chunks import HASH_BYTES, hash_bytes, hash_chunks_released
-from ...errors import CheckpointNotFoundError, IntegrityError
-from ...storage import Store
-from ...storage.base import TruncatedError
-from .._resolved import ResolvedPart
-from ._plan import _GATHER_WINDOW_BYTES, Gather, gather_windows, window_batches
-from ._verify import _INLINE_HASH_BYTES, Outcome
+from cryosnap.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
+from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.engine.read._plan import _GATHER_WINDOW_BYTES, Gather, gather_windows, window_batches
+from cryosnap.engine.read._verify import _INLINE_HASH_BYTES, Outcome
+from cryosnap.errors import CheckpointNotFoundError, IntegrityError
+from cryosnap.storage import Store
+from cryosnap.storage.base import TruncatedError
 
 __all__ = ["Gatherer", "unreadable"]
 

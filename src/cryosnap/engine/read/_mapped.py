@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ... import _native
-from ...errors import CheckpointError
-from ...storage import Store
-from .._resolved import ResolvedPart
-from ._plan import PieceLists, overlapping
-from ._verify import Outcome, Verifier
+from cryosnap import _native
+from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.engine.read._plan import PieceLists, overlapping
+from cryosnap.engine.read._verify import Outcome, Verifier
+from cryosnap.errors import CheckpointError
+from cryosnap.storage import Store
 
 __all__ = ["Mapped", "MappedWork"]
 

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ...chunks import HASH_BYTES
-from .._resolved import PartChunks
+from cryosnap.chunks import HASH_BYTES
+from cryosnap.engine._resolved import PartChunks
 
 __all__ = [
     "IO_BATCH_BYTES",

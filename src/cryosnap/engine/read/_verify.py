@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from ... import _native
-from ...chunks import HASH_BYTES, hash_bytes, hash_chunks_released
-from ...errors import IntegrityError
-from .._resolved import ResolvedPart
-from ._plan import PieceLists
+from cryosnap import _native
+from cryosnap.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
+from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.engine.read._plan import PieceLists
+from cryosnap.errors import IntegrityError
 
 __all__ = ["Outcome", "Verifier"]
 

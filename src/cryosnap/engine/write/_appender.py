@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from ...storage import Store
-from ...storage.base import BlobWriter
-from ...storage.tiers import Placement
+from cryosnap.storage import Store
+from cryosnap.storage.base import BlobWriter
+from cryosnap.storage.tiers import Placement
 
 __all__ = ["Appender"]
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from ...chunks import HASH_BYTES, chunk_count, value_runs
-from ...errors import CheckpointError
-from ...manifest import INHERITED, STORED
-from ...tree import Blob
-from ..items import Hashed
-from ._differ import EXTERNAL, Differ, FileTable
+from cryosnap.chunks import HASH_BYTES, chunk_count, value_runs
+from cryosnap.engine.items import Hashed
+from cryosnap.engine.write._differ import EXTERNAL, Differ, FileTable
+from cryosnap.errors import CheckpointError
+from cryosnap.manifest import INHERITED, STORED
+from cryosnap.tree import Blob
 
 __all__ = ["Location", "Owners", "ShareMap", "assign_shares", "owner_runs"]
 
