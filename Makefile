@@ -34,6 +34,7 @@ $(DEV): $(RUNTIME) requirements-dev.txt
 lint: $(DEV)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
+	$(VENV)/bin/lint-imports
 
 typecheck: $(DEV)
 	$(PY) -m mypy

@@ -85,10 +85,10 @@ HASH_RATIO = 0.7  # hash + diff >= 0.7x single-thread xxh3 at 1 MiB chunks
 
 
 cryosnap = h.import_cryosnap()
-from cryosnap.capture import Piece  # noqa: E402
+from cryosnap._run.staging import Piece  # noqa: E402
+from cryosnap._state import flatten  # noqa: E402
 from cryosnap.engine import PartWriter, resolve_version  # noqa: E402
 from cryosnap.storage import FsspecStore, open_store  # noqa: E402
-from cryosnap.tree import flatten  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -567,7 +567,9 @@ def memory_pairs(
 class HashResult:
     nbytes: int
     xxh3: list[float] = field(default_factory=list)  # seconds, whole buffer in one call
-    hash_only: dict[int, list[float]] = field(default_factory=dict)  # cryosnap.chunks.hash_chunks
+    hash_only: dict[int, list[float]] = field(
+        default_factory=dict
+    )  # cryosnap._format.chunks.hash_chunks
     add: dict[int, list[float]] = field(default_factory=dict)  # PartWriter.add, nothing changed
     error: str = ""
 
@@ -577,7 +579,7 @@ def hash_pieces(fn: Callable[[memoryview, int], bytes], pieces: list[Piece], chu
 
 
 def hash_throughput(nbytes: int, chunks: Sequence[int], repeat: int, seed: int) -> HashResult:
-    from cryosnap.chunks import hash_chunks
+    from cryosnap._format.chunks import hash_chunks
 
     res = HashResult(nbytes)
     arr = torch.rand(nbytes // 4, generator=_gen(seed, 9)).numpy()
@@ -644,7 +646,7 @@ def report_hash(res: HashResult, chunks: Sequence[int]) -> list[Check]:
     print(f"\n== hashing + diff throughput on one {fmt_b(res.nbytes)} buffer, one thread ==")
     print(
         "xxh3: xxhash.xxh3_128_digest over the whole buffer in one call. hash_chunks: "
-        "cryosnap.chunks.hash_chunks\nover 64 MiB pieces. hash+diff: PartWriter.add of the "
+        "cryosnap._format.chunks.hash_chunks\nover 64 MiB pieces. hash+diff: PartWriter.add of the "
         "same pieces against a base with identical content\n(hash, compare with the base's "
         "hashes, one inherited run per piece, nothing written), on a memory:// store.\n"
         f"Best of {len(res.add.get(chunks[0], []))} interleaved runs each (the machine is shared: "

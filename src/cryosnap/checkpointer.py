@@ -25,11 +25,11 @@ from types import TracebackType
 from typing import Any, Generic, NoReturn, TypeVar, overload
 
 from cryosnap import _validate, engine
-from cryosnap._capturing import Job
-from cryosnap._results import PendingSave, SaveInfo, Status
+from cryosnap._run.capturer import Job
 from cryosnap._run.open import newest_record, open_run
 from cryosnap._run.options import PathLike, RunOptions
 from cryosnap._run.restore import Ask, device_for, restore_one, restore_run, rewound_lineage
+from cryosnap._run.results import PendingSave, SaveInfo, Status
 from cryosnap._run.saves import Saves
 from cryosnap._validate import step as validate_step
 from cryosnap.dist import Coordinator

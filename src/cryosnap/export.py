@@ -44,7 +44,7 @@ import numpy as np
 
 from cryosnap import _validate
 from cryosnap._format.skeleton import format_path
-from cryosnap._torch_import import import_torch, loaded_torch
+from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap.checkpointer import load
 from cryosnap.errors import CheckpointError
 from cryosnap.run import committed_steps, is_dcp_version

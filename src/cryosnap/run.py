@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cryosnap import engine
-from cryosnap._inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
+from cryosnap._format.manifest import MAX_STEP, Replicated, commit_key
+from cryosnap._run.inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
+from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
 from cryosnap._validate import positive_int
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import load
@@ -26,8 +28,6 @@ from cryosnap.errors import (
     IntegrityError,
     RunLockedError,
 )
-from cryosnap.lock import LOCK_KEY, acquire_run_lock
-from cryosnap.manifest import MAX_STEP, Replicated, commit_key
 from cryosnap.storage import Store, open_store
 
 __all__ = [
@@ -244,7 +244,7 @@ class Run:
 
     def diff(self, a: int, b: int, *, rank: int = 0) -> VersionDiff:
         """Which leaves of rank ``rank``'s part changed from step ``a`` to step ``b``, and
-        how many bytes, from the chunk hashes (see :func:`cryosnap._inspect.diff_versions`)."""
+        how many bytes, from the chunk hashes (see :func:`cryosnap._run.inspect.diff_versions`)."""
         a, b = validate_step(a, "a"), validate_step(b, "b")
         return diff_versions(self._store, a, b, rank=validate_step(rank, "rank"))
 

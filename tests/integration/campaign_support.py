@@ -26,8 +26,8 @@ import numpy as np
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.manifest import parse_commit_key
 from cryosnap.errors import StorageError
-from cryosnap.manifest import parse_commit_key
 from cryosnap.storage import LocalStore, Store
 from cryosnap.storage.base import BlobWriter, BytesLike
 from cryosnap.storage.tiers import Tier

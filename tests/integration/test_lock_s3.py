@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from cryosnap._run.lock import CLAIMS_PREFIX, LOCK_KEY, RunLock, acquire_run_lock
 from cryosnap.errors import CheckpointError, LockLostError
-from cryosnap.lock import CLAIMS_PREFIX, LOCK_KEY, RunLock, acquire_run_lock
 from cryosnap.storage import FsspecStore
 
 from .conftest import S3Bucket

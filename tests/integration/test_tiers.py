@@ -284,7 +284,7 @@ def test_bad_tier_arguments(tmp_path: Path) -> None:
 def test_stale_manifest_on_persistent_is_not_reused(tmp_path: Path) -> None:
     """A flush that died after the manifest, scratch wiped, the step saved again: the new
     manifest replaces the stale one (manifest names are not unique, data file names are)."""
-    from cryosnap.manifest import commit_key
+    from cryosnap._format.manifest import commit_key
 
     scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
     with cryosnap.Checkpointer(persistent, scratch=scratch) as ckpt:
@@ -298,7 +298,7 @@ def test_stale_manifest_on_persistent_is_not_reused(tmp_path: Path) -> None:
 
 
 def test_damaged_scratch_chain_is_not_committed_on_persistent(tmp_path: Path) -> None:
-    from cryosnap.manifest import manifest_key
+    from cryosnap._format.manifest import manifest_key
 
     scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
     gate = threading.Event()

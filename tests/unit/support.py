@@ -363,7 +363,7 @@ def count_calls(obj: Any, method: str) -> Callable[[], int]:
 def commit_checksum(doc: dict[str, Any]) -> str:
     """The checksum of a commit record document (without its ``checksum`` field).
 
-    Written out here, independently of cryosnap.manifest, as the format documents it: xxh3-128
+    Written out here, independently of the format's code, as the format documents it: xxh3-128
     (hex) of the document serialized with sorted keys and no whitespace.
     """
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()

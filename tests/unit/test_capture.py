@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cryosnap import engine
-from cryosnap.capture import (
+from cryosnap._format.chunks import chunk_count, hash_chunks
+from cryosnap._run.staging import (
     Batch,
     CaptureTracker,
     Hashed,
@@ -21,10 +22,9 @@ from cryosnap.capture import (
     Unchanged,
     capture_to_slabs,
 )
-from cryosnap.chunks import chunk_count, hash_chunks
+from cryosnap._state import flatten
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import LocalStore
-from cryosnap.tree import flatten
 
 CHUNK = 256
 

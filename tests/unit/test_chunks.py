@@ -1,4 +1,4 @@
-"""cryosnap.chunks: chunk spans, chunk hashes and Merkle roots (pure functions)."""
+"""cryosnap._format.chunks: chunk spans, chunk hashes and Merkle roots (pure functions)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import xxhash
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from cryosnap.chunks import (
+from cryosnap._format.chunks import (
     HASH_BYTES,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,

@@ -18,9 +18,9 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.manifest import manifest_key
 from cryosnap.dist import Coordinator, InProcessGroup, LocalCoordinator
 from cryosnap.errors import CheckpointError, CoordinationError, StorageError
-from cryosnap.manifest import manifest_key
 from cryosnap.policy import EveryNSteps
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap import _devcopy, engine
-from cryosnap._devcopy import _Copier, _job, copy_to_device, target_device, to_device
+import cryosnap._state.device as _devcopy
+from cryosnap import engine
+from cryosnap._state import Restorer, apply_into, check_into, flatten
 from cryosnap._state import into as state_into
+from cryosnap._state.device import _Copier, _job, copy_to_device, target_device, to_device
 from cryosnap.storage import open_store
-from cryosnap.tree import Restorer, apply_into, check_into, flatten
 
 from .support import TORCH_DTYPES, make_tensor, tensor_bytes
 

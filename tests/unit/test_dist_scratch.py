@@ -2,7 +2,7 @@
 level written again with the replicated state split, partner copies on another node.
 
 The ranks are threads of this process (``InProcessGroup``); "nodes" are scratch directories,
-and the node each rank runs on is given through ``cryosnap._partner.node_name`` (a process
+and the node each rank runs on is given through ``cryosnap._run.partner.node_name`` (a process
 sets ``$CRYOSNAP_NODE``; threads share one environment). tests/integration/test_dist_torch.py
 runs the same with gloo processes.
 """
@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap import _partner, engine
+import cryosnap._run.partner as _partner
+from cryosnap import engine
+from cryosnap._format.manifest import commit_key
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, StorageError
-from cryosnap.manifest import commit_key
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

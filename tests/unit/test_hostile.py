@@ -41,10 +41,10 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.chunks import merkle_root
+from cryosnap._format.manifest import MAX_BLOB_CHUNKS, commit_key, manifest_key
 from cryosnap._format.skeleton import MAX_DEPTH
-from cryosnap.chunks import merkle_root
 from cryosnap.errors import CheckpointFormatError, IntegrityError
-from cryosnap.manifest import MAX_BLOB_CHUNKS, commit_key, manifest_key
 from cryosnap.storage import LocalStore
 
 CHUNK = 4096
@@ -104,7 +104,7 @@ RUNS: dict[str, tuple[Callable[[Path], None], Callable[[int], Any], int]] = {
 
 
 def _checksum(doc: dict[str, Any]) -> str:
-    # As docs/FORMAT.md defines it, written out independently of cryosnap.manifest.
+    # As docs/FORMAT.md defines it, written out independently of cryosnap._format.manifest.
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return xxhash.xxh3_128_hexdigest(body)
 
@@ -861,7 +861,7 @@ def test_a_node_type_that_is_not_a_string_is_malformed() -> None:
     from cryosnap._format.skeleton import check_depth
 
     check_depth({"t": [], "v": [{"t": {}}]}, "here")  # nothing to refuse at this depth
-    restorer = cryosnap.tree.Restorer({"t": []}, [], allow_pickle=False)
+    restorer = cryosnap._state.Restorer({"t": []}, [], allow_pickle=False)
     with pytest.raises(CheckpointFormatError):
         restorer.allocate()
         restorer.build()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import engine
-from cryosnap.chunks import hash_chunks
+from cryosnap._format.chunks import hash_chunks
 from cryosnap.storage import LocalStore
 
 CHUNK = 4096
@@ -212,7 +212,7 @@ def test_fragmented_chain_restores_exactly_and_detects_damage(tmp_path: Path) ->
 
 def _resolve_by_segments(store: LocalStore, step: int) -> list[list[tuple[str, int, bytes]]]:
     """The oracle: each version's chunks, segment by segment in plain Python, up the chain."""
-    from cryosnap.manifest import Inherited
+    from cryosnap._format.manifest import Inherited
 
     record = engine.read_commit(store, step)
     manifests = {}

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch.utils.data import Dataset, DistributedSampler
 
 import cryosnap
+from cryosnap._state import flatten
 from cryosnap.integrations.torch import ResumableLoader, ResumableSampler, RNGState
-from cryosnap.tree import flatten
 
 
 def _draws() -> tuple[Any, ...]:

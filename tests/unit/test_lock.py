@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 import cryosnap
-import cryosnap.lock
+import cryosnap._run.lock
+from cryosnap._run.lock import LOCK_KEY, RunLock, acquire_run_lock
 from cryosnap.errors import CheckpointError, LockLostError, RunLockedError
-from cryosnap.lock import LOCK_KEY, RunLock, acquire_run_lock
 from cryosnap.storage import FsspecStore, LocalStore
 from cryosnap.testing import FaultyStore
 
@@ -191,12 +191,12 @@ def test_takeover_of_a_stale_lock_increments_the_generation(held: list[RunLock])
     assert _lock_info(store)["token"] == lock.token
     with pytest.raises(CheckpointError, match="already open for writing by pid"):
         acquire_run_lock(store, stale_seconds=60.0)
-    assert not store.list(cryosnap.lock.CLAIMS_PREFIX)  # claims are removed after opening
+    assert not store.list(cryosnap._run.lock.CLAIMS_PREFIX)  # claims are removed after opening
 
 
 _PAUSED_WRITER = """
 import os, signal, sys
-import cryosnap.lock as L
+import cryosnap._run.lock as L
 from cryosnap.errors import LockLostError
 from cryosnap.storage import FsspecStore
 
@@ -343,7 +343,7 @@ def test_simultaneous_starts_never_give_two_holders(tmp_path: Path) -> None:
 _PAUSED_CHECKPOINTER = """
 import os, signal, sys
 import numpy as np
-import cryosnap, cryosnap.lock as L
+import cryosnap, cryosnap._run.lock as L
 from cryosnap.storage import FsspecStore
 
 L.STALE_SECONDS = 1.0
@@ -387,7 +387,7 @@ def test_paused_checkpointer_resumes_and_saves_nothing(
         assert writer.stdout.readline() == "idle\n"
         writer.stdin.write("pause\n")
         writer.stdin.flush()
-        monkeypatch.setattr(cryosnap.lock, "STALE_SECONDS", 1.0)
+        monkeypatch.setattr(cryosnap._run.lock, "STALE_SECONDS", 1.0)
         deadline = time.monotonic() + 60
         while True:
             try:

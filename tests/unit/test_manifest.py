@@ -1,4 +1,4 @@
-"""cryosnap.manifest: keys, Manifest / CommitRecord JSON round trips and validation."""
+"""cryosnap._format.manifest: keys, Manifest / CommitRecord JSON round trips and validation."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cryosnap
-from cryosnap.errors import CheckpointFormatError
-from cryosnap.manifest import (
+from cryosnap._format.manifest import (
     FORMAT_VERSION,
     MAX_STEP,
     CommitRecord,
@@ -29,6 +28,7 @@ from cryosnap.manifest import (
     step_of_commit_key,
     version_prefix,
 )
+from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import open_store, validate_key
 
 from .support import commit_checksum
@@ -471,7 +471,7 @@ def test_commit_ranks_must_be_distinct(commit_doc: dict[str, Any]) -> None:
 
 
 def _big_table_manifest_doc() -> tuple[Manifest, dict[str, Any]]:
-    from cryosnap.manifest import PACK_ROWS, BaseRef, BlobEntry
+    from cryosnap._format.manifest import PACK_ROWS, BaseRef, BlobEntry
 
     cb = 4096
     rows = []
@@ -561,7 +561,7 @@ def test_one_segment_blobs_are_checked_as_blob_by_blob(
 ) -> None:
     """Blobs of one segment are checked all at once: the same manifests and the same errors
     (naming the same blob) as the blob-by-blob path gives."""
-    from cryosnap import manifest as module
+    import cryosnap._format.manifest as module
 
     doc = json.loads(json.dumps(many_blobs_doc))
     what, value = mutation

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from cryosnap import _native, chunks
+import cryosnap._format.chunks as chunks
+from cryosnap import _native
 
 BIG_CHUNK = 256 << 10  # hashed by the native call
 

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import cli
+from cryosnap._state import PACK_BYTES, flatten
 from cryosnap.errors import CheckpointFormatError, IntegrityError
 from cryosnap.storage import LocalStore
-from cryosnap.tree import PACK_BYTES, flatten
 
 from .support import assert_same, rewrite_version
 
@@ -276,7 +276,7 @@ def test_cli_inspect_and_diff_name_packed_leaves(
 
 
 def test_the_capture_writes_a_pack_from_where_it_lies() -> None:
-    from cryosnap.capture import CaptureTracker, Piece, StagingPool, capture_to_slabs
+    from cryosnap._run.staging import CaptureTracker, Piece, StagingPool, capture_to_slabs
 
     state = {"m": [torch.full((10,), float(i)) for i in range(5)], "big": torch.ones(2000)}
     flat = flatten(state, pack_bytes=CHUNK)

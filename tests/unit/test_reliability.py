@@ -17,7 +17,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._capturing import Capturer
+from cryosnap._run.capturer import Capturer
 from cryosnap.errors import CheckpointError, StorageError
 from cryosnap.storage import LocalStore, TimeoutStore
 from cryosnap.testing import FaultyStore

@@ -19,7 +19,9 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap._format.skeleton import blob_paths
+from cryosnap._state import flatten
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (
     CheckpointFormatError,
@@ -27,9 +29,7 @@ from cryosnap.errors import (
     ReplicaDivergenceError,
     WorldSizeError,
 )
-from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore
-from cryosnap.tree import flatten
 
 from .test_coordinator import run_ranks
 

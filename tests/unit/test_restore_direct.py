@@ -15,13 +15,13 @@ import torch
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap._format.skeleton import blob_paths
+from cryosnap._state import check_into, direct_targets, flatten
 from cryosnap.engine import _read
 from cryosnap.engine.read import _execute, _plan
-from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
-from cryosnap.tree import check_into, direct_targets, flatten
 
 from .support import snapshot
 

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap import chunks, engine
+import cryosnap._format.chunks as chunks
+from cryosnap import engine
+from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap._format.skeleton import blob_paths
 from cryosnap.engine import _read
 from cryosnap.engine.read import _execute, _plan
 from cryosnap.errors import IntegrityError
-from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, open_store
 
 from .support import snapshot

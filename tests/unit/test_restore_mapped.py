@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import cryosnap
+from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap.engine import _read
 from cryosnap.engine.read import _execute, _plan
 from cryosnap.errors import CheckpointFormatError
-from cryosnap.manifest import Manifest, manifest_key
 from cryosnap.storage import LocalStore, TimeoutStore, _local, open_store
 from cryosnap.testing import FaultyStore
 

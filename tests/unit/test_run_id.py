@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import cryosnap
+from cryosnap._format.manifest import CommitRecord, commit_key
 from cryosnap.checkpointer import run_id_of
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from cryosnap.manifest import CommitRecord, commit_key
 from cryosnap.storage import open_store
 
 from .support import commit_checksum

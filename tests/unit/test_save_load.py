@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import cryosnap
-from cryosnap.chunks import chunk_count
-from cryosnap.manifest import MAX_STEP
-from cryosnap.tree import flatten
+from cryosnap._format.chunks import chunk_count
+from cryosnap._format.manifest import MAX_STEP
+from cryosnap._state import flatten
 
 from .support import (
     NUMPY_DTYPES,

@@ -2,7 +2,7 @@
 supersedes the later versions, as part of its own commit; the run never gets stuck on a
 damaged version, and never restores an abandoned trajectory.
 
-docs/FORMAT.md ("Superseding") states the rule; :func:`cryosnap.manifest.visible_versions` is
+docs/FORMAT.md ("Superseding") states the rule; ``_format.keys.visible_versions`` is
 its pure form, tested first, then through a Checkpointer on real files: a fallback past
 damage, an explicit rewind, a restore with no save, retention, scratch tiers, a failed
 superseding commit, and a state machine against a model of the visible versions.
@@ -25,8 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cryosnap
 from cryosnap import engine
-from cryosnap.errors import CheckpointNotFoundError, StorageError
-from cryosnap.manifest import (
+from cryosnap._format.manifest import (
     CommitRecord,
     Lineage,
     commit_key,
@@ -35,6 +34,7 @@ from cryosnap.manifest import (
     parse_commit_key,
     visible_versions,
 )
+from cryosnap.errors import CheckpointNotFoundError, StorageError
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

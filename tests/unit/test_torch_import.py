@@ -1,5 +1,5 @@
 """torch is imported lazily, only for a state that holds a tensor, and through one lock
-(cryosnap._torch_import): each case runs in a fresh interpreter."""
+(cryosnap._state.torch_import): each case runs in a fresh interpreter."""
 
 from __future__ import annotations
 

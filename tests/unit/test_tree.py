@@ -1,4 +1,4 @@
-"""cryosnap.tree: flatten / restore without any storage (pure round trips and validation)."""
+"""cryosnap._state: flatten / restore without any storage (pure round trips and validation)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given
 
 from cryosnap._format.skeleton import format_path
+from cryosnap._state import Restorer, apply_into, check_into, flatten, is_stateful
 from cryosnap.errors import CheckpointError, CheckpointFormatError, StateMismatchError
-from cryosnap.tree import Restorer, apply_into, check_into, flatten, is_stateful
 
 from .support import assert_same, blob_bytes_of, leaves_of, state_trees
 

@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cryosnap import engine
-from cryosnap.capture import Batch, Item, Piece, direct_batches
-from cryosnap.chunks import hash_bytes, merkle_root
+from cryosnap._format.chunks import hash_bytes, merkle_root
+from cryosnap._format.manifest import INHERITED, STORED
+from cryosnap._run.staging import Batch, Item, Piece, direct_batches
+from cryosnap._state import flatten
 from cryosnap.engine import _write
 from cryosnap.errors import CheckpointError
-from cryosnap.manifest import INHERITED, STORED
 from cryosnap.storage import LocalStore
-from cryosnap.tree import flatten
 
 CHUNK = 4096
 

@@ -16,20 +16,21 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from cryosnap import _signals, engine
-from cryosnap._capturing import Capturer
-from cryosnap._chain import ChainIndex
-from cryosnap._partner import Partners, rebuild
-from cryosnap._policy_room import PolicyRoom
-from cryosnap._results import PendingSave
+import cryosnap._run.signals as _signals
+from cryosnap import engine
+from cryosnap._format.manifest import CommitRecord, Lineage, commit_key
+from cryosnap._run.capturer import Capturer
+from cryosnap._run.chain import ChainIndex
+from cryosnap._run.levels import Level, Levels
+from cryosnap._run.lock import RunLock, acquire_run_lock
 from cryosnap._run.options import RunOptions
+from cryosnap._run.partner import Partners, rebuild
+from cryosnap._run.policy_room import PolicyRoom
 from cryosnap._run.restore import current_lineage
-from cryosnap._writer import Rewriter, VersionWriter, WriterThread
+from cryosnap._run.results import PendingSave
+from cryosnap._run.writer import Rewriter, VersionWriter, WriterThread
 from cryosnap.dist import Coordinator, LocalCoordinator
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
-from cryosnap.levels import Level, Levels
-from cryosnap.lock import RunLock, acquire_run_lock
-from cryosnap.manifest import CommitRecord, Lineage, commit_key
 from cryosnap.storage import Store, join_location, open_store, unwrap
 from cryosnap.storage.tiers import Placement, StripedStore, Tier
 

@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosnap import _signals, _validate
-from cryosnap._devdiff import DeviceDiff
-from cryosnap.chunks import validate_chunk_bytes
+import cryosnap._run.signals as _signals
+from cryosnap import _validate
+from cryosnap._format.chunks import validate_chunk_bytes
+from cryosnap._format.manifest import RUN_ID_PATTERN
+from cryosnap._run.devdiff import DeviceDiff
 from cryosnap.dist import Coordinator
-from cryosnap.manifest import RUN_ID_PATTERN
 from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention
 from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store
 from cryosnap.storage.tiers import Tier

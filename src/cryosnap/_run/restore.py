@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryosnap import engine
-from cryosnap._devcopy import target_device
+from cryosnap._format.manifest import Lineage, max_generation, version_prefix, visible_versions
+from cryosnap._run.levels import Levels
+from cryosnap._state.device import target_device
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (
     CheckpointError,
@@ -24,8 +26,6 @@ from cryosnap.errors import (
     IntegrityError,
     WorldSizeError,
 )
-from cryosnap.levels import Levels
-from cryosnap.manifest import Lineage, max_generation, version_prefix, visible_versions
 from cryosnap.progress import Progress
 from cryosnap.storage import Store
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from cryosnap import _replicated
-from cryosnap._capturing import Job
-from cryosnap._results import PendingSave
+import cryosnap._run.replicated as _replicated
+from cryosnap._format.manifest import Lineage
+from cryosnap._run.capturer import Job
+from cryosnap._run.levels import Levels
 from cryosnap._run.open import OpenRun
 from cryosnap._run.options import RunOptions
+from cryosnap._run.results import PendingSave
+from cryosnap._run.staging import CaptureTracker
+from cryosnap._run.writer import WriterThread
+from cryosnap._state import flatten
 from cryosnap._validate import step as validate_step
-from cryosnap._writer import WriterThread
-from cryosnap.capture import CaptureTracker
 from cryosnap.errors import CheckpointExistsError, CoordinationError, LockLostError
-from cryosnap.levels import Levels
-from cryosnap.manifest import Lineage
-from cryosnap.tree import flatten
 
 __all__ = ["Saves"]
 

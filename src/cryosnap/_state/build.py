@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cryosnap._devcopy import to_device
 from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
@@ -25,7 +24,8 @@ from cryosnap._format.skeleton import (
     dict_items,
     format_path,
 )
-from cryosnap._torch_import import import_torch
+from cryosnap._state.device import to_device
+from cryosnap._state.torch_import import import_torch
 from cryosnap.errors import CheckpointError, CheckpointFormatError
 
 

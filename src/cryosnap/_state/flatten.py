@@ -25,8 +25,8 @@ from cryosnap._format.skeleton import (
     encode_key,
     format_path,
 )
-from cryosnap._gc import paused_gc
-from cryosnap._torch_import import loaded_torch
+from cryosnap._state.gc import paused_gc
+from cryosnap._state.torch_import import loaded_torch
 
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
 # packed (a fraction of the pack, so that a pack holds many).

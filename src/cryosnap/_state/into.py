@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap._devcopy import copy_to_device
 from cryosnap._format.skeleton import (
     Json,
     dict_items,
     format_path,
 )
 from cryosnap._state.build import _np_dtype, _torch
+from cryosnap._state.device import copy_to_device
 from cryosnap._state.flatten import _DTYPE_NAMES, is_stateful
-from cryosnap._torch_import import loaded_torch
+from cryosnap._state.torch_import import loaded_torch
 from cryosnap.errors import StateMismatchError
 
 

@@ -3,7 +3,7 @@
 ``dcp.async_save`` first asks its stager for a copy of the state dict that training may not
 change, then saves that copy on a thread of its own. DCP's default stager allocates a new copy
 per call; :class:`Staging` copies every tensor (a DTensor's local shard included) into slabs of
-one :class:`cryosnap.capture.StagingPool`, reused from one save to the next and bounded by
+one :class:`cryosnap._run.staging.StagingPool`, reused from one save to the next and bounded by
 ``staging_bytes``, and returns the same tree with tensors that are views of the slabs (DTensors
 rewrapped around their staged local shard, with their spec; other values deep-copied).
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from cryosnap.capture import StagingPool
+from cryosnap._run.staging import StagingPool
 from cryosnap.dcp._schema import DcpError
 
 __all__ = ["Staging"]

@@ -8,7 +8,7 @@ while its chain resolves), resolve, fetch and verify every chunk (:mod:`.read`),
 the tree. ``into=`` is checked before any byte is read and filled only after every chunk
 verified and every ``load_state_dict`` accepted; on a local store its large plain tensors and
 arrays are not allocated again but read a second time straight into place
-(:func:`cryosnap.tree.direct_targets`, :class:`.read.Fetched`).
+(:func:`cryosnap._state.direct_targets`, :class:`.read.Fetched`).
 
 Runs on the caller's thread (plus the fetch's read pool and a prefault thread); no collectives
 here.
@@ -32,10 +32,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from cryosnap import _native
+from cryosnap._format.chunks import merkle_root, value_runs
+from cryosnap._format.manifest import (
+    PACKED_FORMAT_VERSION,
+    STORED,
+    CommitRecord,
+    Manifest,
+    ManifestRef,
+)
 from cryosnap._format.skeleton import blob_keys, blob_paths, format_path
-from cryosnap._gc import paused_gc
+from cryosnap._state import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
+from cryosnap._state.gc import paused_gc
 from cryosnap._units import human_bytes
-from cryosnap.chunks import merkle_root, value_runs
 from cryosnap.engine._records import read_commit, read_manifest
 from cryosnap.engine._resolved import (
     ResolvedBlob,
@@ -55,15 +63,7 @@ from cryosnap.errors import (
     StateMismatchError,
     WorldSizeError,
 )
-from cryosnap.manifest import (
-    PACKED_FORMAT_VERSION,
-    STORED,
-    CommitRecord,
-    Manifest,
-    ManifestRef,
-)
 from cryosnap.storage import Store
-from cryosnap.tree import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
 
 __all__ = [
     "PartNotFoundError",

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import xxhash
 
-from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
-from cryosnap.manifest import (
+from cryosnap._format.manifest import (
     CommitRecord,
     Lineage,
     Manifest,
@@ -22,6 +21,7 @@ from cryosnap.manifest import (
     version_prefix,
     visible_versions,
 )
+from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from cryosnap.storage import Store
 
 __all__ = [

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap._format.chunks import HASH_BYTES
+from cryosnap._format.manifest import STORED, BaseRef, Manifest
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.chunks import HASH_BYTES
 from cryosnap.engine._records import _load_manifest, read_commit, read_manifest
 from cryosnap.errors import CheckpointFormatError
-from cryosnap.manifest import STORED, BaseRef, Manifest
 from cryosnap.storage import Store
 
 __all__ = [

@@ -14,9 +14,7 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from cryosnap.engine._records import _no_fence, list_records, read_commit
-from cryosnap.errors import CheckpointError
-from cryosnap.manifest import (
+from cryosnap._format.manifest import (
     CommitRecord,
     Lineage,
     commit_key,
@@ -24,6 +22,8 @@ from cryosnap.manifest import (
     step_of_commit_key,
     visible_versions,
 )
+from cryosnap.engine._records import _no_fence, list_records, read_commit
+from cryosnap.errors import CheckpointError
 from cryosnap.policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
 from cryosnap.storage import Store
 

@@ -35,7 +35,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cryosnap import _signals, engine
+import cryosnap._run.signals as _signals
+from cryosnap import engine
 from cryosnap._validate import positive_int
 from cryosnap.checkpointer import Checkpointer, run_id_of
 from cryosnap.dist import LocalCoordinator

@@ -78,7 +78,7 @@ class BlobWriter(Protocol):
 class ConditionalWrites(Protocol):
     """Compare-and-swap on single keys of a store: writes that take effect only if the key is
     as the caller last saw it (S3's ``If-None-Match`` / ``If-Match``), so that two writers can
-    never both win. The run lock uses them on object stores (:mod:`cryosnap.lock`).
+    never both win. The run lock uses them on object stores (:mod:`cryosnap._run.lock`).
 
     A key's *tag* (an S3 ETag) changes whenever its content does. Each request returns or raises
     within ``timeout`` seconds (:class:`~cryosnap.errors.StorageTimeoutError`); failures are
@@ -115,13 +115,13 @@ class StoreCapabilities:
 
     ``local_path``: the local directory that holds every key ``k`` as the regular file
     ``local_path / k`` (a :class:`~cryosnap.storage.LocalStore`'s root), or None. Read by
-    :mod:`cryosnap.lock`, which takes an ``flock`` in it instead of a lock object, and by the
+    :mod:`cryosnap._run.lock`, which takes an ``flock`` in it instead of a lock object, and by the
     CLI, which looks for runs in its subdirectories. A store declares one only if every key is
     there: a StripedStore over several devices declares none, and so does an FsspecStore even
     on fsspec's local file system (its runs keep the lock protocol of fsspec stores).
 
     ``conditional_writes``: compare-and-swap requests on the store's keys
-    (:class:`ConditionalWrites`), or None. Read by :mod:`cryosnap.lock`, which keeps its lock
+    (:class:`ConditionalWrites`), or None. Read by :mod:`cryosnap._run.lock`, which keeps its lock
     object with them (S3), and otherwise falls back to its claims protocol. They bypass the
     Store primitives: a wrapper that forwards them applies its own rules to them or none
     (TimeoutStore bounds them, FaultyStore injects no faults into them).

@@ -12,11 +12,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cryosnap.chunks import HASH_BYTES, chunk_count
+from cryosnap._format.chunks import HASH_BYTES, chunk_count
+from cryosnap._format.manifest import INHERITED, STORED
+from cryosnap._state import Blob
 from cryosnap.engine import ResolvedBlob, ResolvedPart
 from cryosnap.engine.write._differ import ALIGN_BYTES, ALIGN_MIN_BYTES, Cursor, Differ, FileTable
-from cryosnap.manifest import INHERITED, STORED
-from cryosnap.tree import Blob
 
 CHUNK = 4096  # blobs of one chunk or more are aligned (ALIGN_MIN_BYTES)
 OWN = "versions/2/data-own"  # the part's own data file

@@ -10,15 +10,15 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._capturing import END, Job
-from cryosnap._chain import ChainIndex
-from cryosnap._results import PendingSave
-from cryosnap._writer import VersionWriter
-from cryosnap.capture import CaptureTracker, direct_batches
+from cryosnap._run.capturer import END, Job
+from cryosnap._run.chain import ChainIndex
+from cryosnap._run.levels import Level
+from cryosnap._run.results import PendingSave
+from cryosnap._run.staging import CaptureTracker, direct_batches
+from cryosnap._run.writer import VersionWriter
+from cryosnap._state import flatten
 from cryosnap.dist import Coordinator, LocalCoordinator
-from cryosnap.levels import Level
 from cryosnap.storage import Store
-from cryosnap.tree import flatten
 
 CHUNK = 4096
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cryosnap._chain import ChainIndex
+from cryosnap._run.chain import ChainIndex
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import LocalStore
 

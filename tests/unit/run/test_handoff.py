@@ -10,10 +10,10 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.manifest import commit_key
+from cryosnap._run.flush import SourceDamagedError, flush_version
+from cryosnap._run.levels import Levels
 from cryosnap.dist import LocalCoordinator
-from cryosnap.flush import SourceDamagedError, flush_version
-from cryosnap.levels import Levels
-from cryosnap.manifest import commit_key
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

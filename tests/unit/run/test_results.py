@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from cryosnap._results import PendingSave, SaveInfo
-from cryosnap.capture import CaptureTracker
+from cryosnap._run.results import PendingSave, SaveInfo
+from cryosnap._run.staging import CaptureTracker
 from cryosnap.errors import CheckpointError, CheckpointTimeoutError
 
 LEVELS = ("scratch", "persistent")

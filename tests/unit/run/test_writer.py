@@ -11,11 +11,11 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._writer import WriterThread
+from cryosnap._format.manifest import commit_key, manifest_key
+from cryosnap._run.levels import Levels
+from cryosnap._run.writer import WriterThread
 from cryosnap.dist import InProcessGroup
 from cryosnap.errors import CheckpointError, StorageError, StorageTimeoutError
-from cryosnap.levels import Levels
-from cryosnap.manifest import commit_key, manifest_key
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

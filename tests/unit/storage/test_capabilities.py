@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cryosnap._run.lock import CLAIMS_PREFIX, LOCK_KEY, acquire_run_lock
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError
-from cryosnap.lock import CLAIMS_PREFIX, LOCK_KEY, acquire_run_lock
 from cryosnap.storage import (
     _STORE_MEMBERS,
     FsspecStore,

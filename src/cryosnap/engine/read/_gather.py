@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
+from cryosnap._format.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
 from cryosnap.engine._resolved import ResolvedPart
 from cryosnap.engine.read._plan import _GATHER_WINDOW_BYTES, Gather, gather_windows, window_batches
 from cryosnap.engine.read._verify import _INLINE_HASH_BYTES, Outcome

@@ -27,7 +27,7 @@ class Mapped:
     that injects faults has none, so its reads stay reads), and where each blob lies in them.
 
     :meth:`place` hands out the memory of a blob whose chunks lie back to back in one mapped
-    file: :class:`cryosnap.tree.Restorer` builds the leaf over it (no allocation, no copy) and
+    file: :class:`cryosnap._state.Restorer` builds the leaf over it (no allocation, no copy) and
     the reader verifies it there. A file that cannot be mapped is read as before (its errors,
     a missing file for one, come from the read)."""
 

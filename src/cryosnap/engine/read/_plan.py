@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cryosnap.chunks import HASH_BYTES
+from cryosnap._format.chunks import HASH_BYTES
 from cryosnap.engine._resolved import PartChunks
 
 __all__ = [

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 
 from cryosnap import _native
-from cryosnap.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
+from cryosnap._format.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
 from cryosnap.engine._resolved import ResolvedPart
 from cryosnap.engine.read._plan import PieceLists
 from cryosnap.errors import IntegrityError

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap.chunks import HASH_BYTES, merkle_root, value_runs
+from cryosnap._format.chunks import HASH_BYTES, merkle_root, value_runs
+from cryosnap._format.manifest import INHERITED, STORED, BlobEntry
+from cryosnap._state import Blob
 from cryosnap.engine._resolved import ResolvedPart, _Loc
-from cryosnap.manifest import INHERITED, STORED, BlobEntry
-from cryosnap.tree import Blob
 
 __all__ = ["EXTERNAL", "BlobSegments", "Cursor", "Differ", "FileTable", "Write"]
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap.chunks import HASH_BYTES, chunk_count, value_runs
+from cryosnap._format.chunks import HASH_BYTES, chunk_count, value_runs
+from cryosnap._format.manifest import INHERITED, STORED
+from cryosnap._state import Blob
 from cryosnap.engine.items import Hashed
 from cryosnap.engine.write._differ import EXTERNAL, Differ, FileTable
 from cryosnap.errors import CheckpointError
-from cryosnap.manifest import INHERITED, STORED
-from cryosnap.tree import Blob
 
 __all__ = ["Location", "Owners", "ShareMap", "assign_shares", "owner_runs"]
 

@@ -15,15 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from cryosnap._gc import paused_gc
-from cryosnap.chunks import chunk_count, hash_chunks_released, hash_each_released, merkle_root
-from cryosnap.engine._resolved import ResolvedPart, _Loc, _resolve_one
-from cryosnap.engine.items import Hashed, Item, Piece, Unchanged
-from cryosnap.engine.write._appender import Appender
-from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable
-from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
-from cryosnap.errors import CheckpointError, CheckpointExistsError
-from cryosnap.manifest import (
+from cryosnap._format.chunks import (
+    chunk_count,
+    hash_chunks_released,
+    hash_each_released,
+    merkle_root,
+)
+from cryosnap._format.manifest import (
     FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
     BaseRef,
@@ -36,9 +34,16 @@ from cryosnap.manifest import (
     manifest_key,
     now_unix,
 )
+from cryosnap._state import FlatState
+from cryosnap._state.gc import paused_gc
+from cryosnap.engine._resolved import ResolvedPart, _Loc, _resolve_one
+from cryosnap.engine.items import Hashed, Item, Piece, Unchanged
+from cryosnap.engine.write._appender import Appender
+from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable
+from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
+from cryosnap.errors import CheckpointError, CheckpointExistsError
 from cryosnap.storage import Store
 from cryosnap.storage.tiers import Placement
-from cryosnap.tree import FlatState
 
 __all__ = ["PartResult", "PartWriter"]
 

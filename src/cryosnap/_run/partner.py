@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cryosnap import engine
+from cryosnap._format.manifest import CommitRecord, commit_key, parse_commit_key
+from cryosnap._run.lock import RunLock, acquire_run_lock
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CoordinationError
-from cryosnap.lock import RunLock, acquire_run_lock
-from cryosnap.manifest import CommitRecord, commit_key, parse_commit_key
 from cryosnap.policy import RetentionPolicy
 from cryosnap.storage import BlobWriter, Store, join_location
 

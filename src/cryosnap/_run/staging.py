@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from cryosnap import _native
-from cryosnap.chunks import chunk_count, hash_chunks_released, value_runs
+from cryosnap._format.chunks import chunk_count, hash_chunks_released, value_runs
+from cryosnap._state import Blob, FlatState
 from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
-from cryosnap.tree import Blob, FlatState
 
 # Batch, Hashed, Piece and Unchanged are the engine's (engine/items.py): re-exported here.
 __all__ = [

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryosnap._torch_import import import_torch, loaded_torch
+from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap._validate import bad_value, wrong_type
 
 __all__ = ["SLABS", "SLAB_BYTES", "SMALL_BYTES", "copy_to_device", "target_device", "to_device"]

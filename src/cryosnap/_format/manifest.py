@@ -40,6 +40,13 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
+from cryosnap._format.chunks import (
+    HASH_BYTES,
+    HASH_NAME,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    chunk_count,
+)
 from cryosnap._format.keys import (
     Lineage,
     commit_key,
@@ -65,7 +72,6 @@ from cryosnap._format.limits import (
     MAX_UNIX,
 )
 from cryosnap._format.skeleton import check_depth, decode_key, encode_key
-from cryosnap.chunks import HASH_BYTES, HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, chunk_count
 from cryosnap.errors import CheckpointFormatError
 
 __all__ = [

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._devdiff import DeviceDiff, DiffPlan
-from cryosnap._gc import paused_gc
-from cryosnap._replicated import Plan
-from cryosnap._results import PendingSave
-from cryosnap.capture import Batch, StagingPool, capture_to_slabs, direct_batches
-from cryosnap.manifest import Lineage, Replicated
-from cryosnap.tree import FlatState
+from cryosnap._format.manifest import Lineage, Replicated
+from cryosnap._run.devdiff import DeviceDiff, DiffPlan
+from cryosnap._run.replicated import Plan
+from cryosnap._run.results import PendingSave
+from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
+from cryosnap._state import FlatState
+from cryosnap._state.gc import paused_gc
 
 __all__ = ["END", "Capturer", "Job"]
 

@@ -34,12 +34,12 @@ import numpy as np
 import xxhash
 
 from cryosnap import engine
+from cryosnap._format.manifest import Replicated
 from cryosnap._format.skeleton import Json, dict_items, encode_key, iter_leaves
+from cryosnap._state import FlatState
 from cryosnap.dist import Coordinator
 from cryosnap.engine._write import Owners, assign_shares
 from cryosnap.errors import CheckpointError, ReplicaDivergenceError
-from cryosnap.manifest import Replicated
-from cryosnap.tree import FlatState
 
 __all__ = ["Plan", "exchange", "plan", "replicated_keys", "send_failure", "top_level_keys"]
 

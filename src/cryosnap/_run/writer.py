@@ -17,18 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap import _replicated, engine
-from cryosnap._capturing import END, Job
-from cryosnap._chain import ChainIndex
-from cryosnap._partner import Partners
-from cryosnap._results import PendingSave, SaveInfo
-from cryosnap.capture import Batch, CaptureTracker, direct_batches
-from cryosnap.chunks import merkle_root
-from cryosnap.dist import Coordinator
-from cryosnap.errors import CheckpointError, CoordinationError, StorageTimeoutError
-from cryosnap.flush import SourceDamagedError
-from cryosnap.levels import Level, Levels
-from cryosnap.manifest import (
+import cryosnap._run.replicated as _replicated
+from cryosnap import engine
+from cryosnap._format.chunks import merkle_root
+from cryosnap._format.manifest import (
     CommitRecord,
     Manifest,
     PartSummary,
@@ -36,10 +28,19 @@ from cryosnap.manifest import (
     commit_key,
     manifest_key,
 )
+from cryosnap._run.capturer import END, Job
+from cryosnap._run.chain import ChainIndex
+from cryosnap._run.flush import SourceDamagedError
+from cryosnap._run.levels import Level, Levels
+from cryosnap._run.partner import Partners
+from cryosnap._run.results import PendingSave, SaveInfo
+from cryosnap._run.staging import Batch, CaptureTracker, direct_batches
+from cryosnap._state import FlatState
+from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointError, CoordinationError, StorageTimeoutError
 from cryosnap.progress import Progress, human_bytes
 from cryosnap.storage import Store
 from cryosnap.storage.tiers import Placement
-from cryosnap.tree import FlatState
 
 __all__ = ["Rewriter", "VersionWriter", "WriterThread", "summary_of"]
 
@@ -67,9 +68,9 @@ class VersionWriter:
     the calling thread; ``chain`` is this rank's chain there, collectives go to ``channel``.
 
     The captured batches are hashed and diffed against the chain's base, new chunks go to the
-    level's data file (of replicated state, only this rank's share: _replicated.py; with
+    level's data file (of replicated state, only this rank's share: replicated.py; with
     several participants they then exchange fingerprints and where their shares lie), then the
-    manifest; then every participant's :class:`~cryosnap.manifest.PartSummary` is gathered and
+    manifest; then every participant's ``PartSummary`` is gathered and
     rank 0 writes the commit record once every part is durable (on a private level each rank
     its own), and tells the others how it went."""
 

@@ -33,7 +33,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import xxhash
 
-from cryosnap.chunks import HASH_BYTES, hash_chunks_released
+from cryosnap._format.chunks import HASH_BYTES, hash_chunks_released
+from cryosnap._format.manifest import STORED, CommitRecord, manifest_key
 from cryosnap.engine import chain_manifests, read_commit, read_manifest
 from cryosnap.errors import (
     CheckpointError,
@@ -43,7 +44,6 @@ from cryosnap.errors import (
     LockLostError,
     StorageError,
 )
-from cryosnap.manifest import STORED, CommitRecord, manifest_key
 from cryosnap.storage import Store
 
 __all__ = ["Flusher", "SourceDamagedError", "flush_keys", "flush_version"]

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
+from cryosnap._format.chunks import chunk_count
+from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import iter_leaves
-from cryosnap.chunks import chunk_count
 from cryosnap.engine import ResolvedPart
 from cryosnap.errors import CheckpointFormatError
-from cryosnap.manifest import Manifest
 from cryosnap.storage import Store
 
 __all__ = ["LeafChange", "LeafInfo", "VersionDiff", "describe_leaves", "diff_versions"]

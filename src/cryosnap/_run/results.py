@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cryosnap.capture import CaptureTracker
+from cryosnap._run.staging import CaptureTracker
 from cryosnap.errors import CheckpointTimeoutError
 
 __all__ = ["PendingSave", "SaveInfo", "Status"]

@@ -6,7 +6,7 @@ Each capture fingerprints the chunks of every eligible blob (a torch tensor of a
 fingerprint.py, compares them with the fingerprints kept from the previous captured version
 (on the same device: only a mask of changed chunks crosses to the host), and keeps the new ones.
 The capture then copies the changed chunks and emits the unchanged runs as
-:class:`~cryosnap.capture.Unchanged`; the writer inherits those from the base without hashing.
+:class:`~cryosnap._run.staging.Unchanged`; the writer inherits those from the base without hashing.
 
 Such a version is only correct on top of exactly the version it was compared with, so:
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap._results import PendingSave
-from cryosnap.fingerprint import Fingerprinter, supported
-from cryosnap.tree import FlatState
+from cryosnap._run.fingerprint import Fingerprinter, supported
+from cryosnap._run.results import PendingSave
+from cryosnap._state import FlatState
 
 __all__ = ["DeviceDiff", "DiffPlan"]
 

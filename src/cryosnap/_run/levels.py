@@ -5,7 +5,7 @@ fits between them later). Each :class:`Level` is its own store with its own writ
 retention (``keep``) and files reserved from retention. A version is committed on the first
 level by the writer; a :class:`Handoff` per pair of adjacent levels then copies it to the next
 one in the background (flush.py: verified copy, commit record last, retry with backoff) and
-reports each level it reached to the version's :class:`~cryosnap._results.PendingSave`.
+reports each level it reached to the version's :class:`~cryosnap._run.results.PendingSave`.
 
 Retention of a level never drops a version that has not reached the next level yet (or whose
 hand-off failed), nor the files of a version whose commit record may still land (a write that
@@ -25,14 +25,20 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from cryosnap import engine
-from cryosnap._chain import ChainIndex
-from cryosnap._results import PendingSave, SaveInfo, Status
-from cryosnap.capture import CaptureTracker
+from cryosnap._format.manifest import Lineage, visible_versions
+from cryosnap._run.chain import ChainIndex
+from cryosnap._run.flush import (
+    CollectiveFlush,
+    Flusher,
+    SourceDamagedError,
+    flush_keys,
+    flush_version,
+)
+from cryosnap._run.lock import RunLock
+from cryosnap._run.results import PendingSave, SaveInfo, Status
+from cryosnap._run.staging import CaptureTracker
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CoordinationError, LockLostError
-from cryosnap.flush import CollectiveFlush, Flusher, SourceDamagedError, flush_keys, flush_version
-from cryosnap.lock import RunLock
-from cryosnap.manifest import Lineage, visible_versions
 from cryosnap.policy import KeepLast, RetentionPolicy
 from cryosnap.storage import Store
 
