@@ -481,18 +481,14 @@ def _parse_blobs(
     return blobs, None
 
 
-def _parse_simple_blobs(
-    raw: list[Any],
-    nfiles: int,
-    chunk_bytes: int,
-    has_base: bool,
-    table: bytes,
-    where: str,
-) -> tuple[tuple[BlobEntry, ...], BlobTables] | None:
-    """The blob entries of ``raw`` with the blobs of exactly one segment row checked
-    vectorized (the others one by one through :func:`_parse_blob`, in order); None when any
-    check fails or any field is not plainly what the writer writes (an int, a 32-digit hex
-    root, a list), so that the blob-by-blob path decides and names the blob."""
+def _simple_head(
+    raw: list[Any], chunk_bytes: int
+) -> (
+    tuple[tuple[Any, ...], tuple[Any, ...], np.ndarray[Any, Any], np.ndarray[Any, Any], bytes]
+    | None
+):
+    """The sizes, segments, sizes and chunk counts as arrays, and the roots' bytes of blob
+    entries that are plainly what the writer writes; None for anything else."""
     n = len(raw)
     if not n or set(map(type, raw)) != {list} or set(map(len, raw)) != {3}:
         return None
@@ -514,6 +510,51 @@ def _parse_simple_blobs(
     nchunks = -(-nbytes // chunk_bytes)
     if (nchunks > MAX_BLOB_CHUNKS).any():
         return None
+    return sizes, segs, nbytes, nchunks, root_bytes
+
+
+def _simple_rows_ok(
+    rows: np.ndarray[Any, Any],
+    size: np.ndarray[Any, Any],
+    count: np.ndarray[Any, Any],
+    nfiles: int,
+    has_base: bool,
+) -> bool:
+    """The checks of :func:`_one_row`, for every one-row blob at once: a stored segment is the
+    whole blob, an inherited one all its chunks (so count == nchunks in both)."""
+    kind, a, b, c = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+    stored = kind == STORED
+    good_stored = (a >= 0) & (a < nfiles) & (b >= 0) & (b <= MAX_FILE_BYTES) & (c > 0) & (c == size)
+    good_inherited = (
+        (kind == INHERITED)
+        & has_base
+        & (a >= 0)
+        & (a <= MAX_BLOB_CHUNKS)
+        & (b >= 0)
+        & (b <= MAX_BLOB_CHUNKS)
+        & (c > 0)
+        & (c == count)
+    )
+    return bool(np.where(stored, good_stored, good_inherited).all())
+
+
+def _parse_simple_blobs(
+    raw: list[Any],
+    nfiles: int,
+    chunk_bytes: int,
+    has_base: bool,
+    table: bytes,
+    where: str,
+) -> tuple[tuple[BlobEntry, ...], BlobTables] | None:
+    """The blob entries of ``raw`` with the blobs of exactly one segment row checked
+    vectorized (the others one by one through :func:`_parse_blob`, in order); None when any
+    check fails or any field is not plainly what the writer writes (an int, a 32-digit hex
+    root, a list), so that the blob-by-blob path decides and names the blob."""
+    n = len(raw)
+    head = _simple_head(raw, chunk_bytes)
+    if head is None:
+        return None
+    sizes, segs, nbytes, nchunks, root_bytes = head
     # One row: a list of one item (the item is checked below); anything else goes blob by
     # blob (packed tables, empty blobs, malformed entries).
     simple = np.fromiter((type(s) is list and len(s) == 1 for s in segs), bool, n)
@@ -527,23 +568,9 @@ def _parse_simple_blobs(
         rows = np.array(flat, np.int64).reshape(-1, 4)
     except (ValueError, OverflowError):
         return None
-    kind, a, b, c = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
-    size, count = nbytes[simple], nchunks[simple]
-    stored = kind == STORED
-    # The checks of _one_row, for every row at once: a stored segment is the whole blob, an
-    # inherited one all its chunks (so count == nchunks in both).
-    good_stored = (a >= 0) & (a < nfiles) & (b >= 0) & (b <= MAX_FILE_BYTES) & (c > 0) & (c == size)
-    good_inherited = (
-        (kind == INHERITED)
-        & has_base
-        & (a >= 0)
-        & (a <= MAX_BLOB_CHUNKS)
-        & (b >= 0)
-        & (b <= MAX_BLOB_CHUNKS)
-        & (c > 0)
-        & (c == count)
-    )
-    if not np.where(stored, good_stored, good_inherited).all():
+    count = nchunks[simple]
+    stored = rows[:, 0] == STORED
+    if not _simple_rows_ok(rows, nbytes[simple], count, nfiles, has_base):
         return None
     # Hash table bytes each blob takes; the other blobs' are known once parsed, in order.
     took = np.zeros(n, np.int64)
@@ -655,6 +682,20 @@ def _parse_blob(
         t = flat.astype(np.int64, copy=False).reshape(1, 4)
         return _take_hashes(nbytes, root, t, counted, table, cursor, chunk_bytes, here)
     t = flat.astype(np.int64, copy=False).reshape(-1, 4)
+    counted = _check_rows(t, nfiles, nbytes, nchunks, chunk_bytes, has_base, here)
+    return _take_hashes(nbytes, root, t, counted, table, cursor, chunk_bytes, here)
+
+
+def _check_rows(
+    t: np.ndarray[Any, Any],
+    nfiles: int,
+    nbytes: int,
+    nchunks: int,
+    chunk_bytes: int,
+    has_base: bool,
+    here: str,
+) -> int:
+    """Validate a blob's segment rows (several); the chunks its stored segments hold."""
     kind, a, b, c = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
     stored = kind == STORED
     inherited = kind == INHERITED
@@ -692,9 +733,7 @@ def _parse_blob(
         )
     if stored[-1] and (total - int(counts[-1])) * chunk_bytes + int(c[-1]) != nbytes:
         raise _fail(here, "the last stored segment does not end at the blob's end")
-    return _take_hashes(
-        nbytes, root, t, int(counts[stored].sum()), table, cursor, chunk_bytes, here
-    )
+    return int(counts[stored].sum())
 
 
 def _take_hashes(

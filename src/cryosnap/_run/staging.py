@@ -232,35 +232,109 @@ def capture_to_slabs(
 
     Small pieces of host tensors are one memmove each; larger ones torch ``copy_``.
     """
-    held: list[Batch] = []
-    sink = emit
-    if hold:
-        emit = held.append
+    filler = _SlabFiller(pool, chunk_bytes, emit, tracker, abort, hold)
+    for index, blob in enumerate(flat.blobs):
+        if blob.nbytes == 0:
+            tracker.mark(index)
+            continue
+        cuda = not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda
+        filler.gpu = filler.gpu or cuda
+        mask = changed.get(index) if changed else None
+        others = foreign.get(index) if foreign and not cuda else None
+        if blob.private and mask is None and others is None:
+            # Copied already (a pack of small tensors): written from where it lies.
+            filler.pieces.append(Piece(index, 0, blob.host_view()))
+            filler.marks.append(index)
+            filler.copied += blob.nbytes
+            continue
+        for lo, hi, kind in _runs(blob.nbytes, mask, chunk_bytes, others):
+            if kind == _UNCHANGED:
+                first = lo // chunk_bytes
+                filler.pieces.append(Unchanged(index, first, -(-(hi - lo) // chunk_bytes), hi - lo))
+            elif kind == _HASH:
+                view = blob.host_view()[lo:hi]
+                digests = hash_chunks_released(view, chunk_bytes)
+                filler.pieces.append(Hashed(index, lo, hi - lo, digests))
+            else:
+                filler.copy(index, blob, lo, hi)
+        if cuda and events:
+            filler.flush_small()
+            event = sys.modules["torch"].cuda.Event()
+            event.record()
+            tracker.issued(index, event)
+        filler.marks.append(index)
+    filler.seal()
+    filler.flush_held()
+    return filler.copied
 
-    def flush_held() -> None:
-        # The budget is spent: the writer must get the held slabs to give them back.
-        while held:
-            sink(held.pop(0))
 
-    slab: _Slab | None = None
-    whole = memoryview(b"")  # the current slab's bytes
-    fill = 0
-    pieces: list[Item] = []
-    copied = 0
-    small: list[tuple[int, Blob, int, int]] = []  # (slab offset, blob, start, n)
-    pending_marks: list[int] = []
-    gpu = False
+class _SlabFiller:
+    """The state of one :func:`capture_to_slabs`: the slab being filled, its pieces, the small
+    host pieces copied together, the blobs to mark captured once their slab is sealed."""
 
-    def flush_small() -> None:
-        nonlocal small
-        if not small or slab is None:
+    def __init__(
+        self,
+        pool: StagingPool,
+        chunk_bytes: int,
+        emit: Callable[[Batch], None],
+        tracker: CaptureTracker,
+        abort: Callable[[], BaseException | None],
+        hold: bool,
+    ) -> None:
+        self.pool = pool
+        self.chunk_bytes = chunk_bytes
+        self.sink = emit
+        self.held: list[Batch] = []
+        self.emit = self.held.append if hold else emit
+        self.tracker = tracker
+        self.abort = abort
+        self.slab: _Slab | None = None
+        self.whole = memoryview(b"")  # the current slab's bytes
+        self.fill = 0
+        self.pieces: list[Item] = []
+        self.copied = 0
+        self.small: list[tuple[int, Blob, int, int]] = []  # (slab offset, blob, start, n)
+        self.marks: list[int] = []
+        self.gpu = False
+
+    def flush_held(self) -> None:
+        # The budget is spent (or the capture is over): the writer must get the held slabs
+        # to give them back.
+        while self.held:
+            self.sink(self.held.pop(0))
+
+    def copy(self, index: int, blob: Blob, lo: int, hi: int) -> None:
+        """Copy bytes ``lo:hi`` of ``blob`` into slabs, piece by piece."""
+        start = lo
+        while start < hi:
+            if self.slab is None:
+                self.slab = self.pool.acquire(self.abort, self.flush_held)
+                self.whole = self.slab.array.data  # sliced per piece (cheaper than the array)
+            slab = self.slab
+            n = _pieces(hi, start, slab.nbytes - self.fill, self.chunk_bytes)
+            if n == 0:
+                self.seal()
+                continue
+            if n < _SMALL_PIECE_BYTES:
+                self.small.append((self.fill, blob, start, n))
+            else:
+                self.flush_small()
+                _copy(slab, self.fill, blob, start, n)
+            self.pieces.append(Piece(index, start, self.whole[self.fill : self.fill + n]))
+            self.fill += n
+            start += n
+            self.copied += n
+
+    def flush_small(self) -> None:
+        slab = self.slab
+        if not self.small or slab is None:
             return
         # Small pieces of host tensors: one memmove each, by address. torch's copy_ and cat
         # run on its intra-op (OpenMP) threads; with the writer busy on another core those
         # wait for each other, and a state of thousands of small tensors stalled for seconds.
         base = slab.array.ctypes.data
         rest = []
-        for s in small:
+        for s in self.small:
             src = s[1].source
             if type(src) is bytes or isinstance(src, np.ndarray) or not src.is_cpu:
                 rest.append(s)
@@ -283,73 +357,21 @@ def capture_to_slabs(
                 small = [s for s in small if isinstance(s[1].source, (bytes, np.ndarray))]
         for at, blob, start, n in small:
             _copy(slab, at, blob, start, n)
-        small = []
+        self.small = []
 
-    def seal() -> None:
-        nonlocal slab, fill, pieces, pending_marks
-        if slab is None and not pieces:
+    def seal(self) -> None:
+        if self.slab is None and not self.pieces:
             return
-        flush_small()
-        if gpu:
+        self.flush_small()
+        if self.gpu:
             # Device-to-host copies were queued non-blocking on the current stream.
             sys.modules["torch"].cuda.current_stream().synchronize()
-        for b in pending_marks:
-            tracker.mark(b)
-        done, pieces, pending_marks = pieces, [], []
-        s = slab
-        slab, fill = None, 0
-        emit(Batch(done, (lambda: pool.release(s)) if s is not None else (lambda: None)))
-
-    for index, blob in enumerate(flat.blobs):
-        if blob.nbytes == 0:
-            tracker.mark(index)
-            continue
-        cuda = not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda
-        gpu = gpu or cuda
-        mask = changed.get(index) if changed else None
-        others = foreign.get(index) if foreign and not cuda else None
-        if blob.private and mask is None and others is None:
-            # Copied already (a pack of small tensors): written from where it lies.
-            pieces.append(Piece(index, 0, blob.host_view()))
-            pending_marks.append(index)
-            copied += blob.nbytes
-            continue
-        for lo, hi, kind in _runs(blob.nbytes, mask, chunk_bytes, others):
-            if kind == _UNCHANGED:
-                first = lo // chunk_bytes
-                pieces.append(Unchanged(index, first, -(-(hi - lo) // chunk_bytes), hi - lo))
-                continue
-            if kind == _HASH:
-                view = blob.host_view()[lo:hi]
-                pieces.append(Hashed(index, lo, hi - lo, hash_chunks_released(view, chunk_bytes)))
-                continue
-            start = lo
-            while start < hi:
-                if slab is None:
-                    slab = pool.acquire(abort, flush_held)
-                    whole = slab.array.data  # sliced per piece (cheaper than the array)
-                n = _pieces(hi, start, slab.nbytes - fill, chunk_bytes)
-                if n == 0:
-                    seal()
-                    continue
-                if n < _SMALL_PIECE_BYTES:
-                    small.append((fill, blob, start, n))
-                else:
-                    flush_small()
-                    _copy(slab, fill, blob, start, n)
-                pieces.append(Piece(index, start, whole[fill : fill + n]))
-                fill += n
-                start += n
-                copied += n
-        if cuda and events:
-            flush_small()
-            event = sys.modules["torch"].cuda.Event()
-            event.record()
-            tracker.issued(index, event)
-        pending_marks.append(index)
-    seal()
-    flush_held()
-    return copied
+        for b in self.marks:
+            self.tracker.mark(b)
+        done, self.pieces, self.marks = self.pieces, [], []
+        s, pool = self.slab, self.pool
+        self.slab, self.fill = None, 0
+        self.emit(Batch(done, (lambda: pool.release(s)) if s is not None else (lambda: None)))
 
 
 _UNCHANGED, _COPY, _HASH = 0, 1, 2
