@@ -1,21 +1,9 @@
 """Argument validators: one rule and one message shape for every public argument check.
 
-The rule:
-
-* a value of the wrong **type** is a ``TypeError``:
-  ``n must be a positive int, got 2.5 (float)``;
-* a value of the right type but a bad **value** is a ``ValueError``:
-  ``full_every=0 is invalid: allowed is a positive int``.
-
-Both messages name the argument, the value and what is allowed. A ``bool`` is never an int
-here, nor a number: ``True`` where a count is expected is a caller's mistake, not ``1``. Each
-validator returns the value (normalised: seconds and fractions as ``float``), so a check reads
-as an assignment: ``self.n = positive_int(n, "n")``. ``allowed=`` overrides the description of
-what is allowed where the caller can say it better (units, an example, other accepted types).
-
-Pure functions, no state: any thread may call them; the library calls them eagerly, on the
-caller's thread, before any work starts. Imports nothing from cryosnap at import time, so every
-module can use it (``step`` reads the format's ``MAX_STEP`` when called).
+A wrong type is a ``TypeError``, a bad value of the right type a ``ValueError``; a ``bool`` is
+never an int. Pure functions, no state: any thread may call them; the library calls them
+eagerly, on the caller's thread, before any work starts. Imports nothing from cryosnap at
+import time. docs/design/api.md has the rule and the messages.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Checkpointer: the facade of a managed run, and the one-shot ``save`` / ``load`` over it.
 
-A save has two phases. *Capture* (the capture room, _capturing.py) runs on the caller's thread
-(eager) or a capture thread (lazy) and copies the state into pooled staging slabs. Everything
-after runs in the background: the writer (_writer.py) hashes, writes and commits each version on
-the first storage level, one after the other, with the participants agreeing through the
-run's :class:`~cryosnap.dist.Coordinator`; hand-offs (levels.py) copy it to the next levels.
-``save`` returns a :class:`PendingSave` as soon as the state is captured (eager) or at once
-(lazy); ``PendingSave.result()`` returns the :class:`SaveInfo` once the version is durable on
-every level (``result(tier="scratch")``: on that one).
-
-This module is a facade: the arguments become a :class:`~cryosnap._run.options.RunOptions`,
-``_run/open.py`` opens the rooms, ``_run/restore.py`` reads versions back; it keeps what the
-caller sees: the pending saves and failures not yet received (raised once more by the next
-``save``, ``wait`` or ``close``). docs/ARCHITECTURE.md draws the rooms and which thread runs
-what. Runs on the caller's thread.
+It turns the arguments into a :class:`~cryosnap._run.options.RunOptions`, has the rooms opened
+(``_run/open.py``) and keeps what the caller sees: pending saves and failures not yet received.
+docs/ARCHITECTURE.md draws the rooms; docs/design/run.md has the two phases of a save.
+Runs on the caller's thread.
 """
 
 from __future__ import annotations

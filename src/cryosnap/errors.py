@@ -43,12 +43,8 @@ catch one class. Where a builtin already means the same thing, the error derives
         │                                                the per-call timeout
         └── ConditionalWritesUnsupported                 the server refuses conditional requests
 
-``TypeError`` (a leaf of an unsupported type, with its path) and ``ValueError`` (a bad argument)
-are raised as themselves for programming errors detected eagerly on the caller's thread.
-
-Messages name what is wrong and where: the step, the tier or URL, and the leaf path; where
-an error is about one step or one path, it also carries them as ``.step`` and ``.path``
-(None when it names none).
+Programming errors are ``TypeError`` / ``ValueError`` themselves; messages name the step, the
+tier and the leaf path. docs/design/api.md has the rules.
 """
 
 from __future__ import annotations

@@ -4,27 +4,8 @@
 >>> result = export("run", "model.safetensors")   # the newest version, rank 0
 >>> result.step, result.leaves, result.bytes
 
-Owns the export formats and how each leaf maps onto them:
-
-* ``.pt``: ``torch.save`` of the loaded tree as it is (tied tensors stay tied);
-* ``.safetensors``: tensors, numpy arrays and bytes as tensors, every other leaf as JSON in the
-  file's metadata, keyed by its leaf path (``model/emb``);
-* ``.npz``: every leaf as an array named by its leaf path; None leaves are left out (reported).
-
-A leaf a format cannot hold is an :class:`ExportError` naming the leaf and a format that can.
-OUT is written atomically (a temporary file beside it, fsynced, renamed over it, the directory
-fsynced): whatever fails, OUT is left as it was. Arguments are checked before anything is read
-(``ValueError`` / ``TypeError``, see :mod:`cryosnap._validate`); reading raises what
-:func:`cryosnap.load` raises (``CheckpointNotFoundError``, ``IntegrityError``...).
-
-A version written through torch.distributed.checkpoint (:mod:`cryosnap.dcp`) is exported as
-DCP's ``dcp_to_torch_save`` would write it: the state dict with every tensor whole, every
-rank's shards assembled (:func:`cryosnap.dcp.full_state_dict`); ``rank`` must be 0.
-
-:func:`committed_steps` and :func:`is_dcp_version` are re-exported from :mod:`cryosnap.run`,
-where they live. Runs on the caller's thread; reads the run through :func:`cryosnap.load` and
-takes no lock. torch is imported only for ``.pt`` and
-``.safetensors``.
+Runs on the caller's thread; reads the run through :func:`cryosnap.load` and takes no lock.
+docs/design/api.md has the formats, how leaves map onto them, and the guarantees.
 """
 
 from __future__ import annotations

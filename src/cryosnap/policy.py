@@ -1,28 +1,9 @@
 """When to save and which versions to keep: small pure policy objects.
 
-This module owns two kinds of policy, in the style of orbax-checkpoint's:
-
-* **Save policies** (:class:`SavePolicy`) answer "save at this step?" once per training
-  iteration and hear back what each save cost: :class:`EveryNSteps`, :class:`EveryNSeconds`
-  and the CheckFreq-style :class:`Adaptive`, which keeps the checkpoint overhead under a bound.
-* **Retention policies** (:class:`RetentionPolicy`) pick the versions to keep from the committed
-  ones: :class:`KeepLast`, :class:`KeepEvery`, :class:`KeepBest` and the union :class:`KeepAny`.
-  Whatever a retention policy selects, the Checkpointer always keeps the newest version too.
-
-Everything here is pure: no I/O, no threads, no clock. Time comes in as ``now`` (the caller
-passes ``time.monotonic()``), so the policies are deterministic and tested with a fake clock.
-The objects are not thread-safe: the caller (the Checkpointer) serializes the calls, including
-``durable()`` notifications that originate on background threads.
-
-How the Checkpointer drives a save policy::
-
-    should_save(step, now=...)                     once per iteration, on the caller's thread
-    saved(step, now=..., stall_seconds=...)        after save(step) returned (it blocked the
-                                                   caller for stall_seconds)
-    durable(step, now=..., seconds=..., stall_seconds=...)
-                                                   the version is durable, ``seconds`` after
-                                                   save() was called; stall_seconds is the
-                                                   total stall, lazy optimizer waits included
+Save policies (:class:`SavePolicy`) answer "save at this step?"; retention policies
+(:class:`RetentionPolicy`) pick the versions to keep. Everything here is pure: no I/O, no
+threads, no clock (time comes in as ``now``). The objects are not thread-safe: the caller
+(the Checkpointer) serializes the calls. docs/design/planning.md has how they are driven.
 """
 
 from __future__ import annotations

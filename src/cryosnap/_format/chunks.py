@@ -1,16 +1,8 @@
 """Chunking, hashing and Merkle trees: pure functions, no I/O, no threads.
 
-Every stored buffer (a "blob": the bytes of one tensor, array or bytes leaf) is cut into
-fixed-size chunks of ``chunk_bytes`` (the last one may be shorter). Each chunk is hashed with
-xxh3-128; the chunk hashes are the leaves of a binary Merkle tree whose root identifies the blob.
-Inner nodes hash the concatenation of their two children with a different seed from the chunks,
-so a chunk can never pose as an inner node. An odd node at the end of a level is carried up
-unchanged. The root of an empty blob is the hash of the empty string.
-
-Runs on whichever thread calls it. xxhash holds the GIL while it hashes (about 30 GB/s on one
-core here), so callers hash in chunk-sized calls to keep other threads responsive.
-:func:`hash_chunks_released` (the read side's) hashes through :mod:`cryosnap._native`, which
-releases the GIL: several threads hash on several cores at once.
+Runs on whichever thread calls it. xxhash holds the GIL while it hashes, so callers hash in
+chunk-sized calls; :func:`hash_chunks_released` (the read side's) releases it.
+docs/FORMAT.md ("Chunks and hashes") has the scheme; docs/design/format.md has the why.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """The on-disk schema: keys of a run, per-rank manifests and commit records (format 1).
 
-Everything here is JSON, readable without pickle and validated on load: a malformed or unsafe
-document raises :class:`~cryosnap.errors.CheckpointFormatError` naming the key, never a
-``KeyError`` from deep inside. docs/FORMAT.md is the prose version of this module.
-
-Layout of one tier (a run directory or URL prefix)::
-
-    data/<step:012d>-r<rank:05d>-<token>.dat   packed chunks, written once, never modified
-    versions/<step:012d>/rank-<rank:05d>.json  manifest of one rank's part of the version
-    versions/<step:012d>/COMMIT.json           commit record: the version exists iff this does
-    versions/<step:012d>/COMMIT-g<gen>-f<fork:012d>.json, rank-<rank:05d>-g<gen>.json
-                                               the same, of a version saved after a rewind
-                                               (lineage ``gen``, forked at step ``fork``)
-
-A manifest lists its rank's blobs. Each blob is cut into chunks of ``chunk_bytes``; its entry
-holds the Merkle root and *segments* covering its chunks in order: ``Stored`` runs (chunks back
-to back in a data file, with their hashes; the file may belong to an earlier version when the
-content was seen before) and, in an incremental manifest, ``Inherited`` runs (chunks unchanged
-since the *base* version, whose manifest this one names with its hash). Resolving a version
-walks its chain of bases back to a full version; ``full_every`` bounds the chain. The commit
-record lists every data file and every manifest step the version needs after resolution, which
-is what reference-counted retention counts.
-
+Everything here is JSON, validated on load: a malformed or unsafe document raises
+:class:`~cryosnap.errors.CheckpointFormatError` naming the key. docs/FORMAT.md is the prose
+version of this module; docs/design/format.md has the layout of a tier in brief.
 Pure: (de)serialization and validation only; no I/O.
 """
 

@@ -1,14 +1,8 @@
 """The capture room: a version's state copied out of the program, and the :class:`Job` that
-carries it to the writer.
-
-Eager capture runs on the caller's thread (the program's only stall); lazy capture on a thread
-of its own, with a one-shot step pre-hook on every ``torch.optim.Optimizer`` of the state that
-makes its next ``step()`` wait until the leaves it mutates are captured. Captured bytes go to
-pooled staging slabs (capture.py) and, batch by batch, onto the job's queue, which the writer
-drains. While any capture is in progress, :meth:`Capturer.wait_no_capture` blocks (flushers
-call it between pieces, so copying to slower levels never competes with the stall).
+carries it to the writer (eager on the caller's thread, lazy on a thread of its own).
 
 Runs on the caller's thread and the capture threads; no storage, no collectives.
+docs/design/capture.md has the why.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""ChainIndex: what the next incremental version builds on.
+"""ChainIndex: what the next incremental version builds on (the base and the content index).
 
-It holds the *base* (the previous version of this rank, as written or resolved) and the
-*content index* (chunk hash -> data file and offset of every chunk of kept content), which the
-writer uses to reference content instead of writing it again. Invariant: the index never names
-a data file that retention deleted or is about to delete (:meth:`forget_files` runs before the
-first delete of a retention pass), so a failed pass cannot make a new version reference a
-missing file.
-
+Invariant: the index never names a data file that retention deleted or is about to delete.
 Runs on the writer thread only (flushers set :meth:`reset` through a flag).
+docs/design/write-path.md has the why.
 """
 
 from __future__ import annotations

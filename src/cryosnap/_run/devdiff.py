@@ -1,23 +1,9 @@
 """Change detection on the device: which chunks of a version's tensors differ from the previous
 version, found where the tensors live, so that only changed chunks are copied to the host.
 
-Each capture fingerprints the chunks of every eligible blob (a torch tensor of at least
-``min_bytes``; on CUDA by default, on any device with ``Checkpointer(device_diff=True)``) with
-fingerprint.py, compares them with the fingerprints kept from the previous captured version
-(on the same device: only a mask of changed chunks crosses to the host), and keeps the new ones.
-The capture then copies the changed chunks and emits the unchanged runs as
-:class:`~cryosnap._run.staging.Unchanged`; the writer inherits those from the base without hashing.
-
-Such a version is only correct on top of exactly the version it was compared with, so:
-
-- the capture tells the writer that step (``DiffPlan.base``), and the writer fails the version
-  rather than write it on another base (``ChainIndex.base_exact``);
-- the first version fingerprinted in a session, and one every ``full_every``, is captured in
-  full and written full (``DiffPlan.full``): chain depth is counted here, exactly;
-- when the compared version failed, the next capture starts over in full.
-
-Captures take their turn in save order (a ticket per ``save()``), whatever thread they run on.
+Such a version is only correct on exactly the base it was compared with (``DiffPlan.base``).
 Runs on the capture threads (the caller's, for eager capture), on the capture's CUDA stream.
+docs/design/capture.md has the why.
 """
 
 from __future__ import annotations

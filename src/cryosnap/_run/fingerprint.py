@@ -1,30 +1,8 @@
 """Chunk fingerprints computed where a tensor lives (GPU or CPU), to find the chunks that changed
-since the previous version without copying them to the host first.
-
-A fingerprint is 128 bits per chunk: two 64-bit lanes of a multilinear hash over the chunk's
-little-endian 32-bit words ``w_i`` (the last chunk of a blob is zero-padded to whole words)::
-
-    lane A = sum(a_i * w_i)            mod 2**64
-    lane B = sum(b_i * rot16(w_i))     mod 2**64      (rot16: the word's halves swapped)
-
-The keys ``a_i, b_i`` are drawn uniformly from ``[0, 2**64)`` per :class:`Fingerprinter` from
-``os.urandom``; they never leave the process, so no data can be crafted against them.
-
-**Collision bound.** Let two different chunks differ first (lowest differing bit over all
-words) at bit ``p`` of some word, ``0 <= p <= 31``. A lane collides only if the key coefficient
-of that word solves a linear congruence whose coefficient has 2-adic valuation at most ``p``
-(lane A) or ``(p + 16) mod 32`` (lane B): at most ``2**(v - 64)`` of the keys do. The lanes'
-keys are independent, so for any two contents the chance that their fingerprints are equal is
-at most ``2**(p + ((p + 16) mod 32) - 128) <= 2**-82``, whatever the change. A version compares
-each chunk once with the same chunk of the previous version: a state of a million chunks saved
-a million times misses a change with probability below ``2**-42``.
-
-The arithmetic is plain wrapping int64 torch operations, so the same code runs on CPU tensors
-(the test suite exercises it there and checks it makes the decisions xxh3 hashing makes). On a
-CUDA tensor a Triton kernel computes the same sums in one pass when Triton imports; if it fails
-the torch operations take over. Fingerprints stay on the tensor's device.
+since the previous version without copying them to the host first (128 bits per chunk).
 
 Runs on whichever thread calls it, on the current CUDA stream.
+docs/design/capture.md has the hash, its collision bound and the why.
 """
 
 from __future__ import annotations

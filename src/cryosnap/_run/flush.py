@@ -1,23 +1,8 @@
 """Flush: copy committed versions from the scratch tier to the persistent tier, in order.
 
-A version is flushed by copying every file it needs that the persistent tier lacks (its data
-files, its manifests and those of the versions its chain inherits from), each one durable before
-the next, and writing its commit record *last*: a persistent commit record never names a byte
-that is not durable there, so a crash or an outage mid-flush leaves no torn version, only files
-that the next flush reuses or retention removes. The copied files keep their keys, so the
-version reads on the persistent tier exactly as on scratch (each tier is self-contained).
-
-A flush certifies only bytes it checked: every chunk is hashed as it passes through the copy
-buffer and compared with the xxh3 its manifest records (the manifests of the chain are checked
-against the hashes their successors record first). Bit rot on scratch is therefore caught before
-the persistent tier claims the version; the flush fails for good (:class:`SourceDamagedError`)
-and scratch keeps its copy, since retention never retires a version that is not persistent.
-
-:class:`Flusher` runs the flushes on a thread of its own, one version after the other in the
-order they were committed on scratch. A failing flush (the persistent tier is down or refuses)
-is retried with exponential backoff for ``retry_seconds``; meanwhile saves keep landing on
-scratch, and scratch retention keeps every version that is not yet persistent. Only the run's
-writer flushes; no collectives here.
+Every chunk is verified as it is copied and the commit record is written last, so a crash
+leaves no torn version. :class:`Flusher` runs the flushes on a thread of its own; only the
+run's writer flushes; no collectives here. docs/design/levels.md has the why.
 """
 
 from __future__ import annotations

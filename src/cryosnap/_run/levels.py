@@ -1,19 +1,9 @@
 """Storage levels: the ordered list a version travels through, fastest first.
 
-A run has one level (persistent) or several (scratch devices -> persistent; a partner level
-fits between them later). Each :class:`Level` is its own store with its own write lock,
-retention (``keep``) and files reserved from retention. A version is committed on the first
-level by the writer; a :class:`Handoff` per pair of adjacent levels then copies it to the next
-one in the background (flush.py: verified copy, commit record last, retry with backoff) and
-reports each level it reached to the version's :class:`~cryosnap._run.results.PendingSave`.
-
-Retention of a level never drops a version that has not reached the next level yet (or whose
-hand-off failed), nor the files of a version whose commit record may still land (a write that
-timed out). A level shared by every participant (the persistent one) is retired by rank 0 only,
-after every rank has dropped the doomed files from its content index (one broadcast and one
-barrier); a private level (node-local scratch) by its owner.
-
+Each :class:`Level` has its own store, write lock and retention; a :class:`Handoff` copies a
+version to the next level. Retention never drops a version that has not reached the next one.
 Runs on the writer thread (first level) and the hand-off threads (the next ones).
+docs/design/levels.md has the why.
 """
 
 from __future__ import annotations

@@ -1,60 +1,10 @@
 """The run's write lock: one writer per run, recovered when its holder dies, fenced when lost.
 
-A writer takes the lock when it opens and calls :meth:`RunLock.check` before everything it makes
-visible or deletes (each commit record, each retention pass); ``check`` raises
-:class:`~cryosnap.errors.LockLostError` once the lock is no longer its own, and keeps raising.
-
-The store's declared capabilities (:class:`~cryosnap.storage.StoreCapabilities`, forwarded by
-every wrapper) choose the protocol; its class never does.
-
-**Local directories** (a store that declares ``local_path``, a LocalStore): ``flock`` on
-``<local_path>/writer.lock``. The kernel drops it when the holder exits in any way, SIGKILL
-included, so a killed run restarts with no cleanup; a paused holder keeps it, so there is
-nothing to take over. The file is opened with ``O_NOFOLLOW`` and must be a regular file with one
-link: a symlink, hard link, FIFO or device there is refused, never followed, truncated or
-written. ``check`` verifies that ``writer.lock`` is still the very file we hold the ``flock`` on:
-deleting or replacing it lets a second writer lock a new file, and that loses ours.
-
-**Every other store** (object stores, other fsspec file systems): an object ``writer.lock`` names
-its holder (a random token), its ``generation`` (one more on each takeover) and the wall-clock time
-of its last heartbeat, rewritten every ``stale_seconds / 4`` by a thread. A lock whose holder is a
-dead process on this host, or whose heartbeat is older than ``stale_seconds``, is taken over. The
-holder counts itself lost when its token or generation is no longer in the object, or when its own
-last successful heartbeat began more than ``0.75 * stale_seconds`` ago by its monotonic clock (it
-was paused or cut off; a rival may take over at ``stale_seconds``). A lost holder never writes the
-lock again.
-
-- A store that declares ``conditional_writes`` (S3 through s3fs) changes the lock object only by
-  conditional requests: creating a free lock is a PUT with ``If-None-Match: *``, taking over a stale
-  one and every heartbeat are PUTs with ``If-Match`` of the ETag last read or written, and release
-  is a DELETE with ``If-Match``. Two simultaneous starts cannot both win, and a writer resuming from
-  a pause cannot overwrite its successor's lock: its heartbeat fails its precondition and it stops.
-  (S3-compatible servers that ignore these headers get a read-back check only, which catches all but
-  simultaneous writes.)
-- Elsewhere (memory://, a local directory through fsspec, GCS or Azure through fsspec, a
-  wrapper that does not forward its inner store's capabilities) there are no conditional
-  writes. Opening is made exclusive by claims: a contender writes
-  ``writer.lock.claims/<ms>-<token>``, lists the claims, and only if it sees no other fresh
-  claim reads and (re)writes ``writer.lock`` before deleting its claim; otherwise it deletes its
-  claim and retries after a random back-off. With atomic, read-after-write consistent writes and
-  listings (every backend named here), two simultaneous starts never both win, whatever the
-  latency. A claim older than ``stale_seconds`` (its opener died) is ignored and removed; an
-  opener that finds itself paused that long inside its claim gives up (and if it overwrote a
-  successor meanwhile, both stop, as below). The heartbeat reads the object first and writes
-  only if token and generation are still its own.
-
-The race that remains, and why it is narrow: a writer paused for more than ``stale_seconds``
-*between* a successful ``check()`` (or, without conditional writes, a heartbeat's read) and the
-write that follows it. Without conditional writes that heartbeat write can overwrite a successor's
-lock; the paused writer then measures the pause and counts itself lost, and the successor's next
-heartbeat or ``check()`` finds a foreign token and stops too: both stop, neither goes on saving.
-A commit or deletion already issued after ``check()`` when the pause struck still lands (no
-store here can fence an individual write by generation). Clocks: takeover compares the object's
-wall-clock heartbeat with the taker's wall clock, so hosts must agree on the time to within
-``stale_seconds / 4``.
-
+:meth:`RunLock.check` runs before everything a writer makes visible or deletes; the store's
+capabilities choose the protocol (``flock``, conditional writes, claims), never its class.
 Runs on the thread that opens the Checkpointer (``acquire_run_lock``) and on the threads that
 commit and retire (``check``); the heartbeat thread ``cryosnap-lock`` only refreshes the object.
+docs/design/lock.md has the why.
 """
 
 from __future__ import annotations

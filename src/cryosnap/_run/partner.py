@@ -1,27 +1,9 @@
 """Partner copies: each rank's node-local scratch versions, also on a rank of another node.
 
-A distributed run with ``scratch=`` keeps each rank's part on the scratch of the node the rank
-runs on. A node that is lost takes those parts with it, and with them every version not yet
-persistent. With ``partner=True`` (as SCR's and VeloC's partner scheme) each rank's scratch
-files are also copied to the scratch of its *partner*, a rank on another node, as part of the
-scratch commit: a version is durable on the scratch level only once every rank's part is on its
-own node and on its partner's. When the job restarts and a rank's own scratch lacks the newest
-versions its partner holds (its node's scratch was wiped, or the rank now runs on a fresh
-node), the partner sends them back first (:func:`rebuild`), and the restore reads them from
-scratch as if nothing had happened, before falling back to the persistent level.
-
-Node identity is the host name, or the ``CRYOSNAP_NODE`` environment variable when set (tests
-run several "nodes" on one machine). A rank's partner is the next rank (in rank order, wrapping
-around) whose node differs; all ranks compute the same map from the gathered node names.
-Partner copies live under ``<first scratch path>/partner/rank-<r>``: a self-contained run of
-one participant, the same files as the owner's ``<scratch>/rank-<r>``, with its own write lock
-and the owner's scratch retention.
-
-Bytes move with :meth:`Coordinator.exchange` (point-to-point over the coordinator's own
-transport), in windows of :data:`WINDOW_BYTES`: offers (key, size), then the keys the receiver
-lacks, then the windows in rounds every rank takes part in, commit records last. A failure to
-read or write one side is reported after the rounds end, so the ranks' collectives stay in
-step. Runs on the writer thread (copies) and the caller's thread at open (rebuild).
+With ``partner=True`` a scratch version is durable only once every rank's part is on its own
+node and on its partner's; at restart the partner sends lost versions back (:func:`rebuild`).
+Runs on the writer thread (copies) and the caller's thread at open (rebuild).
+docs/design/distributed.md has the why.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The policy room: the save policy as the Checkpointer's threads see it.
 
-It serialises every call into the policy (the caller's ``should_save`` and ``save``, the
-writer's ``durable``/``failed``, the hand-offs' ``reached``), gives it the Checkpointer's clock,
-asks it how far up the levels a version goes (``top_level``, ``MultiLevel``), and agrees with
-the other participants: every rank gets rank 0's answer, or yes once any rank is preempted.
-
+It serialises every call into the policy and agrees with the other participants.
 Runs on the caller's thread (``should_save``, signal handlers on the main thread) and the
 background threads (events); its collectives use the ``"policy"`` channel, caller's thread only.
+docs/design/planning.md has the why.
 """
 
 from __future__ import annotations

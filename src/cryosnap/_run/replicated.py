@@ -1,26 +1,9 @@
 """Replicated state: top-level keys identical on every rank, written once in total.
 
-``save(step, state, replicated=...)`` names the keys of the state that every rank holds
-identical (the model and optimizer under data parallelism), or ``True`` for the whole state.
-On the caller's thread :func:`replicated_keys` checks the argument against the flattened state.
-On the writer thread :func:`plan` splits the replicated blobs' chunks among the ranks by bytes
-(engine._shares: the same split on every rank, from the blob sizes alone); each rank's
-PartWriter writes only the new chunks of its own share. Then :func:`exchange` runs one
-all_gather on the writer's channel carrying, from every rank, a fingerprint of each replicated
-key (a digest of its leaves: paths, skeleton nodes, Merkle roots) and where its share lies.
-A fingerprint that differs raises :class:`~cryosnap.ReplicaDivergenceError` on every rank,
-naming the first leaf that differs and which ranks hold which content (one more all_gather, of
-per-leaf fingerprints of the keys that differ, only then); the version is not committed.
-Otherwise each PartWriter takes the other ranks' shares as stored segments into their data
-files, so every rank's manifest describes all of its leaves and ``load(path, rank=r)`` reads
-and verifies every chunk for any ``r``.
-
-Every rank of a distributed save runs the exchange, replicated or not, failed or not (a
-failure is sent as such, :func:`send_failure`): the writer channel's collectives stay in step,
-and ranks that pass different ``replicated=`` are told so instead of misreading each other.
-A world of one runs no exchange: its part holds every chunk; the keys are still recorded.
-
+Each rank writes its share of the replicated chunks; one all_gather checks that the replicas
+agree (:class:`~cryosnap.ReplicaDivergenceError` otherwise) and tells where every share lies.
 Runs on the caller's thread (:func:`replicated_keys`) and the writer thread (the rest).
+docs/design/distributed.md has the why.
 """
 
 from __future__ import annotations

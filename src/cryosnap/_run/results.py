@@ -1,11 +1,8 @@
 """What a save reports: :class:`SaveInfo`, :class:`Status`, and :class:`PendingSave`, the state
 machine of one version from ``save()`` to durable on every level.
 
-A PendingSave moves ``capturing -> captured -> reached(level 0) -> ... -> reached(last level)``
-(``done``), or to ``failed`` at any point; only the methods below change its state. The caller's
-thread reads it (``result``, ``wait_captured``); the capture thread, the writer thread and the
-flushers advance it. A failure is kept until somebody received it: ``result()`` of that version
-always raises it, and ``undelivered_error()`` hands it once to the next ``save``/``wait``/``close``.
+The caller's thread reads a PendingSave; the capture thread, the writer thread and the
+flushers advance it. docs/design/run.md has the states and how a failure is delivered.
 """
 
 from __future__ import annotations

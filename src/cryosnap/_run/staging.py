@@ -1,35 +1,10 @@
 """Capture: leaves -> staging buffers, the only part of a save the program waits for.
 
-Blob bytes are copied into *slabs*: large host buffers taken from a :class:`StagingPool` that is
-reused across versions and bounded by ``staging_bytes``. Small blobs are packed together; a blob
-larger than what is left of a slab is split into *pieces* at chunk boundaries, so the background
-hashes whole chunks. A full slab is *sealed* and handed to the writer as a :class:`Batch`; the
-writer gives the slab back once its bytes are on storage. When the budget is smaller than the
-state, capture therefore streams: it waits for a slab to come back, and the version is still
-exact, because every byte was copied before ``save`` returned.
-
-With ``changed`` (per blob, which chunks differ from the previous version, as found on the
-device by _devdiff.py) only those chunks are copied; each run of unchanged chunks becomes an
-:class:`Unchanged` item among the batch's pieces, in blob order, which the writer inherits from
-the base version without hashing.
-
-With ``foreign`` (per replicated blob, which chunks another rank writes: _replicated.py) those
-chunks of host memory are not copied either: they are hashed where they lie, while the program
-waits (hashing reads at about twice the speed a copy moves bytes), and become :class:`Hashed`
-items carrying their digests. The writer needs their hashes (the divergence check compares every
-replicated leaf's Merkle root, and the manifest lists every chunk) but never their bytes, so a
-rank's stall and staging memory hold 1/N of the replicated state. Chunks on a GPU are copied as
-before (their hashes are computed on the host).
-
-``direct_batches`` is the zero-copy variant used by the synchronous ``cryosnap.save``: the caller
-blocks until the version is durable, so the writer may read the live memory itself.
-
-:class:`CaptureTracker` records which blobs are captured. Lazy capture (``lazy=True``) runs the
-copy loop on a background thread while the program computes; a one-shot ``step`` pre-hook on each
-optimizer in the state waits until the blobs that optimizer mutates are captured.
-
+Blob bytes go into pooled slabs (:class:`StagingPool`, bounded by ``staging_bytes``), handed to
+the writer as :class:`Batch` items; unchanged and foreign chunks are not copied.
 Where it runs: ``capture_to_slabs`` on the caller's thread (eager) or the capture thread (lazy);
 slabs are released by the writer thread. Torch copies release the GIL.
+docs/design/capture.md has the why.
 """
 
 from __future__ import annotations

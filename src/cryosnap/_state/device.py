@@ -1,27 +1,8 @@
 """Device copies: host tensors -> tensors on a device, staged through a few pinned slabs.
 
-A plain ``dst.copy_(src)`` from pageable host memory to a GPU is synchronous and slow: the
-driver stages it through a small pinned buffer of its own, one piece at a time. Here the bytes
-go through a small pool of *pinned* host slabs (``slabs`` of ``slab_bytes`` each, pinned when
-CUDA is available): a piece of a source is copied into a free slab on the host, then the slab
-piece is copied to its destination with ``non_blocking=True`` on a copy stream of the
-destination's device, and an event is recorded for the slab. A slab is reused only once its
-event completed, so the host copy of the next piece overlaps the DMA of the previous ones.
-Large tensors are split into slab-sized pieces; small ones are packed several to a slab and
-travel together (one transfer, then one multi-tensor copy on the device).
-
-The copy stream first waits for the caller's current stream (the destinations may still be in
-use there); at the end every copy stream is synchronized and the current stream waits on it,
-so the results are ready for the caller on any stream. Pinned slabs come from torch's caching
-host allocator: a restore after the first one does not pin memory again.
-
-The same code serves any destination: for a CPU (or a non-CUDA) destination there is no stream
-and no event, each copy is a plain one. Works on flat byte views, so every dtype is one case; a
-destination that has no flat byte view (not contiguous, lazily conjugated) is filled through a
-contiguous temporary on its device.
-
-Runs on the caller's thread (the one restoring); no I/O, no threads of its own. torch is
-imported only when called.
+The host copy of the next piece overlaps the DMA of the previous ones; the results are ready
+for the caller on any stream. Runs on the caller's thread (the one restoring); no I/O, no
+threads of its own. torch is imported only when called. docs/design/capture.md has the why.
 """
 
 from __future__ import annotations

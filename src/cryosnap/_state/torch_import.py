@@ -1,11 +1,8 @@
 """The one lazy import of torch: :func:`import_torch` (imports it) and :func:`loaded_torch`
 (the module if a finished import already made it, else None; never imports).
 
-``import torch`` takes seconds; two threads restoring at once in a fresh interpreter would
-both start it, and the second could be handed the module half initialized (``partially
-initialized module 'torch' has no attribute ...``). Every lazy import goes through one lock
-here, and :func:`loaded_torch` does not hand out a module still being initialized: an object
-can only be a torch tensor once torch's import has finished. Any thread; no I/O.
+Every lazy import goes through one lock here, so no thread is handed a half-initialized torch.
+Any thread; no I/O. docs/design/state-trees.md has the why.
 """
 
 from __future__ import annotations

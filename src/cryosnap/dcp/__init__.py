@@ -1,27 +1,8 @@
 """cryosnap as a ``torch.distributed.checkpoint`` (DCP) storage backend.
 
-FSDP / DTensor programs keep their DCP code and get cryosnap's versions underneath:
-incremental (only changed chunks are written), scratch + persistent levels, every chunk
-verified on read, one global commit per save, no pickle in the metadata::
-
-    import torch.distributed.checkpoint as dcp
-    import cryosnap.dcp
-
-    writer = cryosnap.dcp.StorageWriter("/shared/run", scratch="/local/nvme", keep=3)
-    dcp.save(state_dict, storage_writer=writer)                 # one version, all ranks
-    dcp.async_save(state_dict, storage_writer=writer).result()  # staged in the writer's pool
-    dcp.load(state_dict, storage_reader=cryosnap.dcp.StorageReader("/shared/run"))
-    writer.close()
-
-- :class:`StorageWriter` (and DCP's ``AsyncStager``): ``_writer.py``, ``_staging.py``.
-- :class:`StorageReader`: ``_reader.py``.
-- DCP's ``Metadata`` as JSON in the version (schema ``cryosnap.dcp/1``): ``_schema.py``.
-- How items lie in each rank's part: ``_parts.py``.
-- :func:`full_state_dict` (``cryosnap export``) and :func:`import_dcp` (``cryosnap
-  import-dcp``): ``_convert.py``.
-
-docs/INTEGRATIONS.md ("torch.distributed.checkpoint") says how to use it, docs/FORMAT.md
-("DCP metadata") what is stored. Importing this module imports torch.
+``dcp.save(state_dict, storage_writer=cryosnap.dcp.StorageWriter("/shared/run"))`` writes one
+version; :class:`StorageReader` loads it. Importing this module imports torch.
+docs/INTEGRATIONS.md says how to use it; docs/design/dcp.md has an example and the modules.
 """
 
 from __future__ import annotations

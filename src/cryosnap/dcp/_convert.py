@@ -1,21 +1,9 @@
 """Conversions: a DCP version as one state dict (``cryosnap export``), and an existing DCP
 checkpoint directory imported as a version of a run (``cryosnap import-dcp``).
 
-:func:`full_state_dict` loads a version the way torch's ``dcp_to_torch_save`` loads a DCP
-directory: every tensor whole (the saved shards of every rank assembled), in the nesting the
-state dict had when it was saved. Bytes items (DCP pickles every non-tensor value) are read
-with ``torch.load(weights_only=True)``: plain values, containers and tensors come back, any
-other object is a :class:`~cryosnap.dcp.DcpError` naming it.
-
-:func:`import_dcp` reads a directory written by DCP's ``FileSystemWriter`` (any number of
-ranks) through DCP's ``FileSystemReader``, every saved chunk as it is and every bytes item as
-raw bytes (nothing of the checkpoint's data is unpickled; DCP's own ``.metadata`` file is a
-pickle, which DCP's reader loads: import only checkpoints you trust), and saves it as one
-version of the run, written by one rank, with its DCP metadata in cryosnap's schema. The
-version loads through :class:`~cryosnap.dcp.StorageReader` at any world size.
-
+Import only checkpoints you trust: DCP's own ``.metadata`` is a pickle, which DCP's reader loads.
 Runs on the caller's thread, in one process (no collectives); holds the whole checkpoint in
-memory while it converts.
+memory while it converts. docs/design/dcp.md has the why.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """How DCP's items lie in a cryosnap version: each rank's part, and reading items back.
 
-Every rank's part of a version written through :class:`cryosnap.dcp.StorageWriter` is one
-state tree under the key ``cryosnap.dcp``::
-
-    {"cryosnap.dcp": {
-        "rank": r,                          # the DCP rank that wrote this part
-        "tensors": {"<fqn>@<offsets>": uint8 array, ...},   # each tensor chunk's bytes
-        "bytes": {"<fqn>": bytes, ...},                     # DCP's BytesIO items, raw
-        "metadata": "<JSON>",               # rank 0 only: DCP's Metadata (_schema.py)
-    }}
-
-A tensor chunk is stored as the flat bytes of the contiguous chunk (its dtype and sizes are in
-the metadata), so every chunk is a blob of its own, whatever storage it shared in the program
-(a staged copy's slab, views of one buffer), and cryosnap's chunk hashes and de-duplication
-apply to it as to any leaf. :class:`PartReader` reads a subset of one part's items (only the
-blobs asked for, every chunk verified against its hash) through the engine's resolve and fetch.
-
+Each part is one state tree under the key ``cryosnap.dcp``; every tensor chunk is a blob.
 Runs on the caller's thread (DCP's load or save thread); no collectives.
+docs/design/dcp.md has the layout.
 """
 
 from __future__ import annotations

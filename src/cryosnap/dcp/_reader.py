@@ -1,14 +1,8 @@
 """The reader: ``dcp.load`` from a version written through :class:`cryosnap.dcp.StorageWriter`.
 
-``read_metadata`` rebuilds DCP's ``Metadata`` from rank 0's JSON (_schema.py: validated field by
-field, never unpickled) and learns which saved rank holds each item. DCP's load planner then
-maps the saved chunks onto the tensors being loaded, resharding between world sizes and
-layouts; ``read_data`` reads, per saved rank, only the items this rank's plan names (every
-chunk verified against its hash), and copies each requested slice into the tensor the planner
-resolves. Bytes items go back to the planner as ``BytesIO`` (DCP unpickles them, as it does
-with its own files).
-
+The metadata comes from rank 0's JSON (never unpickled); every chunk read is verified.
 Runs on the caller's thread (DCP's load); takes no lock; no collectives of its own.
+docs/design/dcp.md has the why.
 """
 
 from __future__ import annotations

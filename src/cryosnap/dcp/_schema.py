@@ -1,16 +1,9 @@
 """DCP's ``Metadata`` as JSON in cryosnap's own schema (``cryosnap.dcp/1``), and back.
 
-torch.distributed.checkpoint's file writer pickles its ``Metadata`` into ``.metadata``. A
-cryosnap version stores it instead as one string leaf of rank 0's part (inline in rank 0's
-manifest), encoded here: every field DCP's loaders read, plus where each stored item lies (the
-rank whose part holds it). docs/FORMAT.md, "DCP metadata", has the schema.
-
-What cannot be written without pickle is refused on save (:class:`DcpError`): ``planner_data``
-other than DCP's default planner's (a dict of fqn -> path of str/int keys), a tensor layout other
-than strided. What is read back is validated field by field; anything malformed is a
-:class:`DcpFormatError` naming the step and what is wrong.
-
+What cannot be written without pickle is refused (:class:`DcpError`); what is read back is
+validated field by field (:class:`DcpFormatError`). docs/FORMAT.md has the schema.
 Pure: no I/O, no collectives; any thread. Imports torch (building ``Metadata`` needs it).
+docs/design/dcp.md has the why.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Staged copies for ``dcp.async_save``: the state dict copied into cryosnap's staging pool.
 
-``dcp.async_save`` first asks its stager for a copy of the state dict that training may not
-change, then saves that copy on a thread of its own. DCP's default stager allocates a new copy
-per call; :class:`Staging` copies every tensor (a DTensor's local shard included) into slabs of
-one :class:`cryosnap._run.staging.StagingPool`, reused from one save to the next and bounded by
-``staging_bytes``, and returns the same tree with tensors that are views of the slabs (DTensors
-rewrapped around their staged local shard, with their spec; other values deep-copied).
-
-A *generation* is the slabs of one staged copy. The save that writes it claims it when DCP sets
-the writer up (every copy staged before that save began) and releases it once its version is
-committed or failed. One copy is staged at a time: :meth:`Staging.stage` first waits until the
-previous copy was released (the previous async save finished writing), as a Checkpointer
-waits with ``max_inflight=1``. A copy whose save failed before it set the writer up is never
-claimed; it goes back once none of its tensors is referenced any more (DCP dropped it; a
-traceback kept with the failed Future's exception keeps it until that goes too). A copy is
-whole before ``stage`` returns, so a state larger than the budget is refused
-(:class:`~cryosnap.dcp.DcpError`) instead of streamed.
-
+One copy is staged at a time, whole before ``stage`` returns (a state over ``staging_bytes`` is
+refused); its save claims it and releases it once the version is committed or failed.
 Runs on the caller's thread (``stage``) and DCP's save thread (``claim``, ``release``).
+docs/design/dcp.md has the why.
 """
 
 from __future__ import annotations

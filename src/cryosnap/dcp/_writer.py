@@ -1,23 +1,10 @@
 """The writer: each ``dcp.save`` / ``dcp.async_save`` through it is one cryosnap version.
 
-DCP plans the save (its planners: dedup of replicated items, DTensor and ShardedTensor shards)
-and then calls ``write_data`` on every rank with that rank's write items. Here each rank turns
-its items into its part of the version (_parts.py: every tensor chunk's bytes and every bytes
-item), rank 0 adds DCP's ``Metadata`` as JSON (_schema.py), and the part is saved with
-:class:`cryosnap.Checkpointer`: chunked, hashed, incremental against the previous version,
-on every storage level, committed globally once every rank's part is durable. ``write_data``
-returns once the version is committed; DCP's ``finish`` (rank 0, afterwards) only checks that
-the metadata DCP finishes with is the one committed.
-
-The metadata is in the version before it is committed, so no version can be mistaken for a
-DCP checkpoint without it: rank 0 takes it from the planner (``planner.metadata``, which DCP's
-``DefaultSavePlanner`` and its subclasses keep after planning), and where each item lies from
-one ``all_gather`` of the ranks' item lists on a channel of the run's coordinator. The ranks
-agree on every failure (a planner without metadata, metadata JSON cannot hold, an item that
-cannot be read) before any of them saves, so none waits on the others.
-
+``write_data`` saves each rank's part (rank 0 adds DCP's ``Metadata``) and returns once the
+version is committed; the ranks agree on every failure before any of them saves.
 Runs on DCP's save thread (the caller's for ``dcp.save``, DCP's executor thread for
 ``dcp.async_save``); ``stage`` on the caller's. Collectives on the writer's own channel.
+docs/design/dcp.md has the why.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The participants of a run and how they agree: the :class:`Coordinator` protocol.
 
-A run may be written by several processes (ranks) at once. Every orchestration decision that
-they must agree on goes through a Coordinator: whether to save now (the policy's answer and
-preemption), which step to restore, when a version is committed (the commit record is written
-by rank 0 once every part is durable), and what retention deletes (rank 0 decides, every rank
-forgets the files before they go). A world of one (:class:`LocalCoordinator`) is the same code
-path with collectives that return at once, so single-process and multi-rank runs share it.
-
-Implementations:
-
-- :class:`LocalCoordinator`: a world of one (the default).
-- :class:`InProcessGroup`: several participants as threads of one process (tests, and programs
-  that checkpoint several shards from threads); real collectives on a condition variable.
-- :class:`TorchCoordinator`: the ranks of a torch.distributed job, over gloo groups of its own
-  (``Checkpointer(comm=None)`` picks it when torch.distributed is initialized).
-- :class:`MPICoordinator`: the ranks of an mpi4py communicator, over duplicates of it.
-
-Collectives carry small JSON-like objects (ints, strings, lists, dicts), never tensors, except
-:meth:`Coordinator.exchange`, which moves raw bytes point-to-point (each rank to the ranks it
-names, under 2 GiB per message) for data the ranks hand each other. Each collective has a
-timeout: a participant that does not arrive becomes a :class:`~cryosnap.CoordinationError` on
-the others, never a hang. Each background thread of a Checkpointer uses its own *channel*
-(:meth:`Coordinator.channel`), so collectives issued by the writer and by a flusher never
-interleave.
+:class:`LocalCoordinator` (a world of one, the default), :class:`InProcessGroup` (threads),
+:class:`TorchCoordinator` (torch.distributed), :class:`MPICoordinator` (mpi4py).
+Every collective has a timeout (:class:`~cryosnap.CoordinationError`, never a hang); each
+background thread of a Checkpointer uses its own channel (:meth:`Coordinator.channel`).
+docs/design/distributed.md has the why.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """MPICoordinator: the participants of an MPI job (``mpiexec``, ``srun``), over mpi4py.
 
-Checkpoint traffic never shares a communicator with the program: the coordinator duplicates
-``comm`` at construction, and once more per channel (:meth:`MPICoordinator.channel`, cached by
-name), so the writer thread's collectives never match the caller's or the program's own.
-Duplicating is collective: every rank constructs the coordinator and asks for the same
-channels in the same order, as a Checkpointer does on every rank.
-
-Every collective is nonblocking (``Ibarrier``, ``Iallgather`` + ``Iallgatherv`` of JSON bytes,
-``Ibcast``; ``exchange`` is ``Ialltoall`` of the sizes, then an ``Isend``/``Irecv`` of raw bytes
-per payload) and polled until its deadline; one that does not complete in time raises
-:class:`~cryosnap.CoordinationError` on the ranks that wait. MPI cannot cancel a collective:
-the request and its buffers are kept, and the channel is unusable after that (a run whose
-participants no longer agree stops saving). A rank that *dies* usually takes the whole job
-with it (``mpiexec`` kills the others), which MPI defines, not this module.
-
-The Checkpointer calls MPI from its writer thread while the program calls it from the main
-thread: MPI must run at ``MPI_THREAD_MULTIPLE`` (mpi4py's default request). mpi4py is imported
-on construction, so importing cryosnap.dist does not need it.
+Checkpoint traffic never shares a communicator with the program (``comm`` is duplicated per
+channel); collectives are nonblocking, polled until their deadline. MPI must run at
+``MPI_THREAD_MULTIPLE``: the writer thread calls it while the program does from the main thread.
+mpi4py is imported on construction. docs/design/distributed.md has the why.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """InProcessGroup: several participants of one run as threads of one process.
 
-Each participant holds its own coordinator (``group.coordinator(rank)``) and calls the same
-collectives in the same order, as ranks of a real job do. A collective is a numbered slot per
-channel: a participant drops its value in and waits until every participant did; the last one
-to read a slot removes it. Values are deep-copied on the way in, as a real transport would
-serialise them, so no participant sees another's object. :meth:`~_Participant.exchange` drops
-its payloads as ``bytes`` (immutable: the copies are of the dicts around them, not the data).
-
-A participant that does not arrive within the timeout makes the collective raise
-:class:`~cryosnap.CoordinationError` on the others, naming the missing ranks; :meth:`abort`
-fails every waiting and future collective at once (a participant that crashed).
+Each participant is a thread holding its own coordinator (``group.coordinator(rank)``); values
+are deep-copied on the way in; one that does not arrive in time makes the collective raise
+:class:`~cryosnap.CoordinationError` on the others. docs/design/distributed.md has the why.
 """
 
 from __future__ import annotations

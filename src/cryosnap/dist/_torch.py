@@ -1,25 +1,9 @@
 """TorchCoordinator: the participants of a torch.distributed job (``torchrun``, DDP, FSDP).
 
-Checkpoint traffic never shares a process group with the training: the coordinator creates its
-own gloo group at construction, and one more per channel (:meth:`TorchCoordinator.channel`),
-so a collective of the writer thread can neither interleave with one of the caller's thread nor
-wait behind the training's NCCL or gloo collectives. Gloo runs on the CPU whatever the
-training's backend is.
-
-Creating a group is collective (``torch.distributed.new_group``): every process of the job
-constructs the coordinator and asks for the same channels in the same order, as a Checkpointer
-does on every rank (policy and restore at open, then the writer). Channels are cached by name.
-
-Objects travel as JSON (UTF-8 bytes in uint8 tensors: the lengths are gathered first).
-:meth:`TorchCoordinator.exchange` moves raw bytes: the sizes go all to all, then every payload
-with gloo's point-to-point send and receive on the channel's group, all posted at once and
-waited for together. Every collective is bounded by a timeout passed to gloo itself: a
-participant that died (its sockets close) or never arrives makes the collective raise
-:class:`~cryosnap.CoordinationError` on the others, naming the collective and the channel. A
-group whose collective failed stays failed.
-
+Checkpoint traffic runs on gloo groups of its own (one per channel), never the training's;
+every collective is bounded by a timeout passed to gloo (:class:`~cryosnap.CoordinationError`).
 Runs on whichever thread calls it; each channel must be used by one thread at a time.
-torch is imported on construction, so importing cryosnap.dist does not import it.
+torch is imported on construction. docs/design/distributed.md has the why.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """The write, resolve, read and retire pipelines of one version on one tier.
 
-One private module per pipeline; imports point one way (each only to those above it):
-
-- ``_records``: commit records and manifests: list, read, check against recorded hashes.
-- ``_resolved``: resolve a manifest's chain of bases into per-chunk locations
-  (:class:`ResolvedPart`); no data is read.
-- ``items``: what a capture hands the writer (:class:`~.items.Piece`, ``Unchanged``,
-  ``Hashed``, ``Batch``); pure values.
-- ``write/``: :class:`PartWriter`, composing the differ (hash, diff against the base), the
-  appenders (new chunks, one I/O thread per data file) and the share map of replicated blobs
-  (:func:`assign_shares`; the others' shares placed after the ranks' exchange); the
-  Checkpointer's background thread. ``_write`` re-exports it.
-- ``_retire``: reference-counted retention (:func:`plan_retire`, :func:`retire`); the writer.
-- ``read/``: the read plan of a part (pure), its executor on the read pool, the mapped data
-  files: read the leaves in large runs and verify every chunk (``_fetch`` re-exports it).
-- ``_read``: :func:`read_part` and :func:`verify_part` (check, allocate, resolve, fetch,
-  build), :func:`newest_restorable`; the caller's thread.
-
+One private module per pipeline; imports point one way (each only to those above it).
 Underscored names are shared between these modules but private to the package. Writes run on
 the Checkpointer's background thread, reads on the caller's; no collectives here.
+docs/design/engine.md lists the modules.
 """
 
 from __future__ import annotations

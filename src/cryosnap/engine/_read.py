@@ -1,17 +1,9 @@
 """Read: restore or verify one rank's part of a version (:func:`read_part`,
 :func:`verify_part`), and fall back past damaged versions (:func:`newest_restorable`).
 
-Read the commit record and the manifest chain, check every size, offset and count they claim
-against memory and against the real sizes of the data files before anything is allocated;
-allocate every leaf empty (an incremental version's fresh pages are faulted in on another core
-while its chain resolves), resolve, fetch and verify every chunk (:mod:`.read`), then build
-the tree. ``into=`` is checked before any byte is read and filled only after every chunk
-verified and every ``load_state_dict`` accepted; on a local store its large plain tensors and
-arrays are not allocated again but read a second time straight into place
-(:func:`cryosnap._state.direct_targets`, :class:`.read.Fetched`).
-
-Runs on the caller's thread (plus the fetch's read pool and a prefault thread); no collectives
-here.
+Every claimed size is checked before anything is allocated; ``into=`` is filled only after
+every chunk verified. Runs on the caller's thread (plus the fetch's read pool and a prefault
+thread); no collectives here. docs/design/read-path.md has the steps.
 """
 
 from __future__ import annotations

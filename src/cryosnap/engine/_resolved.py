@@ -1,12 +1,9 @@
-"""Resolve: follow a manifest's chain of bases back to a full version, checking each manifest
-against the hash its successor recorded, and produce per chunk its data file, offset and hash
-(numpy arrays; no data is read). The chain is applied in a compact form (:class:`_Chain`: per
-chunk an id into the chain's stored chunks); per-blob arrays are built for the last version only.
+"""Resolve: follow a manifest's chain of bases back to a full version and produce per chunk its
+data file, offset and hash (numpy arrays; no data is read). Owns :class:`ResolvedPart`.
 
-Owns :class:`ResolvedPart` (a version as the writer's base and the reader's map), the chain
-length limit and the memory claim check every manifest passes before it is applied. Runs on
-the caller's thread for reads and on the Checkpointer's background thread when a written
-version becomes the next one's base; no collectives here.
+Runs on the caller's thread for reads and on the Checkpointer's background thread when a
+written version becomes the next one's base; no collectives here.
+docs/design/engine.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """The part every framework callback shares: one cryosnap run written by one training.
 
-:class:`RunSaver` owns the run's :class:`~cryosnap.Checkpointer` for the length of a training and
-does, for the Lightning and the Hugging Face callbacks alike:
-
-- **When to save**: the Checkpointer's save policy, asked through
-  :meth:`~cryosnap.Checkpointer.should_save` once per optimizer step (``every_n_steps`` is
-  ``EveryNSteps``; ``Adaptive`` and ``EveryNSeconds`` work the same way).
-- **Run identity**: each version carries the training's run id. A training that starts from
-  step 0 in a run holding versions is refused (:class:`~cryosnap.CheckpointExistsError`), and
-  so is one resumed from a step older than the run's newest (its saves would collide with
-  versions it did not write); a resumed training continues under the run's id. No save is
-  ever skipped because the run already holds that step.
-- **Preemption**: on the configured signals the Checkpointer marks the run preempted and
-  ``should_save`` says yes at the next step end; the version is written, waited for until
-  durable, the run is released, and then the signal is *passed on*: raised again with the
-  handler that was installed before cryosnap's (the framework's own, such as Lightning's
-  ``SignalConnector``; or the default action, which ends the process). So the signal does what
-  it would have done, only after the step it interrupted is saved.
-
-The framework modules translate their hooks into :meth:`RunSaver.begin`,
-:meth:`RunSaver.step_end`, :meth:`RunSaver.end` and :meth:`RunSaver.abort`, and say how to
-resume in their own words (``resume_hint``).
-
+:class:`RunSaver` owns the run's :class:`~cryosnap.Checkpointer` for the length of a training:
+when to save, run identity, and preemption (save, then pass the signal on).
 Runs on the training loop's (main) thread; the writes run on the Checkpointer's writer thread.
+docs/design/integrations.md has the rules.
 """
 
 from __future__ import annotations

@@ -1,49 +1,9 @@
 """Lightning integration: checkpoints of a ``lightning.pytorch.Trainer`` written by cryosnap.
 
-Two ways in, both without pickle:
-
-- :class:`CryosnapCheckpointIO`, a ``CheckpointIO`` plugin: ``Trainer(plugins=[...])`` makes
-  every checkpoint Lightning writes (``ModelCheckpoint``, ``trainer.save_checkpoint``) go
-  through cryosnap, and ``trainer.fit(ckpt_path=...)`` read through it. Each checkpoint path
-  (``epoch=0-step=100.ckpt``, ``last.ckpt``) becomes a cryosnap *run directory* holding one
-  version (the step is the checkpoint's ``global_step``). Saving again to the same path (the
-  ``last.ckpt`` of the next step) adds a version and retires the old one only once the new one
-  is committed, so the path always holds a complete checkpoint; content that did not change
-  since is not written again. With ``async_save=True`` (default) ``save_checkpoint`` returns
-  once the checkpoint is *captured* (copied to host buffers: later optimizer steps cannot change
-  it, unlike Lightning's ``AsyncCheckpointIO``) and the write finishes in the background;
-  reading or removing that path, and ``teardown``, wait for it.
-- :class:`CryosnapCallback`, a ``Callback`` (the one line:
-  ``Trainer(callbacks=[CryosnapCallback("runs/exp1", every_n_steps=100)])``): when its save
-  policy says so the full Lightning checkpoint goes into one cryosnap run as a new version
-  (asynchronous, incremental, ``keep`` newest), and ``fit`` resumes from the newest version that
-  verifies when the run has one (``resume=True``: running the same script again resumes):
-  model, optimizers, LR schedulers, loop progress (``global_step``, epoch, batch index), the
-  position of a resumable train dataloader, callback and precision-plugin state, through
-  Lightning's own restore path, exactly as ``trainer.fit(ckpt_path=...)`` restores a ``.ckpt``
-  file, and the random number generators (:class:`~cryosnap.integrations.torch.RNGState`, as
-  the callback's own state). ``trainer.fit(ckpt_path="runs/exp1")`` (or ``"runs/exp1@40"``)
-  reads a cryosnap run too. Exact by default: a train dataloader without
-  ``state_dict``/``load_state_dict`` is refused when training starts (use
-  :class:`~cryosnap.integrations.torch.ResumableLoader`), a new training into a run holding
-  versions is refused, and a SIGTERM saves the current step before Lightning's own handler
-  ends ``fit`` (:mod:`cryosnap.integrations._base` has the shared rules).
-
-Checkpoint contents. Lightning's checkpoint dict is plain data except what users put in it
-(``hyper_parameters``, ``on_save_checkpoint``). It is stored as follows: dict subclasses
-(``AttributeDict``) as ``dict`` (``OrderedDict`` stays ordered), other mappings as ``dict``,
-``pathlib`` paths, ``torch.dtype`` and ``torch.device`` as ``str``; anything else that cryosnap
-does not store without pickle (enums, dataclasses, arbitrary objects in ``hyper_parameters``)
-is refused with a ``TypeError`` naming its path, unless ``allow_pickle=True``. Tensors come
-back on the CPU; Lightning moves model and optimizer state to the device itself.
-
-``LightningModule.load_from_checkpoint`` calls ``torch.load`` directly, with no plugin seam:
-for a cryosnap run use :func:`load_from_checkpoint` (``load_from_checkpoint(MyModel,
-"runs/x")``), which builds the module the same way. Not supported: strategies whose
-checkpoints are sharded or written by every rank (FSDP, DeepSpeed): the plugin and the callback
-write from global rank 0 only, like ``TorchCheckpointIO``.
-
+Two ways in, both without pickle: :class:`CryosnapCheckpointIO`, a ``CheckpointIO`` plugin,
+and :class:`CryosnapCallback`, a ``Callback``; :func:`load_from_checkpoint` builds a module.
 Runs on the training loop's thread; the writes run on each Checkpointer's writer thread.
+docs/design/integrations.md has how each works, what is stored and what is not supported.
 """
 
 from __future__ import annotations

@@ -1,47 +1,9 @@
 """Exact resume for PyTorch training loops: random number generators and data order.
 
-A checkpoint of the model and optimizer is not enough to resume *exactly*: dropout masks,
-augmentations and the shuffled data order come from generators and iterators that live outside
-them. This module makes them checkpointable, as *stateful* objects (``state_dict()`` /
-``load_state_dict()``) whose state dicts hold only what cryosnap saves without pickle:
-
-- :class:`RNGState` captures Python's ``random``, numpy's global generator, torch's CPU
-  generator and the generator of every CUDA device. Without torch installed it covers
-  ``random`` and numpy only.
-- :class:`ResumableSampler` gives an order per epoch that is a pure function of
-  ``(seed, epoch)`` (the same order as ``torch.utils.data.DistributedSampler``, sharded the same
-  way across ``num_replicas``) and starts mid-epoch at the number of samples already consumed.
-- :class:`ResumableLoader` wraps a ``torch.utils.data.DataLoader`` built on such a sampler and
-  counts the batches it hands to the caller. A DataLoader pulls indices from its sampler ahead
-  of the loop (prefetching, worker processes), so only the loader knows what the loop has
-  really consumed: a checkpoint taken after the loop processed batch *i* resumes at batch
-  *i + 1*, whatever was prefetched.
-
-::
-
-    loader = ResumableLoader(dataset, batch_size=32, num_workers=4,
-                             sampler=ResumableSampler(dataset, seed=0))
-    state = {"model": model, "optim": optim, "rng": RNGState(), "loader": loader, "step": 0}
-    with cryosnap.Checkpointer("runs/exp1") as ckpt:
-        if ckpt.latest_step() is not None:
-            ckpt.restore(into=state)
-        step = state["step"]
-        while loader.epoch < epochs:        # the loader moves to the next epoch by itself
-            for batch in loader:            # the rest of the current epoch
-                ...train on batch...
-                step += 1
-                if step % 100 == 0:
-                    state["step"] = step
-                    ckpt.save(step, state)  # after the batch is processed, never before
-
-Randomness drawn inside ``Dataset.__getitem__`` in DataLoader *worker processes* is outside
-any checkpoint (each worker owns its generators, seeded per epoch from ``(seed, epoch, rank)``
-here, not from the global generator): for an exact mid-epoch resume derive such randomness
-from the sample index and the epoch, or use ``num_workers=0`` (then it comes from the main
-process's generators, which :class:`RNGState` covers).
-
+:class:`RNGState`, :class:`ResumableSampler` and :class:`ResumableLoader` are *stateful*
+objects whose state dicts hold only what cryosnap saves without pickle.
 Runs on the caller's thread. Importing this module imports torch if it is installed;
-``import cryosnap`` does not import this module.
+``import cryosnap`` does not import this module. docs/design/integrations.md has an example.
 """
 
 from __future__ import annotations

@@ -1,47 +1,9 @@
 """Hugging Face ``transformers`` integration: ``Trainer`` checkpoints written by cryosnap.
 
-The one line: ``Trainer(..., callbacks=[CryosnapCallback("runs/exp1", save_steps=100)])``.
-Resume with ``trainer.train(resume_from_checkpoint=True)`` (the run's newest version; a run
-without versions trains from the start, so a job script can always pass it), ``="runs/exp1"``
-or ``="runs/exp1@40"`` (version 40); :func:`resume` does the same.
-
-:class:`CryosnapCallback` saves, when its save policy says so (every ``save_steps`` optimizer
-steps, or ``policy=`` such as :class:`~cryosnap.policy.Adaptive`), in ``on_step_end`` (the point
-where the Trainer saves its own checkpoints: after the optimizer and LR-scheduler step,
-``global_step`` already counted) one version of a cryosnap run holding::
-
-    {"model": model.state_dict(), "optimizer": ..., "lr_scheduler": ...,
-     "trainer_state": TrainerState as JSON, "rng": cryosnap.RNGState()}
-
-The save returns once this is captured in host memory; the write runs in the background, and
-``on_train_end`` waits until every version is durable. No pickle, no ``torch.load``. The shared
-rules of :mod:`cryosnap.integrations._base` apply: each version carries the training's run id;
-a ``trainer.train()`` from step 0 into a run that holds versions is refused (resume it, or use
-a new path); on SIGTERM (``handle_signals``) the current step is saved, training stops and
-the signal takes its usual course (by default it ends the process) once the step is durable.
-
-Resuming goes through the Trainer's *own* resume logic: ``train`` gets a temporary directory
-holding only ``trainer_state.json`` (the saved ``TrainerState``), and for that call the Trainer
-reads model weights, optimizer, LR scheduler and RNG states from the cryosnap version instead
-of its ``*.safetensors`` / ``*.pt`` / ``*.pth`` files. Everything the Trainer does on resume
-happens as usual: ``global_step`` and epoch continue, the batches of the resumed epoch already
-trained on are skipped (``ignore_data_skip=False``) and the RNG states are put back where the
-Trainer puts them, so a resumed run ends where an uninterrupted one does (bit for bit on CPU
-with the same seed and arguments, gradient accumulation included). The callback makes
-``trainer.train(resume_from_checkpoint=...)`` understand cryosnap runs when it is given to
-the ``Trainer`` constructor (``callbacks=[...]``); added later with ``add_callback``, use
-:func:`resume`.
-
-Limits: one process (the world-process-zero saves; the RNG states are that process's);
-DeepSpeed, FSDP and SageMaker MP checkpoints are not handled (they load through their own
-engines); the AMP grad scaler state (fp16 on GPU) is not saved; ``TrainerState.total_flos``
-lacks the FLOPs counted since the Trainer last logged, and the first loss logged after a resume
-averages the steps since the resume only (with ``logging_steps=1`` every logged loss is exact);
-of the ``ExportableState`` callbacks only ``TrainerControl`` is saved as of the step (others as
-recorded when training began). The Trainer's own ``save_strategy`` checkpoints are independent
-of this: set ``save_strategy="no"`` to have cryosnap's alone.
-
+``Trainer(..., callbacks=[CryosnapCallback("runs/exp1", save_steps=100)])``; resume with
+``trainer.train(resume_from_checkpoint=True)`` or :func:`resume`. No pickle, no ``torch.load``.
 Runs on the training loop's thread; the writes run on the Checkpointer's writer thread.
+docs/design/integrations.md has what is saved, how resume works and the limits.
 """
 
 from __future__ import annotations

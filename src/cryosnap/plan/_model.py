@@ -1,15 +1,9 @@
 """The failure model of the planner and the first-order analytic optimum.
 
-Owns the value types the planner reads (:class:`LevelCost`, :class:`FailureClass`,
-:class:`Weibull`, :class:`Schedule`), their validation, and the closed forms: Young's and
-Daly's intervals for one level, the first-order waste of a nested multi-level schedule and its
-minimiser. docs/PLANNING.md derives the formulas and names their sources.
-
-The schedule the Checkpointer follows is *nested*: every version goes to the first level, and
-level ``j`` takes every ``every[j]``-th version of level ``j - 1``; so level ``j`` holds every
-``N_j = every[1] * ... * every[j]``-th version, ``N_j * base_seconds`` compute seconds apart.
-
+Owns :class:`LevelCost`, :class:`FailureClass`, :class:`Weibull`, :class:`Schedule`, their
+validation, and the closed forms (Young, Daly, the nested multi-level waste and its minimiser).
 Pure: no I/O, no threads, no clock; runs on the caller's thread.
+docs/design/planning.md has the schedule's shape; docs/PLANNING.md the formulas.
 """
 
 from __future__ import annotations

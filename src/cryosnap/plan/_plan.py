@@ -1,11 +1,8 @@
 """``plan()``: the per-level intervals that minimise the expected waste, and the baselines.
 
-Owns :class:`Plan`, :class:`LevelPlan`, :class:`Simulation` and the choice between the two
-methods: the first-order analytic optimum (:mod:`._model`) where it applies, that is every
-failure class exponential and the predicted waste small enough for a first-order model to be
-accurate; otherwise the simulator-driven search with a learned surrogate (:mod:`._search`,
-:mod:`._simulate`). Also :func:`simulate` and :func:`waste_profile` (waste against each level's
-interval, for plots). Pure computation; runs on the caller's thread.
+Owns :class:`Plan`, :class:`LevelPlan`, :class:`Simulation`, :func:`simulate`,
+:func:`waste_profile`, and the choice between the analytic optimum and the simulated search.
+Pure computation; runs on the caller's thread. docs/design/planning.md has the choice.
 """
 
 from __future__ import annotations

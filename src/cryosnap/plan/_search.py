@@ -1,20 +1,8 @@
 """The search over schedules: the grid, the learned surrogate, and the search driven by both.
 
-Owns :class:`Grid` (the schedules the search may choose: base intervals spaced geometrically
-around the first-order optimum, times integer multiples per level) and :func:`search`, which
-finds the grid point of least simulated waste while simulating a small part of the grid:
-
-1. simulate an initial design: the first-order optimum, the "every version to every level"
-   row, and a seeded random sample of the grid;
-2. fit a surrogate, a full quadratic in the log-intervals fitted with least squares to the log
-   of the simulated wastes of the best points so far, predict the whole grid, simulate the
-   surrogate's best unsimulated candidates; repeat while that improves the best;
-3. refine with a pattern search on the simulator itself: simulate the grid neighbours of the
-   best point (one step along any set of axes) until none is better.
-
-Every simulation uses the same failure traces (common random numbers), so the best point found
-is exactly comparable with an exhaustive simulation of the grid. Pure computation (numpy);
-runs on the caller's thread.
+Owns :class:`Grid` and :func:`search`, which finds the grid point of least simulated waste
+while simulating a small part of the grid. Pure computation (numpy); runs on the caller's
+thread. docs/design/planning.md has the steps.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """A discrete-event simulator of a run with nested multi-level checkpoints under failures.
 
-Owns the failure traces (seeded renewal processes, exponential or Weibull, one per failure
-class, merged) and the simulation of many schedules against the same traces at once (common
-random numbers: two schedules differ in their waste because they differ, not because their
-failures did).
-
-The run, as the simulator plays it: compute ``base_seconds``, then save version ``i`` to the
-first level and to every level ``j`` whose ``N_j`` divides ``i``, paying each level's
-``save_seconds``; repeat. A failure of a class wipes every level below the one it is survived
-by; the run restarts from the newest version still held (from the fastest level holding it,
-paying its ``restart_seconds``) and redoes the work since. Failures strike at any moment,
-during a save or a restart too; a save cut short leaves nothing. Between two failures the run
-is deterministic, so the simulator jumps from failure to failure: the number of versions
-completed in a window is found by bisection on the closed-form wall time of a span of
-versions, vectorised over the schedules.
-
-Waste is ``1 - progress / horizon``: the fraction of wall-clock time that did not advance the
-computation. Pure computation (numpy); no I/O, no threads; runs on the caller's thread.
+Owns the seeded failure traces and the simulation of many schedules against the same traces
+at once (common random numbers). Waste is ``1 - progress / horizon``.
+Pure computation (numpy); no I/O, no threads; runs on the caller's thread.
+docs/design/planning.md has the run as the simulator plays it.
 """
 
 from __future__ import annotations

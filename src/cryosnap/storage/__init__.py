@@ -1,15 +1,8 @@
 """Storage backends behind one small protocol (see :mod:`cryosnap.storage.base`).
 
-``open_store`` picks the backend from the location: a plain path or ``file://`` URL gives a
-:class:`LocalStore` (fsync and atomic rename), any other fsspec URL an :class:`FsspecStore`;
-it wraps the backend in a :class:`TimeoutStore`, so that every storage call is bounded.
-Wrappers derive from :class:`WrapperStore`; :func:`unwrap` reaches the backend under them.
-What a store offers beyond the primitives (a local directory, conditional writes) is declared in
-its :class:`StoreCapabilities`, which wrappers forward.
-
-A third-party backend implements :class:`Store` and is passed as a Store wherever a location is
-taken; its tests subclass :class:`cryosnap.testing.store.StoreTests` (the conformance suite every
-store here passes) and provide a ``store`` fixture. Runs on the calling thread.
+``open_store`` picks the backend from the location (:class:`LocalStore`, :class:`FsspecStore`)
+and wraps it in a :class:`TimeoutStore`, so that every storage call is bounded.
+Runs on the calling thread. docs/design/storage.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """FsspecStore: a run under any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...).
 
-fsspec itself is a core dependency; the backend packages (s3fs, gcsfs) are imported by fsspec
-only when a URL of theirs is opened. On object stores every PUT is atomic, so ``write`` is a
-single ``pipe_file`` and a data file becomes visible when its upload completes on ``commit``.
-Durability is whatever the backend guarantees when ``close`` returns (S3: the object is stored).
-
-On S3 (s3fs), unless ``storage_options`` say otherwise, one request waits at most 5 s to
-connect and 10 s between bytes of the answer, and botocore tries it twice (botocore's default
-of 5 attempts, times s3fs's own 5 retries of a timeout, kept one call on a silent endpoint for
-over 6 minutes). A call to an endpoint that accepts connections and never answers then fails
-with the backend's own error after about 100-115 s; open_store's per-call timeout (a
-TimeoutStore) is the bound that holds whatever the backend does.
-
-Capabilities: on S3 the store declares conditional writes (:mod:`._s3`, for the run lock); it
-never declares a ``local_path``, even on fsspec's local file system (see StoreCapabilities).
-
+Every ``write`` is a single ``pipe_file``; durability is whatever the backend guarantees. On
+S3 it declares conditional writes; it never declares a ``local_path``.
 Runs on the calling thread; s3fs and gcsfs run their requests on their own event loop thread.
+docs/design/storage.md has the why (and the S3 timeouts).
 """
 
 from __future__ import annotations

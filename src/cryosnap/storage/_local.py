@@ -1,38 +1,9 @@
 """LocalStore: a run directory on a POSIX file system (local disk, NVMe, tmpfs, NFS, Lustre).
 
-Owns every byte cryosnap reads or writes under a local run directory. Runs on the calling
+Owns every byte cryosnap reads or writes under a local run directory: crash consistent (fsync,
+rename) and a closed world (no symlink below the root is followed). Runs on the calling
 thread (a reader's, or the engine's I/O threads); holds no locks, callers serialize writes to
-one key.
-
-Crash consistency: small files (manifests, commit records) are written to a temporary name in
-the same directory, fsynced, renamed over the key and the directory is fsynced, so the new name
-and its content reach the disk together. Large data files are streamed to ``<key>.partial`` with
-``writev`` (few syscalls for many buffers), fsynced and renamed on commit. Every directory a
-write creates (``versions/<step>/``) has its parent fsynced before anything is committed in it,
-so a power loss cannot drop the entry of a committed version. A crash leaves only ``.partial``
-and ``.<name>.<hex>.tmp`` files that no version references: :meth:`LocalStore.remove_incomplete`
-reclaims them. Reads use ``preadv`` straight into the caller's buffers: no intermediate copy.
-
-A run is a closed world: its files are data, possibly planted by someone else, and nothing in it
-may make cryosnap read, create, truncate or delete a file outside it. Every key is resolved one
-component at a time from a descriptor of the root (``openat`` with ``O_DIRECTORY|O_NOFOLLOW``),
-so no symlink below the root is ever followed; a file is opened only after ``lstat`` says it is a
-regular file, with ``O_NOFOLLOW|O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block the open)
-and ``fstat`` checks it again before a byte is read. Reading a symlink, FIFO, socket or device
-file raises :class:`~cryosnap.errors.CheckpointFormatError` (``load()`` falls back past it);
-writing through a symlinked directory raises :class:`~cryosnap.errors.StorageError`; ``list``
-skips them, and names that are no valid key, with one warning each on the ``cryosnap`` logger.
-The root itself may be a symlink: the user chose that path.
-
-Capabilities: the store declares its root as ``local_path`` (every key is the regular file
-``root / key``), where the run lock takes an ``flock``.
-
-Mapping: :meth:`LocalStore.map_file` maps a data file copy-on-write (``MAP_PRIVATE``) for the
-restore, which then hashes the page cache's pages where they are and hands out leaves that are
-views of them, instead of copying every byte into fresh memory (see engine/read/). Only on
-a file system of a block device or memory (ext4, XFS, tmpfs...), where a page fault cannot hang
-on a network the way a read is bounded by a TimeoutStore; NFS, Lustre, GPFS, FUSE and the
-like are read.
+one key. docs/design/storage.md has the why.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """S3ConditionalWrites: compare-and-swap on the keys of an S3 FsspecStore (s3fs).
 
-The :class:`~cryosnap.storage.base.ConditionalWrites` of an ``s3://`` store: ``create`` is a PUT
-with ``If-None-Match: *``, ``replace`` a PUT with ``If-Match`` of the tag (ETag) last seen,
-``delete`` a DELETE with ``If-Match``. The requests go to s3fs's client directly (the Store
-primitives have no conditions), each bounded by the caller's ``timeout``. A server that refuses
-the conditions raises :class:`~cryosnap.storage.base.ConditionalWritesUnsupported`, except a
-conditional DELETE, which falls back to reading the tag and deleting if it matches (a narrow
-check-then-delete: only the holder of that tag deletes).
-
-Runs on the calling thread; the requests themselves run on s3fs's event loop thread.
+PUT with ``If-None-Match: *`` or ``If-Match``, DELETE with ``If-Match``, each bounded by the
+caller's ``timeout``. Runs on the calling thread; the requests themselves run on s3fs's event
+loop thread. docs/design/storage.md has the fallbacks.
 """
 
 from __future__ import annotations

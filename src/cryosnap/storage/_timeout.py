@@ -1,40 +1,9 @@
 """TimeoutStore: every call of a store bounded in time, so that a tier that stops answering
 surfaces as :class:`~cryosnap.errors.StorageTimeoutError` instead of hanging its caller.
 
-Each primitive of the wrapped store, and ``write``/``commit``/``abort`` of its writers, runs on
-a worker thread while the caller waits for it at most ``timeout_seconds``. A call stuck in the
-kernel (a hard NFS mount, a FIFO, an endpoint that never answers) cannot be cancelled from
-Python: on expiry the caller gets a StorageTimeoutError naming the store, the key and the
-operation, and the call is *abandoned*: it goes on in its (daemon) thread, blocks neither later
-calls nor the process's exit, and what it returns is dropped. After ``max_stuck_calls``
-abandoned calls that have not returned yet, new calls fail at once (the tier is unresponsive)
-until one of them returns, so a dead tier cannot pile up threads.
-
-What an abandoned call may still do, and what it may not:
-
-- ``read_into``/``read_ranges`` read straight into the caller's buffers (no copy: restores run
-  at memory speed from the page cache), so an abandoned read may still fill them later. A
-  caller must not reuse the buffers of a timed-out read for other content. The engine never
-  does: every restore attempt reads into leaves of its own, dropped when it fails, and fills
-  ``into=`` only after every chunk verified; and a late read of an immutable data file writes
-  the very bytes a retry of the same range would.
-- A write or a commit may still take effect after its timeout (as after any storage failure
-  that happened after the storage applied it): callers must treat "timed out" as "unknown".
-  ``write`` takes a private copy of a mutable buffer, so a late write stores the bytes that were
-  passed, never later contents.
-- A writer whose call timed out is unusable: ``write``/``commit`` raise at once, and ``abort``
-  discards its file when the stuck call returns. ``abort`` never raises a timeout (it runs in
-  the caller's cleanup after a failure, which a new error would mask): on expiry it goes on in
-  the background. A ``commit`` may flush the whole file to the device, so its limit grows with
-  the bytes written (``timeout_seconds`` plus one second per 32 MiB).
-
-The conditional writes a store may declare (``capabilities.conditional_writes``) take a timeout
-of their own and honour it: the wrapper forwards them with that timeout capped at
-``timeout_seconds``, without a worker thread.
-
-Threads: the workers are one process-wide pool of daemon threads (``cryosnap-storage``), one
-per call in flight; an idle worker exits after 20 s, so a process's thread count follows its
-concurrent storage calls, not its number of stores. The caller may be any thread.
+A call that times out is abandoned, not cancelled: callers treat "timed out" as "unknown".
+Threads: one process-wide pool of daemon workers (``cryosnap-storage``), one per call in flight;
+the caller may be any thread. docs/design/storage.md has what an abandoned call may still do.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """WrapperStore: the base of stores that wrap one other store (timeouts, fault injection).
 
-A wrapper holds its ``inner`` store and forwards every Store primitive, and ``capabilities``, to it
-unchanged; a subclass overrides only what it changes (:class:`~cryosnap.storage.TimeoutStore`,
-:class:`~cryosnap.testing.FaultyStore`). A new wrapper derives from it and runs the conformance
-suite (:class:`cryosnap.testing.store.StoreTests`) over itself. Code that needs a feature of the
-backend (a local directory for ``flock``) asks ``store.capabilities``, which reaches it through any
-stack of wrappers; :func:`unwrap` remains for telling which backend and which location lie under the
-wrappers (tests, "is this the same location"), never for data: data goes through the wrappers.
-
-Runs on the calling thread, like the store it wraps.
+It forwards every Store primitive and ``capabilities`` unchanged; :func:`unwrap` tells which
+backend lies underneath, never for data. Runs on the calling thread, like the store it wraps.
+docs/design/storage.md has the why.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """The Store protocol: the handful of primitives every storage backend provides.
 
-A store is rooted at one run directory (or URL prefix) and addresses files by *keys*: relative,
-``/``-separated paths such as ``versions/000000000005/COMMIT.json``. Keys are validated here, so
-no backend ever touches a path outside its root.
-
-Contract (checked by the conformance suite :class:`cryosnap.testing.store.StoreTests`, which
-runs over every backend and wrapper of this package):
-
-- ``write(key, data)`` is atomic and durable on return: a reader sees the old content (or no
-  file) or the whole new content, never a prefix. Local: temp file + fsync + rename + directory
-  fsync. Object stores: a single PUT, atomic by nature.
-- ``open_writer(key)`` streams a large file; nothing is visible under ``key`` until ``commit()``
-  returns, after which the bytes are durable. ``abort()`` removes what was written.
-- ``read``/``read_into`` raise :class:`~cryosnap.errors.CheckpointNotFoundError` for a missing
-  key and :class:`TruncatedError` when the file ends before the requested range.
-- Every backend failure is raised as :class:`~cryosnap.errors.StorageError` naming the store and
-  the key, with the backend's exception as ``__cause__``.
-- ``capabilities`` (:class:`StoreCapabilities`) declares what a store offers beyond these
-  primitives; callers ask it, never the store's class, and wrappers forward it.
-
-A third-party backend implements the ten primitives and ``capabilities`` (``StoreCapabilities()``
-when it offers nothing more), passes it to :class:`~cryosnap.Checkpointer` or ``open_store`` as
-a Store, and runs the conformance suite in its own tests: a subclass of ``StoreTests`` with a
-``store`` fixture that gives an empty store.
-
+Keys are relative ``/``-separated paths, validated here, so no backend touches a path outside
+its root; :class:`cryosnap.testing.store.StoreTests` checks the contract on every backend.
 Runs on the calling thread; stores hold no locks, callers serialize writes to one key.
+docs/design/storage.md has the contract and how to add a backend.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Scratch tiers: node-local devices that take a version first, and how its data is split.
 
-A :class:`Tier` names one device (a directory or fsspec URL) and its capacity. The *scratch*
-level of a run is one or more such devices, seen by the engine as one store, a
-:class:`StripedStore`: the small files (commit records, manifests, the run lock) live on the
-first device; each data file lives on the device named in its key (``...-d<k>.dat``), so a reader
-needs no directory of where files went. A data file without a device suffix is on the first one.
-It declares the capabilities of its device when it has one, and none over several.
-
-:class:`Placement` decides which device takes the next batch of new bytes, as VeloC does for its
-local devices. The model:
-
-- Each device ``d`` has a measured write throughput ``rate[d]``: a moving average over its recent
-  writes and fsyncs (decayed sums of bytes and of busy seconds, ``rate = bytes / seconds``). It
-  is measured while the device works, so it includes whatever else loads the device, background
-  flushes included.
-- ``queued[d]`` is the bytes handed to the device and not yet written.
-- Adding ``n`` bytes to ``d`` would finish at ``(queued[d] + n) / rate[d]`` from now. The batch
-  goes to the device where that is smallest among those with room for it (``capacity_bytes``
-  minus the bytes the tier holds and has reserved). Over a version this converges on the split
-  that makes every device finish at once: shares proportional to the devices' throughputs, the
-  split that minimizes the time until the version is durable on scratch.
-- A device with no measurement yet is taken to be as fast as the fastest measured one (or all
-  equal at first), so every device gets tried and measured early.
-
+:class:`StripedStore` sees several devices as one store; :class:`Placement` sends each batch
+of new bytes to the device that would finish it first.
 Placement runs on the writer thread; the measurements arrive from the I/O threads (locked).
+docs/design/storage.md has the model.
 """
 
 from __future__ import annotations

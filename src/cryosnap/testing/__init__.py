@@ -1,23 +1,8 @@
 """Test support for cryosnap and for third-party storage backends.
 
-- :class:`FaultyStore` (here): a store wrapper that injects failures, stalls and throttling, for
-  tests and benchmarks.
-- :mod:`cryosnap.testing.store`: the Store conformance suite, :class:`StoreTests`. A backend's
-  test module subclasses it and provides a ``store`` fixture (an empty store)::
-
-      import pytest
-      from cryosnap.testing.store import StoreTests
-
-      class TestMyStore(StoreTests):
-          @pytest.fixture
-          def store(self, tmp_path):
-              return MyStore(tmp_path / "run")
-
-  It imports pytest, hypothesis and numpy, so it is a module of its own: importing
-  ``cryosnap.testing`` imports none of them. Under pytest, importing this package first asks
-  pytest to rewrite the suite's asserts, so a failure shows the values compared.
-
-Everything here runs on the calling thread.
+:class:`FaultyStore` (here) injects failures, stalls and throttling; :mod:`cryosnap.testing.store`
+is the Store conformance suite (it imports pytest, hypothesis and numpy; this package does not).
+Everything here runs on the calling thread. docs/design/storage.md has an example.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Fault injection for tests and benchmarks: a store wrapper that fails, stalls or throttles.
 
-``FaultyStore(inner, fault=...)`` calls ``fault(op, key)`` before every operation (``op`` is one
-of ``read``, ``read_into``, ``write``, ``open_writer``, ``writer.write``, ``writer.commit``,
-``exists``, ``list``, ``size``, ``delete``, ``remove_incomplete``); the callable may raise (an
-injected failure), sleep (a stall) or kill the process (a crash at an exact phase of a save).
-``bytes_per_second`` throttles data written through writers, as a slow device or a shared file
-system would. ``capabilities`` are the inner store's, forwarded (WrapperStore): conditional
-writes, which bypass the primitives, get no faults.
-
+``FaultyStore(inner, fault=...)`` calls ``fault(op, key)`` before every operation;
+``bytes_per_second`` throttles writes. Conditional writes bypass the primitives: no faults.
 Runs on the calling thread; ``fault`` runs there too, before the operation.
+docs/design/storage.md lists the operations.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The Store conformance suite: every backend's test class subclasses :class:`StoreTests`.
 
-A subclass provides the ``store`` fixture: an empty store, cleaned up afterwards. Everything the
-Store protocol promises (:mod:`cryosnap.storage.base`) is checked here, and so is every
-capability the store declares (a ``local_path`` really holds its keys, ``conditional_writes``
-really compare and swap), so a new backend or wrapper gets the whole contract by adding one small
-test class::
-
-    import pytest
-    from cryosnap.testing.store import StoreTests
-
-    class TestMyStore(StoreTests):
-        @pytest.fixture
-        def store(self, tmp_path):
-            return MyStore(tmp_path / "run")
-
-A subclass may override a test to mark it (``xfail`` with the reason) but should not weaken it.
-Every store in cryosnap runs it: LocalStore, FsspecStore (``memory://``, ``file://``, S3),
-TimeoutStore, FaultyStore and StripedStore.
-
-Test code only: it imports pytest, hypothesis and numpy at module level (``import
+A subclass provides the ``store`` fixture (an empty store); docs/design/storage.md has an
+example. Test code only: it imports pytest, hypothesis and numpy at module level (``import
 cryosnap.testing`` does not import this module). Runs on pytest's thread.
 """
 
