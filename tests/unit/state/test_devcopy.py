@@ -17,7 +17,7 @@ from cryosnap._state import into as state_into
 from cryosnap._state.device import _Copier, _job, copy_to_device, target_device, to_device
 from cryosnap.storage import open_store
 
-from .support import TORCH_DTYPES, make_tensor, tensor_bytes
+from ..support import TORCH_DTYPES, make_tensor, tensor_bytes
 
 # ---------------------------------------------------------------------------------------------
 # the copier

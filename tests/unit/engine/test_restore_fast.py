@@ -22,7 +22,7 @@ from cryosnap.engine.read import _execute, _plan
 from cryosnap.errors import IntegrityError
 from cryosnap.storage import LocalStore, open_store
 
-from .support import snapshot
+from ..support import snapshot
 
 BIG_CHUNK = 256 << 10  # hashed by the native call
 

@@ -22,7 +22,7 @@ from cryosnap._state import PACK_BYTES, flatten
 from cryosnap.errors import CheckpointFormatError, IntegrityError
 from cryosnap.storage import LocalStore
 
-from .support import assert_same, rewrite_version
+from ..support import assert_same, rewrite_version
 
 CHUNK = 4096
 LEAF_MAX = CHUNK // 16  # what a pack of one 4 KiB chunk takes

@@ -27,7 +27,7 @@ from cryosnap.errors import CheckpointError, StorageError
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 
-from .test_coordinator import run_ranks
+from ..distributed.test_coordinator import run_ranks
 
 _NODE = threading.local()
 

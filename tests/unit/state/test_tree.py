@@ -15,7 +15,7 @@ from cryosnap._format.skeleton import format_path
 from cryosnap._state import Restorer, apply_into, check_into, flatten, is_stateful
 from cryosnap.errors import CheckpointError, CheckpointFormatError, StateMismatchError
 
-from .support import assert_same, blob_bytes_of, leaves_of, state_trees
+from ..support import assert_same, blob_bytes_of, leaves_of, state_trees
 
 
 def round_trip(state: Any, *, allow_pickle: bool = False) -> Any:

@@ -21,7 +21,7 @@ from cryosnap.errors import (
     WorldSizeError,
 )
 
-from .test_coordinator import run_ranks
+from ..distributed.test_coordinator import run_ranks
 
 _NODE = threading.local()
 

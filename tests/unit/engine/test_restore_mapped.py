@@ -23,7 +23,7 @@ from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import LocalStore, TimeoutStore, _local, open_store
 from cryosnap.testing import FaultyStore
 
-from .support import snapshot
+from ..support import snapshot
 
 STEP = 3
 CHUNK = 64 << 10

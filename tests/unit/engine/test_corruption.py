@@ -28,7 +28,7 @@ import cryosnap
 from cryosnap._format.manifest import Manifest, commit_key, manifest_key
 from cryosnap.storage import Store, open_store
 
-from .support import assert_same, commit_checksum, rewrite_version, snapshot
+from ..support import assert_same, commit_checksum, rewrite_version, snapshot
 
 STEP = 7
 OLD_STEP = 5

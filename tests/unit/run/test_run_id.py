@@ -19,7 +19,7 @@ from cryosnap.checkpointer import run_id_of
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from cryosnap.storage import open_store
 
-from .support import commit_checksum
+from ..support import commit_checksum
 
 STATE = {"w": np.arange(8, dtype=np.float32)}
 

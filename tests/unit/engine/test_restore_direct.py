@@ -23,7 +23,7 @@ from cryosnap.engine.read import _execute, _plan
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
 
-from .support import snapshot
+from ..support import snapshot
 
 CHUNK = 4096
 STEP = 3

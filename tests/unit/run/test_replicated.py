@@ -31,7 +31,7 @@ from cryosnap.errors import (
 )
 from cryosnap.storage import LocalStore
 
-from .test_coordinator import run_ranks
+from ..distributed.test_coordinator import run_ranks
 
 torch = pytest.importorskip("torch")
 

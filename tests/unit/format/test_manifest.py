@@ -31,7 +31,7 @@ from cryosnap._format.manifest import (
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import open_store, validate_key
 
-from .support import commit_checksum
+from ..support import commit_checksum
 
 WHERE = "memory://run: versions/000000000001/x.json"
 
