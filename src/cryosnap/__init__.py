@@ -14,6 +14,7 @@ from typing import Any as _Any
 
 from cryosnap.checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
 from cryosnap.errors import (
+    BenchError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
@@ -23,11 +24,15 @@ from cryosnap.errors import (
     CoordinationError,
     DcpError,
     DcpFormatError,
+    ExportError,
     IntegrityError,
     KeyNotFoundError,
     LockLostError,
+    MissingDependencyError,
+    PartNotFoundError,
     ReplicaDivergenceError,
     RunLockedError,
+    SourceDamagedError,
     StateMismatchError,
     StorageError,
     StorageTimeoutError,
@@ -41,6 +46,7 @@ if _TYPE_CHECKING:
     from cryosnap.integrations.torch import RNGState
 
 __all__ = [
+    "BenchError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointFormatError",
@@ -51,15 +57,19 @@ __all__ = [
     "CoordinationError",
     "DcpError",
     "DcpFormatError",
+    "ExportError",
     "IntegrityError",
     "KeyNotFoundError",
     "LockLostError",
+    "MissingDependencyError",
+    "PartNotFoundError",
     "PendingSave",
     "RNGState",
     "ReplicaDivergenceError",
     "Run",
     "RunLockedError",
     "SaveInfo",
+    "SourceDamagedError",
     "StateMismatchError",
     "Status",
     "StorageError",

@@ -7,8 +7,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     CheckpointError
     ├── CheckpointNotFoundError (+ FileNotFoundError)   no run, no such step, no version at all
     │   └── WorldSizeError                               a restore by another number of
-    │                                                    participants than saved the version
-    │                                                    (parts left unread, or none to read)
+    │       │                                            participants than saved the version
+    │       │                                            (parts left unread, or none to read)
+    │       └── PartNotFoundError                        the version has no part for this rank
     ├── CheckpointExistsError (+ FileExistsError)        the step is already committed
     ├── CheckpointFormatError                            a manifest or commit record is malformed,
     │                                                    of an unknown format_version, or escapes
@@ -18,6 +19,14 @@ catch one class. Where a builtin already means the same thing, the error derives
     │   │                                                version of the run is damaged)
     │   └── TruncatedError                               a stored file ends before the bytes
     │                                                    asked of it
+    ├── SourceDamagedError                               a version cannot be flushed: its copy
+    │                                                    on the faster level is damaged
+    ├── BenchError (+ ValueError)                        ``cryosnap bench``: an argument that is
+    │                                                    not allowed
+    ├── MissingDependencyError (+ ImportError)           ``cryosnap bench``: a package it needs
+    │                                                    is not installed
+    ├── ExportError                                      ``export`` meets a leaf the format
+    │                                                    cannot hold, or cannot write OUT
     ├── DcpError                                         a torch.distributed.checkpoint save or
     │   │                                                load through cryosnap cannot go on
     │   └── DcpFormatError (+ CheckpointFormatError)     a version's DCP metadata is missing or
@@ -50,6 +59,7 @@ tier and the leaf path. docs/design/api.md has the rules.
 from __future__ import annotations
 
 __all__ = [
+    "BenchError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointFormatError",
@@ -59,11 +69,15 @@ __all__ = [
     "CoordinationError",
     "DcpError",
     "DcpFormatError",
+    "ExportError",
     "IntegrityError",
     "KeyNotFoundError",
     "LockLostError",
+    "MissingDependencyError",
+    "PartNotFoundError",
     "ReplicaDivergenceError",
     "RunLockedError",
+    "SourceDamagedError",
     "StateMismatchError",
     "StorageError",
     "StorageTimeoutError",
@@ -102,6 +116,10 @@ class WorldSizeError(CheckpointNotFoundError):
     at the saved size); every participant raises it alike."""
 
 
+class PartNotFoundError(WorldSizeError):
+    """The version was saved by fewer ranks than the rank that asks for its part."""
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A version with this step is already committed in the run."""
 
@@ -119,6 +137,27 @@ class IntegrityError(CheckpointError):
 
 class TruncatedError(IntegrityError):
     """A stored file ends before the byte range that was asked of it."""
+
+
+class SourceDamagedError(CheckpointError):
+    """The version cannot be flushed because its copy on the faster level (scratch) is
+    incomplete or damaged: retrying would not help (the next level is not the problem)."""
+
+
+class BenchError(CheckpointError, ValueError):
+    """A benchmark argument that is not allowed (the message names it and what is allowed)."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """A package the benchmark needs is not installed (the message says how to install it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class ExportError(CheckpointError):
+    """``cryosnap.export`` meets a leaf the output format cannot hold, or OUT cannot be
+    written."""
 
 
 class DcpError(CheckpointError):

@@ -27,7 +27,7 @@ from cryosnap import _validate
 from cryosnap._format.skeleton import format_path
 from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap.checkpointer import load
-from cryosnap.errors import CheckpointError
+from cryosnap.errors import ExportError
 from cryosnap.run import committed_steps, is_dcp_version
 from cryosnap.storage import Store, open_store
 
@@ -43,10 +43,6 @@ __all__ = [
 ]
 
 EXPORT_FORMATS = (".pt", ".safetensors", ".npz")
-
-
-class ExportError(CheckpointError):
-    """The version holds a leaf the format cannot hold, or OUT cannot be written."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from cryosnap.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     LockLostError,
+    SourceDamagedError,
     StorageError,
 )
 from cryosnap.storage import Store
@@ -181,11 +182,6 @@ def _copy_file(
     except BaseException:
         writer.abort()
         raise
-
-
-class SourceDamagedError(CheckpointError):
-    """The version cannot be flushed because its scratch copy is incomplete or damaged:
-    retrying would not help (the persistent tier is not the problem)."""
 
 
 def _from_src(step: int, src: Store, read: Callable[[], _T]) -> _T:

@@ -5,15 +5,7 @@
 Nothing here imports typer or rich; torch is imported lazily. Runs on the caller's thread.
 """
 
-from cryosnap.bench._config import (
-    WORKLOADS,
-    BenchConfig,
-    BenchError,
-    BenchStep,
-    MissingDependencyError,
-    parse_size,
-    require_torch,
-)
+from cryosnap.bench._config import WORKLOADS, BenchConfig, BenchStep, parse_size, require_torch
 from cryosnap.bench._plot import check_plot_available, plot
 from cryosnap.bench._probes import (
     current_rss_bytes,
@@ -29,6 +21,7 @@ from cryosnap.bench._probes import (
 )
 from cryosnap.bench._result import BenchResult
 from cryosnap.bench._runner import run
+from cryosnap.errors import BenchError, MissingDependencyError
 
 __all__ = [
     "WORKLOADS",

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryosnap.errors import BenchError, MissingDependencyError
+
 WORKLOADS = ("dense", "many-small", "sparse", "training")
 DEFAULT_SIZE_BYTES = 1 << 30
 # The issue's training state: 6 x Linear(2048, 2048) with Adam, parameters + two moments.
@@ -24,14 +26,6 @@ SEED = 20240611
 CHUNK_BYTES = 1 << 20  # cryosnap's default chunk_bytes: the grid the sparse workload changes
 SPARSE_FRACTION = 0.01
 TRAIN_EVERY = (1, 10)
-
-
-class BenchError(ValueError):
-    """A benchmark argument that is not allowed (the message names it and what is allowed)."""
-
-
-class MissingDependencyError(ImportError):
-    """A package the benchmark needs is not installed (the message says how to install it)."""
 
 
 # ---------------------------------------------------------------------------------- arguments

@@ -10,8 +10,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from cryosnap.bench._config import TRAIN_EVERY, MissingDependencyError
+from cryosnap.bench._config import TRAIN_EVERY
 from cryosnap.bench._result import BenchResult
+from cryosnap.errors import MissingDependencyError
 
 # -------------------------------------------------------------------------------------- plot
 

@@ -52,8 +52,8 @@ from cryosnap.errors import (
     CheckpointNotFoundError,
     IntegrityError,
     KeyNotFoundError,
+    PartNotFoundError,
     StateMismatchError,
-    WorldSizeError,
 )
 from cryosnap.storage import Store
 
@@ -587,10 +587,6 @@ def _read_whole(
         raise
     except Exception as exc:
         raise CheckpointError(f"step {step}: filling into= failed: {exc}") from exc
-
-
-class PartNotFoundError(WorldSizeError):
-    """The version was saved by fewer ranks than the rank that asks for its part."""
 
 
 def _no_part(store: Store, record: CommitRecord, rank: int) -> PartNotFoundError:
