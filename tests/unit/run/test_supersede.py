@@ -457,3 +457,21 @@ SupersedeMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_supersede_state_machine = SupersedeMachine.TestCase
+
+
+def test_a_planted_or_damaged_superseding_record_never_gets_the_run_stuck(tmp_path: Path) -> None:
+    """An attacker's (or bit rot's) file under a lineage key hides the versions above its
+    fork; the restore falls back past it as damage, and the next save supersedes it."""
+    run = tmp_path / "run"
+    with cryosnap.Checkpointer(run) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(s, state(s)).result()
+    (run / commit_key(2, Lineage(1, 1))).write_bytes(b"not a commit record")
+    with cryosnap.Checkpointer(run) as ckpt:
+        assert ckpt.steps() == [1, 2]  # 3 is above the planted fork; 2 is the planted one
+        with pytest.warns(RuntimeWarning, match="step 2"):
+            assert same(ckpt.restore(), state(1))
+        ckpt.save(2, state(2, 1)).result()
+        assert ckpt.steps() == [1, 2]
+        assert same(ckpt.restore(), state(2, 1))
+    assert engine.read_commit(LocalStore(run), 2).lineage == Lineage(2, 1)
