@@ -220,6 +220,23 @@ class Checkpointer:
         self._closed = False
 
     # context manager ---------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, source: Any, /, **overrides: Any) -> Checkpointer:
+        """A Checkpointer whose arguments come from ``source`` (a TOML file's path, or a
+        mapping), overridden by ``CRYOSNAP_<ARGUMENT>`` environment variables (``CRYOSNAP_PATH``,
+        ``CRYOSNAP_SCRATCH=/nvme0,/nvme1``, ``CRYOSNAP_KEEP=3``, ``CRYOSNAP_INCREMENTAL=false``,
+        ``CRYOSNAP_FLUSH_RETRY_SECONDS=5m``...), overridden by ``overrides``.
+
+        The keys are the constructor's arguments, ``path`` included; ``scratch`` is a path, a
+        list of paths, or ``[[scratch]]`` tables of ``path`` and ``capacity_bytes``. Objects
+        (``policy``, ``comm``, ``clock``) are keywords only. An unknown key or a value of the
+        wrong type is a :class:`~cryosnap.ConfigError` naming the key and where it came from.
+        """
+        from cryosnap._run.config import config_arguments
+
+        args = config_arguments(source, overrides)
+        return cls(args.pop("path"), **args)
+
     def __enter__(self) -> Checkpointer:
         return self
 

@@ -34,6 +34,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
     │                                                    version does not hold
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
+    ├── ConfigError (+ ValueError)                       ``Checkpointer.from_config``: an unknown
+    │                                                    key or a value of the wrong type (names
+    │                                                    the key and the file or variable)
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     ├── CoordinationError                                a collective among the run's participants
     │                                                    failed or timed out (a rank died or
@@ -66,6 +69,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
     "ConditionalWritesUnsupported",
+    "ConfigError",
     "CoordinationError",
     "DcpError",
     "DcpFormatError",
@@ -182,6 +186,11 @@ class KeyNotFoundError(CheckpointError, KeyError):
 
 class StateMismatchError(CheckpointError, ValueError):
     """The ``into=`` tree does not match the saved tree (keys, shapes, dtypes, types)."""
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A configuration (``Checkpointer.from_config``) names an unknown argument or gives one a
+    value of the wrong type; the message names the key and the file or variable."""
 
 
 class StorageError(CheckpointError, OSError):
