@@ -19,8 +19,8 @@ import numpy as np
 import xxhash
 
 from cryosnap._format.chunks import HASH_BYTES, hash_chunks_released
-from cryosnap._format.manifest import STORED, CommitRecord, manifest_key
-from cryosnap.engine import chain_manifests, read_commit, read_manifest
+from cryosnap._format.manifest import STORED, CommitRecord
+from cryosnap.engine import chain_keys, chain_manifests, read_commit, read_manifest
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -202,11 +202,11 @@ def flush_keys(src: Store, step: int) -> set[str]:
         record = read_commit(src, step)
     except CheckpointError:
         return set()
-    ranks = [m.rank for m in record.manifests]
-    chain = record.chain or (step,)
-    gens = {0, 0 if record.lineage is None else record.lineage.generation}
-    manifests = {manifest_key(s, r, g) for s in chain for r in ranks for g in gens}
-    return {*record.data_files, *manifests, *(m.key for m in record.manifests)}
+    try:
+        manifests = chain_keys(src, record)
+    except CheckpointError:  # a chain manifest unreadable there: at least the version's own
+        manifests = [m.key for m in record.manifests]
+    return {*record.data_files, *manifests}
 
 
 def flush_version(

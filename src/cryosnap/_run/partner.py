@@ -148,9 +148,7 @@ class Partners:
 def version_keys(store: Store, step: int) -> list[str]:
     """The files version ``step`` of a one-participant run needs, commit record excluded."""
     record = engine.read_commit(store, step)
-    manifest, ref = engine.read_manifest(store, record, 0)
-    chain = engine.chain_manifests(store, manifest, ref.key, ref.xxh3)
-    return [*record.data_files, *(key for _m, key, _h in reversed(chain))]
+    return [*record.data_files, *engine.chain_keys(store, record)]
 
 
 def rebuild(coord: Coordinator, own: Store, partners: Partners) -> list[int]:
@@ -190,11 +188,11 @@ def _newest(store: Store) -> int:
 def _files_newer_than(store: Store, step: int) -> list[str]:
     """Every file the versions after ``step`` need (their chains included), records last."""
     keys: dict[str, None] = {}
-    newer = [s for s in engine.list_steps(store) if s > step]
+    versions = engine.list_versions(store)
+    newer = [s for s in versions if s > step]
     for s in newer:
         keys.update(dict.fromkeys(version_keys(store, s)))
-    versions = engine.list_versions(store)
-    keys.update(dict.fromkeys(commit_key(s, versions[s]) for s in newer if s in versions))
+    keys.update(dict.fromkeys(commit_key(s, versions[s]) for s in newer))
     return list(keys)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from cryosnap._format.chunks import HASH_BYTES
-from cryosnap._format.manifest import STORED, BaseRef, Manifest
+from cryosnap._format.manifest import STORED, BaseRef, CommitRecord, Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap.engine._records import _load_manifest, read_commit, read_manifest
 from cryosnap.errors import CheckpointFormatError
@@ -23,6 +23,7 @@ from cryosnap.storage import Store
 
 __all__ = [
     "MAX_CHAIN",
+    "chain_keys",
     "PartChunks",
     "ResolvedBlob",
     "ResolvedPart",
@@ -429,6 +430,18 @@ def chain_manifests(
             raise CheckpointFormatError(f"{store.url}: {ref.key} has another chunk size")
         chain.append((base, ref.key, ref.xxh3))
     return chain
+
+
+def chain_keys(store: Store, record: CommitRecord) -> list[str]:
+    """The keys of every manifest version ``record`` resolves through, every rank's part,
+    oldest first; each manifest checked against the hash its referrer recorded. Whatever the
+    manifests are named (a generation, a token): the chain is followed, not guessed."""
+    out: dict[str, None] = {}
+    for ref in record.manifests:
+        manifest, _ = read_manifest(store, record, ref.rank)
+        chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
+        out.update(dict.fromkeys(key for _m, key, _h in reversed(chain)))
+    return list(out)
 
 
 def resolve_version(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:

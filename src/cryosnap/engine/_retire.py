@@ -9,7 +9,6 @@ the run's lock), while none of its own writes on the store is in progress; no co
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from cryosnap._format.manifest import (
     visible_versions,
 )
 from cryosnap.engine._records import _no_fence, list_records, read_commit
+from cryosnap.engine._resolved import chain_keys
 from cryosnap.errors import CheckpointError
 from cryosnap.policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
 from cryosnap.storage import Store
@@ -134,18 +134,10 @@ def _unneeded_manifests(
 def _chain_keys(store: Store, records: Sequence[CommitRecord]) -> set[str] | None:
     """Every manifest key the chains of ``records`` pass through (None: one could not be read:
     keep everything)."""
-    out: set[str] = set()
     try:
-        for record in records:
-            for ref in record.manifests:
-                key: str | None = ref.key
-                while key is not None and key not in out and len(out) <= 1 << 20:
-                    out.add(key)
-                    base = json.loads(store.read(key)).get("base")
-                    key = base.get("key") if isinstance(base, dict) else None
-    except (CheckpointError, ValueError, AttributeError):
+        return {key for record in records for key in chain_keys(store, record)}
+    except CheckpointError:
         return None
-    return out
 
 
 def retire(
