@@ -387,7 +387,7 @@ class Levels:
 
     def versions(self) -> dict[int, Lineage | None]:
         """The versions of the run: on at least one level, and superseded on none."""
-        return visible_versions(self.records())
+        return engine.list_versions(*self.stores())
 
     # -- closing -------------------------------------------------------------------------------
 

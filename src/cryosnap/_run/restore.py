@@ -142,12 +142,12 @@ def restore_levels(
     readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
 
     def listed() -> list[int]:
-        return sorted(_versions(tiers))
+        return sorted(engine.list_versions(*tiers))
 
     def attempt(s: int) -> Any:
         _check_world(tiers, ask, s, where)
         # Only the tiers holding the version itself: another may hold a record it superseded.
-        versions = _versions(tiers)
+        versions = engine.list_versions(*tiers)
         held = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
         stores = [
             (t, read)
@@ -175,12 +175,6 @@ def restore_levels(
     if step is not None:
         return _explicit(where, attempt, listed, step)
     return engine.newest_restorable(where, attempt, listed)
-
-
-def _versions(tiers: Sequence[Store]) -> dict[int, Lineage | None]:
-    """The versions of a run over its tiers: a record one tier holds may be superseded by
-    one another tier holds (a rewind not flushed yet)."""
-    return visible_versions([r for t in tiers for r in engine.list_records(t)])
 
 
 def _check_world(tiers: Sequence[Store], ask: Ask, step: int, where: str) -> None:
@@ -280,7 +274,7 @@ def restore_agreed(
     for all, so they resume from the same step). A version saved by another number of ranks
     is a :class:`WorldSizeError` on every participant alike (none resumes alone); every
     version damaged an :class:`IntegrityError`, none at all a CheckpointNotFoundError."""
-    listed = coord.all_gather(sorted(_versions(stores)))
+    listed = coord.all_gather(sorted(engine.list_versions(*stores)))
     common = sorted(set.intersection(*(set(steps) for steps in listed)))
     where = " + ".join(st.url for st in stores)
     damaged: dict[int, str] = {}

@@ -45,10 +45,11 @@ def list_records(store: Store, prefix: str = "versions") -> list[tuple[int, Line
     return [p for p in parsed if p is not None]
 
 
-def list_versions(store: Store) -> dict[int, Lineage | None]:
-    """The versions of ``store``: step -> lineage of its commit record, ascending by step;
-    superseded records (docs/FORMAT.md, "Superseding") are not versions."""
-    return visible_versions(list_records(store))
+def list_versions(*stores: Store) -> dict[int, Lineage | None]:
+    """The versions of ``stores`` (the levels of one run): step -> lineage of its commit
+    record, ascending by step; superseded records (docs/FORMAT.md, "Superseding") are not
+    versions, whichever of the stores holds the record that supersedes them."""
+    return visible_versions([r for store in stores for r in list_records(store)])
 
 
 def list_steps(store: Store) -> list[int]:
