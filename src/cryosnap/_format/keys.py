@@ -14,7 +14,6 @@ __all__ = [
     "Lineage",
     "commit_key",
     "data_key",
-    "generation_of_manifest_key",
     "manifest_key",
     "max_generation",
     "parse_commit_key",
@@ -98,12 +97,6 @@ def parse_manifest_key(key: str) -> tuple[int, int] | None:
     if m is None:
         return None
     return int(m.group(1)), int(m.group(2)) if m.group(2) else 0
-
-
-def generation_of_manifest_key(key: str) -> int | None:
-    """The generation in a manifest's key, or None for another key."""
-    parsed = parse_manifest_key(key)
-    return None if parsed is None else parsed[1]
 
 
 def parse_commit_key(key: str) -> tuple[int, Lineage | None] | None:

@@ -32,7 +32,6 @@ from cryosnap._format.keys import (
     Lineage,
     commit_key,
     data_key,
-    generation_of_manifest_key,
     manifest_key,
     max_generation,
     parse_commit_key,
@@ -75,7 +74,6 @@ __all__ = [
     "Stored",
     "commit_key",
     "data_key",
-    "generation_of_manifest_key",
     "manifest_key",
     "max_generation",
     "parse_manifest_key",
@@ -823,6 +821,9 @@ class PartSummary:
     root: str  # hex Merkle root of the part
     incremental: bool
     chain: tuple[int, ...]  # steps whose manifests the part resolves through
+    # The keys of those manifests (gathered only, never in a record: a commit record in doubt
+    # reserves exactly them from retention).
+    chain_keys: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -837,6 +838,7 @@ class PartSummary:
             "root": self.root,
             "incremental": self.incremental,
             "chain": list(self.chain),
+            "chain_keys": list(self.chain_keys),
         }
 
     @classmethod
@@ -860,7 +862,16 @@ class PartSummary:
             root=doc["root"],
             incremental=doc.get("incremental") is True,
             chain=tuple(_steps(doc.get("chain", []), where)),
+            chain_keys=tuple(
+                _version_file(k, where) for k in _list(doc.get("chain_keys", []), where)
+            ),
         )
+
+
+def _list(raw: Any, where: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise _fail(where, f"malformed list {raw!r:.120}")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,6 @@ from cryosnap._format.manifest import (
     PartSummary,
     Replicated,
     commit_key,
-    manifest_key,
 )
 from cryosnap._run.capturer import END, Job
 from cryosnap._run.chain import ChainIndex
@@ -60,6 +59,7 @@ def summary_of(part: engine.PartResult) -> PartSummary:
         root=part.root.hex(),
         incremental=part.incremental,
         chain=part.chain(),
+        chain_keys=part.chain_keys(),
     )
 
 
@@ -368,8 +368,7 @@ class VersionWriter:
             # so a late commit record never makes a broken version visible.
             self.in_doubt.add(step)
             keys = {p.ref.key for p in parts} | {f for p in parts for f in p.data_files}
-            gens = {0, 0 if job is None or job.lineage is None else job.lineage.generation}
-            keys |= {manifest_key(s, p.ref.rank, g) for p in parts for s in p.chain for g in gens}
+            keys |= {k for p in parts for k in p.chain_keys}
             self.level.reserved.update(keys)
             return exc
         except CheckpointError as exc:

@@ -29,9 +29,9 @@ from cryosnap._format.manifest import (
     CommitRecord,
     Lineage,
     commit_key,
-    generation_of_manifest_key,
     manifest_key,
     parse_commit_key,
+    parse_manifest_key,
     visible_versions,
 )
 from cryosnap.errors import CheckpointNotFoundError, StorageError
@@ -89,8 +89,8 @@ def test_keys_of_a_lineage_round_trip_and_stay_plain_without_one() -> None:
     assert key == "versions/000000000007/COMMIT-g2-f000000000005.json"
     assert parse_commit_key(key) == (7, lin)
     assert parse_commit_key(commit_key(7)) == (7, None)
-    assert generation_of_manifest_key(manifest_key(7, 3, 2)) == 2
-    assert generation_of_manifest_key(manifest_key(7, 3)) == 0
+    assert parse_manifest_key(manifest_key(7, 3, 2)) == (3, 2)
+    assert parse_manifest_key(manifest_key(7, 3)) == (3, 0)
     for other in (
         "versions/000000000007/COMMIT-g0-f000000000005.json",  # generation 0 has no lineage
         "versions/000000000007/COMMIT-g2-f5.json",
