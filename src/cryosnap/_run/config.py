@@ -39,12 +39,6 @@ def _int(value: Any, key: str, where: str) -> int:
     raise ConfigError(f"{key} from {where}: an integer is needed, got {value!r:.80}")
 
 
-def _int_or_none(value: Any, key: str, where: str) -> int | None:
-    if isinstance(value, str) and value.strip().lower() in ("none", "all", ""):
-        return None
-    return _int(value, key, where)
-
-
 def _bool(value: Any, key: str, where: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -55,12 +49,6 @@ def _bool(value: Any, key: str, where: str) -> bool:
         if text in ("0", "false", "no", "off"):
             return False
     raise ConfigError(f"{key} from {where}: true or false is needed, got {value!r:.80}")
-
-
-def _bool_or_none(value: Any, key: str, where: str) -> bool | None:
-    if isinstance(value, str) and value.strip().lower() in ("none", "auto", ""):
-        return None
-    return _bool(value, key, where)
 
 
 def _seconds(value: Any, key: str, where: str) -> float:
@@ -75,10 +63,17 @@ def _seconds(value: Any, key: str, where: str) -> float:
     )
 
 
-def _seconds_or_none(value: Any, key: str, where: str) -> float | None:
-    if isinstance(value, str) and value.strip().lower() in ("none", ""):
-        return None
-    return _seconds(value, key, where)
+def _or_none(kind: Callable[[Any, str, str], Any], *words: str) -> Callable[[Any, str, str], Any]:
+    """``kind``, or None for one of ``words`` (``none``, and the argument's own: ``all`` for
+    ``keep``, ``auto`` for ``device_diff``) or an empty string."""
+    nones = {"none", "", *words}
+
+    def parse(value: Any, key: str, where: str) -> Any:
+        if isinstance(value, str) and value.strip().lower() in nones:
+            return None
+        return kind(value, key, where)
+
+    return parse
 
 
 def _text(value: Any, key: str, where: str) -> str:
@@ -146,20 +141,20 @@ def _table(value: Any, key: str, where: str) -> dict[str, Any]:
 _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "path": _text,
     "scratch": _scratch,
-    "keep": _int_or_none,
-    "keep_scratch": _int_or_none,
+    "keep": _or_none(_int, "all"),
+    "keep_scratch": _or_none(_int, "all"),
     "incremental": _bool,
     "full_every": _int,
     "chunk_bytes": _int,
-    "staging_bytes": _int_or_none,
+    "staging_bytes": _or_none(_int, "all"),
     "max_inflight": _int,
     "allow_pickle": _bool,
     "handle_signals": _signals,
     "storage_options": _table,
     "flush_retry_seconds": _seconds,
-    "storage_timeout_seconds": _seconds_or_none,
+    "storage_timeout_seconds": _or_none(_seconds),
     "run_id": _text,
-    "device_diff": _bool_or_none,
+    "device_diff": _or_none(_bool, "auto"),
     "partner": _bool,
 }
 
