@@ -40,7 +40,15 @@ from cryosnap.errors import (
     TruncatedError,
     WorldSizeError,
 )
-from cryosnap.run import Run, VerifyReport, VersionInfo
+from cryosnap.run import (
+    FlushedVersion,
+    FlushFailure,
+    FlushReport,
+    Run,
+    VerifyReport,
+    VersionInfo,
+    flush,
+)
 from cryosnap.storage.tiers import Tier
 
 if _TYPE_CHECKING:
@@ -60,6 +68,9 @@ __all__ = [
     "DcpError",
     "DcpFormatError",
     "ExportError",
+    "FlushFailure",
+    "FlushReport",
+    "FlushedVersion",
     "IntegrityError",
     "KeyNotFoundError",
     "LockLostError",
@@ -82,6 +93,7 @@ __all__ = [
     "VersionInfo",
     "WorldSizeError",
     "__version__",
+    "flush",
     "load",
     "run_id_of",
     "save",

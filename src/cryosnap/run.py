@@ -1,17 +1,18 @@
 """``cryosnap.Run``: a handle on a run for reading it (list, describe, verify, diff, load) and
-for removing versions, the API the command line is built on.
+for removing versions, and ``cryosnap.flush``: the API the command line is built on.
 
 Reading takes no lock and writes nothing; opening a Run only lists the run. ``remove`` and
 ``gc`` take the run's write lock, as a writer does, and delete with the reference counting of
-retention (:mod:`cryosnap.engine`'s ``plan_retire``/``apply_retire``). The caller's thread;
-no collectives.
+retention (:mod:`cryosnap.engine`'s ``plan_retire``/``apply_retire``); so does ``flush``, which
+finishes a dead writer's flushes (``_run/scavenge.py``). The caller's thread; no collectives
+but ``flush``'s, one process per rank of the run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,9 +20,13 @@ from cryosnap import engine
 from cryosnap._format.manifest import MAX_STEP, Replicated, commit_key
 from cryosnap._run.inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
+from cryosnap._run.options import PathLike, RunOptions, ScratchLike
+from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
 from cryosnap._validate import positive_int
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import load
+from cryosnap.dist import Coordinator
+from cryosnap.dist._environ import job_coordinator
 from cryosnap.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -33,6 +38,9 @@ from cryosnap.storage import Store, open_store
 __all__ = [
     "MAX_STEP",
     "Damage",
+    "FlushFailure",
+    "FlushReport",
+    "FlushedVersion",
     "Removal",
     "Run",
     "VerifyReport",
@@ -40,6 +48,7 @@ __all__ = [
     "VersionInfo",
     "VersionSummary",
     "committed_steps",
+    "flush",
     "is_dcp_version",
     "runs_inside",
 ]
@@ -337,6 +346,41 @@ class Run:
 
     def _not_found(self, step: int) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(f"step {step} not found in {self.url}")
+
+
+def flush(
+    path: PathLike,
+    *,
+    scratch: ScratchLike,
+    storage_options: dict[str, Any] | None = None,
+    comm: Coordinator | None = None,
+) -> FlushReport:
+    """Finish the flush of a run whose program died: every version committed on ``scratch``
+    and not yet on the persistent level at ``path`` is copied there as the writer's own flush
+    would have (every chunk verified, the commit record last; superseded versions never).
+
+    ``scratch``: the run's scratch tier(s), as given to the Checkpointer. For a distributed
+    run with node-local scratch, call it in one process per rank of the run (``mpiexec -n N``,
+    ``torchrun``): ``comm`` None finds the job from the environment (torch.distributed when
+    initialized or under torchrun, MPI under an MPI launcher, else a world of one). Takes the
+    run's write lock (recovered from a dead writer; :class:`~cryosnap.errors.RunLockedError`
+    while a live one holds it). Running it again flushes nothing. A damaged scratch copy is
+    reported in :attr:`FlushReport.failed`, naming the leaf; nothing of it is committed.
+    """
+    if scratch is None:
+        raise ValueError("scratch= is required: the run's scratch tier(s) to flush from")
+    close: Callable[[], None] = _nothing
+    if comm is None:
+        comm, close = job_coordinator()
+    try:
+        options = RunOptions(path=path, scratch=scratch, storage_options=storage_options, comm=comm)
+        return flush_run(options, comm)
+    finally:
+        close()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _size(store: Store, key: str) -> int:

@@ -32,7 +32,7 @@ from cryosnap.errors import (
 )
 from cryosnap.storage import Store
 
-__all__ = ["Flusher", "SourceDamagedError", "flush_keys", "flush_version"]
+__all__ = ["Flushed", "Flusher", "SourceDamagedError", "flush_keys", "flush_version"]
 
 _T = TypeVar("_T")
 
@@ -46,6 +46,16 @@ _BACKOFF_MAX = 5.0
 
 def _no_wait() -> None:
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """One version's successful flush: the bytes this process wrote to the next level and
+    the seconds its last (successful) attempt took."""
+
+    step: int
+    nbytes: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,8 +295,8 @@ class CollectiveFlush(Protocol):
 class Flusher:
     """Flushes committed scratch versions to the persistent tier on a background thread.
 
-    ``on_done(step, error)`` runs on the flusher thread once a version is persistent
-    (``error`` None) or has failed for good.
+    ``on_done(step, outcome)`` runs on the flusher thread once a version is persistent
+    (``outcome`` a :class:`Flushed`) or has failed for good (the error).
     """
 
     def __init__(
@@ -295,7 +305,7 @@ class Flusher:
         dst: Store,
         *,
         retry_seconds: float,
-        on_done: Callable[[int, BaseException | None], None],
+        on_done: Callable[[int, Flushed | BaseException], None],
         yield_to: Callable[[], None] = _no_wait,
         fence: Callable[[], None] = _no_fence,
         flush: Callable[..., int] | CollectiveFlush = flush_version,
@@ -342,13 +352,13 @@ class Flusher:
             step = self._queue.get()
             if step is None:
                 return
-            error = self._flush(step)
+            outcome = self._flush(step)
             try:
-                self.on_done(step, error)
+                self.on_done(step, outcome)
             except Exception:  # pragma: no cover - the callback must not stop the flusher
                 log.exception("after flushing step %d", step)
 
-    def _flush(self, step: int) -> BaseException | None:
+    def _flush(self, step: int) -> Flushed | BaseException:
         deadline = time.monotonic() + self.retry_seconds
         delay = _BACKOFF_FIRST
         attempt = 0
@@ -391,5 +401,6 @@ class Flusher:
                 delay = min(delay * 2, _BACKOFF_MAX)
                 continue
             self.last_error = None
-            log.debug("step %d flushed: %d bytes in %.3f s", step, nbytes, time.perf_counter() - t0)
-            return None
+            seconds = time.perf_counter() - t0
+            log.debug("step %d flushed: %d bytes in %.3f s", step, nbytes, seconds)
+            return Flushed(step, nbytes, seconds)

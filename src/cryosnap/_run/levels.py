@@ -19,6 +19,7 @@ from cryosnap._format.manifest import Lineage, visible_versions
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.flush import (
     CollectiveFlush,
+    Flushed,
     Flusher,
     SourceDamagedError,
     flush_keys,
@@ -89,6 +90,9 @@ class Handoff:
         self.pending: dict[int, tuple[PendingSave, SaveInfo | None]] = {}
         self.delivered: set[int] = set()  # versions that reached dst
         self.failed: set[int] = set()  # hand-off failed for good: src retention keeps them
+        # What the flush of each resumed version (one this session did not save, so without
+        # a SaveInfo) cost: bounded by the versions resumed at open.
+        self.resumed: dict[int, Flushed] = {}
         self.flusher = Flusher(
             self.src.store,
             self.dst.store,
@@ -110,11 +114,14 @@ class Handoff:
         with self._lock:
             return set(self.pending) | self.failed
 
-    def _done(self, step: int, error: BaseException | None) -> None:
+    def _done(self, step: int, outcome: Flushed | BaseException) -> None:
         """On the flusher thread: ``step`` reached dst, or its hand-off failed for good."""
+        error = outcome if isinstance(outcome, BaseException) else None
         with self._lock:
             pending, info = self.pending.pop(step)
             (self.failed if error is not None else self.delivered).add(step)
+            if isinstance(outcome, Flushed) and info is None:
+                self.resumed[step] = outcome
         if error is not None:
             if isinstance(error, SourceDamagedError) and self.index == 0:
                 # The first level lost files this chain needs: no version may build on it.
@@ -240,7 +247,14 @@ class Levels:
         out: list[PendingSave] = []
         for handoff in self.handoffs:
             there = engine.list_versions(handoff.dst.store)
-            here = engine.list_versions(handoff.src.store)
+            # Not those a record on dst supersedes (a rewind saved there after this level
+            # was left behind): they are no versions of the run.
+            both = engine.list_versions(handoff.src.store, handoff.dst.store)
+            here = {
+                s: lin
+                for s, lin in engine.list_versions(handoff.src.store).items()
+                if s in both and both[s] == lin
+            }
             on_dst = [s for s, lin in there.items() if s not in here or here[s] == lin]
             handoff.delivered.update(on_dst)
             missing = [s for s in here if s not in handoff.delivered]

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -30,11 +30,16 @@ from cryosnap._run.restore import current_lineage
 from cryosnap._run.results import PendingSave
 from cryosnap._run.writer import Rewriter, VersionWriter, WriterThread
 from cryosnap.dist import Coordinator, LocalCoordinator
-from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from cryosnap.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    RunLockedError,
+)
 from cryosnap.storage import Store, join_location, open_store, unwrap
 from cryosnap.storage.tiers import Placement, StripedStore, Tier
 
-__all__ = ["OpenRun", "newest_record", "open_run"]
+__all__ = ["OpenRun", "newest_record", "open_run", "resume_handoffs"]
 
 SCRATCH, PERSISTENT = "scratch", "persistent"
 
@@ -212,20 +217,21 @@ def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:
     """Rank 0 takes the shared level's write lock for every participant; all of them learn
     whether it could, so a second writer fails on every rank alike."""
     lock: RunLock | None = None
-    error = ""
+    error, locked = "", False
     if coord.rank == 0:
         try:
             lock = acquire_run_lock(store)
         except CheckpointError as exc:
             if coord.world_size == 1:
                 raise
-            error = str(exc)
+            error, locked = str(exc), isinstance(exc, RunLockedError)
     if coord.world_size > 1:
-        error = coord.broadcast(error)
+        error, locked = coord.broadcast([error, locked])
         if error:
             if lock is not None:
                 lock.release()
-            raise CheckpointError(f"rank {coord.rank}: the run's write lock: {error}")
+            kind = RunLockedError if locked else CheckpointError
+            raise kind(f"rank {coord.rank}: the run's write lock: {error}")
     return [lock] if lock is not None else []
 
 
@@ -291,11 +297,25 @@ def start_background(
     ``undo`` stops them."""
     if len(levels.levels) > 1 and coord.world_size > 1:
         drop_partial_scratch(coord, levels.first.store, levels.levels[-1].store, partners)
+    return resume_handoffs(options, coord, levels, undo, yield_to=capturer.wait_no_capture)
+
+
+def resume_handoffs(
+    options: RunOptions,
+    coord: Coordinator,
+    levels: Levels,
+    undo: ExitStack,
+    *,
+    yield_to: Callable[[], None],
+) -> list[PendingSave]:
+    """Start the hand-offs and hand them the versions a crash left on a faster level (their
+    PendingSaves): at open, and in ``cryosnap flush`` (_run/scavenge.py), which is this alone.
+    ``undo`` stops them."""
     undo.callback(levels.close_handoffs)
     undo.callback(levels.abandon)
     levels.start_handoffs(
         retry_seconds=options.flush_retry_seconds,
-        yield_to=capturer.wait_no_capture,
+        yield_to=yield_to,
         rewrite=lambda index: rewriter(options, coord, levels, index),
     )
     return levels.resume_unflushed(options.retention)

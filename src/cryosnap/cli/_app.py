@@ -15,6 +15,7 @@ from cryosnap.cli._bench import cmd_bench
 from cryosnap.cli._demo import cmd_demo
 from cryosnap.cli._diff import cmd_diff
 from cryosnap.cli._export import cmd_export
+from cryosnap.cli._flush import cmd_flush
 from cryosnap.cli._import_dcp import cmd_import_dcp
 from cryosnap.cli._inspect import cmd_inspect
 from cryosnap.cli._ls import cmd_ls
@@ -34,7 +35,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     """The app with every command, in the order ``--help`` lists them."""
     app = typer.Typer(
         name=PROG,
-        help="List, inspect, verify, diff, export, remove and garbage-collect cryosnap "
+        help="List, inspect, verify, diff, export, remove, garbage-collect and flush cryosnap "
         "checkpoints; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
@@ -45,6 +46,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     _add_export_command(app)
     _add_diff_command(app)
     _add_remove_commands(app)
+    _add_flush_command(app)
     _add_demo_command(app)
     _add_plan_command(app)
     _add_bench_command(app, invocation)
@@ -167,6 +169,28 @@ def _add_remove_commands(app: typer.Typer) -> None:
         """Delete one version and every file no remaining version needs (a later version
         built on it still restores)."""
         cmd_rm(path, step=step, dry_run=dry_run, as_json=json_output)
+
+
+def _add_flush_command(app: typer.Typer) -> None:
+    @app.command("flush")
+    def flush_command(
+        path: Annotated[str, typer.Argument(help="The run's persistent tier (directory or URL).")],
+        scratch: Annotated[
+            list[str],
+            typer.Option(
+                "--scratch",
+                metavar="DIR",
+                help="The run's scratch tier, as given to the Checkpointer; repeat per tier. "
+                "Distributed: one process per rank (mpiexec -n N, torchrun).",
+            ),
+        ],
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Finish the flush of a run whose program died: copy every version on scratch and not
+        yet persistent, verified, commit record last (a job epilogue's scavenge)."""
+        code = cmd_flush(path, scratch=scratch, as_json=json_output)
+        if code:
+            raise typer.Exit(code)
 
 
 def _add_demo_command(app: typer.Typer) -> None:

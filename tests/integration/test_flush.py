@@ -1,0 +1,257 @@
+"""``cryosnap flush``: a program SIGKILLed between its scratch commit and the flush, then the
+job epilogue's flush as a user types it (``python -m cryosnap flush``), then a bit-exact load
+from the persistent tier. Also: a live writer refused, idempotence, a damaged scratch chunk,
+superseded versions, several scratch tiers, and a distributed run under real ``mpiexec -n 2``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cryosnap
+from cryosnap import Tier
+from cryosnap.engine import list_steps
+from cryosnap.errors import RunLockedError
+from cryosnap.storage import LocalStore
+
+pytestmark = pytest.mark.timeout(180)
+
+HERE = Path(__file__).resolve().parent
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+# Saves steps 1..LAST; SIGKILLs itself as the flush of LAST starts writing to persistent.
+_CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import numpy as np
+    import cryosnap
+    from cryosnap.storage import LocalStore
+    from cryosnap.testing import FaultyStore
+
+    persistent, scratch, last = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+
+    def fault(op, key):
+        if key.startswith(f"data/{last:012d}") and op == "open_writer":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def state(step):
+        a = np.arange(200_000, dtype=np.float64)
+        a[(step * 997) % 200_000 :: 50_000] = step
+        return {"a": a, "step": step, "name": f"v{step}"}
+
+    p = FaultyStore(LocalStore(persistent), fault=fault)
+    with cryosnap.Checkpointer(p, scratch=scratch, chunk_bytes=64 << 10) as ckpt:
+        for step in range(1, last + 1):
+            ckpt.save(step, state(step)).result()
+    print("finished without crashing")
+    """
+)
+
+
+def state(step: int) -> dict[str, Any]:
+    a = np.arange(200_000, dtype=np.float64)
+    a[(step * 997) % 200_000 :: 50_000] = step
+    return {"a": a, "step": step, "name": f"v{step}"}
+
+
+def check(out: Any, step: int) -> None:
+    assert out["step"] == step and out["name"] == f"v{step}"
+    np.testing.assert_array_equal(out["a"], state(step)["a"])
+
+
+def killed_run(persistent: Path, scratch: list[Path], last: int = 2) -> None:
+    """A run whose program died after committing ``last`` on scratch, before its flush."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(persistent),
+            json.dumps([str(s) for s in scratch]),
+            str(last),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    assert list_steps(LocalStore(persistent)) == list(range(1, last))
+
+
+def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``cryosnap ARGS`` as a user types it, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "cryosnap", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_flush_after_the_program_died_then_load_bit_exact(tmp_path: Path) -> None:
+    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
+    killed_run(persistent, [scratch])
+    # The dead writer's lock is taken over.
+    done = cli("flush", persistent, "--scratch", scratch)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("step 2: flushed ") and line.endswith(" s"), line
+    assert list_steps(LocalStore(persistent)) == [1, 2]
+    for s in (1, 2):
+        check(cryosnap.load(persistent, step=s), s)
+    # Idempotent: a second run flushes nothing and says so.
+    again = cli("flush", persistent, "--scratch", scratch)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("nothing to flush: 2 versions on scratch (steps 1, 2)")
+    as_json = json.loads(cli("flush", persistent, "--scratch", scratch, "--json").stdout)
+    assert as_json["ok"] and as_json["flushed"] == []
+    assert as_json["already_persistent"] == [1, 2]
+    # The persistent tier alone is a complete run.
+    check(cryosnap.load(persistent), 2)
+
+
+def test_flush_json_and_several_scratch_tiers(tmp_path: Path) -> None:
+    persistent = tmp_path / "persistent"
+    tiers = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    killed_run(persistent, tiers, last=3)
+    done = cli("flush", persistent, "--scratch", tiers[0], "--scratch", tiers[1], "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert [v["step"] for v in doc["flushed"]] == [3]
+    assert doc["flushed"][0]["bytes"] > 0 and doc["flushed"][0]["seconds"] >= 0
+    assert doc["already_persistent"] == [2]  # keep_scratch=2: step 1 left scratch
+    assert doc["scratch"] == [str(t) for t in tiers]
+    check(cryosnap.load(persistent, step=3), 3)
+
+
+def test_the_python_entry_point(tmp_path: Path) -> None:
+    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
+    killed_run(persistent, [scratch])
+    report = cryosnap.flush(persistent, scratch=[Tier(scratch)])
+    assert report.ok and [v.step for v in report.flushed] == [2]
+    assert report.flushed[0].nbytes > 0 and report.already == (1,)
+    assert cryosnap.flush(persistent, scratch=scratch).flushed == ()
+    check(cryosnap.load(persistent), 2)
+
+
+def test_a_live_writer_is_refused(tmp_path: Path) -> None:
+    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
+    killed_run(persistent, [scratch])
+    with cryosnap.Checkpointer(persistent, scratch=tmp_path / "other-scratch"):
+        refused = cli("flush", persistent, "--scratch", scratch)
+        assert refused.returncode == 2
+        assert refused.stdout == ""
+        (line,) = refused.stderr.splitlines()
+        assert line.startswith("cryosnap: error: ") and "already open for writing" in line
+        with pytest.raises(RunLockedError):
+            cryosnap.flush(persistent, scratch=scratch)
+        assert list_steps(LocalStore(persistent)) == [1]
+
+
+def test_a_damaged_scratch_chunk_names_the_leaf_and_commits_nothing(tmp_path: Path) -> None:
+    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
+    killed_run(persistent, [scratch])
+    (data,) = (scratch / "data").glob("000000000002-*")
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    failed = cli("flush", persistent, "--scratch", scratch)
+    assert failed.returncode == 1, failed.stderr
+    (line,) = failed.stderr.splitlines()
+    assert line.startswith("cryosnap: error: step 2 on scratch is damaged, not flushed")
+    assert "leaf a" in line and "Traceback" not in failed.stderr
+    assert list_steps(LocalStore(persistent)) == [1]
+    doc = json.loads(cli("flush", persistent, "--scratch", scratch, "--json").stdout)
+    assert not doc["ok"] and [(f["step"], f["damaged"]) for f in doc["failed"]] == [(2, True)]
+    assert list_steps(LocalStore(persistent)) == [1]
+
+
+def test_superseded_versions_are_not_flushed(tmp_path: Path) -> None:
+    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
+    killed_run(persistent, [scratch], last=3)  # scratch: 2, 3; persistent: 1, 2
+    # Another job (its own scratch) rewinds to step 1 and saves step 2 again: the old 2 and 3
+    # are no versions of the run any more.
+    with cryosnap.Checkpointer(persistent) as ckpt:
+        check(ckpt.restore(step=1), 1)
+        ckpt.save(2, {**state(2), "name": "rewound"}).result()
+    report = cryosnap.flush(persistent, scratch=scratch)
+    assert report.ok and report.flushed == () and report.superseded == (2, 3)
+    assert list_steps(LocalStore(persistent)) == [1, 2]
+    assert cryosnap.load(persistent)["name"] == "rewound"
+    line = cli("flush", persistent, "--scratch", scratch).stdout.splitlines()
+    assert line[:2] == [
+        "step 2: superseded by a rewind saved later, not flushed",
+        "step 3: superseded by a rewind saved later, not flushed",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["flush", "{tmp}/persistent"], "Missing option '--scratch'"),
+        (["flush", "{tmp}/persistent", "--scratch", "{tmp}/nope"], "no scratch run at"),
+        (["flush", "{tmp}/nope", "--scratch", "{tmp}/scratch"], "no run at"),
+    ],
+)
+def test_usage_errors_and_missing_runs_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    (tmp_path / "persistent").mkdir()
+    (tmp_path / "scratch").mkdir()
+    done = cli(*(a.format(tmp=tmp_path) for a in args))
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("cryosnap: error: ") and message in line
+
+
+def test_a_distributed_run_under_mpiexec(tmp_path: Path) -> None:
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (requirements-dev.txt)")
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}: the mpich wheel is not installed")
+    sys.path.insert(0, str(HERE))
+    from flush_job import state_of
+
+    run, base = tmp_path / "run", tmp_path / "scratch"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = subprocess.run(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "flush_job.py"), str(run), str(base)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert job.returncode != 0 and "finished without crashing" not in job.stdout
+    assert list_steps(LocalStore(run)) == [1]
+    # The epilogue: one process per rank, each given its node's scratch (MPMD, as each node's
+    # $TMPDIR would be), rank 0 prints.
+    flush = [sys.executable, "-m", "cryosnap", "flush", str(run), "--scratch"]
+    mpmd = [str(MPIEXEC), "-n", "1", *flush, str(base / "node-0"), ":",
+            "-n", "1", *flush, str(base / "node-1")]  # fmt: skip
+    done = subprocess.run(mpmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("step 2: flushed "), line
+    assert list_steps(LocalStore(run)) == [1, 2]
+    for rank in (0, 1):
+        part, expected = cryosnap.load(run, step=2, rank=rank), state_of(rank, 2)
+        assert part["rank"] == rank and part["step"] == 2
+        for key in ("w", "shared"):
+            np.testing.assert_array_equal(part[key], expected[key])
+    again = subprocess.run(mpmd, capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.startswith("nothing to flush: 2 versions on scratch (steps 1, 2)")
+    # One process for the parts of two ranks: refused, naming the layout to use.
+    alone = cli("flush", run, "--scratch", base / "node-0")
+    assert alone.returncode == 2 and "one process per rank" in alone.stderr
