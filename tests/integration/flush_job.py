@@ -1,7 +1,8 @@
 """One rank of an MPI job whose program dies between a scratch commit and its flush:
-``mpiexec -n N python flush_job.py RUN SCRATCH_BASE``. Each rank's node-local scratch is
-``SCRATCH_BASE/node-<rank>``; rank 0 is SIGKILLed as the flush of step 2 starts writing to the
-persistent level (mpiexec then ends the job), so step 2 is on every rank's scratch only.
+``mpiexec -n N python flush_job.py RUN SCRATCH_BASE [shared]``. Each rank's node-local scratch
+is ``SCRATCH_BASE/node-<rank>`` (with ``shared``: ``SCRATCH_BASE``, one node); rank 0 is
+SIGKILLed as the flush of step 2 starts writing to the persistent level (mpiexec then ends the
+job), so step 2 is on every rank's scratch only.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def state_of(rank: int, step: int) -> dict[str, Any]:
     return {"w": w, "shared": shared, "rank": rank, "step": step}
 
 
-def main(run: Path, scratch_base: Path) -> None:
+def main(run: Path, scratch_base: Path, shared: bool) -> None:
     from mpi4py import MPI
 
     import cryosnap
@@ -43,7 +44,7 @@ def main(run: Path, scratch_base: Path) -> None:
 
     persistent = FaultyStore(LocalStore(run), fault=fault)
     coord = MPICoordinator(comm, timeout=TIMEOUT)
-    scratch = scratch_base / f"node-{rank}"
+    scratch = scratch_base if shared else scratch_base / f"node-{rank}"
     with cryosnap.Checkpointer(
         persistent, scratch=scratch, comm=coord, chunk_bytes=16 << 10
     ) as ckpt:
@@ -54,4 +55,4 @@ def main(run: Path, scratch_base: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] == ["shared"])

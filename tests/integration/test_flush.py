@@ -1,7 +1,8 @@
 """``cryosnap flush``: a program SIGKILLed between its scratch commit and the flush, then the
 job epilogue's flush as a user types it (``python -m cryosnap flush``), then a bit-exact load
 from the persistent tier. Also: a live writer refused, idempotence, a damaged scratch chunk,
-superseded versions, several scratch tiers, and a distributed run under real ``mpiexec -n 2``.
+superseded versions, several scratch tiers, and a distributed run under real ``mpiexec -n 2``
+and under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -255,3 +256,32 @@ def test_a_distributed_run_under_mpiexec(tmp_path: Path) -> None:
     # One process for the parts of two ranks: refused, naming the layout to use.
     alone = cli("flush", run, "--scratch", base / "node-0")
     assert alone.returncode == 2 and "one process per rank" in alone.stderr
+
+
+def test_a_distributed_run_flushed_under_torchrun(tmp_path: Path) -> None:
+    """The same job (one node: both ranks' parts under one scratch), flushed by torchrun's
+    processes (gloo, found from torchrun's environment)."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (requirements-dev.txt)")
+    pytest.importorskip("torch.distributed", reason="torch is not installed")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not MPIEXEC.exists() or not torchrun.exists():
+        pytest.skip("needs the mpich wheel's mpiexec and torch's torchrun")
+    sys.path.insert(0, str(HERE))
+    from flush_job import state_of
+
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = [str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "flush_job.py"), str(run),
+           str(scratch), "shared"]  # fmt: skip
+    assert subprocess.run(job, capture_output=True, timeout=120, env=env).returncode != 0
+    assert list_steps(LocalStore(run)) == [1]
+    flush = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "cryosnap", "flush",
+             str(run), "--scratch", str(scratch)]  # fmt: skip
+    done = subprocess.run(flush, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("step 2: flushed "), line
+    for rank in (0, 1):
+        part, expected = cryosnap.load(run, step=2, rank=rank), state_of(rank, 2)
+        for key in ("w", "shared"):
+            np.testing.assert_array_equal(part[key], expected[key])
