@@ -285,3 +285,26 @@ def test_a_distributed_run_flushed_under_torchrun(tmp_path: Path) -> None:
         part, expected = cryosnap.load(run, step=2, rank=rank), state_of(rank, 2)
         for key in ("w", "shared"):
             np.testing.assert_array_equal(part[key], expected[key])
+
+
+def test_a_damaged_part_of_one_rank_fails_the_version_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (requirements-dev.txt)")
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}: the mpich wheel is not installed")
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = [str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "flush_job.py"), str(run),
+           str(scratch), "shared"]  # fmt: skip
+    assert subprocess.run(job, capture_output=True, timeout=120, env=env).returncode != 0
+    (data,) = (scratch / "rank-00001" / "data").glob("000000000002-*")
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    flush = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "cryosnap", "flush", str(run),
+             "--scratch", str(scratch)]  # fmt: skip
+    done = subprocess.run(flush, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("cryosnap: error: step 2 on scratch is damaged, not flushed")
+    assert "rank-00001" in line and "leaf w" in line
+    assert list_steps(LocalStore(run)) == [1]

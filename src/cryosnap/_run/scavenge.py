@@ -46,8 +46,8 @@ class FlushedVersion:
 
 @dataclass(frozen=True, slots=True)
 class FlushFailure:
-    """A version that could not be flushed; ``error`` names the step, the level and, when the
-    scratch copy is damaged, the leaf (its rank's part, with several ranks)."""
+    """A version that could not be flushed, as ``rank`` saw it; ``error`` names the step, the
+    level and, when the scratch copy is damaged (``damaged``), the leaf and that rank's part."""
 
     step: int
     rank: int
@@ -239,8 +239,9 @@ def _damage(scratch: Store, step: int) -> str | None:
 def _gathered(
     coord: Coordinator, flushed: list[FlushedVersion], failed: list[FlushFailure]
 ) -> tuple[list[FlushedVersion], list[FlushFailure]]:
-    """Every rank's outcomes together: bytes summed, seconds the slowest rank's, failures
-    of every rank (a version one rank could not flush is committed by none)."""
+    """Every rank's outcomes together: bytes summed, seconds the slowest rank's, one failure
+    per version that failed on any rank (a version one rank could not flush is committed by
+    none)."""
     if coord.world_size == 1:
         return flushed, failed
     told = coord.all_gather(
@@ -249,11 +250,16 @@ def _gathered(
             "failed": [[f.step, f.rank, f.error, f.damaged] for f in failed],
         }
     )
-    failures = sorted(
+    # One failure per version: the cause (a rank's damaged scratch copy) before what the other
+    # ranks saw of it (the version not committed).
+    first: dict[int, FlushFailure] = {}
+    for f in sorted(
         (FlushFailure(int(s), int(r), str(e), bool(d)) for t in told for s, r, e, d in t["failed"]),
         key=lambda f: (f.step, not f.damaged, f.rank),
-    )
-    bad = {f.step for f in failures}
+    ):
+        first.setdefault(f.step, f)
+    failures = list(first.values())
+    bad = set(first)
     totals: dict[int, tuple[int, float]] = {}
     for t in told:
         for s, n, sec in t["flushed"]:
