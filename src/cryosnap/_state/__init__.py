@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from cryosnap._state.build import Place, Restorer
+from cryosnap._state.files import File
 from cryosnap._state.flatten import (
     PACK_BYTES,
     PACK_LEAF_FRACTION,
@@ -18,6 +19,7 @@ __all__ = [
     "PACK_BYTES",
     "PACK_LEAF_FRACTION",
     "Blob",
+    "File",
     "FlatState",
     "Place",
     "Restorer",
