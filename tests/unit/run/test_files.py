@@ -23,7 +23,12 @@ import cryosnap
 import cryosnap._run.partner as _partner
 from cryosnap._format.manifest import FILES_FORMAT_VERSION, commit_key, manifest_key
 from cryosnap.dist import Coordinator
-from cryosnap.errors import FileLeafError, IntegrityError, StateMismatchError
+from cryosnap.errors import (
+    FileLeafError,
+    IntegrityError,
+    ReplicaDivergenceError,
+    StateMismatchError,
+)
 
 from ..distributed.test_coordinator import run_ranks
 
@@ -227,7 +232,9 @@ def test_two_ranks_with_own_files_a_replicated_one_and_partner_copies(
 ) -> None:
     monkeypatch.setattr(_partner, "node_name", lambda: _NODE.name)
     run = tmp_path / "run"
-    shared = _write(tmp_path / "mesh.bin", np.random.default_rng(5).bytes(3 * CHUNK))
+    mesh = np.random.default_rng(5).bytes(3 * CHUNK)
+    # The replicated file: the same bytes, read by each rank from a path of its own.
+    shared = [_write(tmp_path / f"mesh{r}.bin", mesh) for r in (0, 1)]
     own = [
         _write(tmp_path / f"rank{r}.h5", np.random.default_rng(10 + r).bytes(CHUNK + r))
         for r in (0, 1)
@@ -237,7 +244,7 @@ def test_two_ranks_with_own_files_a_replicated_one_and_partner_copies(
         return tmp_path / f"node-{rank}"
 
     def state(rank: int) -> dict[str, Any]:
-        return {"mesh": cryosnap.File(shared), "own": {"h5": cryosnap.File(own[rank])}}
+        return {"mesh": cryosnap.File(shared[rank]), "own": {"h5": cryosnap.File(own[rank])}}
 
     def save(c: Coordinator) -> None:
         _NODE.name = f"n{c.rank}"
@@ -263,7 +270,7 @@ def test_two_ranks_with_own_files_a_replicated_one_and_partner_copies(
 
     run_ranks(2, restore)
     for rank in (0, 1):
-        assert (node(rank) / "mesh.bin").read_bytes() == shared.read_bytes()
+        assert (node(rank) / "mesh.bin").read_bytes() == mesh
         assert (node(rank) / "own.h5").read_bytes() == own[rank].read_bytes()
 
 
@@ -276,3 +283,16 @@ def test_export_writes_a_file_as_its_bytes(tmp_path: Path) -> None:
     with np.load(tmp_path / "out.npz") as npz:
         assert npz["f"].dtype == np.uint8 and npz["f"].tobytes() == b"\x00\x01binary"
     assert os.path.getsize(tmp_path / "out.npz") > 0
+
+
+def test_a_replicated_file_that_differs_between_ranks_is_refused(tmp_path: Path) -> None:
+    files = [_write(tmp_path / f"m{r}", bytes([r]) * CHUNK) for r in (0, 1)]
+
+    def save(c: Coordinator) -> None:
+        with cryosnap.Checkpointer(tmp_path / "run", comm=c, chunk_bytes=CHUNK) as ckpt:
+            pending = ckpt.save(1, {"mesh": cryosnap.File(files[c.rank])}, replicated=True)
+            with pytest.raises(ReplicaDivergenceError, match="mesh"):
+                pending.result()
+            assert ckpt.steps() == []
+
+    run_ranks(2, save)
