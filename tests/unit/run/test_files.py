@@ -296,3 +296,25 @@ def test_a_replicated_file_that_differs_between_ranks_is_refused(tmp_path: Path)
             assert ckpt.steps() == []
 
     run_ranks(2, save)
+
+
+def test_inspect_diff_and_keys_see_a_file_leaf(tmp_path: Path) -> None:
+    src = _write(tmp_path / "grid.h5", bytes(5 * CHUNK))
+    run = tmp_path / "run"
+    with cryosnap.Checkpointer(run, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(1, {"grid": cryosnap.File(src), "it": 1}).result()
+        src.write_bytes(bytes(4 * CHUNK) + b"\x01" * CHUNK)
+        ckpt.save(2, {"grid": cryosnap.File(src), "it": 2}).result()
+    (leaf, _it) = cryosnap.Run(run).info(2).leaves
+    assert (leaf.path, leaf.kind, leaf.shape, leaf.nbytes, leaf.chunks) == (
+        "grid",
+        "file",
+        [5 * CHUNK],
+        5 * CHUNK,
+        5,
+    )
+    assert leaf.value == repr(str(src))
+    (changed,) = [d for d in cryosnap.Run(run).diff(1, 2).leaves if d.path == "grid"]
+    assert changed.changed_bytes == CHUNK
+    only = cryosnap.load(run, keys=["grid"])
+    assert list(only) == ["grid"] and only["grid"].read_bytes() == src.read_bytes()
