@@ -158,19 +158,32 @@ def check_file_into(saved_kind: Any, into: Any, path: tuple[str | int, ...]) -> 
         )
 
 
+def _keep_mode(fd: int, final: str) -> None:
+    """Give the new file the permission bits of the one it replaces, if there is one."""
+    try:
+        mode = os.stat(final).st_mode
+    except FileNotFoundError:
+        return
+    os.fchmod(fd, stat.S_IMODE(mode))
+
+
 class FileWrites:
     """The files a restore writes at ``into=``'s paths, in two steps: :meth:`stage` writes
     each beside its target as a temporary file, fsynced; :meth:`commit` renames them all over
     their targets and fsyncs their directories. Until ``commit`` no target has changed, and
     :meth:`discard` removes what was staged: a restore that fails leaves every target as it
-    was."""
+    was. (A process killed in between leaves the staged files, ``.<name>.<token>.cryosnap-tmp``
+    beside their targets; killed during ``commit``, each target is whole, old or new.) A new
+    file keeps the permission bits of the one it replaces."""
 
     def __init__(self) -> None:
         self._staged: list[tuple[str, str]] = []  # (temporary file, target)
         self._targets: dict[str, str] = {}  # target -> the leaf it is written for
 
     def stage(self, target: File, loaded: File, path: tuple[str | int, ...]) -> None:
-        final = os.path.abspath(target.path)
+        # Through symbolic links: the file a link names is replaced, the link stays (and the
+        # temporary file lies on that file's file system, where the rename can happen).
+        final = os.path.realpath(target.path)
         leaf = format_path(path)
         other = self._targets.setdefault(final, leaf)
         if other != leaf:
@@ -190,6 +203,7 @@ class FileWrites:
             ) from exc
         self._staged.append((tmp, final))
         try:
+            _keep_mode(fd, final)
             view, done = memoryview(data), 0
             while done < len(view):
                 done += os.write(fd, view[done:])

@@ -172,3 +172,15 @@ def test_one_target_for_two_leaves_is_refused(tmp_path: Path) -> None:
         writes.stage(target, loaded_file("/y", bytearray(b"2")), ("b",))
     writes.discard()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_file_writes_keep_the_mode_and_write_through_links(tmp_path: Path) -> None:
+    real = _write(tmp_path / "real", b"old")
+    real.chmod(0o640)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    writes = FileWrites()
+    writes.stage(cryosnap.File(link), loaded_file("/x", bytearray(b"new")), ("f",))
+    writes.commit()
+    assert link.is_symlink() and real.read_bytes() == b"new"
+    assert real.stat().st_mode & 0o777 == 0o640
