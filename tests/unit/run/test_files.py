@@ -124,6 +124,18 @@ def test_lazy_save_reads_the_file_in_the_background(tmp_path: Path) -> None:
         assert ckpt.restore()["f"].read_bytes() == before
 
 
+def test_a_file_larger_than_the_staging_budget_streams_through_it(tmp_path: Path) -> None:
+    data = np.random.default_rng(6).bytes(12 * CHUNK + 5)
+    src = _write(tmp_path / "big", data)
+    with cryosnap.Checkpointer(
+        tmp_path / "run", chunk_bytes=CHUNK, staging_bytes=8 * CHUNK
+    ) as ckpt:
+        for lazy in (False, True):
+            pending = ckpt.save(int(lazy), {"f": cryosnap.File(src), "lazy": lazy}, lazy=lazy)
+            assert pending.result().logical_bytes == len(data)
+        assert ckpt.restore(step=1)["f"].read_bytes() == data
+
+
 def test_restore_into_writes_at_into_paths_not_the_saved_ones(tmp_path: Path) -> None:
     src = _write(tmp_path / "out.nc", b"saved content")
     other = tmp_path / "node-2"
