@@ -1,5 +1,6 @@
 """State trees <-> blobs: flatten a state into a skeleton and blobs, build it back, fill
-``into=`` in place. Pure (a copy to a GPU aside); runs on the caller's thread."""
+``into=`` in place. Pure (a copy to a GPU and the files of ``cryosnap.File`` leaves aside);
+runs on the caller's thread."""
 
 from __future__ import annotations
 

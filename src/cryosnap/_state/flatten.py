@@ -1,7 +1,8 @@
 """Flatten a state into a JSON skeleton plus byte blobs (:func:`flatten`, :class:`FlatState`):
 tensors sharing storage become one blob, small CPU tensors are packed several to a blob.
 
-Pure; runs on the caller's thread; torch is imported only when a tensor is met.
+Pure (a ``cryosnap.File`` leaf aside: files.py opens and maps its file); runs on the caller's
+thread; torch is imported only when a tensor is met.
 docs/design/state-trees.md has the why.
 """
 

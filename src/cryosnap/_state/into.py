@@ -1,7 +1,8 @@
 """``into=``: check a target tree against a skeleton, find the leaves a reader may fill
 directly, and fill the others in place once every chunk verified (:func:`apply_into`).
 
-Pure (a copy to a GPU aside); runs on the caller's thread.
+Pure (a copy to a GPU and the files of ``cryosnap.File`` leaves, written by files.py, aside);
+runs on the caller's thread.
 """
 
 from __future__ import annotations
