@@ -77,14 +77,18 @@ def test_round_trip_of_file_contents_and_sizes(contents: list[bytes]) -> None:
 
 
 def test_manifest_of_files_says_format_version_3_others_stay(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
     src = _write(tmp_path / "f", b"x" * 10)
-    cryosnap.save(tmp_path / "run", {"f": cryosnap.File(src)}, step=1)
+    small = {"a": torch.arange(3), "b": torch.ones(2)}  # packed: files and packs say 3
+    cryosnap.save(tmp_path / "run", {"f": cryosnap.File(src), "t": small}, step=1)
     cryosnap.save(tmp_path / "run", {"x": np.zeros(3)}, step=2)
     versions = [
         json.loads((tmp_path / "run" / manifest_key(step, 0)).read_bytes())["format_version"]
         for step in (1, 2)
     ]
     assert versions == [FILES_FORMAT_VERSION, 1]
+    loaded = cryosnap.load(tmp_path / "run", step=1)
+    assert loaded["f"].read_bytes() == b"x" * 10 and torch.equal(loaded["t"]["a"], small["a"])
 
 
 def test_an_unchanged_file_costs_nothing_a_100_byte_change_one_chunk(tmp_path: Path) -> None:
