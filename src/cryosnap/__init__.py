@@ -3,6 +3,7 @@
 >>> import cryosnap
 >>> info = cryosnap.save("run", {"w": weights}, step=10)   # durable on return
 >>> state = cryosnap.load("run")                            # newest version that verifies
+>>> cryosnap.save("run", {"grid": cryosnap.File("out/grid.h5")}, step=11)  # a file's bytes
 
 Imports nothing heavy: torch is imported only when a tensor is saved or loaded.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
+from cryosnap._state.files import File
 from cryosnap.checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
 from cryosnap.errors import (
     BenchError,
@@ -26,6 +28,7 @@ from cryosnap.errors import (
     DcpError,
     DcpFormatError,
     ExportError,
+    FileLeafError,
     IntegrityError,
     KeyNotFoundError,
     LockLostError,
@@ -68,6 +71,8 @@ __all__ = [
     "DcpError",
     "DcpFormatError",
     "ExportError",
+    "File",
+    "FileLeafError",
     "FlushFailure",
     "FlushReport",
     "FlushedVersion",

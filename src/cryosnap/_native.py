@@ -29,6 +29,7 @@ __all__ = [
     "hash_chunks",
     "hash_each",
     "map_private",
+    "map_shared_read",
     "memmove",
     "page_cached",
     "populate",
@@ -281,6 +282,17 @@ def map_private(fd: int, nbytes: int) -> memoryview | None:
         unmap(address, nbytes)
         raise
     return memoryview(array).cast("B")
+
+
+def map_shared_read(fd: int, nbytes: int) -> memoryview:
+    """``nbytes`` (> 0) of ``fd`` mapped read-only and shared: the page cache's own pages, no
+    copy and no anonymous memory, as a read-only flat byte view that owns the mapping (``fd``
+    may be closed). A read of a page the file no longer has (truncated meanwhile) is a SIGBUS:
+    map only files that must not change while the view is read. Raises OSError."""
+    mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
+    with contextlib.suppress(AttributeError, OSError):  # advice only
+        mapping.madvise(mmap.MADV_SEQUENTIAL)
+    return memoryview(mapping)
 
 
 def page_cached(path: Path, offset: int) -> bool | None:

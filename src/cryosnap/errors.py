@@ -34,6 +34,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
     │                                                    version does not hold
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
+    ├── FileLeafError (+ ValueError)                     a ``cryosnap.File`` leaf names no
+    │                                                    readable regular file at ``save()``,
+    │                                                    or restore cannot write its target
     ├── ConfigError (+ ValueError)                       ``Checkpointer.from_config``: an unknown
     │                                                    key or a value of the wrong type (names
     │                                                    the key and the file or variable)
@@ -74,6 +77,7 @@ __all__ = [
     "DcpError",
     "DcpFormatError",
     "ExportError",
+    "FileLeafError",
     "IntegrityError",
     "KeyNotFoundError",
     "LockLostError",
@@ -186,6 +190,12 @@ class KeyNotFoundError(CheckpointError, KeyError):
 
 class StateMismatchError(CheckpointError, ValueError):
     """The ``into=`` tree does not match the saved tree (keys, shapes, dtypes, types)."""
+
+
+class FileLeafError(CheckpointError, ValueError):
+    """A :class:`cryosnap.File` leaf cannot be saved (its path is missing, unreadable, a
+    directory, a FIFO or another non-regular file) or restored (its target cannot be
+    written); the message names the leaf path and the file."""
 
 
 class ConfigError(CheckpointError, ValueError):

@@ -25,6 +25,7 @@ import numpy as np
 
 from cryosnap import _validate
 from cryosnap._format.skeleton import format_path
+from cryosnap._state.files import File
 from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap.checkpointer import load
 from cryosnap.errors import ExportError
@@ -99,7 +100,7 @@ def export(
 
         tree = full_state_dict(store, step)
     else:
-        tree = load(store, step=step, rank=rank)
+        tree = _files_as_bytes(load(store, step=step, rank=rank))
     leaves = export_leaves(tree)
     # Every conversion a format needs happens before its file is complete: a leaf it cannot
     # hold is an error and OUT is left as it was.
@@ -182,6 +183,18 @@ def export_leaves(tree: Any) -> list[tuple[str, Any]]:
             )
         seen.add(path)
     return out
+
+
+def _files_as_bytes(tree: Any) -> Any:
+    """``tree`` with each ``File`` handle replaced by its verified bytes (what every format
+    holds: a ``uint8`` array or tensor, or ``bytes`` in a ``.pt``)."""
+    if isinstance(tree, File):
+        return tree.read_bytes()
+    if type(tree) in (dict, OrderedDict):
+        return type(tree)((k, _files_as_bytes(v)) for k, v in tree.items())
+    if type(tree) in (list, tuple):
+        return type(tree)(_files_as_bytes(v) for v in tree)
+    return tree
 
 
 def _is_tensor(obj: Any) -> bool:

@@ -19,6 +19,9 @@ Writes, under the given folder (each must not exist yet):
 - ``packs`` (added with packs of small tensors, by ``make_golden.py tests/golden packs``):
   ``cryosnap.save`` at step 3 of small torch tensors of several dtypes (packed several to a
   blob, with alignment gaps between them) and one larger tensor that is not packed.
+- ``files`` (added with ``cryosnap.File`` leaves, by ``make_golden.py tests/golden files``):
+  ``cryosnap.save`` at step 4 of a 10,000-byte file (three chunks), an empty file and an int;
+  the files themselves are written in a temporary folder and left out.
 
 tests/unit/test_golden.py holds the expected values written out by hand from the states below.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +98,22 @@ def make_packs(out: Path) -> None:
     (out / "packs" / "writer.lock").unlink()
 
 
+def file_bytes() -> bytes:
+    """The content of the golden ``files`` run's ``grid.bin``: 10,000 bytes, 0..250 repeated."""
+    return bytes(i % 251 for i in range(10_000))
+
+
+def make_files(out: Path) -> None:
+    _refuse_existing(out, ("files",))
+    with tempfile.TemporaryDirectory() as d:
+        grid, empty = Path(d) / "grid.bin", Path(d) / "empty.bin"
+        grid.write_bytes(file_bytes())
+        empty.write_bytes(b"")
+        state = {"grid": cryosnap.File(grid), "empty": cryosnap.File(empty), "it": 4}
+        cryosnap.save(out / "files", state, step=4, chunk_bytes=CHUNK)
+    (out / "files" / "writer.lock").unlink()
+
+
 def make(out: Path) -> None:
     _refuse_existing(out, ("oneshot", "chain", *(f"damaged_{d}" for d in DAMAGE)))
     cryosnap.save(out / "oneshot", oneshot_state(), step=5, chunk_bytes=CHUNK)
@@ -146,7 +166,10 @@ DAMAGE = {"flip": _flip, "truncated": _truncate, "manifest": _manifest, "missing
 if __name__ == "__main__":
     # make_golden.py DIR: the runs of format 1 as first made; make_golden.py DIR packs: the
     # run added with packs of small tensors.
+    # make_golden.py DIR files: the run added with cryosnap.File leaves.
     if sys.argv[2:] == ["packs"]:
         make_packs(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["files"]:
+        make_files(Path(sys.argv[1]))
     else:
         make(Path(sys.argv[1]))

@@ -149,12 +149,29 @@ def test_packs_read_exactly(golden: Any) -> None:
     assert len(ptrs) == 6
 
 
+def test_files_read_exactly(golden: Any) -> None:
+    """cryosnap.File leaves (tests/golden/files, made when File leaves came)."""
+    run = golden("files")
+    state = cryosnap.load(run)
+    assert list(state) == ["grid", "empty", "it"] and state["it"] == 4
+    grid, empty = state["grid"], state["empty"]
+    assert isinstance(grid, cryosnap.File) and isinstance(empty, cryosnap.File)
+    assert grid.read_bytes() == bytes(i % 251 for i in range(10_000)) and grid.size == 10_000
+    assert empty.read_bytes() == b"" and empty.size == 0
+    assert Path(grid.path).name == "grid.bin" and Path(grid.path).is_absolute()
+    # Its manifest says 3 (file leaves; a cryosnap from before them refuses it by that).
+    record = engine.read_commit(LocalStore(run), 4)
+    manifest, _ref = engine.read_manifest(LocalStore(run), record, 0)
+    assert manifest.format_version == 3 and [b.nbytes for b in manifest.blobs] == [10_000, 0]
+
+
 def test_golden_runs_are_format_1() -> None:
     for commit in GOLDEN.glob("*/versions/*/COMMIT.json"):
         assert b'"format_version":1' in commit.read_bytes(), commit
+    versions = {"packs": 2, "files": 3}
     for manifest in GOLDEN.glob("*/versions/*/rank-*.json"):
-        packed = manifest.parts[-4] == "packs"
-        assert f'"format_version":{2 if packed else 1}'.encode() in manifest.read_bytes()
+        version = versions.get(manifest.parts[-4], 1)
+        assert f'"format_version":{version}'.encode() in manifest.read_bytes()
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,7 @@ from cryosnap._format.skeleton import check_depth, decode_key, encode_key
 from cryosnap.errors import CheckpointFormatError
 
 __all__ = [
+    "FILES_FORMAT_VERSION",
     "FORMAT_VERSION",
     "PACKED_FORMAT_VERSION",
     "MAX_STEP",
@@ -88,6 +89,9 @@ FORMAT_VERSION = 1
 # says this instead, so that a cryosnap from before packs refuses it by its version ("upgrade
 # cryosnap") instead of taking it for damage. Everything else stays FORMAT_VERSION.
 PACKED_FORMAT_VERSION = 2
+# A rank's manifest holding cryosnap.File leaves (skeleton nodes "file", packed tensors or not)
+# says this, for the same reason: a cryosnap from before files refuses it by its version.
+FILES_FORMAT_VERSION = 3
 # A blob's segment table of more rows than this is written packed (zlib-compressed
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
@@ -348,7 +352,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        doc = _parse_json(data, where, (FORMAT_VERSION, PACKED_FORMAT_VERSION))
+        doc = _parse_json(
+            data, where, (FORMAT_VERSION, PACKED_FORMAT_VERSION, FILES_FORMAT_VERSION)
+        )
         if doc.get("kind") != "cryosnap.manifest":
             raise _fail(where, "not a cryosnap manifest")
         if doc.get("hash") != HASH_NAME:

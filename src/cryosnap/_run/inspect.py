@@ -133,6 +133,8 @@ def _inline_value(node: dict[str, Any]) -> str | None:
             return str(v)
         if t == "str":
             return repr(v)
+        if t == "file":  # where it was saved from (its bytes are a blob)
+            return repr(node["path"]) if isinstance(node.get("path"), str) else None
         if t == "float":
             return repr(float.fromhex(v))
         if t == "complex":
@@ -193,7 +195,7 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
                 shape = []
                 hex_value = node.get("hex")
                 nbytes = len(hex_value) // 2 if isinstance(hex_value, str) else 0
-        elif t in ("bytes", "bytearray"):
+        elif t in ("bytes", "bytearray", "file"):
             shape = [nbytes]
         leaves.append(
             LeafInfo(

@@ -112,7 +112,8 @@ def _keys_json(keys: Replicated) -> Any:
 
 def _leaves(flat: FlatState, keys: Replicated, root: Any) -> dict[str, list[list[Any]]]:
     """Per replicated key (by ``repr``), its leaves as ``[path, node]`` with each blob index
-    replaced by the blob's Merkle root (ranks may number blobs differently)."""
+    replaced by the blob's Merkle root (ranks may number blobs differently) and no saved path
+    of a file leaf (its bytes must agree, not where each rank read them)."""
     skeleton = flat.skeleton
     if keys is True:
         subtrees: list[tuple[str, Json, tuple[str | int, ...]]] = [("True", skeleton, ())]
@@ -125,6 +126,10 @@ def _leaves(flat: FlatState, keys: Replicated, root: Any) -> dict[str, list[list
         leaves = []
         for where, leaf in iter_leaves(node, path):
             b = leaf.get("b")
+            if leaf.get("t") == "file":
+                # A file's bytes are what is replicated: each rank may read its copy from a
+                # path of its own (its node's scratch), kept in its own manifest.
+                leaf = {k: v for k, v in leaf.items() if k != "path"}
             leaves.append([where, {**leaf, "b": root(b).hex()} if type(b) is int else leaf])
         out[name] = leaves
     return out

@@ -1,9 +1,11 @@
 """State trees <-> blobs: flatten a state into a skeleton and blobs, build it back, fill
-``into=`` in place. Pure (a copy to a GPU aside); runs on the caller's thread."""
+``into=`` in place. Pure (a copy to a GPU and the files of ``cryosnap.File`` leaves aside);
+runs on the caller's thread."""
 
 from __future__ import annotations
 
 from cryosnap._state.build import Place, Restorer
+from cryosnap._state.files import File
 from cryosnap._state.flatten import (
     PACK_BYTES,
     PACK_LEAF_FRACTION,
@@ -18,6 +20,7 @@ __all__ = [
     "PACK_BYTES",
     "PACK_LEAF_FRACTION",
     "Blob",
+    "File",
     "FlatState",
     "Place",
     "Restorer",

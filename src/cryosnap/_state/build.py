@@ -25,6 +25,7 @@ from cryosnap._format.skeleton import (
     format_path,
 )
 from cryosnap._state.device import to_device
+from cryosnap._state.files import loaded_file, saved_file_path
 from cryosnap._state.torch_import import import_torch
 from cryosnap.errors import CheckpointError, CheckpointFormatError
 
@@ -295,6 +296,13 @@ class Restorer:
             buf = bytearray(self.blob_sizes[b])
             self._claim(b, memoryview(buf), p)
             self._values[id(node)] = buf
+        elif t == "file":
+            p = where or "<root>"
+            b = self._blob(node, p)
+            saved = saved_file_path(node, self.blob_sizes[b], p)
+            buf = bytearray(self.blob_sizes[b])
+            self._claim(b, memoryview(buf), p)
+            self._values[id(node)] = loaded_file(saved, buf)
         elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
             raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
 
@@ -546,7 +554,7 @@ class Restorer:
         return _scalar(node, format_path(path))
 
 
-_ALLOCATED = frozenset(("torch", "numpy", "bytearray"))
+_ALLOCATED = frozenset(("torch", "numpy", "bytearray", "file"))
 _NO_PACK = 1 << 63  # Restorer._packs' answer for a blob no packed leaf claimed yet
 
 

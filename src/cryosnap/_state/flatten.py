@@ -1,7 +1,8 @@
 """Flatten a state into a JSON skeleton plus byte blobs (:func:`flatten`, :class:`FlatState`):
 tensors sharing storage become one blob, small CPU tensors are packed several to a blob.
 
-Pure; runs on the caller's thread; torch is imported only when a tensor is met.
+Pure (a ``cryosnap.File`` leaf aside: files.py opens and maps its file); runs on the caller's
+thread; torch is imported only when a tensor is met.
 docs/design/state-trees.md has the why.
 """
 
@@ -25,6 +26,7 @@ from cryosnap._format.skeleton import (
     encode_key,
     format_path,
 )
+from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
 from cryosnap._state.torch_import import loaded_torch
 
@@ -90,6 +92,7 @@ class FlatState:
     logical_bytes: int
     stateful: list[tuple[str, Any]] = field(default_factory=list)
     packed: bool = False  # whether any tensor of the skeleton is packed (has "at")
+    files: bool = False  # whether the skeleton holds cryosnap.File leaves
 
 
 _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
@@ -128,12 +131,15 @@ class _Flattener:
         self.tensors: list[tuple[dict[str, Any], Any, tuple[str | int, ...]]] = []
         self._active: set[int] = set()
         self._depth = 0
+        self.files = False
 
     def run(self, state: Any) -> FlatState:
         skeleton = self.visit(state, ())
         packed = self._assign_tensor_blobs()
         logical = sum(b.nbytes for b in self.blobs)
-        return FlatState(skeleton, self.blobs, self.leaves, logical, self.stateful, packed)
+        return FlatState(
+            skeleton, self.blobs, self.leaves, logical, self.stateful, packed, self.files
+        )
 
     def pickled(self, obj: Any, path: tuple[str | int, ...]) -> Json:
         try:
@@ -176,6 +182,12 @@ class _Flattener:
         if isinstance(obj, np.generic):
             self.leaves += 1
             return self.npscalar(obj, path)
+        if isinstance(obj, File):
+            self.leaves += 1
+            self.files = True
+            node, source, nbytes = file_leaf(obj, path)
+            node["b"] = self.add_blob(path, source, nbytes)
+            return node
         if isinstance(obj, (dict, list, tuple)):
             key = id(obj)
             if key in self._active:

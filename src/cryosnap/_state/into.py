@@ -1,7 +1,8 @@
 """``into=``: check a target tree against a skeleton, find the leaves a reader may fill
 directly, and fill the others in place once every chunk verified (:func:`apply_into`).
 
-Pure (a copy to a GPU aside); runs on the caller's thread.
+Pure (a copy to a GPU and the files of ``cryosnap.File`` leaves, written by files.py, aside);
+runs on the caller's thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cryosnap._format.skeleton import (
 )
 from cryosnap._state.build import _np_dtype, _torch
 from cryosnap._state.device import copy_to_device
+from cryosnap._state.files import File, FileWrites, check_file_into
 from cryosnap._state.flatten import _DTYPE_NAMES, is_stateful
 from cryosnap._state.torch_import import loaded_torch
 from cryosnap.errors import StateMismatchError
@@ -124,6 +126,9 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
             raise _mismatch(path, f"saved {len(node['v'])} items, into= has {len(into)}")
         for i, v in enumerate(node["v"]):
             _check(v, into[i], (*path, i))
+        return
+    if t == "file" or isinstance(into, File):
+        check_file_into(t, into, path)
         return
     if isinstance(into, (dict, list, tuple)):
         raise _mismatch(path, f"saved a {t} leaf, into= has a {type(into).__name__}")
@@ -285,7 +290,9 @@ def apply_into(
 ) -> Any:
     """Fill ``into`` from the verified ``loaded`` tree; return the tree as restored.
 
-    Stateful objects get ``load_state_dict`` first (the only step that can still refuse), then
+    The files of ``File`` leaves are written first beside their targets (``File`` paths of
+    ``into``), then stateful objects get ``load_state_dict`` (the last step that can still
+    refuse: the staged files are then removed), then the files replace their targets, then
     ``fill_direct`` fills the leaves that ``loaded`` shares with ``into`` (read straight into
     them: :func:`direct_targets`), then the other tensors and arrays are copied in place (those
     on a GPU in one batch through the pinned slabs of :mod:`._devcopy`) and mutable containers
@@ -294,15 +301,14 @@ def apply_into(
     loads: list[tuple[tuple[str | int, ...], Any, Any]] = []
     fills: list[tuple[Any, Any]] = []
     sets: list[tuple[Any, Any, Any]] = []
-    result = _plan(node, loaded, into, (), loads, fills, sets)
-    for path, obj, state in loads:
-        try:
-            obj.load_state_dict(state)
-        except Exception as exc:
-            raise StateMismatchError(
-                f"into= does not match the checkpoint at {format_path(path)}: "
-                f"{type(obj).__name__}.load_state_dict refused it: {exc}"
-            ) from exc
+    files = FileWrites()
+    result = _plan(node, loaded, into, (), loads, fills, sets, files)
+    try:
+        _load_states(loads)
+    except BaseException:
+        files.discard()
+        raise
+    files.commit()
     if fill_direct is not None:
         fill_direct()
     torch = loaded_torch()
@@ -329,6 +335,17 @@ def apply_into(
     return result
 
 
+def _load_states(loads: list[tuple[tuple[str | int, ...], Any, Any]]) -> None:
+    for path, obj, state in loads:
+        try:
+            obj.load_state_dict(state)
+        except Exception as exc:
+            raise StateMismatchError(
+                f"into= does not match the checkpoint at {format_path(path)}: "
+                f"{type(obj).__name__}.load_state_dict refused it: {exc}"
+            ) from exc
+
+
 def _plan(
     node: Json,
     loaded: Any,
@@ -337,8 +354,31 @@ def _plan(
     loads: list[tuple[tuple[str | int, ...], Any, Any]],
     fills: list[tuple[Any, Any]],
     sets: list[tuple[Any, Any, Any]],
+    files: FileWrites,
+) -> Any:
+    """Walk ``into`` beside the loaded tree: collect what :func:`apply_into` fills, loads and
+    sets; stage each file (any failure there removes the files staged before it)."""
+    try:
+        return _walk(node, loaded, into, path, loads, fills, sets, files)
+    except BaseException:
+        files.discard()
+        raise
+
+
+def _walk(
+    node: Json,
+    loaded: Any,
+    into: Any,
+    path: tuple[str | int, ...],
+    loads: list[tuple[tuple[str | int, ...], Any, Any]],
+    fills: list[tuple[Any, Any]],
+    sets: list[tuple[Any, Any, Any]],
+    files: FileWrites,
 ) -> Any:
     t = node["t"]
+    if t == "file":
+        files.stage(into, loaded, path)
+        return into
     if _is_object(into):
         loads.append((path, into, loaded))
         return into
@@ -350,13 +390,13 @@ def _plan(
             if type(x) is plain:  # a state dict's tensors: filled in place (as below)
                 fills.append((x, loaded[k]))
                 continue
-            new = _plan(v, loaded[k], x, (*path, k), loads, fills, sets)
+            new = _walk(v, loaded[k], x, (*path, k), loads, fills, sets, files)
             if new is not x:
                 sets.append((into, k, new))
         return into
     if t in ("list", "tuple"):
         items = [
-            _plan(v, loaded[i], into[i], (*path, i), loads, fills, sets)
+            _walk(v, loaded[i], into[i], (*path, i), loads, fills, sets, files)
             for i, v in enumerate(node["v"])
         ]
         if isinstance(into, list):

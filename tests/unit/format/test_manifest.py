@@ -198,7 +198,7 @@ MANIFEST_CASES = [
     ("tree", _MISSING, "'tree'"),
     ("kind", "cryosnap.commit", "not a cryosnap manifest"),
     ("hash", "sha256", "hash algorithm"),
-    ("format_version", 3, "format_version"),
+    ("format_version", 4, "format_version"),
     ("format_version", True, "format_version"),
     ("format_version", _MISSING, "format_version"),
 ]

@@ -22,6 +22,7 @@ from cryosnap._format.chunks import (
     merkle_root,
 )
 from cryosnap._format.manifest import (
+    FILES_FORMAT_VERSION,
     FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
     BaseRef,
@@ -397,7 +398,13 @@ class PartWriter:
             created_unix=now_unix(),
             base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
             replicated=self.replicated,
-            format_version=PACKED_FORMAT_VERSION if flat.packed else FORMAT_VERSION,
+            format_version=(
+                FILES_FORMAT_VERSION
+                if flat.files
+                else PACKED_FORMAT_VERSION
+                if flat.packed
+                else FORMAT_VERSION
+            ),
         )
         return manifest, manifest.to_json()
 
