@@ -307,17 +307,9 @@ def _receive(
                 if r.stripe == pm:
                     out.write([acc.data[:n]])
                 else:
-                    q = segment_of(r.stripe, pm, k)
-                    valid = max(
-                        0,
-                        min(
-                            r.nbytes,
-                            min((q + 1) * idx.segment_bytes, files.nbytes)
-                            - q * idx.segment_bytes
-                            - r.offset,
-                        ),
-                    )
-                    files.append(acc.data[:valid])
+                    # This window's bytes of the lost rank's payload; past its end, padding.
+                    start = segment_of(r.stripe, pm, k) * idx.segment_bytes + r.offset
+                    files.append(acc.data[: max(0, min(r.nbytes, files.nbytes - start))])
             except CheckpointError as exc:
                 broken[r.entry] = str(exc)
                 _abort(writers.pop(r.entry, None))
