@@ -30,6 +30,8 @@ from cryosnap.storage import BlobWriter, Store, join_location, validate_key
 __all__ = [
     "DEFAULT_SET_SIZE",
     "SET_SIZE_ENV",
+    "STATUS_FAILED",
+    "STATUS_OK",
     "Member",
     "Parity",
     "ParityIndex",
@@ -37,6 +39,7 @@ __all__ = [
     "segment_bytes",
     "segment_of",
     "set_size",
+    "version_name",
     "xor_sets",
 ]
 
@@ -45,7 +48,7 @@ log = logging.getLogger("cryosnap")
 SET_SIZE_ENV = "CRYOSNAP_XOR_SET_SIZE"
 DEFAULT_SET_SIZE = 8  # SCR's and VeloC's default
 INDEX_FORMAT = 1
-_OK, _FAILED = b"\x00", b"\x01"
+STATUS_OK, STATUS_FAILED = b"\x00", b"\x01"  # the first byte of every window sent
 
 
 # -- the sets ------------------------------------------------------------------------------------
@@ -116,9 +119,13 @@ def segment_of(holder: int, member: int, k: int) -> int:
     return (holder - member - 1) % k
 
 
+def version_name(step: int, generation: int) -> str:
+    """``<step:012d>[-g<generation>]``: how a version's parity files are named."""
+    return f"{step:012d}" if generation == 0 else f"{step:012d}-g{generation}"
+
+
 def index_key(step: int, lineage: Lineage | None) -> str:
-    generation = 0 if lineage is None else lineage.generation
-    return f"index/{step:012d}.json" if generation == 0 else f"index/{step:012d}-g{generation}.json"
+    return f"index/{version_name(step, 0 if lineage is None else lineage.generation)}.json"
 
 
 @dataclass(frozen=True)
@@ -150,9 +157,12 @@ class ParityIndex:
     members: dict[int, Member]
 
     @property
+    def name(self) -> str:
+        return version_name(self.step, self.generation)
+
+    @property
     def key(self) -> str:
-        lineage = Lineage(self.generation, 0) if self.generation else None
-        return index_key(self.step, lineage)
+        return f"index/{self.name}.json"
 
     def to_json(self) -> bytes:
         doc = {
@@ -237,7 +247,7 @@ class Payload:
                     done += hi - lo
                 at += size
         except CheckpointError as exc:
-            return _FAILED + f"{self.store.url}: {exc}".encode()
+            return STATUS_FAILED + f"{self.store.url}: {exc}".encode()
         return body
 
 
@@ -324,7 +334,8 @@ class Parity:
         w = window_bytes(k)
         rounds = 0 if errors else -(-seg // w)
         everyone = max(coord.all_gather(rounds))
-        key = f"parity/{index_key(step, lineage)[6:-5]}-{secrets.token_hex(4)}.xor"
+        generation = 0 if lineage is None else lineage.generation
+        key = f"parity/{version_name(step, generation)}-{secrets.token_hex(4)}.xor"
         writer = self.store.open_writer(key) if not errors else None
         try:
             parity_bytes = self._stream(
@@ -334,7 +345,7 @@ class Parity:
                 writer.commit()
                 index = ParityIndex(
                     step,
-                    0 if lineage is None else lineage.generation,
+                    generation,
                     self.ranks,
                     self.rank,
                     seg,
@@ -381,7 +392,7 @@ class Parity:
             acc[:] = 0
             n = 0
             for src, body in got.items():
-                if body[:1] != _OK:
+                if body[:1] != STATUS_OK:
                     errors.append(f"rank {src}: {bytes(body[1:]).decode(errors='replace')}")
                     continue
                 n = max(n, xor_into(acc, body))

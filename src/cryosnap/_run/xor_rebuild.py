@@ -18,7 +18,8 @@ import numpy as np
 from cryosnap import engine
 from cryosnap._format.manifest import CommitRecord, Lineage, commit_key
 from cryosnap._run.xor import (
-    _OK,
+    STATUS_FAILED,
+    STATUS_OK,
     Parity,
     ParityIndex,
     Payload,
@@ -200,7 +201,7 @@ def _piece(
     """This survivor's window of round ``r``: its parity if it holds the stripe, else the
     window of its segment the stripe covers."""
     if idx is None:
-        return b"\x01no parity index here"
+        return STATUS_FAILED + b"no readable parity index of this version here"
     seg = idx.segment_bytes
     if r.stripe == me:
         return Payload(parity.store, [(idx.parity_key, idx.parity_bytes)]).window(
@@ -299,7 +300,7 @@ def _receive(
                 acc[:] = 0
                 n = 0
                 for src, body in got.items():
-                    if body[:1] != _OK:
+                    if body[:1] != STATUS_OK:
                         raise CheckpointError(
                             f"rank {src}: {bytes(body[1:]).decode(errors='replace')}"
                         )
@@ -324,7 +325,7 @@ def _start(
     own: Store, parity: Parity, idx: ParityIndex, writers: dict[int, _Open], entry: int
 ) -> _Open:
     files = _Files(own, idx.members[parity.rank].files)
-    key = f"parity/{idx.key[6:-5]}-r{parity.rank:05d}.xor"
+    key = f"parity/{idx.name}-r{parity.rank:05d}.xor"
     writers[entry] = (files, parity.store.open_writer(key), idx)
     return writers[entry]
 

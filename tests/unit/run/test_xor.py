@@ -5,6 +5,7 @@ wiped between runs. The rebuilt part must be bit-exact and verified, or not come
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -19,6 +20,7 @@ from cryosnap import engine
 from cryosnap._format.manifest import commit_key
 from cryosnap._run.xor import ParityIndex, segment_bytes, segment_of, set_size, xor_sets
 from cryosnap.dist import Coordinator
+from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import LocalStore
 
 from ..distributed.test_coordinator import run_ranks
@@ -134,6 +136,27 @@ def test_each_member_segment_is_covered_by_exactly_one_other_member() -> None:
             assert covered == list(range(k - 1))
     assert segment_bytes([10, 30, 0], 4) == 10
     assert segment_bytes([31], 4) == 11
+
+
+def test_an_index_naming_a_file_outside_the_store_is_refused() -> None:
+    good = {
+        "format": 1, "step": 3, "generation": 0, "ranks": [0, 1, 2], "rank": 1,
+        "segment_bytes": 10, "parity": {"key": "parity/000000000003-ab.xor", "nbytes": 10},
+        "members": {
+            str(r): {"files": [["data/x.dat", 20]], "needs": ["data/x.dat"], "record": "{}"}
+            for r in range(3)
+        },
+    }  # fmt: skip
+    idx = ParityIndex.from_json(json.dumps(good).encode(), "test")
+    assert idx.key == "index/000000000003.json" and idx.members[2].nbytes == 20
+    for bad in (
+        {**good, "parity": {"key": "../../etc/passwd", "nbytes": 1}},
+        {**good, "members": {"0": good["members"]["0"]}},  # not its set
+        {**good, "segment_bytes": -1},
+        {**good, "format": 2},
+    ):
+        with pytest.raises(CheckpointFormatError):
+            ParityIndex.from_json(json.dumps(bad).encode(), "test")
 
 
 def test_partner_xor_needs_scratch_and_two_nodes(tmp_path: Path) -> None:
