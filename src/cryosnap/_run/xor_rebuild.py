@@ -17,6 +17,7 @@ import numpy as np
 
 from cryosnap import engine
 from cryosnap._format.manifest import CommitRecord, Lineage, commit_key
+from cryosnap._run import partner as _partner
 from cryosnap._run.xor import (
     STATUS_FAILED,
     STATUS_OK,
@@ -25,7 +26,6 @@ from cryosnap._run.xor import (
     Payload,
     index_key,
     segment_of,
-    window_bytes,
     xor_into,
 )
 from cryosnap.dist import Coordinator
@@ -61,8 +61,7 @@ def rebuild(coord: Coordinator, own: Store, parity: Parity) -> list[int]:
         plan = _plan(parity, lost, told)
     plans = [p for p in coord.all_gather(plan) if p]
     mine = next((p for p in plans if coord.rank in p["set"]), None)
-    schedules = [_schedule(p) for p in plans]
-    rounds = max((len(s) for s in schedules), default=0)
+    rounds = max((_rounds(p) for p in plans), default=0)
     if rounds == 0:
         return []
     if mine is not None and mine["lost"] == coord.rank:
@@ -151,11 +150,11 @@ def _plan(parity: Parity, lost: int, told: list[Any]) -> dict[str, Any] | None:
 
 
 def _schedule(plan: dict[str, Any]) -> list[_Round]:
-    """Every round of ``plan``, the same on every rank: for each index, the lost rank's
+    """Every window of ``plan``, the same on every rank: for each index, the lost rank's
     segments in payload order (stripe after stripe), then its own parity's stripe."""
     ranks: list[int] = plan["set"]
     k, pm = len(ranks), ranks.index(plan["lost"])
-    w = window_bytes(k)
+    w = _partner.WINDOW_BYTES  # one message per rank and round: the chain below
     out: list[_Round] = []
     for e, entry in enumerate(plan["entries"]):
         seg = int(entry["segment_bytes"])
@@ -164,22 +163,53 @@ def _schedule(plan: dict[str, Any]) -> list[_Round]:
     return out
 
 
+def _chain(plan: dict[str, Any]) -> list[int]:
+    """The survivors in stripe order, then the lost rank: window t leaves the first survivor
+    in round t, each next one XORs its own piece in and passes it on a round later, and the
+    lost rank gets the XOR of all of them (one message a round, not k-1)."""
+    return [r for r in plan["set"] if r != plan["lost"]] + [plan["lost"]]
+
+
+def _rounds(plan: dict[str, Any]) -> int:
+    return len(_schedule(plan)) + len(plan["set"]) - 2
+
+
 def _send(
     coord: Coordinator, own: Store, parity: Parity, plan: dict[str, Any] | None, rounds: int
 ) -> None:
-    """A survivor (or a rank of a set with nothing to rebuild: ``plan`` None): its windows."""
+    """A survivor (or a rank of a set with nothing to rebuild: ``plan`` None): its windows,
+    each XORed with what the survivor before it in the chain passed on."""
     schedule = _schedule(plan) if plan is not None else []
+    chain = _chain(plan) if plan is not None else [parity.rank]
+    i = chain.index(parity.rank)
     k = len(parity.ranks)
     me = parity.position
     indexes: dict[int, ParityIndex | None] = {}
-    for t in range(rounds):
+    carried: bytes | None = None
+    for u in range(rounds):
         sends: dict[int, bytes | bytearray] = {}
-        if plan is not None and t < len(schedule):
+        t = u - i  # the window this survivor handles in round u
+        if plan is not None and 0 <= t < len(schedule):
             r = schedule[t]
             if r.entry not in indexes:
                 indexes[r.entry] = _own_index(parity, plan["entries"][r.entry])
-            sends[plan["lost"]] = _piece(own, parity, indexes[r.entry], r, me, k)
-        coord.exchange(sends)
+            piece = _piece(own, parity, indexes[r.entry], r, me, k)
+            sends[chain[i + 1]] = piece if carried is None else _combine(piece, carried)
+        got = coord.exchange(sends)
+        carried = got.get(chain[i - 1]) if i > 0 else None
+
+
+def _combine(a: bytes | bytearray, b: bytes) -> bytes | bytearray:
+    """Two windows XORed (zero-padded to the longer); a failure marker wins."""
+    if a[:1] != STATUS_OK:
+        return a
+    if b[:1] != STATUS_OK:
+        return b
+    out = bytearray(max(len(a), len(b)))
+    acc = np.frombuffer(out, np.uint8, offset=1)
+    xor_into(acc, bytes(a))
+    xor_into(acc, b)
+    return out
 
 
 def _own_index(parity: Parity, entry: dict[str, Any]) -> ParityIndex | None:
@@ -279,38 +309,33 @@ def _receive(
     each version whose every chunk verifies."""
     schedule = _schedule(plan)
     k, pm = len(plan["set"]), plan["set"].index(coord.rank)
-    acc = np.zeros(window_bytes(k), np.uint8)
+    last = _chain(plan)[-2]  # the survivor that hands this rank each window's XOR
     entries = [
         ParityIndex.from_json(e["index"].encode(), "the rebuild plan") for e in plan["entries"]
     ]
     broken: dict[int, str] = {}
     writers: dict[int, _Open] = {}
     try:
-        for t in range(rounds):
+        for u in range(rounds):
             got = coord.exchange({})
-            if t >= len(schedule):
+            t = u - (k - 2)
+            if not 0 <= t < len(schedule) or schedule[t].entry in broken:
                 continue
             r = schedule[t]
-            if r.entry in broken:
-                continue
             try:
                 files, out, idx = writers.get(r.entry) or _start(
                     own, parity, entries[r.entry], writers, r.entry
                 )
-                acc[:] = 0
-                n = 0
-                for src, body in got.items():
-                    if body[:1] != STATUS_OK:
-                        raise CheckpointError(
-                            f"rank {src}: {bytes(body[1:]).decode(errors='replace')}"
-                        )
-                    n = max(n, xor_into(acc, body))
+                body = got.get(last, STATUS_FAILED + b"no window arrived")
+                if body[:1] != STATUS_OK:
+                    raise CheckpointError(bytes(body[1:]).decode(errors="replace"))
+                data = memoryview(body)[1:]
                 if r.stripe == pm:
-                    out.write([acc.data[:n]])
+                    out.write([data])
                 else:
                     # This window's bytes of the lost rank's payload; past its end, padding.
                     start = segment_of(r.stripe, pm, k) * idx.segment_bytes + r.offset
-                    files.append(acc.data[: max(0, min(r.nbytes, files.nbytes - start))])
+                    files.append(data[: max(0, min(data.nbytes, files.nbytes - start))])
             except CheckpointError as exc:
                 broken[r.entry] = str(exc)
                 _abort(writers.pop(r.entry, None))
