@@ -251,7 +251,7 @@ class Payload:
         return body
 
 
-def xor_into(acc: np.ndarray[Any, np.dtype[np.uint8]], body: bytes) -> int:
+def xor_into(acc: np.ndarray[Any, np.dtype[np.uint8]], body: bytes | bytearray) -> int:
     """XOR a message's bytes into ``acc`` (zero-padded); their count."""
     data = np.frombuffer(body, np.uint8, offset=1)
     np.bitwise_xor(acc[: data.size], data, out=acc[: data.size])

@@ -207,7 +207,7 @@ def _combine(a: bytes | bytearray, b: bytes) -> bytes | bytearray:
         return b
     out = bytearray(max(len(a), len(b)))
     acc = np.frombuffer(out, np.uint8, offset=1)
-    xor_into(acc, bytes(a))
+    xor_into(acc, a)
     xor_into(acc, b)
     return out
 
