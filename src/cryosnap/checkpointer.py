@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Generic, NoReturn, TypeVar, overload
+from typing import Any, Generic, Literal, NoReturn, TypeVar, overload
 
 from cryosnap import _validate, engine
 from cryosnap._run.capturer import Job
@@ -140,7 +140,10 @@ class Checkpointer:
         With several participants and ``scratch``: also copy each participant's scratch part
         to the scratch of a participant on another node (node: the host name, or
         ``$CRYOSNAP_NODE``), as part of the scratch commit. A participant whose scratch lost
-        versions its partner holds gets them back when the run is opened again.
+        versions its partner holds gets them back when the run is opened again. ``"xor"``:
+        instead of a whole copy, XOR parity across sets of k participants on k distinct nodes
+        (k at most ``$CRYOSNAP_XOR_SET_SIZE``, default 8): about 1/(k-1) of a part more per
+        participant; one lost node per set is rebuilt at open, verified (docs/DISTRIBUTED.md).
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -182,7 +185,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
         run_id: str | None = None,
         device_diff: bool | None = None,
-        partner: bool = False,
+        partner: bool | Literal["xor"] = False,
     ) -> None:
         self._options = RunOptions(
             path=path,

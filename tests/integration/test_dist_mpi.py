@@ -126,6 +126,22 @@ def test_a_checkpointer_on_every_rank(tmp_path: Path, world: int) -> None:
             np.testing.assert_array_equal(part["w"], state_of(rank, step)["w"])
 
 
+def test_xor_parity_rebuilds_a_wiped_node(tmp_path: Path) -> None:
+    """``partner="xor"`` on 4 MPI ranks, each on a "node" of its own ($CRYOSNAP_NODE): node 1's
+    scratch is wiped and the persistent level lacks the newest version; at the next open rank 1
+    gets its part back from the other three's files and parity, and every rank restores it."""
+    import shutil
+
+    from cryosnap._format.manifest import commit_key
+
+    launch("xor_save", 4, tmp_path)
+    shutil.rmtree(tmp_path / "node-1")
+    (tmp_path / "run" / commit_key(3)).unlink()
+    for rank, got in enumerate(launch("xor_restore", 4, tmp_path)):
+        assert got["scratch"] == [2, 3]
+        assert got["restored"] == digest(state_of(rank, 3)["w"].tobytes())
+
+
 # -- the ranks' side ------------------------------------------------------------------------------
 
 
@@ -238,6 +254,27 @@ def _checkpointer(comm: Any) -> dict[str, Any]:
     return got
 
 
+def _xor(comm: Any, *, save: bool) -> dict[str, Any]:
+    import cryosnap
+    from cryosnap.dist import MPICoordinator
+
+    rank = comm.Get_rank()
+    out = Path(sys.argv[2])
+    os.environ["CRYOSNAP_NODE"] = f"node-{rank}"  # one "node" per rank
+    c = MPICoordinator(comm, timeout=TIMEOUT)
+    got: dict[str, Any] = {}
+    with cryosnap.Checkpointer(
+        out / "run", scratch=out / f"node-{rank}", comm=c, partner="xor", chunk_bytes=4096
+    ) as ckpt:
+        if save:
+            for step in (1, 2, 3):
+                ckpt.save(step, state_of(rank, step)).result(timeout=TIMEOUT)
+        else:
+            got["scratch"] = list(ckpt.status().steps["scratch"])
+            got["restored"] = digest(np.asarray(ckpt.restore()["w"]).tobytes())
+    return got
+
+
 def main(scenario: str, out: Path) -> None:
     from mpi4py import MPI
 
@@ -247,6 +284,8 @@ def main(scenario: str, out: Path) -> None:
         "exchange": _exchange,
         "absent": _absent,
         "checkpointer": _checkpointer,
+        "xor_save": lambda comm: _xor(comm, save=True),
+        "xor_restore": lambda comm: _xor(comm, save=False),
     }
     got = scenarios[scenario](comm)
     (out / f"rank-{comm.Get_rank()}.json").write_text(json.dumps(got))

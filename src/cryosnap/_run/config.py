@@ -76,6 +76,12 @@ def _or_none(kind: Callable[[Any, str, str], Any], *words: str) -> Callable[[Any
     return parse
 
 
+def _partner(value: Any, key: str, where: str) -> bool | str:
+    if isinstance(value, str) and value.strip().lower() == "xor":
+        return "xor"
+    return _bool(value, key, where)
+
+
 def _text(value: Any, key: str, where: str) -> str:
     if isinstance(value, str) and value:
         return value
@@ -155,7 +161,7 @@ _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "storage_timeout_seconds": _or_none(_seconds),
     "run_id": _text,
     "device_diff": _or_none(_bool, "auto"),
-    "partner": _bool,
+    "partner": _partner,
 }
 
 

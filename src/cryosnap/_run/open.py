@@ -29,6 +29,8 @@ from cryosnap._run.policy_room import PolicyRoom
 from cryosnap._run.restore import current_lineage
 from cryosnap._run.results import PendingSave
 from cryosnap._run.writer import Rewriter, VersionWriter, WriterThread
+from cryosnap._run.xor import Parity
+from cryosnap._run.xor_rebuild import rebuild as rebuild_parity
 from cryosnap.dist import Coordinator, LocalCoordinator
 from cryosnap.errors import (
     CheckpointError,
@@ -59,6 +61,7 @@ class OpenRun:
     scratch: StripedStore | None
     levels: Levels
     partners: Partners | None
+    parity: Parity | None
     capturer: Capturer
     writer: WriterThread
     lineage: Lineage | None
@@ -92,7 +95,8 @@ def open_run(options: RunOptions) -> OpenRun:
     )
     with ExitStack() as undo:
         levels = open_levels(options, coord, persistent, scratch, chain, undo)
-        partners = open_partners(options, coord, levels) if options.partner else None
+        partners = open_partners(options, coord, levels) if options.partner is True else None
+        parity = open_parity(options, coord, levels) if options.partner == "xor" else None
         levels.observe = policies.reached
         capturer = Capturer(
             chunk_bytes=options.chunk_bytes,
@@ -113,6 +117,7 @@ def open_run(options: RunOptions) -> OpenRun:
             placement=Placement(scratch) if scratch is not None else None,
             run_id=options.run_id,
             partners=partners,
+            parity=parity,
         )
         writer = WriterThread(
             version,
@@ -130,6 +135,7 @@ def open_run(options: RunOptions) -> OpenRun:
         scratch=scratch,
         levels=levels,
         partners=partners,
+        parity=parity,
         capturer=capturer,
         writer=writer,
         lineage=lineage,
@@ -247,6 +253,18 @@ def open_partners(options: RunOptions, coord: Coordinator, levels: Levels) -> Pa
     partners.locks = []
     rebuild(coord, levels.first.store, partners)
     return partners
+
+
+def open_parity(options: RunOptions, coord: Coordinator, levels: Levels) -> Parity:
+    """Agree on the XOR sets, open this rank's parity store, and rebuild the lost rank of
+    each set from the others' files and parity."""
+    root = options.scratch_tiers[0].path
+    assert not isinstance(root, Store)  # refused by check_world
+    parity = Parity.open(
+        coord, os.fspath(root), open_store=open_store, timeout=options.storage_timeout_seconds
+    )
+    rebuild_parity(coord, levels.first.store, parity)
+    return parity
 
 
 # -- the run id --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import cryosnap._run.signals as _signals
 from cryosnap import _validate
@@ -59,7 +59,7 @@ class RunOptions:
     clock: Callable[[], float] = field(default=time.monotonic)
     run_id: str | None = None
     device_diff: bool | None = None
-    partner: bool = False
+    partner: bool | Literal["xor"] = False
 
     def __post_init__(self) -> None:
         # The order of the checks is the Checkpointer's of old: with several bad arguments,
@@ -109,10 +109,14 @@ class RunOptions:
             _set(self, "keep_scratch", _validate.positive_int(n, "keep_scratch"))
 
     def _check_partner(self) -> None:
-        partner = _validate.boolean(self.partner, "partner")
+        partner: object = self.partner
+        if partner != "xor":
+            if isinstance(partner, str):
+                raise ValueError(f"partner={partner!r:.40} is invalid: give False, True or 'xor'")
+            partner = _validate.boolean(partner, "partner")
         _set(self, "partner", partner)
         if partner and self.scratch is None:
-            raise _partner_error()
+            raise _partner_error(partner)
 
     def _check_storage(self) -> None:
         options = self.storage_options
@@ -149,7 +153,7 @@ class RunOptions:
         """What depends on the number of participants (known once the coordinator is):
         partner copies need several; several need scratch given as paths or URLs."""
         if self.partner and world_size == 1:
-            raise _partner_error()
+            raise _partner_error(self.partner)
         if world_size > 1:
             for tier in self.scratch_tiers:
                 if isinstance(tier.path, Store):
@@ -175,9 +179,10 @@ def _set(options: RunOptions, name: str, value: object) -> None:
     object.__setattr__(options, name, value)  # normalising a frozen value in __post_init__
 
 
-def _partner_error() -> ValueError:
+def _partner_error(partner: bool | str) -> ValueError:
+    what = "copies" if partner is True else "protects with XOR parity on other nodes"
     return ValueError(
-        "partner=True copies each participant's scratch to another node's: it needs "
+        f"partner={partner!r} {what} each participant's scratch: it needs "
         "scratch= and several participants (comm=)"
     )
 

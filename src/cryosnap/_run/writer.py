@@ -34,6 +34,7 @@ from cryosnap._run.levels import Level, Levels
 from cryosnap._run.partner import Partners
 from cryosnap._run.results import PendingSave, SaveInfo
 from cryosnap._run.staging import Batch, CaptureTracker, direct_batches
+from cryosnap._run.xor import Parity
 from cryosnap._state import FlatState
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CoordinationError, StorageTimeoutError
@@ -86,6 +87,7 @@ class VersionWriter:
         run_id: str | None = None,
         channel: str = "writer",
         partners: Partners | None = None,
+        parity: Parity | None = None,
     ) -> None:
         self.level = level
         self.chain = chain
@@ -95,6 +97,7 @@ class VersionWriter:
         # once every rank's part is durable, and copies it to its partner.
         self.private = not level.shared and coordinator.world_size > 1
         self.partners = partners
+        self.parity = parity  # partner="xor": the version's parity before its commit record
         self.chunk_bytes = chunk_bytes
         self.placement = placement
         self.fence = fence
@@ -301,13 +304,7 @@ class VersionWriter:
         body: bytes | None = None
         problem = ""
         if not failed and part is not None:
-            try:
-                record = self._record(step, job, [summary_of(part)])
-                body = record.to_json()
-                self.fence()
-                self.store.write(record.key, body)
-            except CheckpointError as exc:
-                problem, body = str(exc), None
+            body, problem = self._own_record(step, job, part)
         if self.partners is not None:
             errors = self.partners.copy_record(self.coord, step, body)
             problem = problem or "; ".join(errors)
@@ -321,6 +318,34 @@ class VersionWriter:
             reason = "; ".join(f"rank {r}: {e}" for r, e in [*failed, *bad])
             raise CheckpointError(f"step {step} was not committed: {reason}")
         log.debug("committed step %d in %s", step, self.store.url)
+
+    def _own_record(
+        self, step: int, job: Job | None, part: engine.PartResult
+    ) -> tuple[bytes | None, str]:
+        """Write this rank's commit record of a private level (after its XOR parity, if any:
+        collective); the record, or None and what failed."""
+        body: bytes | None = None
+        key = ""
+        problem = ""
+        try:
+            record = self._record(step, job, [summary_of(part)])
+            body, key = record.to_json(), record.key
+        except CheckpointError as exc:
+            problem = str(exc)
+        if self.parity is not None:
+            lineage = job.lineage if job is not None else None
+            errors = self.parity.encode(self.coord, self.store, part, lineage, body)
+            if errors and not problem:
+                problem = f"XOR parity: {'; '.join(errors)}"
+        if problem:
+            return None, problem
+        assert body is not None
+        try:
+            self.fence()
+            self.store.write(key, body)
+        except CheckpointError as exc:
+            return None, str(exc)
+        return body, ""
 
     def _take_back(self, key: str, *, own: bool) -> None:
         """Remove this rank's commit record ``key`` (``own``) and those of the copies it
@@ -459,6 +484,8 @@ class WriterThread:
                 levels = self.levels.levels
                 nxt = levels[self.index + 1].store if self.index + 1 < len(levels) else None
                 partners.retire(levels[self.index].keep, nxt)
+            if self.version.parity is not None:
+                self.version.parity.retire(self.version.store)
             self.policy_event(
                 "durable",
                 job.step,
