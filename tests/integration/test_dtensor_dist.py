@@ -4,8 +4,9 @@ Two ranks hold DTensors (``distribute_tensor`` with ``Shard(0)`` and ``Replicate
 FSDP2 model's and Adam optimizer's ``get_state_dict``), save them with ``Checkpointer.save``,
 change a few floats of rank 0's shard and save again (only that chunk is written), restore
 into DTensors of the same layout made differently (bit-exact: sha256 of every local shard),
-restore without ``into`` (each rank's local shard), and restore into another placement (an
-error naming the leaf and pointing at ``cryosnap.dcp``). Each launch runs this file as a script
+restore without ``into`` (each rank's local shard), restore into another placement or mesh (an
+error naming the leaf and pointing at ``cryosnap.dcp``), and save lazily (the optimizer step
+waits for the shards it mutates). Each launch runs this file as a script
 on 2 processes (test_dist_torch's launcher); each rank writes what it saw to ``rank-N.json``.
 """
 
@@ -43,6 +44,10 @@ def test_dtensor_leaves_save_incrementally_and_restore_bit_exact(tmp_path: Path)
         assert "w" in got["mismatch"] and "cryosnap.dcp" in got["mismatch"]
         assert "placements saved ['S(0)'], into= has ['R']" in got["mismatch"]
         assert got["mismatch_type"] == "StateMismatchError"
+        assert (
+            "at w: a DTensor of another layout (mesh saved [2], into= has [1, 2]"
+            in (got["mesh_mismatch"])
+        )
         assert got["fsdp_restored"] == got["fsdp_saved"] != got["fsdp_before"]
         assert got["objects_restored"] == got["fsdp_saved"]  # FSDP2 module and its Adam
         assert got["lazy_restored"] == got["lazy_saved"] != got["lazy_after"]
@@ -175,6 +180,17 @@ def _dtensor(out: Path, run: Path) -> dict[str, Any]:
             got["mismatch"], got["mismatch_type"] = "", ""
         except cryosnap.CheckpointError as exc:
             got["mismatch"], got["mismatch_type"] = str(exc), type(exc).__name__
+        # Another mesh: the same two ranks as a (1, 2) mesh, w sharded along its second dim.
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh2 = init_device_mesh("cpu", (1, dist.get_world_size()))
+        other_mesh = {**_state(mesh, 1), "fsdp": _fsdp_state(other, other_opt)}
+        other_mesh["w"] = distribute_tensor(torch.zeros(64, 96), mesh2, [Replicate(), Shard(0)])
+        try:
+            ckpt.restore(step=1, into={**other_mesh, "model": third, "optim": third_opt})
+            got["mesh_mismatch"] = ""
+        except cryosnap.StateMismatchError as exc:
+            got["mesh_mismatch"] = str(exc)
         # Lazy capture: the next optimizer step waits for the DTensor shards it mutates.
         pending = ckpt.save(2, objects, lazy=True)
         got["lazy_saved"] = digests(_fsdp_state(model, opt))
