@@ -27,6 +27,9 @@ _lock = threading.Lock()
 # (the default process group, the coordinator made over it): one, that of the current group.
 _coordinators: list[tuple[Any, Coordinator]] = []
 _runs: dict[str, threading.Lock] = {}
+# The writer's channel and those a Checkpointer's rooms open (_run/open.py): a name missing here
+# only has its group made at the first save instead.
+_CHANNELS = ("dcp", "policy", "restore", "retire", "writer")
 
 
 def coordinator(comm: Coordinator | None) -> Coordinator:
@@ -44,6 +47,10 @@ def coordinator(comm: Coordinator | None) -> Coordinator:
                 return coord
         # A destroyed and re-initialized job has a new default group: the old one's goes.
         coord = TorchCoordinator()
+        # The channels' gloo groups are made here, on the caller's thread, rather than at the
+        # first save, which dcp.async_save runs on a thread of its own while training goes on.
+        for name in _CHANNELS:
+            coord.channel(name)
         _coordinators[:] = [(group, coord)]
         return coord
 
