@@ -59,6 +59,27 @@ def test_two_ranks_save_sparse_update_async_and_load(tmp_path: Path) -> None:
     assert one["before"] != one["loaded"]
 
 
+def test_a_writer_per_save_at_two_ranks_and_across_a_restart(tmp_path: Path) -> None:
+    """DCP's habit: a new StorageWriter per dcp.save / dcp.async_save, never closed; each
+    save is the next version, incremental against the previous one, also after a restart
+    (a new job going on from the run), and the run is free between saves."""
+    run = tmp_path / "run"
+    first = launch("per_save", 2, tmp_path / "first", str(run))
+    again = launch("per_save", 2, tmp_path / "again", str(run))
+    for got in first:
+        assert got["steps"] == [0, 1, 2] and got["free"] == [[0], [0, 1], [0, 1, 2]]
+        assert got["loaded"] == got["saved"]
+        assert all(s > 0 for s in got["stalls"])
+    for got in again:
+        assert got["steps"] == [3, 4, 5] and got["free"][-1] == [0, 1, 2, 3, 4, 5]
+        assert got["resumed"] == first[0]["saved"] and got["loaded"] == got["saved"]
+    assert min(got["written"][0] for got in first) > 10 * CHUNK
+    # The sparse update is one chunk of rank 0's shard: every later save, the restart's first
+    # included, writes that chunk on rank 0 and nothing on rank 1.
+    assert [got["written"][1:] for got in first] == [[CHUNK, CHUNK], [0, 0]]
+    assert [got["written"] for got in again] == [[CHUNK] * 3, [0] * 3]
+
+
 def test_one_rank_save_and_load(tmp_path: Path) -> None:
     (got,) = launch("save", 1, tmp_path / "one", str(tmp_path / "run"))
     assert got["steps"] == [0, 1, 2]
@@ -166,10 +187,58 @@ def _save(out: Path, run: Path) -> dict[str, Any]:
         msd, osd = get_state_dict(model, opt)
         dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer).result()
         got["written"].append(writer.last_info.written_bytes)  # type: ignore[union-attr]
-        got["steps"] = writer.checkpointer.steps()
+        got["steps"] = writer.run.steps()
     got["saved"] = _state_digests(model, opt)
     other, other_opt = _model(1, sharded=True)
     got["before"] = _state_digests(other, other_opt)
+    msd, osd = get_state_dict(other, other_opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, storage_reader=cryosnap.dcp.StorageReader(run))
+    set_state_dict(other, other_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    got["loaded"] = _state_digests(other, other_opt)
+    return got
+
+
+def _per_save(out: Path, run: Path) -> dict[str, Any]:
+    """Three saves, each through a writer of its own (the last one async), never closed."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import cryosnap.dcp
+
+    model, opt = _model(0, sharded=True)
+    resumed = run.exists()
+    got: dict[str, Any] = {"written": [], "stalls": [], "steps": [], "free": []}
+    if resumed:
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, storage_reader=cryosnap.dcp.StorageReader(run))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        got["resumed"] = _state_digests(model, opt)
+    for i in range(3):
+        if resumed or i:
+            _sparse_update(model)
+        msd, osd = get_state_dict(model, opt)
+        writer = cryosnap.dcp.StorageWriter(run, chunk_bytes=CHUNK)
+        if i < 2:
+            dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+        else:
+            dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer).result()
+        info = writer.last_info
+        assert info is not None
+        got["written"].append(info.written_bytes)
+        got["stalls"].append(info.stall_seconds)
+        got["steps"].append(writer.last_step)
+        dist.barrier()  # every rank's save returned: no lock is held now
+        if _rank() == 0:  # the run opens for writing (and closes) between saves
+            with cryosnap.Checkpointer(run, comm=cryosnap.dist.LocalCoordinator()) as ckpt:
+                got["free"].append(ckpt.steps())
+        else:
+            got["free"].append(cryosnap.Run(run).steps())
+        dist.barrier()
+    got["saved"] = _state_digests(model, opt)
+    other, other_opt = _model(1, sharded=True)
     msd, osd = get_state_dict(other, other_opt)
     sd = {"model": msd, "optim": osd}
     dcp.load(sd, storage_reader=cryosnap.dcp.StorageReader(run))
@@ -201,6 +270,8 @@ def main(scenario: str, out: Path, *args: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
     if scenario == "save":
         got = _save(out, Path(args[0]))
+    elif scenario == "per_save":
+        got = _per_save(out, Path(args[0]))
     else:
         got = _load(out, Path(args[0]), int(args[1]))
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))

@@ -24,6 +24,7 @@ from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
 from cryosnap._state import FlatState
+from cryosnap._state.dtensor import fill_target
 from cryosnap._state.gc import paused_gc
 
 __all__ = ["END", "Capturer", "Job"]
@@ -270,10 +271,11 @@ def _blobs_mutated_by(opt: Any, by_origin: dict[int, list[int]], torch: Any) -> 
     ptrs = set()
     for group in opt.param_groups:
         for p in group["params"]:
-            ptrs.add(p.untyped_storage().data_ptr())
+            # A DTensor's bytes are its local shard's (what flatten captured of it).
+            ptrs.add(fill_target(p).untyped_storage().data_ptr())
             for v in opt.state.get(p, {}).values():
                 if isinstance(v, torch.Tensor):
-                    ptrs.add(v.untyped_storage().data_ptr())
+                    ptrs.add(fill_target(v).untyped_storage().data_ptr())
     return sorted({b for ptr in ptrs for b in by_origin.get(ptr, [])})
 
 

@@ -26,6 +26,7 @@ from cryosnap._format.skeleton import (
     encode_key,
     format_path,
 )
+from cryosnap._state import dtensor
 from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
 from cryosnap._state.torch_import import loaded_torch
@@ -175,6 +176,8 @@ class _Flattener:
         torch = loaded_torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             self.leaves += 1
+            if tp is not torch.Tensor and tp is not torch.nn.Parameter:
+                return self.subclass(obj, path)
             return self.tensor(obj, path)
         if type(obj) is np.ndarray:
             self.leaves += 1
@@ -315,6 +318,26 @@ class _Flattener:
             "(pass allow_pickle=True to pickle it)"
         )
 
+    def subclass(self, t: Any, path: tuple[str | int, ...]) -> Json:
+        """A tensor of a subclass of torch.Tensor: a DTensor as its local shard and layout
+        (_state/dtensor.py), another as a tensor when its bytes can be read."""
+        shard = dtensor.local_shard(t, path)
+        if shard is not None:
+            node = self.tensor(shard[0], path)
+            node["dtensor"] = shard[1]
+            return node
+        why = dtensor.unreadable(t)
+        if why is None:
+            return self.tensor(t, path)
+        if self.allow_pickle:
+            return self.pickled(t, path)
+        tp = type(t)
+        raise TypeError(
+            f"cannot checkpoint {format_path(path)}: {tp.__module__}.{tp.__qualname__} is a "
+            f"tensor subclass whose bytes cannot be read ({why}); store its plain tensors "
+            "(DTensors are stored as their local shards), or pass allow_pickle=True"
+        )
+
     def tensor(self, t: Any, path: tuple[str | int, ...]) -> Json:
         torch = sys.modules["torch"]
         if t.layout != torch.strided or t.is_quantized or t.is_meta:
@@ -355,9 +378,16 @@ class _Flattener:
     def _assign_groups(self, torch: Any) -> bool:
         groups: dict[tuple[str, int, int], list[int]] = {}
         ptrs: list[int] = []
-        for i, (_node, t, _path) in enumerate(self.tensors):
-            storage = t.untyped_storage()
-            ptr, size = storage.data_ptr(), storage.nbytes()
+        for i, (_node, t, path) in enumerate(self.tensors):
+            try:
+                storage = t.untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError) as exc:  # no storage of its own (vmap's)
+                raise TypeError(f"cannot checkpoint {format_path(path)}: {exc}") from exc
+            if ptr == 0 and size:
+                raise TypeError(
+                    f"cannot checkpoint {format_path(path)}: its storage holds no memory"
+                )
             ptrs.append(ptr)
             if size == 0 or t.numel() == 0:
                 groups[("empty", i, 0)] = [i]

@@ -18,6 +18,7 @@ from cryosnap._format.skeleton import (
     dict_items,
     format_path,
 )
+from cryosnap._state import dtensor
 from cryosnap._state.build import _np_dtype, _torch
 from cryosnap._state.device import copy_to_device
 from cryosnap._state.files import File, FileWrites, check_file_into
@@ -133,6 +134,9 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
     if isinstance(into, (dict, list, tuple)):
         raise _mismatch(path, f"saved a {t} leaf, into= has a {type(into).__name__}")
     if t == "torch" and torch is not None and isinstance(into, torch.Tensor):
+        into, layout = dtensor.check_into(node, into, path)
+        if layout is not None:
+            raise _mismatch(path, layout)
         dtype = _DTYPE_NAMES.get(into.dtype)
         if dtype is None:
             dtype = _DTYPE_NAMES[into.dtype] = str(into.dtype).removeprefix("torch.")
@@ -244,6 +248,7 @@ def _span(leaf: Any) -> tuple[int, int] | None:
         shape: tuple[int, ...] = leaf.shape
     else:
         torch = _torch()
+        leaf = dtensor.fill_target(leaf)  # a DTensor's memory is its local shard's
         if leaf.device.type != "cpu" or leaf.layout != torch.strided or not leaf.numel():
             return None
         if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
@@ -380,7 +385,8 @@ def _walk(
         files.stage(into, loaded, path)
         return into
     if _is_object(into):
-        loads.append((path, into, loaded))
+        inner = node["v"] if t == "stateful" else node
+        loads.append((path, into, dtensor.for_stateful(into, inner, loaded)))
         return into
     if t in ("dict", "odict"):
         torch = loaded_torch()
@@ -404,6 +410,6 @@ def _walk(
             return into
         return tuple(items)
     if _fillable(into):
-        fills.append((into, loaded))
+        fills.append((dtensor.fill_target(into), loaded))
         return into
     return loaded

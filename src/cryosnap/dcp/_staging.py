@@ -48,6 +48,7 @@ class Staging:
         # holds any more (its async save failed before setting up the writer) goes back.
         self._staged: dict[int, list[weakref.ref[Any]]] = {}
         self._claimed: dict[int, int] = {}  # generation -> the save that claimed it
+        self._seconds: dict[int, float] = {}  # generation -> how long staging it took
         self._next = 0
 
     @property
@@ -60,6 +61,7 @@ class Staging:
     def stage(self, state_dict: Any) -> Any:
         """A copy of ``state_dict`` whose tensors live in the pool's slabs."""
         self._wait_released()
+        t0 = time.perf_counter()
         leaves: list[Any] = []
         _collect(state_dict, leaves)
         sizes = [t.numel() * t.element_size() for t in leaves]
@@ -78,6 +80,7 @@ class Staging:
         with self._cond:
             self._generations[self._next] = slabs
             self._staged[self._next] = [weakref.ref(t) for t in staged if t.numel()]
+            self._seconds[self._next] = time.perf_counter() - t0
             self._next += 1
         return _rebuild(state_dict, iter(staged))
 
@@ -131,16 +134,17 @@ class Staging:
 
     # -- DCP's save thread
 
-    def claim(self, save: int) -> None:
+    def claim(self, save: int) -> float | None:
         """Save ``save`` (a number per save) writes every copy staged so far; copies an
-        earlier save claimed and never released (it failed before writing) go back."""
+        earlier save claimed and never released (it failed before writing) go back. How long
+        staging the claimed copies took (None: none, a ``dcp.save`` without staging)."""
         with self._cond:
             stale = [g for g, s in self._claimed.items() if s != save]
             for g in stale:
                 self._drop(g)
-            for g in self._generations:
-                self._claimed.setdefault(g, save)
+            claimed = [g for g in self._generations if self._claimed.setdefault(g, save) == save]
             self._cond.notify_all()
+            return sum(self._seconds[g] for g in claimed) if claimed else None
 
     def release(self, save: int) -> None:
         """The copies ``save`` claimed are written (or failed): their slabs go back."""
@@ -152,6 +156,7 @@ class Staging:
     def _drop(self, generation: int) -> None:
         self._claimed.pop(generation, None)
         self._staged.pop(generation, None)
+        self._seconds.pop(generation, None)
         assert self._pool is not None
         for slab in self._generations.pop(generation, []):
             self._pool.release(slab)

@@ -1,7 +1,8 @@
 """The writer: each ``dcp.save`` / ``dcp.async_save`` through it is one cryosnap version.
 
-``write_data`` saves each rank's part (rank 0 adds DCP's ``Metadata``) and returns once the
-version is committed; the ranks agree on every failure before any of them saves.
+``write_data`` opens the run, saves each rank's part (rank 0 adds DCP's ``Metadata``) and
+closes the run once the version is committed: no writer holds the run's lock between saves.
+The ranks agree on every failure before any of them saves.
 Runs on DCP's save thread (the caller's for ``dcp.save``, DCP's executor thread for
 ``dcp.async_save``); ``stage`` on the caller's. Collectives on the writer's own channel.
 docs/design/dcp.md has the why.
@@ -9,9 +10,11 @@ docs/design/dcp.md has the why.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
@@ -25,21 +28,28 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from cryosnap import _validate
+from cryosnap._run.options import RunOptions
 from cryosnap.checkpointer import Checkpointer, PathLike, SaveInfo
+from cryosnap.dcp import _session
 from cryosnap.dcp._parts import part_state
 from cryosnap.dcp._schema import DcpError, ItemKey, encode, item_key, leaf_name
 from cryosnap.dcp._staging import Staging
 from cryosnap.errors import CheckpointError
+from cryosnap.run import Run
 
 __all__ = ["StorageWriter", "step_of"]
 
-# The longest ``stage`` waits for the previous async save's copy to be written.
+# The longest ``stage`` waits for the previous async save's copy to be written, and a save
+# for another save of the same run in this process.
 STAGE_WAIT_SECONDS = 600.0
 # Checkpointer options that change nothing for versions written through DCP.
 _REFUSED = {
     "max_inflight": "DCP saves one version at a time, each durable before the next",
     "device_diff": "the writer reads DCP's tensors once, on the host",
     "allow_pickle": "nothing is pickled: DCP's bytes items are stored as raw bytes",
+    "policy": "the writer holds no run between saves to ask: ask a policy of your own",
+    "clock": "it is the save policy's clock, and the writer takes no policy",
+    "handle_signals": "the writer holds no run between saves to mark as preempted",
 }
 
 
@@ -67,20 +77,26 @@ def is_step_id(checkpoint_id: object) -> bool:
 class StorageWriter(_DcpStorageWriter):
     """A ``torch.distributed.checkpoint`` storage writer that saves versions of a cryosnap run.
 
-    ``StorageWriter(path, **checkpointer_options)`` opens ``cryosnap.Checkpointer(path, ...)``
-    at once and keeps it across saves (incremental versions need the chain): construct it on
-    every rank at the same point, after ``init_process_group`` (collective, as a Checkpointer
-    is), and :meth:`close` it at the end (or use ``with``). Options are the Checkpointer's
-    (``scratch``, ``keep``, ``incremental``, ``full_every``, ``chunk_bytes``, ``comm``...);
-    ``staging_bytes`` bounds the pool that :meth:`stage` copies into for ``dcp.async_save``.
+    ``dcp.save(sd, storage_writer=cryosnap.dcp.StorageWriter(path, **options))``: a writer per
+    save, as DCP's ``FileSystemWriter`` is used, or one writer reused for every save; either
+    way each save is the next version of the run, incremental against the one before (in this
+    process or in an earlier one). Construction does no I/O (the first in a torch.distributed
+    job makes the gloo groups of the run's coordinator, once per process: construct it on every
+    rank at the same point). Each save opens the run (``cryosnap.Checkpointer(path,
+    **options)``: its write lock, the chain read back from the newest version) and closes it
+    once the version is committed, so no writer holds the run's lock between saves; another
+    process saving the run meanwhile is refused, and a second save of the run in this process
+    waits for the first. Options are the Checkpointer's (``scratch``, ``keep``,
+    ``incremental``, ``full_every``, ``chunk_bytes``, ``comm``...); ``staging_bytes`` bounds the
+    pool that :meth:`stage` copies into for ``dcp.async_save``.
 
     **Steps.** ``dcp.save(sd, storage_writer=w, checkpoint_id=7)`` saves version 7;
-    without ``checkpoint_id`` the next step after the newest version of the run (or that this
-    writer saved). A step that exists is a :class:`~cryosnap.CheckpointExistsError`.
+    without ``checkpoint_id`` the next step after the newest version of the run. A step that
+    exists is a :class:`~cryosnap.CheckpointExistsError`.
 
     **Async.** The writer is DCP's ``AsyncStager`` too: ``dcp.async_save(sd,
     storage_writer=w)`` stages through it (``async_stager=w`` is the same), copying the
-    state into its pool, reused from one save to the next.
+    state into its pool, reused from one save to the next of this writer.
     """
 
     # AsyncStager: staging is done when stage() returns, nothing to synchronize afterwards.
@@ -96,29 +112,31 @@ class StorageWriter(_DcpStorageWriter):
                 f"{name}= is not an option of cryosnap.dcp.StorageWriter: {_REFUSED[name]}"
             )
         budget = _validate.positive_int_or_none(staging_bytes, "staging_bytes")
+        # Validated here, on the caller's thread; each save opens its Checkpointer with them.
+        self._run_options = RunOptions(path=path, **checkpointer_options)
+        self._path = path
+        self._options = dict(checkpointer_options)
+        self._key = _session.run_key(path)
+        self._coord = _session.coordinator(self._run_options.comm)
         self._staging = Staging(budget_bytes=budget, timeout_seconds=STAGE_WAIT_SECONDS)
-        self._ckpt = Checkpointer(path, **checkpointer_options)
-        try:
-            self._channel = self._ckpt.coordinator.channel("dcp")
-        except BaseException:
-            self._ckpt.close()
-            raise
         self._lock = threading.Lock()
         self._requested: int | None = None
-        newest = self._ckpt.latest_step()
-        self._newest = -1 if newest is None else newest
+        self._asked: int | None = None
         self._step: int | None = None
         self._last: int | None = None
         self._info: SaveInfo | None = None
         self._saves = 0
+        self._began = 0.0
+        self._staged_seconds: float | None = None
         self._committed: tuple[Metadata, dict[ItemKey, int], str] | None = None
 
     # -- the writer's own API
 
     @property
-    def checkpointer(self) -> Checkpointer:
-        """The run's Checkpointer: ``steps()``, ``status()``, ``restore()`` of raw parts."""
-        return self._ckpt
+    def run(self) -> Run:
+        """A read-only handle on the run at ``path`` (``steps()``, ``info()``, ``verify()``);
+        takes no lock. :class:`~cryosnap.CheckpointNotFoundError` before the first version."""
+        return Run(self._path, storage_options=self._run_options.storage_options)
 
     @property
     def last_step(self) -> int | None:
@@ -128,13 +146,14 @@ class StorageWriter(_DcpStorageWriter):
     @property
     def last_info(self) -> SaveInfo | None:
         """This rank's :class:`~cryosnap.SaveInfo` of the newest version this writer saved:
-        ``written_bytes`` is what it wrote (only changed chunks in an incremental version)."""
+        ``written_bytes`` is what it wrote (only changed chunks in an incremental version);
+        ``stall_seconds`` the staging copy's time for ``dcp.async_save``, the time from DCP
+        setting the writer up to the commit for ``dcp.save`` (the caller waits for all of it)."""
         return self._info
 
     def close(self) -> None:
-        """Close the Checkpointer (drains, releases the run's lock) and drop idle slabs."""
+        """Drop the staging pool's idle slabs (optional: the writer holds no run or lock)."""
         self._staging.close()
-        self._ckpt.close()
 
     def __enter__(self) -> StorageWriter:
         return self
@@ -145,13 +164,10 @@ class StorageWriter(_DcpStorageWriter):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # The Checkpointer's own exit: on an exception it stops retrying flushes and does not
-        # mask the exception with a failure of its own.
-        self._staging.close()
-        self._ckpt.__exit__(exc_type, exc, tb)
+        self.close()
 
     def __repr__(self) -> str:
-        return f"cryosnap.dcp.StorageWriter({self._ckpt.store.url!r})"
+        return f"cryosnap.dcp.StorageWriter({self._key!r})"
 
     # -- AsyncStager
 
@@ -185,7 +201,7 @@ class StorageWriter(_DcpStorageWriter):
         use_collectives: bool = True,
         **kwargs: Any,
     ) -> None:
-        coord = self._ckpt.coordinator
+        coord = self._coord
         if not use_collectives:
             raise DcpError(
                 "dcp.save(use_collectives=False) is not supported by cryosnap.dcp: a version "
@@ -195,16 +211,16 @@ class StorageWriter(_DcpStorageWriter):
             raise DcpError(
                 f"DCP runs this save as rank {rank} (coordinator: {is_coordinator}), but the "
                 f"writer's run has this process as rank {coord.rank} of {coord.world_size}: "
-                "save with the process group the writer was opened in (no_dist=True only in a "
+                "save with the process group the writer was made in (no_dist=True only in a "
                 "world of one)"
             )
         with self._lock:
-            step = self._requested if self._requested is not None else self._newest + 1
-            self._requested = None
-            self._step = step
+            self._asked, self._requested = self._requested, None
+            self._step = None
             self._committed = None
             self._saves += 1
-            self._staging.claim(self._saves)
+            self._began = time.perf_counter()
+            self._staged_seconds = self._staging.claim(self._saves)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -213,11 +229,16 @@ class StorageWriter(_DcpStorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        save, step = self._saves, self._step
-        if step is None:
+        save = self._saves
+        if save == 0:
             raise DcpError("write_data before set_up_storage_writer: not a DCP save flow")
         try:
-            results = self._write(plan, planner, step)
+            # The run is open (its lock held) only while this save is in flight.
+            with (
+                _session.in_flight(self._key, timeout_seconds=STAGE_WAIT_SECONDS),
+                Checkpointer(self._path, **{**self._options, "comm": self._coord}) as ckpt,
+            ):
+                results = self._write(ckpt, plan, planner)
         finally:
             self._staging.release(save)
         future: Future[list[WriteResult]] = Future()
@@ -245,42 +266,47 @@ class StorageWriter(_DcpStorageWriter):
     # -- writing one version
 
     def _world(self) -> int:
-        return self._ckpt.coordinator.world_size
+        return self._coord.world_size
 
-    def _write(self, plan: SavePlan, planner: SavePlanner, step: int) -> list[WriteResult]:
-        coord = self._channel
+    def _write(self, ckpt: Checkpointer, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        coord = ckpt.coordinator.channel("dcp")
         error = ""
         tensors: dict[str, Any] = {}
         raw: dict[str, bytes] = {}
         results: list[WriteResult] = []
+        newest = ckpt.latest_step()
+        mine = self._asked if self._asked is not None else 0 if newest is None else newest + 1
         try:
             results = _resolve(plan, planner, tensors, raw)
         except (CheckpointError, TypeError, ValueError, RuntimeError) as exc:
             error = f"rank {coord.rank}: {type(exc).__name__}: {exc}"
         keys = [[fqn, None if o is None else list(o)] for fqn, o in map(_key_of, results)]
-        told = coord.all_gather([error, keys])
-        errors = [e for e, _k in told if e]
+        told = coord.all_gather([error, keys, mine])
+        step = int(told[0][2])  # rank 0's: every rank saves the same step
+        self._step = step
+        errors = [e for e, _k, _s in told if e]
         if errors:
             raise DcpError(f"step {step}: nothing saved: {errors[0]}")
         where: dict[ItemKey, int] = {}
-        for r, (_e, ks) in enumerate(told):
+        for r, (_e, ks, _s) in enumerate(told):
             for fqn, offsets in ks:
                 where[(fqn, None if offsets is None else tuple(offsets))] = r
-        text, metadata = self._metadata_text(planner, where, step)
-        info = self._ckpt._save_durable(step, part_state(coord.rank, tensors, raw, text))
+        text, metadata = self._metadata_text(coord, planner, where, step)
+        info = ckpt._save_durable(step, part_state(coord.rank, tensors, raw, text))
+        stall = self._staged_seconds
+        if stall is None:  # dcp.save: the caller waited from the set-up to the commit
+            stall = time.perf_counter() - self._began
         with self._lock:
-            self._info = info
-            self._newest = max(self._newest, step)
+            self._info = dataclasses.replace(info, stall_seconds=stall)
             self._last = step
         if metadata is not None and text is not None:
             self._committed = (metadata, where, text)
         return results
 
     def _metadata_text(
-        self, planner: SavePlanner, where: dict[ItemKey, int], step: int
+        self, coord: Any, planner: SavePlanner, where: dict[ItemKey, int], step: int
     ) -> tuple[str | None, Metadata | None]:
         """Rank 0: DCP's metadata as JSON; every rank learns whether rank 0 could make it."""
-        coord = self._channel
         text, metadata, error = None, None, ""
         if coord.rank == 0:
             metadata = getattr(planner, "metadata", None)

@@ -8,6 +8,10 @@ tests/integration/test_dcp_dist.py.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from torch.distributed.checkpoint import DefaultLoadPlanner  # noqa: E402
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner  # noqa: E402
 from torch.distributed.checkpoint.planner import LoadPlan  # noqa: E402
 
 import cryosnap  # noqa: E402
@@ -75,7 +79,7 @@ def test_versions_steps_and_incremental_bytes(tmp_path: Path) -> None:
         assert writer.last_info.written_bytes == 0
         with pytest.raises(BaseException, match="step 10 already exists"):
             save(sd, writer, checkpoint_id="10")
-        assert writer.checkpointer.steps() == [0, 10, 11]
+        assert writer.run.steps() == [0, 10, 11]
     assert first is not None and first.written_bytes > 64 << 10
     target = state(seed=1)
     load(target, cryosnap.dcp.StorageReader(tmp_path))
@@ -83,6 +87,86 @@ def test_versions_steps_and_incremental_bytes(tmp_path: Path) -> None:
     old = state(seed=1)
     load(old, cryosnap.dcp.StorageReader(tmp_path, step=0))
     assert same(old, state()) and not torch.equal(old["w"], sd["w"])
+
+
+def test_a_writer_per_save_never_closed_writes_the_next_incremental_version(
+    tmp_path: Path,
+) -> None:
+    """DCP's habit (a writer per save, as with FileSystemWriter): each is the next version,
+    incremental against the previous one, and no writer holds the run between saves."""
+    sd = state()
+    writers = []
+    for change in range(3):
+        if change:
+            sd["w"][change, :8] += 1.0  # inside one chunk
+        writer = cryosnap.dcp.StorageWriter(tmp_path, chunk_bytes=CHUNK)
+        save(sd, writer)
+        writers.append(writer)  # kept alive, never closed
+        # Between saves the run is free: a Checkpointer opens it in this very process.
+        with cryosnap.Checkpointer(tmp_path) as ckpt:
+            assert ckpt.steps() == list(range(change + 1))
+    written = [w.last_info.written_bytes for w in writers if w.last_info is not None]
+    assert [w.last_step for w in writers] == [0, 1, 2]
+    assert written[0] > 64 << 10 and written[1:] == [CHUNK, CHUNK]
+    assert all(w.last_info is not None and w.last_info.stall_seconds > 0 for w in writers)
+    sd["w"][5, :8] += 1.0
+    async_writer = cryosnap.dcp.StorageWriter(tmp_path, chunk_bytes=CHUNK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.async_save(sd, storage_writer=async_writer).result()
+    info = async_writer.last_info
+    assert async_writer.last_step == 3 and info is not None and info.written_bytes == CHUNK
+    assert info.stall_seconds > 0  # the staging copy's time, not 0.0
+    assert writers[0].run.steps() == [0, 1, 2, 3]
+    for step in range(4):  # a reader per load, never closed
+        got = state(seed=1)
+        load(got, cryosnap.dcp.StorageReader(tmp_path, step=step))
+        assert torch.equal(got["w"][step], sd["w"][step]) and same(got, sd) == (step == 3)
+
+
+class _HeldPlanner(DefaultSavePlanner):
+    """Holds the save inside write_data (the run open, its lock taken) until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = threading.Event()
+        self.release = threading.Event()
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self.inside.set()
+        assert self.release.wait(60), "the test never released the save"
+        return super().resolve_data(write_item)
+
+
+def _open_in_another_process(path: Path) -> subprocess.CompletedProcess[str]:
+    src = str(Path(cryosnap.__file__).resolve().parents[1])
+    code = "import sys, cryosnap; cryosnap.Checkpointer(sys.argv[1]).close()"
+    env = {**os.environ, "PYTHONPATH": src}
+    return subprocess.run(
+        [sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True
+    )
+
+
+def test_the_run_is_locked_only_while_a_save_is_in_flight(tmp_path: Path) -> None:
+    """Another process is refused during a save and welcome after it; a second writer's save
+    of the run in this process waits for the first instead of failing."""
+    sd = state()
+    planner = _HeldPlanner()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = dcp.async_save(
+            sd, storage_writer=cryosnap.dcp.StorageWriter(tmp_path), planner=planner
+        )
+        assert planner.inside.wait(60)
+        refused = _open_in_another_process(tmp_path)
+        assert refused.returncode != 0 and "RunLockedError" in refused.stderr
+        assert "already open for writing" in refused.stderr
+        second = dcp.async_save(sd, storage_writer=cryosnap.dcp.StorageWriter(tmp_path))
+        planner.release.set()
+        first.result()
+        second.result()
+    assert cryosnap.Run(tmp_path).steps() == [0, 1]
+    assert _open_in_another_process(tmp_path).returncode == 0
 
 
 def test_a_reopened_writer_goes_on_after_the_newest_version(tmp_path: Path) -> None:
@@ -197,7 +281,7 @@ def test_async_save_stages_into_the_reused_pool(tmp_path: Path) -> None:
             allocated = writer._staging.allocated_bytes
             dcp.async_save(sd, storage_writer=writer, async_stager=writer).result()
         assert writer._staging.allocated_bytes == allocated > 0  # the slabs were reused
-        assert writer.checkpointer.steps() == [0, 1]
+        assert writer.run.steps() == [0, 1]
     got = state(seed=1)
     load(got, cryosnap.dcp.StorageReader(tmp_path, step=0))
     assert torch.equal(got["w"], expected["w"]) and torch.equal(got["b"], expected["b"])
