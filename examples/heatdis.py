@@ -7,6 +7,9 @@ job killed at any moment resumes where its last checkpoint left it, bit for bit.
 
     mpiexec -n 4 python examples/heatdis.py --config cryosnap.toml --iterations 600 --every 50
 
+With ``--state file`` each rank writes its rows to ``<files>/rank-<r>/grid.npy`` itself
+(np.save, as an HDF5 code writes its file) and checkpoints that file (``cryosnap.File``).
+
 docs/HPC.md walks through it: the configuration file, the job script and its epilogue.
 """
 
@@ -59,22 +62,36 @@ def run(args: argparse.Namespace) -> None:
     grid = initial_grid(local_rows(args.rows, rank, size), args.cols, rank)
     new = grid.copy()
     start = 0
+    # The file-based variant (--state file) writes its rows with its own I/O, as an HDF5 code
+    # would: one file per rank, in a directory per rank; the checkpoint holds that file.
+    own = args.files / f"rank-{rank:05d}" / "grid.npy"
+    if args.state == "file":
+        own.parent.mkdir(parents=True, exist_ok=True)
     # Where and how to checkpoint comes from the configuration file and CRYOSNAP_* variables
     # (the job script puts scratch on the node's $TMPDIR); the program gives the participants.
-    # --- XOR variant (partner = "xor" in the file): the integrator adds it to docs/HPC.md.
+    # partner = "xor" there (or $CRYOSNAP_PARTNER) protects scratch with XOR parity sets
+    # instead of partner copies: the program does not change (docs/HPC.md).
     with cryosnap.Checkpointer.from_config(args.config, comm=MPICoordinator(comm)) as ckpt:
         if ckpt.latest_step() is not None:
-            saved = ckpt.restore()  # the newest version every rank has, verified
-            grid[1:-1] = saved["grid"]
+            if args.state == "file":
+                # restore(into=) rewrites the file, every chunk verified; the program reads it.
+                saved = ckpt.restore(into={"grid": cryosnap.File(own), "iteration": 0})
+                grid[1:-1] = np.load(own)
+            else:
+                saved = ckpt.restore()  # the newest version every rank has, verified
+                grid[1:-1] = saved["grid"]
             start = int(saved["iteration"])
         new[:] = grid
         t0 = time.perf_counter()
         for it in range(start, args.iterations):
             if args.every and it > start and it % args.every == 0:
-                # Returns once the rows are copied out; scratch, partner and persistent
-                # follow in the background.
-                # --- file-based variant (cryosnap.File leaves): the integrator adds it here.
-                ckpt.save(it, {"grid": grid[1:-1], "iteration": it})
+                # Returns once the rows (or the file's bytes) are copied out; scratch, partner
+                # and persistent follow in the background.
+                if args.state == "file":
+                    np.save(own, grid[1:-1])  # the program's own output
+                    ckpt.save(it, {"grid": cryosnap.File(own), "iteration": it})
+                else:
+                    ckpt.save(it, {"grid": grid[1:-1], "iteration": it})
                 if rank == 0:
                     print(f"checkpoint at iteration {it}", flush=True)
             exchange_halos(comm, grid)
@@ -96,6 +113,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--every", type=int, default=50, help="checkpoint every K (0: never)")
     parser.add_argument("--out", type=Path, default=None, help="save the final grid (.npy)")
+    parser.add_argument(
+        "--state",
+        choices=("memory", "file"),
+        default="memory",
+        help="checkpoint the rows in memory, or a file the program writes (cryosnap.File)",
+    )
+    parser.add_argument(
+        "--files",
+        type=Path,
+        default=Path("heatdis-files"),
+        help="--state file: the directory of the per-rank files (<files>/rank-<r>/grid.npy)",
+    )
     run(parser.parse_args(argv))
 
 
