@@ -556,10 +556,13 @@ class _EpochIterator(Iterator[Any]):
         loader._generation += 1
         self._loader = loader
         self._generation = loader._generation
-        sampler = loader.sampler
-        self._epoch = sampler.epoch
+        self._epoch = loader.sampler.epoch
         self._finished = False
         self._batches: Iterator[Any] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        loader, sampler = self._loader, self._loader.sampler
         if loader._remaining_batches() > 0:  # an exhausted epoch starts no workers
             loader._generator.manual_seed(_seed_words(sampler.seed, self._epoch, sampler.rank))
             self._batches = iter(loader.dataloader)
@@ -569,6 +572,11 @@ class _EpochIterator(Iterator[Any]):
             raise StopIteration
         loader = self._loader
         sampler = loader.sampler
+        if self._batches is None and sampler.epoch > self._epoch:
+            # Made on an exhausted epoch (a resume at an epoch's end), then moved on by
+            # set_epoch before its first batch (Lightning does so): the next epoch's batches.
+            self._epoch = sampler.epoch
+            self._start()
         if loader._generation != self._generation or sampler.epoch != self._epoch:
             raise RuntimeError(
                 "this ResumableLoader iterator is stale: the loader was iterated again, its "

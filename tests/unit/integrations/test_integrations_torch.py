@@ -451,6 +451,20 @@ def test_loader_continues_after_break_and_moves_to_the_next_epoch() -> None:
     assert [i for b in loader for i in b.tolist()] == order.indices(1)
 
 
+def test_an_iterator_of_an_exhausted_epoch_follows_set_epoch_before_its_first_batch() -> None:
+    """Lightning resumed at an epoch's end: iter() on the exhausted epoch, then set_epoch."""
+    loader = ResumableLoader(_Indices(8), batch_size=4)
+    assert len(list(loader)) == 2  # epoch 0 exhausted, the loader at epoch 1
+    state = {"sampler": {**loader.state_dict()["sampler"], "epoch": 0, "consumed": 8}}
+    resumed = ResumableLoader(_Indices(8), batch_size=4)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    resumed.set_epoch(1)
+    expected = ResumableSampler(8).indices(1)
+    assert [int(i) for batch in it for i in batch] == expected
+    assert resumed.epoch == 2
+
+
 def test_stale_iterator_raises() -> None:
     loader = _loader(10, 2)
     old = iter(loader)
