@@ -40,7 +40,7 @@ else:
     else:
         _HAVE_TORCH = True
 
-__all__ = ["RNGState", "ResumableLoader", "ResumableSampler"]
+__all__ = ["RNGState", "ResumableLoader", "ResumableSampler", "prepare_ddp_resume"]
 
 _PY_STATE_WORDS = 625  # random.getstate(): 624 Mersenne Twister words and the position
 
@@ -594,3 +594,56 @@ class _EpochIterator(Iterator[Any]):
         self._batches = None
         sampler.set_epoch(self._epoch + 1)
         raise StopIteration
+
+
+# ---------------------------------------------------------------------------------------------
+# DistributedDataParallel
+
+
+def prepare_ddp_resume(model: Any, *inputs: Any, **kwargs: Any) -> None:
+    """Make a DDP model built in a fresh process reduce gradients as the run it resumes did.
+
+    DDP reduces the first backward of a process in one bucket and then rebuilds its buckets
+    in the order the gradients became ready; an uninterrupted run trains every later step with
+    the rebuilt buckets, a resumed process would train its first step with the single one, and
+    gloo sums a gradient over the ranks in an order that depends on where it lies in its
+    bucket (results some 1e-8 off). This runs one forward on ``inputs`` (any batch of the
+    right shapes: one of zeros will do) and a backward of a zero loss, so DDP rebuilds its
+    buckets before the first real step; then it puts back what that touched: every random
+    number generator (:class:`RNGState`), the module's buffers (BatchNorm statistics) and the
+    gradients. Collective: every rank calls it, after the restore, before training.
+    """
+    _require_torch("prepare_ddp_resume")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        wrong_type(model, "model", "a torch.nn.parallel.DistributedDataParallel")
+    if getattr(model, "_has_rebuilt_buckets", False):
+        return  # this process trained a step already: its buckets are the rebuilt ones
+    generators = RNGState().state_dict()
+    buffers = [b.detach().clone() for b in model.module.buffers()]
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    try:
+        outputs = [t for t in _tensors(model(*inputs, **kwargs)) if t.requires_grad]
+        if not outputs:
+            raise ValueError("prepare_ddp_resume: the model's output holds no tensor with grad")
+        (sum(t.sum() for t in outputs) * 0.0).backward()
+    finally:
+        RNGState().load_state_dict(generators)
+        with torch.no_grad():
+            for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
+def _tensors(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)

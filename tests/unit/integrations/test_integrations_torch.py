@@ -483,3 +483,10 @@ def test_loader_refuses_dataloader_arguments_it_owns(kwarg: str) -> None:
 def test_loader_refuses_a_sampler_of_another_length() -> None:
     with pytest.raises(ValueError, match="5 samples, the dataset has 4"):
         ResumableLoader(_Indices(4), sampler=ResumableSampler(5))
+
+
+def test_prepare_ddp_resume_takes_a_ddp_model_only() -> None:
+    from cryosnap.integrations.torch import prepare_ddp_resume
+
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        prepare_ddp_resume(torch.nn.Linear(2, 1), torch.zeros(1, 2))
