@@ -369,20 +369,21 @@ class CryosnapCallback(Callback):
         self._next_epoch = bool(self._positions) and all(p is None for p in self._positions)
 
     def _data_positions(self) -> list[dict[str, Any] | None]:
-        """Per plain train dataloader: its epoch's order and the batches the loop consumed
-        (None: the epoch is done, or not started; the next one starts afresh)."""
+        """Per train dataloader: its epoch's order and the batches the loop consumed (None:
+        the epoch is done or not started, or the loader saves its own position)."""
         trainer = self._trainer
         combined = None if trainer is None else trainer.fit_loop._combined_loader
         if trainer is None or combined is None:
             return []
         batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        done = batches == 0 or batches >= trainer.num_training_batches
         positions: list[dict[str, Any] | None] = []
-        for loader in combined.flattened:
+        for loader in combined.flattened:  # one entry per loader, in Lightning's order
             order = _epoch_order(loader)
-            if order is None or order.order is None:
-                continue
-            done = batches == 0 or batches >= trainer.num_training_batches
-            positions.append(None if done else {"order": order.order, "batches": batches})
+            if done or order is None or order.order is None:
+                positions.append(None)
+            else:
+                positions.append({"order": order.order, "batches": batches})
         return positions
 
     # -- hooks ----------------------------------------------------------------------------------
