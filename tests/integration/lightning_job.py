@@ -5,7 +5,11 @@ The user code is what docs/INTEGRATIONS.md shows: a ``CryosnapCallback`` and a r
 dataloader. ``Record`` (the losses, to a file that survives SIGKILL) and ``Stop`` (the signal,
 sent at the start of a chosen optimizer step) are the test's instruments.
 
-    python lightning_job.py RUN OUT --kill-at 9 --signal KILL
+    python lightning_job.py RUN OUT --kill-at 9 --signal KILL [--loader plain]
+
+``--loader`` picks the train dataloader: ``resumable`` (a ResumableLoader), or what users
+have: ``plain`` (``DataLoader(shuffle=True)``), ``workers`` (the same with 2 worker processes
+and ``drop_last``), ``distributed`` (a ``DistributedSampler``, as Lightning injects under DDP).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from cryosnap.integrations.lightning import CryosnapCallback
+from cryosnap.integrations.lightning import CryosnapCallback, InexactResumeWarning
 from cryosnap.integrations.torch import ResumableLoader, ResumableSampler
 
 SAMPLES, BATCH, TOTAL, EVERY = 24, 4, 14, 4  # 6 steps per epoch; saves at 4, 8, 12
@@ -45,15 +49,29 @@ class Tiny(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def dataset() -> TensorDataset:
+LOADERS = ("resumable", "plain", "workers", "distributed")
+
+
+def dataset(samples: int = SAMPLES) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, 8, generator=g)
+    x = torch.randn(samples, 8, generator=g)
     return TensorDataset(x, x.sum(1, keepdim=True))
 
 
-def loader() -> ResumableLoader:
+def loader(kind: str = "resumable") -> Any:
+    """The train dataloader ``kind`` names; each has 6 batches per epoch."""
+    if kind == "resumable":
+        data = dataset()
+        return ResumableLoader(data, batch_size=BATCH, sampler=ResumableSampler(data, seed=0))
+    if kind == "plain":
+        return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    if kind == "workers":  # 26 samples: drop_last drops a short seventh batch
+        data = dataset(SAMPLES + 2)
+        return DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=2, drop_last=True)
+    assert kind == "distributed"
     data = dataset()
-    return ResumableLoader(data, batch_size=BATCH, sampler=ResumableSampler(data, seed=0))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
+    return DataLoader(data, batch_size=BATCH, sampler=sampler)
 
 
 class Record(Callback):
@@ -89,6 +107,8 @@ def fit(
     ckpt_path: str | None = None,
     resume: bool = True,
     data: Any = None,
+    kind: str = "resumable",
+    exact: bool = False,
 ) -> Tiny:
     """One ``fit`` (a fresh process's worth: seeded, a new model and Trainer)."""
     seed_everything(0, verbose=False)
@@ -102,10 +122,16 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=out,
-        callbacks=[CryosnapCallback(run, every_n_steps=EVERY, resume=resume), *callbacks],
+        callbacks=[
+            CryosnapCallback(run, every_n_steps=EVERY, resume=resume, exact=exact),
+            *callbacks,
+        ],
     )
-    trainer.fit(model, loader() if data is None else data, ckpt_path=ckpt_path)
+    trainer.fit(model, loader(kind) if data is None else data, ckpt_path=ckpt_path)
     return model
+
+
+__all__ = ["InexactResumeWarning", "Record", "Stop", "Tiny", "fit", "loader", "losses"]
 
 
 def losses(path: Path) -> list[tuple[int, float]]:
@@ -121,9 +147,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--kill-at", type=int, required=True)
     parser.add_argument("--signal", choices=["KILL", "TERM"], required=True)
+    parser.add_argument("--loader", choices=LOADERS, default="resumable")
     args = parser.parse_args(argv)
     signum = getattr(signal, f"SIG{args.signal}")
-    fit(args.run, args.out, Record(args.out / "losses.txt"), Stop(args.kill_at, signum))
+    record, stop = Record(args.out / "losses.txt"), Stop(args.kill_at, signum)
+    fit(args.run, args.out, record, stop, kind=args.loader)
     # A preempted fit returns (Lightning ended it on the passed-on SIGTERM): say how far it got.
     sys.exit(3)
 

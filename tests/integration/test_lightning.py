@@ -140,10 +140,13 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 # -- exact resume through the documented paths (lightning_job.py is the user's script) --------
 
 
-def _job(run: Path, out: Path, kill_at: int, sig: str) -> subprocess.CompletedProcess[str]:
+def _job(
+    run: Path, out: Path, kill_at: int, sig: str, kind: str = "resumable"
+) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
+    args = [str(run), str(out), "--kill-at", str(kill_at), "--signal", sig, "--loader", kind]
     return subprocess.run(
-        [sys.executable, str(JOB), str(run), str(out), "--kill-at", str(kill_at), "--signal", sig],
+        [sys.executable, str(JOB), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -222,16 +225,72 @@ def test_fit_ckpt_path_picks_a_step_and_a_new_training_is_refused(
     _assert_same(model.state_dict(), reference[0])
 
 
-def test_a_plain_dataloader_is_refused_unless_exact_is_off(tmp_path: Path) -> None:
+# Lightning warns on resume that a plain DataLoader is not resumable: cryosnap resumed it.
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+@pytest.mark.parametrize("kind", ["plain", "workers", "distributed"])
+def test_the_loader_users_have_resumes_exactly_after_sigkill_mid_epoch(
+    tmp_path: Path, kind: str
+) -> None:
+    """DataLoader(shuffle=True) (with workers and drop_last; a DistributedSampler), dropout
+    and a scheduler: killed mid-epoch, resumed by running the script again, bit for bit."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    weights = lightning_job.fit(
+        ref / "run", ref, lightning_job.Record(ref / "losses.txt"), kind=kind
+    ).state_dict()
+    losses = lightning_job.losses(ref / "losses.txt")
+    run, out = tmp_path / "run", tmp_path / "out"
+    done = _job(run, out, kill_at=11, sig="KILL", kind=kind)  # epoch 2, saves at 4 and 8
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert "InexactResumeWarning" not in done.stderr
+    resumed_from = max(_steps(run))
+    assert resumed_from in (4, 8)  # 8 is mid-epoch 2 (steps 7..12), 4 mid-epoch 1
+    assert lightning_job.losses(out / "losses.txt") == losses[:10]
+    probe = Probe()
+    record = out / "resumed.txt"
+    model = lightning_job.fit(run, out, lightning_job.Record(record), probe, kind=kind)
+    assert probe.start_step == resumed_from
+    assert lightning_job.losses(record) == losses[resumed_from:]
+    _assert_same(model.state_dict(), weights)
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+@pytest.mark.parametrize("kind", ["plain", "resumable"])
+def test_a_resume_at_the_end_of_an_epoch_is_exact(tmp_path: Path, kind: str) -> None:
+    """The next epoch's iterators start from the restored generators, as uninterrupted."""
+    weights = lightning_job.fit(tmp_path / "ref", tmp_path, kind=kind).state_dict()
+    lightning_job.fit(tmp_path / "run", tmp_path, Stop(12), kind=kind)  # epoch 2's last step
+    assert _steps(tmp_path / "run") == [4, 8, 12]
+    probe = Probe()
+    model = lightning_job.fit(tmp_path / "run", tmp_path, probe, kind=kind)
+    assert probe.start_step == 12
+    _assert_same(model.state_dict(), weights)
+
+
+class _Stream(torch.utils.data.IterableDataset[Any]):
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(8):
+            x = torch.randn(4, 8, generator=g)
+            yield x, x.sum(1, keepdim=True)
+
+
+def test_a_loader_that_cannot_resume_exactly_warns_once_and_exact_refuses_it(
+    tmp_path: Path,
+) -> None:
+    stream = DataLoader(_Stream(), batch_size=None)
     with pytest.raises(cryosnap.CheckpointError, match=r"\(DataLoader\) cannot resume mid-epoch"):
-        lightning_job.fit(tmp_path / "run", tmp_path, data=_data())
-    assert not (tmp_path / "run").exists()
-    seed_everything(0, verbose=False)
-    trainer = _trainer(
-        tmp_path, 4, [CryosnapCallback(tmp_path / "run", every_n_steps=2, exact=False)]
-    )
-    trainer.fit(Tiny(), _data())
-    assert _steps(tmp_path / "run") == [2, 4]
+        lightning_job.fit(tmp_path / "strict", tmp_path, data=stream, exact=True)
+    assert not (tmp_path / "strict").exists()
+    with pytest.warns(lightning_job.InexactResumeWarning) as warned:
+        lightning_job.fit(tmp_path / "run", tmp_path, data=stream)
+    ours = [w for w in warned if w.category is lightning_job.InexactResumeWarning]
+    assert len(ours) == 1, [str(w.message) for w in warned]
+    assert "_Stream, is an IterableDataset" in str(ours[0].message)
+    assert _steps(tmp_path / "run") == [4, 8, 12, 14]
+    # A plain map-style DataLoader is exact: exact=True takes it.
+    lightning_job.fit(tmp_path / "plain", tmp_path, kind="plain", exact=True)
+    assert _steps(tmp_path / "plain") == [4, 8, 12, 14]
 
 
 def test_load_from_checkpoint_of_a_run(tmp_path: Path) -> None:

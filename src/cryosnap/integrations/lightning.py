@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import Checkpointer, PendingSave, load
 from cryosnap.dist import LocalCoordinator
 from cryosnap.errors import CheckpointError
+from cryosnap.integrations import _loaders
 from cryosnap.integrations._base import RunSaver, split_step
 from cryosnap.integrations.torch import RNGState
 from cryosnap.policy import SavePolicy
@@ -34,6 +36,7 @@ from cryosnap.storage import open_store
 __all__ = [
     "CryosnapCallback",
     "CryosnapCheckpointIO",
+    "InexactResumeWarning",
     "load_checkpoint",
     "load_from_checkpoint",
     "to_plain",
@@ -47,6 +50,12 @@ _RESUME_HINT = (
     "run it with CryosnapCallback(path, ...) (resume=True, the default) or "
     "trainer.fit(..., ckpt_path=path)"
 )
+
+
+class InexactResumeWarning(UserWarning):
+    """A train dataloader whose position cannot be restored mid-epoch: training goes on, and a
+    resume restarts that loader's epoch. ``CryosnapCallback(exact=True)`` makes it an error."""
+
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, bytearray, type(None))
 
@@ -277,9 +286,13 @@ class CryosnapCallback(Callback):
         resumes. A ``ckpt_path`` given to ``fit`` takes precedence. ``resume=False`` into a
         run that holds versions is refused.
     exact
-        Refuse to start when a mid-epoch resume could not continue the data where it stopped
-        (the train dataloader has no ``state_dict``/``load_state_dict``: Lightning would
-        restart the epoch). ``exact=False`` accepts that.
+        The train dataloaders resume mid-epoch where they stopped: a loader with
+        ``state_dict``/``load_state_dict`` by itself (Lightning saves it), a plain
+        ``DataLoader`` over a map-style dataset through the callback (its sampler's order at
+        the start of the epoch is saved, and on resume the consumed batches are skipped
+        without being loaded). A loader that cannot be made so (an ``IterableDataset``, a
+        sampler without state) trains anyway and is named in one
+        :class:`InexactResumeWarning`; ``exact=True`` refuses to start instead.
     handle_signals
         Preemption signals (default ``(signal.SIGTERM,)``; ``()``: none): the batch in progress
         ends, its step is saved and durable, then the signal goes on to Lightning's own handler
@@ -294,7 +307,7 @@ class CryosnapCallback(Callback):
     the write runs in the background; ``fit`` waits for the last one when training ends.
     The callback's own state (saved with every Lightning checkpoint, this callback's and
     ``ModelCheckpoint``'s alike) holds the random number generators (:class:`RNGState`), put
-    back when training starts.
+    back when training starts, and the order of the epoch of each plain train dataloader.
     """
 
     def __init__(
@@ -305,7 +318,7 @@ class CryosnapCallback(Callback):
         policy: SavePolicy | None = None,
         save_on_train_end: bool = True,
         resume: bool = True,
-        exact: bool = True,
+        exact: bool = False,
         handle_signals: Sequence[int] | None = None,
         run_id: str | None = None,
         keep: int | None = None,
@@ -334,6 +347,10 @@ class CryosnapCallback(Callback):
         self.restored_step: int | None = None
         self._rng: Any = None  # generator states to put back when training starts
         self._io: tuple[Any, CheckpointIO] | None = None  # (strategy, its own CheckpointIO)
+        self._trainer: Trainer | None = None
+        self._positions: list[Any] = []  # saved data positions for the next train loaders
+        self._next_epoch = False
+        self._warned: set[str] = set()
 
     @property
     def preempted_at(self) -> int | None:
@@ -343,10 +360,31 @@ class CryosnapCallback(Callback):
     # -- Lightning's checkpoint of this callback: the generators ----------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": RNGState().state_dict()}
+        return {"rng": RNGState().state_dict(), "data": self._data_positions()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rng = state_dict.get("rng")
+        self._positions = list(state_dict.get("data") or [])
+        # Saved at the end of an epoch: the next one starts afresh (see on_train_start).
+        self._next_epoch = bool(self._positions) and all(p is None for p in self._positions)
+
+    def _data_positions(self) -> list[dict[str, Any] | None]:
+        """Per train dataloader: its epoch's order and the batches the loop consumed (None:
+        the epoch is done or not started, or the loader saves its own position)."""
+        trainer = self._trainer
+        combined = None if trainer is None else trainer.fit_loop._combined_loader
+        if trainer is None or combined is None:
+            return []
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        done = batches == 0 or batches >= trainer.num_training_batches
+        positions: list[dict[str, Any] | None] = []
+        for loader in combined.flattened:  # one entry per loader, in Lightning's order
+            order = _epoch_order(loader)
+            if done or order is None or order.order is None:
+                positions.append(None)
+            else:
+                positions.append({"order": order.order, "batches": batches})
+        return positions
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -356,20 +394,25 @@ class CryosnapCallback(Callback):
         self._saver.close()
         self.restored_step = None
         self._rng = None
+        self._positions = []
+        self._next_epoch = False
+        self._trainer = trainer
         self._read_runs_through(trainer)
+        self._order_train_loaders(trainer)
         if self.resume and self._saver.steps():
             self._resume(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        if self.exact:
-            _check_resumable(trainer.train_dataloader)
+        self._check_loaders(trainer.train_dataloader)
         if self._rng is not None:
             # Here, not in load_state_dict: setting up the data and the loops draws numbers
             # that the uninterrupted run drew before its checkpoint.
             RNGState().load_state_dict(self._rng)
             self._rng = None
+            if self._next_epoch:
+                self._start_next_epoch(trainer)
         # Opened here, after Lightning installed its signal handlers: cryosnap's goes in front.
         self._saver.begin(trainer.global_step)
 
@@ -392,6 +435,59 @@ class CryosnapCallback(Callback):
     ) -> None:
         self._restore_io()
         self._saver.abort()
+
+    # -- the position of plain train dataloaders ------------------------------------------------
+
+    def _order_train_loaders(self, trainer: Trainer) -> None:
+        """Give each plain train dataloader an EpochOrder as Lightning sets it up: after the
+        strategy processed it (a DistributedSampler injected), before its first ``iter()``
+        (which, with workers, draws indices at once)."""
+        strategy = trainer.strategy
+        process = type(strategy).process_dataloader.__get__(strategy)
+
+        def process_dataloader(dataloader: object) -> object:
+            dataloader = process(dataloader)
+            if trainer.training:
+                order = _loaders.install(dataloader)
+                position = self._positions.pop(0) if self._positions else None
+                if order is not None and position is not None:
+                    skip = int(position["batches"]) * _batch_size(dataloader)
+                    order.resume_at(position["order"], skip)
+            return dataloader
+
+        # An instance attribute over the method, for this fit only (teardown removes it).
+        vars(strategy)["process_dataloader"] = process_dataloader
+
+    def _start_next_epoch(self, trainer: Trainer) -> None:
+        """Resumed at the end of an epoch: iterate the plain loaders again, after the
+        generators are back. The uninterrupted run starts its next epoch's iterators from
+        these generators (a DataLoader draws its workers' base seed, a RandomSampler its seed);
+        the iterators made before the restore drew from the fresh process's."""
+        self._next_epoch = False
+        combined, fetcher = trainer.fit_loop._combined_loader, trainer.fit_loop._data_fetcher
+        if combined is None or fetcher is None:
+            return
+        if all(_epoch_order(loader) is not None for loader in combined.flattened):
+            iter(fetcher)
+
+    def _check_loaders(self, iterables: Any) -> None:
+        """Refuse (``exact=True``) or name once a train dataloader that cannot resume exactly."""
+        loaders = _loaders_of(iterables)
+        for i, loader in enumerate(loaders):
+            why = _loaders.why_inexact(loader)
+            if why is None:
+                continue
+            name = f"train dataloader {i}" if len(loaders) > 1 else "the train dataloader"
+            message = (
+                f"cryosnap: {name} ({type(loader).__name__}) cannot resume mid-epoch where it "
+                f"stopped: {why}. A resume restarts its epoch, so the run would differ from an "
+                "uninterrupted one"
+            )
+            if self.exact:
+                raise CheckpointError(f"{message}; CryosnapCallback(exact=True) refuses it")
+            if message not in self._warned:
+                self._warned.add(message)
+                warnings.warn(message, InexactResumeWarning, stacklevel=2)
 
     # -- resuming -------------------------------------------------------------------------------
 
@@ -432,6 +528,8 @@ class CryosnapCallback(Callback):
             strategy, io = self._io
             strategy.checkpoint_io = io
             self._io = None
+        if self._trainer is not None:
+            vars(self._trainer.strategy).pop("process_dataloader", None)
 
     def _dump(self, trainer: Trainer) -> Any:
         # What trainer.save_checkpoint() writes: weights, optimizers, schedulers, loops (the
@@ -482,31 +580,21 @@ def _holds_versions(path: str) -> bool:
         return False
 
 
-def _loaders(iterables: Any) -> list[Any]:
+def _loaders_of(iterables: Any) -> list[Any]:
     """The dataloaders of ``trainer.train_dataloader`` (one, or a collection of them)."""
     if isinstance(iterables, Mapping):
-        return [d for v in iterables.values() for d in _loaders(v)]
+        return [d for v in iterables.values() for d in _loaders_of(v)]
     if isinstance(iterables, (list, tuple)):
-        return [d for v in iterables for d in _loaders(v)]
+        return [d for v in iterables for d in _loaders_of(v)]
     return [] if iterables is None else [iterables]
 
 
-def _check_resumable(iterables: Any) -> None:
-    """Refuse a train dataloader whose position Lightning cannot checkpoint."""
-    stuck = [
-        type(d).__name__
-        for d in _loaders(iterables)
-        if not (
-            callable(getattr(d, "state_dict", None))
-            and callable(getattr(d, "load_state_dict", None))
-        )
-    ]
-    if stuck:
-        raise CheckpointError(
-            f"cryosnap: the train dataloader ({', '.join(stuck)}) cannot resume mid-epoch: on "
-            "resume Lightning would start its epoch over and the run would differ from an "
-            "uninterrupted one. Make it resumable: cryosnap.integrations.torch.ResumableLoader("
-            "dataset, batch_size=..., sampler=ResumableSampler(dataset, seed=...)) (or any "
-            "loader with state_dict/load_state_dict, e.g. torchdata's StatefulDataLoader); or "
-            "accept this with CryosnapCallback(..., exact=False)"
-        )
+def _epoch_order(loader: object) -> _loaders.EpochOrder | None:
+    batches = getattr(loader, "batch_sampler", None)
+    order = getattr(batches, "sampler", None)
+    return order if isinstance(order, _loaders.EpochOrder) else None
+
+
+def _batch_size(loader: object) -> int:
+    size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) else 1

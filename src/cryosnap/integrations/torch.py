@@ -40,7 +40,7 @@ else:
     else:
         _HAVE_TORCH = True
 
-__all__ = ["RNGState", "ResumableLoader", "ResumableSampler"]
+__all__ = ["RNGState", "ResumableLoader", "ResumableSampler", "prepare_ddp_resume"]
 
 _PY_STATE_WORDS = 625  # random.getstate(): 624 Mersenne Twister words and the position
 
@@ -203,6 +203,13 @@ class ResumableSampler(Sampler[int]):
     The sampler remembers its ``epoch`` and how many of this epoch's indices were *consumed*
     (``advance``; :class:`ResumableLoader` calls it for each batch it delivers); iterating
     yields the indices not yet consumed. Both travel in :meth:`state_dict`.
+
+    An elastic resize keeps the position: :meth:`load_state_dict` takes the state of any rank
+    of a job of another ``num_replicas`` (the ranks of a data-parallel job consume in lockstep,
+    so every rank holds the same position). The epoch's global order stays the same, the
+    indices the old ranks consumed are skipped, and the rest of the epoch is split over the new
+    ranks (padded or dropped as ``drop_last`` says): no sample is repeated beyond that padding,
+    none skipped. The next epochs are sharded as usual.
     """
 
     def __init__(
@@ -242,13 +249,12 @@ class ResumableSampler(Sampler[int]):
         )
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
-        n, replicas = self.dataset_len, self.num_replicas
-        if self.drop_last and n % replicas:
-            self.num_samples = math.ceil((n - replicas) / replicas)
-        else:
-            self.num_samples = math.ceil(n / replicas)
+        self.num_samples = self._shard_size(self.dataset_len)
         self._epoch = 0
         self._consumed = 0
+        # Global positions of this epoch's order consumed before this sharding took over
+        # (by the ranks of a job of another size); 0 unless resized mid-epoch.
+        self._start = 0
 
     @property
     def epoch(self) -> int:
@@ -257,8 +263,22 @@ class ResumableSampler(Sampler[int]):
 
     @property
     def consumed(self) -> int:
-        """How many of this epoch's ``num_samples`` indices the training loop has consumed."""
+        """How many of this epoch's ``epoch_samples`` indices the training loop has consumed."""
         return self._consumed
+
+    @property
+    def epoch_samples(self) -> int:
+        """This rank's indices in the current epoch: ``num_samples``, except in an epoch
+        resumed at another world size (its rest split over this job's ranks)."""
+        return self._shard_size(self.dataset_len - self._start)
+
+    def _shard_size(self, n: int) -> int:
+        """Indices per rank when ``n`` indices are split over the ranks (DistributedSampler's
+        rule: padded up, or with ``drop_last`` cut down, to a multiple of ``num_replicas``)."""
+        replicas = self.num_replicas
+        if self.drop_last and n % replicas:
+            return (n - n % replicas) // replicas
+        return -(-n // replicas)
 
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` from its start; the current epoch itself is kept where it is.
@@ -270,31 +290,42 @@ class ResumableSampler(Sampler[int]):
         if epoch != self._epoch:
             self._epoch = epoch
             self._consumed = 0
+            self._start = 0
 
     def advance(self, num_samples: int) -> None:
         """Record that the loop consumed the next ``num_samples`` indices of this epoch."""
         non_negative_int(num_samples, "num_samples")
-        if self._consumed + num_samples > self.num_samples:
+        total = self.epoch_samples
+        if self._consumed + num_samples > total:
             raise ValueError(
-                f"num_samples={num_samples}: only {self.num_samples - self._consumed} of "
-                f"epoch {self._epoch}'s {self.num_samples} indices are left"
+                f"num_samples={num_samples}: only {total - self._consumed} of "
+                f"epoch {self._epoch}'s {total} indices are left"
             )
         self._consumed += num_samples
 
     def indices(self, epoch: int | None = None) -> list[int]:
-        """This rank's whole order for ``epoch`` (default: the current one)."""
+        """This rank's whole order for ``epoch`` (default: the current one; in an epoch
+        resumed at another world size, this rank's share of the rest of it)."""
         epoch = self._epoch if epoch is None else non_negative_int(epoch, "epoch")
-        n = self.dataset_len
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            order: list[int] = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        total = self.num_samples * self.num_replicas
+        order = self.global_order(epoch)
+        if epoch == self._epoch:
+            order = order[self._start :]
+        n = len(order)
+        total = self._shard_size(n) * self.num_replicas
         if total > n and order:  # pad by repeating from the start, as DistributedSampler
             order += (order * math.ceil((total - n) / n))[: total - n]
         return order[self.rank : total : self.num_replicas]
+
+    def global_order(self, epoch: int) -> list[int]:
+        """Every index of ``epoch`` in the order the ranks take them (rank *r* the *r*-th of
+        each ``num_replicas``), before padding: a pure function of ``(seed, epoch)``."""
+        n = self.dataset_len
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + non_negative_int(epoch, "epoch"))
+        order: list[int] = torch.randperm(n, generator=g).tolist()
+        return order
 
     def __iter__(self) -> Iterator[int]:
         # Fixed when iteration starts: the DataLoader draws ahead; advance() moves the start of
@@ -302,41 +333,47 @@ class ResumableSampler(Sampler[int]):
         return iter(self.indices()[self._consumed :])
 
     def __len__(self) -> int:
-        """Indices per epoch for this rank (a resumed epoch yields ``len - consumed``)."""
+        """Indices per epoch for this rank (a resumed epoch yields ``epoch_samples -
+        consumed``)."""
         return self.num_samples
 
     def state_dict(self) -> dict[str, Any]:
-        """The position (epoch, consumed) and the settings it is valid for."""
+        """The position (epoch, start, consumed) and the settings it is valid for: the same
+        on every rank of a data-parallel job (so it may be saved as ``replicated``)."""
         return {
             "epoch": self._epoch,
+            "start": self._start,
             "consumed": self._consumed,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "num_replicas": self.num_replicas,
-            "rank": self.rank,
             "dataset_len": self.dataset_len,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a saved position; the settings must be the saved ones.
+        """Continue from a saved position: this job's, or any rank's of a job of another size.
 
-        :class:`~cryosnap.StateMismatchError` names every setting that differs (the saved
-        position means nothing for another dataset, seed or sharding).
+        ``dataset_len``, ``seed``, ``shuffle`` and ``drop_last`` must be the saved ones (the
+        position means nothing for another dataset or order):
+        :class:`~cryosnap.StateMismatchError` names every one that differs. Another
+        ``num_replicas`` (an elastic resize) keeps the position: the rest of the saved epoch is
+        split over this job's ranks (see the class docstring).
         """
         if not isinstance(state, Mapping):
             raise StateMismatchError(
                 f"ResumableSampler: expected a dict, got {type(state).__name__}"
             )
         mine = self.state_dict()
-        if set(state) != set(mine):
+        # A state saved before elastic resizes holds no "start" (0) and this rank's "rank".
+        if (set(state) - {"rank"}) | {"start"} != set(mine):
             raise StateMismatchError(
                 f"ResumableSampler: saved keys {sorted(state)}, expected {sorted(mine)}"
             )
         differ = [
             f"{k}: saved {state[k]!r}, this sampler {mine[k]!r}"
-            for k in mine
-            if k not in ("epoch", "consumed") and state[k] != mine[k]
+            for k in ("seed", "shuffle", "drop_last", "dataset_len")
+            if state[k] != mine[k]
         ]
         if differ:
             raise StateMismatchError(
@@ -344,14 +381,56 @@ class ResumableSampler(Sampler[int]):
                 + "; ".join(differ)
                 + "); build the sampler with the saved ones to resume"
             )
-        epoch, consumed = state["epoch"], state["consumed"]
-        if type(epoch) is not int or epoch < 0:
-            raise StateMismatchError(f"ResumableSampler: invalid saved epoch {epoch!r}")
-        if type(consumed) is not int or not 0 <= consumed <= self.num_samples:
-            raise StateMismatchError(
-                f"ResumableSampler: invalid saved consumed={consumed!r} (0..{self.num_samples})"
-            )
-        self._epoch, self._consumed = epoch, consumed
+        epoch, start, consumed = _saved_position(state, self.dataset_len)
+        if state["num_replicas"] == self.num_replicas:
+            self._epoch, self._start, self._consumed = epoch, start, consumed
+            return
+        # A resize: the old ranks consumed positions start .. start + consumed * replicas - 1
+        # of the epoch's order (a finished epoch: all of it); this job splits the rest.
+        saved = ResumableSampler(
+            self.dataset_len,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            num_replicas=state["num_replicas"],
+            rank=0,
+        )
+        saved._epoch, saved._start = epoch, start
+        if consumed == saved.epoch_samples:
+            done = self.dataset_len
+        else:
+            done = min(start + consumed * saved.num_replicas, self.dataset_len)
+        self._epoch, self._start, self._consumed = epoch, done, 0
+
+
+def _saved_position(state: Mapping[str, Any], dataset_len: int) -> tuple[int, int, int]:
+    """(epoch, start, consumed) of a ResumableSampler state, checked against its settings."""
+    replicas, rank = state["num_replicas"], state.get("rank", 0)
+    if type(replicas) is not int or replicas < 1 or type(rank) is not int:
+        raise StateMismatchError(
+            f"ResumableSampler: invalid saved num_replicas={replicas!r}, rank={rank!r}"
+        )
+    if not 0 <= rank < replicas:
+        raise StateMismatchError(f"ResumableSampler: saved rank {rank} of {replicas} ranks")
+    epoch, start, consumed = state["epoch"], state.get("start", 0), state["consumed"]
+    if type(epoch) is not int or epoch < 0:
+        raise StateMismatchError(f"ResumableSampler: invalid saved epoch {epoch!r}")
+    if type(start) is not int or not 0 <= start <= dataset_len:
+        raise StateMismatchError(
+            f"ResumableSampler: invalid saved start={start!r} (0..{dataset_len})"
+        )
+    saved = ResumableSampler(
+        dataset_len,
+        drop_last=state["drop_last"],
+        num_replicas=replicas,
+        rank=rank,
+    )
+    saved._start = start
+    if type(consumed) is not int or not 0 <= consumed <= saved.epoch_samples:
+        raise StateMismatchError(
+            f"ResumableSampler: invalid saved consumed={consumed!r} (0..{saved.epoch_samples})"
+        )
+    return epoch, start, consumed
 
 
 _REFUSED = {
@@ -446,13 +525,13 @@ class ResumableLoader:
         return len(self.dataloader)
 
     def _remaining_batches(self) -> int:
-        left = self.sampler.num_samples - self.sampler.consumed
+        left = self.sampler.epoch_samples - self.sampler.consumed
         if self.batch_size is None:
             return left
         return left // self.batch_size if self.drop_last else -(-left // self.batch_size)
 
     def _next_batch_samples(self) -> int:
-        left = self.sampler.num_samples - self.sampler.consumed
+        left = self.sampler.epoch_samples - self.sampler.consumed
         return 1 if self.batch_size is None else min(self.batch_size, left)
 
     def __iter__(self) -> Iterator[Any]:
@@ -477,10 +556,13 @@ class _EpochIterator(Iterator[Any]):
         loader._generation += 1
         self._loader = loader
         self._generation = loader._generation
-        sampler = loader.sampler
-        self._epoch = sampler.epoch
+        self._epoch = loader.sampler.epoch
         self._finished = False
         self._batches: Iterator[Any] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        loader, sampler = self._loader, self._loader.sampler
         if loader._remaining_batches() > 0:  # an exhausted epoch starts no workers
             loader._generator.manual_seed(_seed_words(sampler.seed, self._epoch, sampler.rank))
             self._batches = iter(loader.dataloader)
@@ -490,6 +572,11 @@ class _EpochIterator(Iterator[Any]):
             raise StopIteration
         loader = self._loader
         sampler = loader.sampler
+        if self._batches is None and sampler.epoch > self._epoch:
+            # Made on an exhausted epoch (a resume at an epoch's end), then moved on by
+            # set_epoch before its first batch (Lightning does so): the next epoch's batches.
+            self._epoch = sampler.epoch
+            self._start()
         if loader._generation != self._generation or sampler.epoch != self._epoch:
             raise RuntimeError(
                 "this ResumableLoader iterator is stale: the loader was iterated again, its "
@@ -507,3 +594,56 @@ class _EpochIterator(Iterator[Any]):
         self._batches = None
         sampler.set_epoch(self._epoch + 1)
         raise StopIteration
+
+
+# ---------------------------------------------------------------------------------------------
+# DistributedDataParallel
+
+
+def prepare_ddp_resume(model: Any, *inputs: Any, **kwargs: Any) -> None:
+    """Make a DDP model built in a fresh process reduce gradients as the run it resumes did.
+
+    DDP reduces the first backward of a process in one bucket and then rebuilds its buckets
+    in the order the gradients became ready; an uninterrupted run trains every later step with
+    the rebuilt buckets, a resumed process would train its first step with the single one, and
+    gloo sums a gradient over the ranks in an order that depends on where it lies in its
+    bucket (results some 1e-8 off). This runs one forward on ``inputs`` (any batch of the
+    right shapes: one of zeros will do) and a backward of a zero loss, so DDP rebuilds its
+    buckets before the first real step; then it puts back what that touched: every random
+    number generator (:class:`RNGState`), the module's buffers (BatchNorm statistics) and the
+    gradients. Collective: every rank calls it, after the restore, before training.
+    """
+    _require_torch("prepare_ddp_resume")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        wrong_type(model, "model", "a torch.nn.parallel.DistributedDataParallel")
+    if getattr(model, "_has_rebuilt_buckets", False):
+        return  # this process trained a step already: its buckets are the rebuilt ones
+    generators = RNGState().state_dict()
+    buffers = [b.detach().clone() for b in model.module.buffers()]
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    try:
+        outputs = [t for t in _tensors(model(*inputs, **kwargs)) if t.requires_grad]
+        if not outputs:
+            raise ValueError("prepare_ddp_resume: the model's output holds no tensor with grad")
+        (sum(t.sum() for t in outputs) * 0.0).backward()
+    finally:
+        RNGState().load_state_dict(generators)
+        with torch.no_grad():
+            for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
+def _tensors(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)

@@ -229,6 +229,101 @@ def test_sampler_refuses_a_state_of_other_settings() -> None:
         ResumableSampler(20, seed=1).load_state_dict({**sd, "consumed": 21})
 
 
+def test_sampler_takes_a_state_saved_before_resizes_existed() -> None:
+    s = ResumableSampler(20, seed=1)
+    s.advance(5)
+    old = {k: v for k, v in s.state_dict().items() if k != "start"} | {"rank": 0}
+    assert ResumableSampler(20, seed=1, num_replicas=2, rank=1).state_dict().keys() == (
+        s.state_dict().keys()
+    )  # no rank: the same state on every rank, so it may be saved as replicated
+    t = ResumableSampler(20, seed=1)
+    t.load_state_dict(old)
+    assert list(t) == list(s)
+    with pytest.raises(cryosnap.StateMismatchError, match="saved rank 3 of 2"):
+        t.load_state_dict({**old, "num_replicas": 2, "rank": 3})
+
+
+def _samplers(n: int, replicas: int, drop_last: bool, seed: int) -> list[ResumableSampler]:
+    return [
+        ResumableSampler(n, num_replicas=replicas, rank=r, seed=seed, drop_last=drop_last)
+        for r in range(replicas)
+    ]
+
+
+@given(
+    n=st.integers(0, 60),
+    old=st.integers(1, 5),
+    new=st.integers(1, 5),
+    newer=st.integers(1, 5),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 1000),
+    epoch=st.integers(0, 3),
+    data=st.data(),
+)
+def test_sampler_resized_mid_epoch_covers_exactly_the_unconsumed_samples(
+    n: int,
+    old: int,
+    new: int,
+    newer: int,
+    drop_last: bool,
+    seed: int,
+    epoch: int,
+    data: st.DataObject,
+) -> None:
+    """Old ranks consume c indices each; any old rank's state goes to the ranks of a job of
+    another size (and from there to a third): the epoch's order is kept, what was consumed is
+    skipped, the rest is split, nothing repeated beyond padding nor skipped beyond drop_last."""
+    seen: list[int] = []
+    ranks = _samplers(n, old, drop_last, seed)
+    for job in (new, newer):
+        left = ranks[0].epoch_samples - ranks[0].consumed
+        consumed = data.draw(st.integers(0, left), label="consumed")
+        for s in ranks:
+            s.set_epoch(epoch)
+            seen += list(s)[:consumed]
+            s.advance(consumed)
+        state = ranks[data.draw(st.integers(0, len(ranks) - 1), label="rank")].state_dict()
+        ranks = _samplers(n, job, drop_last, seed)
+        for s in ranks:
+            s.load_state_dict(state)
+            assert s.epoch == epoch
+    lists = [list(s) for s in ranks]
+    rest = [i for shard in lists for i in shard]
+    assert all(len(shard) == len(lists[0]) for shard in lists)  # the ranks stay in lockstep
+    counts = Counter(seen + rest)
+    padding = (old - 1) + (new - 1) + (newer - 1)
+    if drop_last:  # each sample at most once; fewer dropped than the ranks of the jobs
+        assert all(c == 1 for c in counts.values())
+        assert n - len(counts) < old + new + newer
+    else:  # every sample at least once; repeated only to pad each job's split
+        assert set(counts) == set(range(n))
+        assert sum(counts.values()) - n <= padding
+    if not rest:
+        return
+    # The rest follows the epoch's global order from where the old ranks stopped.
+    order = ranks[0].global_order(epoch)
+    interleaved = [shard[k] for k in range(len(lists[0])) for shard in lists]
+    start = order.index(interleaved[0])
+    real = min(len(interleaved), n - start)
+    assert interleaved[:real] == order[start : start + real]
+
+
+def test_sampler_resize_four_ranks_to_two_keeps_the_position() -> None:
+    four = _samplers(40, 4, False, 7)
+    for s in four:
+        s.advance(3)  # 12 of 40 consumed
+    two = _samplers(40, 2, False, 7)
+    for s in two:
+        s.load_state_dict(four[1].state_dict())
+    order = two[0].global_order(0)
+    assert sorted(i for s in two for i in s) == sorted(order[12:])
+    assert list(two[0]) == order[12::2] and list(two[1]) == order[13::2]
+    assert two[0].epoch_samples == 14 and len(two[0]) == 20
+    two[0].advance(14)
+    two[0].set_epoch(1)  # the next epoch is sharded as usual
+    assert list(two[0]) == ResumableSampler(40, num_replicas=2, rank=0, seed=7).indices(1)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -356,6 +451,20 @@ def test_loader_continues_after_break_and_moves_to_the_next_epoch() -> None:
     assert [i for b in loader for i in b.tolist()] == order.indices(1)
 
 
+def test_an_iterator_of_an_exhausted_epoch_follows_set_epoch_before_its_first_batch() -> None:
+    """Lightning resumed at an epoch's end: iter() on the exhausted epoch, then set_epoch."""
+    loader = ResumableLoader(_Indices(8), batch_size=4)
+    assert len(list(loader)) == 2  # epoch 0 exhausted, the loader at epoch 1
+    state = {"sampler": {**loader.state_dict()["sampler"], "epoch": 0, "consumed": 8}}
+    resumed = ResumableLoader(_Indices(8), batch_size=4)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    resumed.set_epoch(1)
+    expected = ResumableSampler(8).indices(1)
+    assert [int(i) for batch in it for i in batch] == expected
+    assert resumed.epoch == 2
+
+
 def test_stale_iterator_raises() -> None:
     loader = _loader(10, 2)
     old = iter(loader)
@@ -374,3 +483,10 @@ def test_loader_refuses_dataloader_arguments_it_owns(kwarg: str) -> None:
 def test_loader_refuses_a_sampler_of_another_length() -> None:
     with pytest.raises(ValueError, match="5 samples, the dataset has 4"):
         ResumableLoader(_Indices(4), sampler=ResumableSampler(5))
+
+
+def test_prepare_ddp_resume_takes_a_ddp_model_only() -> None:
+    from cryosnap.integrations.torch import prepare_ddp_resume
+
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        prepare_ddp_resume(torch.nn.Linear(2, 1), torch.zeros(1, 2))
