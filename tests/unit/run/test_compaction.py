@@ -71,6 +71,11 @@ def test_keep_k_costs_k_versions_in_dense_training(tmp_path: Path) -> None:
         dense_bytes = 3 * DENSE * 4
         assert all(i.incremental for i in infos[1:])
         assert all(i.written_bytes <= dense_bytes + 2 * rng_state.nbytes for i in infos[1:])
+        # Each kept version keeps alive only the file it wrote: nothing pinned.
+        space = ckpt.status().space["persistent"]
+        assert [v.step for v in space] == ckpt.steps()
+        assert all(v.referenced_bytes == v.pinned_bytes == 0 for v in space)
+        assert sum(v.owned_bytes for v in space) == _bytes_under(run, "data")
         _assert_restores(ckpt, states)
     # A reader of the run sees the same versions.
     assert cryosnap.load(run, step=VERSIONS - KEEP)["rng"].tobytes() == rng_state.tobytes()
@@ -132,6 +137,8 @@ def test_scratch_and_persistent_both_keep_k_versions(tmp_path: Path) -> None:
         version = 3 * DENSE * 4 + rng_state.nbytes
         assert _bytes_under(run, "data") <= 1.1 * KEEP * version
         assert _bytes_under(scratch, "data") <= 1.1 * 2 * version
+        space = ckpt.status().space
+        assert all(v.pinned_bytes == 0 for tier in space.values() for v in tier)
         _assert_restores(ckpt, states)
     # Every version kept on the persistent tier restores from it alone.
     for step in cryosnap.Run(run).steps():
