@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import cryosnap
 from cryosnap.engine.write._compact import LIVE_FRACTION
@@ -147,3 +148,22 @@ def test_scratch_and_persistent_both_keep_k_versions(tmp_path: Path) -> None:
         assert isinstance(want, dict)
         assert got["w"].tobytes() == want["w"].tobytes()  # type: ignore[union-attr]
         assert got["rng"].tobytes() == rng_state.tobytes()
+
+
+def test_a_damaged_remnant_is_not_copied(tmp_path: Path) -> None:
+    """A remnant that does not match its hash is left where it was (the version reads it
+    there, as it would without compaction), never certified by a copy."""
+    rng_state = np.random.default_rng(5).integers(0, 255, 5000, dtype=np.uint8)
+    run = tmp_path / "run"
+    with cryosnap.Checkpointer(run, keep=KEEP, full_every=16, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(0, _state(0, rng_state)).result()
+        (first,) = (run / "data").iterdir()
+        with open(first, "r+b") as f:  # the RNG state lies after the dense leaves
+            f.seek(3 * DENSE * 4 + 10)
+            f.write(b"\xff" if f.read(1) != b"\xff" else b"\x00")
+        info = ckpt.save(1, _state(1, rng_state)).result()
+        assert info.written_bytes == 3 * DENSE * 4  # nothing copied
+        space = {v.step: v for v in ckpt.status().space["persistent"]}
+        assert space[1].referenced_bytes == first.stat().st_size
+        with pytest.raises(cryosnap.IntegrityError):
+            ckpt.restore(1)

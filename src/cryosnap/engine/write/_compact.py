@@ -7,15 +7,16 @@ one read of the remnants (:func:`read_moves`). Runs on the writer thread, in ``P
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cryosnap._format.chunks import HASH_BYTES, hash_each_released
-from cryosnap._format.manifest import INHERITED, STORED, BlobEntry
+from cryosnap._format.manifest import STORED
 from cryosnap.engine._resolved import ResolvedPart
 from cryosnap.engine.write._differ import Segments, align_pad
 from cryosnap.errors import CheckpointError
@@ -25,11 +26,13 @@ __all__ = [
     "LIVE_FRACTION",
     "ChunkRefs",
     "CompactPlan",
+    "Move",
     "Placed",
+    "by_blob",
     "expand",
+    "files_after",
     "plan",
     "read_moves",
-    "rewrite",
 ]
 
 log = logging.getLogger("cryosnap")
@@ -209,125 +212,61 @@ def read_moves(
 ) -> list[memoryview] | None:
     """The bytes to append for ``moves`` placed so (zero pads included), every chunk checked
     against its hash; None when one cannot be read or does not match (the part then keeps
-    its references, as it would without compaction)."""
-    out: list[memoryview] = []
+    its references, as it would without compaction). Chunks back to back in an old file are
+    read in one call, into one buffer for them all."""
+    chunks = moves.distinct
+    sizes = refs.nbytes[chunks]
+    pads = np.array(placed.pads, np.int64)
+    ends = np.cumsum(pads + sizes)
+    starts = ends - sizes  # of each chunk in the buffer
+    buf = memoryview(bytearray(int(ends[-1]) if len(ends) else 0))
+    views = [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    keys, offsets = refs.key[chunks], refs.offset[chunks]
+    # A new read where the file changes or the next chunk does not follow in it.
+    cut = np.ones(len(chunks), bool)
+    cut[1:] = (keys[1:] != keys[:-1]) | (offsets[1:] != offsets[:-1] + sizes[:-1])
+    bounds = [*np.flatnonzero(cut).tolist(), len(chunks)]
     by_file: dict[int, list[tuple[int, list[memoryview]]]] = {}
-    views: list[memoryview] = []
-    for chunk, pad in zip(moves.distinct.tolist(), placed.pads, strict=True):
-        if pad:
-            out.append(memoryview(bytes(pad)))
-        buf = memoryview(bytearray(int(refs.nbytes[chunk])))
-        out.append(buf)
-        views.append(buf)
-        by_file.setdefault(int(refs.key[chunk]), []).append((int(refs.offset[chunk]), [buf]))
+    for a, b in itertools.pairwise(bounds):
+        by_file.setdefault(int(keys[a]), []).append((int(offsets[a]), views[a:b]))
     try:
         for k, ranges in by_file.items():
             store.read_ranges(refs.keys[k], ranges)
     except CheckpointError as exc:
         log.warning("compaction skipped: reading a remnant failed: %s", exc)
         return None
-    got = hash_each_released(views)
-    want = [refs.hashes[chunk].tobytes() for chunk in moves.distinct.tolist()]
-    if got != want:
+    got = np.frombuffer(b"".join(hash_each_released(views)), np.uint8).reshape(-1, HASH_BYTES)
+    if not np.array_equal(got, refs.hashes[chunks]):
         log.warning("compaction skipped: a remnant in %s does not match its hash", store.url)
         return None
+    return [buf]
+
+
+Move = tuple[int, int, int, bytes]  # (chunk of the blob, new offset, bytes, hash)
+
+
+def by_blob(refs: ChunkRefs, moves: CompactPlan, placed: Placed) -> dict[int, list[Move]]:
+    """Per blob, its moved chunks: which chunk of the blob, where it goes, its size, hash."""
+    first = refs.row_starts[refs.row_bounds[:-1]]  # each blob's first chunk
+    chunks = moves.chunks
+    blobs = refs.blob[chunks]
+    raw = refs.hashes[chunks].tobytes()
+    out: dict[int, list[Move]] = {}
+    for i, (blob, k, at, nb) in enumerate(
+        zip(
+            blobs.tolist(),
+            (chunks - first[blobs]).tolist(),
+            placed.new_offset.tolist(),
+            refs.nbytes[chunks].tolist(),
+            strict=True,
+        )
+    ):
+        out.setdefault(blob, []).append((k, at, nb, raw[i * HASH_BYTES : (i + 1) * HASH_BYTES]))
     return out
 
 
-def rewrite(
-    segments: Segments,
-    refs: ChunkRefs,
-    moves: CompactPlan,
-    placed: Placed,
-    own_key: str,
-    chunk_bytes: int,
-) -> Segments:
-    """``segments`` with the moved chunks stored in ``own_key`` at their new offsets, and
-    the data files renumbered densely over those still read."""
-    files = list(segments.data_files)
-    if own_key not in files:
-        files.append(own_key)
-    own = files.index(own_key)
-    moved_at = dict(zip(moves.chunks.tolist(), placed.new_offset.tolist(), strict=True))
-    blobs = np.unique(refs.blob[moves.chunks]).tolist()
-    entries = list(segments.entries)
-    starts = refs.row_starts.tolist()
-    for i in blobs:
-        lo = int(refs.row_bounds[i])
-        entries[i] = _rewrite_blob(entries[i], starts, lo, moved_at, refs, own, chunk_bytes)
-    return _renumber(entries, files)
-
-
-def _rewrite_blob(
-    entry: BlobEntry,
-    starts: list[int],
-    lo: int,
-    moved_at: dict[int, int],
-    refs: ChunkRefs,
-    own: int,
-    cb: int,
-) -> BlobEntry:
-    """One blob's table again, chunk by chunk where a chunk moved, row by row elsewhere (its
-    rows start at row ``lo`` of ``starts``, the first chunk of each row)."""
-    rows: list[list[int]] = []
-    hashes: list[bytes] = []
-    stored_seen = 0  # stored chunks of this entry so far (its hashes, in order)
-    for r, row in enumerate(entry.table.tolist()):
-        in_row = range(starts[lo + r], starts[lo + r + 1])
-        kind = row[0]
-        if not any(c in moved_at for c in in_row):
-            if kind == STORED:
-                nchunks = len(in_row)
-                hashes.append(
-                    entry.hashes[stored_seen * HASH_BYTES : (stored_seen + nchunks) * HASH_BYTES]
-                )
-                stored_seen += nchunks
-            _append(rows, row, cb)
-            continue
-        for k, c in enumerate(in_row):
-            digest = refs.hashes[c].tobytes()
-            if c in moved_at:
-                _append(rows, [STORED, own, moved_at[c], int(refs.nbytes[c])], cb)
-                hashes.append(digest)
-            elif kind == STORED:
-                _append(rows, [STORED, row[1], int(refs.offset[c]), int(refs.nbytes[c])], cb)
-                hashes.append(digest)
-            else:
-                _append(rows, [INHERITED, row[1], row[2] + k, 1], cb)
-        if kind == STORED:
-            stored_seen += len(in_row)
-    table = np.array(rows, np.int64).reshape(-1, 4)
-    return BlobEntry(entry.nbytes, entry.root, table, b"".join(hashes), entry.chunk_bytes)
-
-
-def _append(rows: list[list[int]], row: list[int], cb: int) -> None:
-    """Append ``row``, merged into the last one where they continue each other."""
-    last = rows[-1] if rows else None
-    if (
-        last is not None
-        and last[0] == row[0]
-        and last[1] == row[1]
-        and last[2] + last[3] == row[2]
-        and (row[0] == INHERITED or last[3] % cb == 0)
-    ):
-        last[3] += row[3]
-        return
-    rows.append(list(row))
-
-
-def _renumber(entries: Sequence[BlobEntry], files: list[str]) -> Segments:
-    """The stored rows' files renumbered densely, in the order of ``files``."""
-    used: set[int] = set()
-    for e in entries:
-        t = e.table
-        used.update(np.unique(t[t[:, 0] == STORED, 1]).tolist())
-    keep = sorted(used)
-    remap = np.zeros(len(files), np.int64)
-    remap[keep] = np.arange(len(keep))
-    out = []
-    for e in entries:
-        t = e.table.copy()
-        s = t[:, 0] == STORED
-        t[s, 1] = remap[t[s, 1]]
-        out.append(BlobEntry(e.nbytes, e.root, t, e.hashes, e.chunk_bytes))
-    return Segments(out, [files[i] for i in keep])
+def files_after(refs: ChunkRefs, moves: CompactPlan, own_key: str) -> set[str]:
+    """The data files the part reads once ``moves`` went into ``own_key``."""
+    stay = np.ones(len(refs.key), bool)
+    stay[moves.chunks] = False
+    return {refs.keys[i] for i in np.unique(refs.key[stay]).tolist()} | {own_key}

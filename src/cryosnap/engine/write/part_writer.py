@@ -414,15 +414,18 @@ class PartWriter:
                 size_of=self.store.size,
             )
             if moves is not None:
-                segments, refs = self._append_moved(segments, refs, moves)
+                segments, files = self._append_moved(segments, refs, moves)
+                self._used = frozenset(files)
+                return segments
         self._used = frozenset(refs.files())
         return segments
 
     def _append_moved(
         self, segments: Segments, refs: _compact.ChunkRefs, moves: _compact.CompactPlan
-    ) -> tuple[Segments, _compact.ChunkRefs]:
+    ) -> tuple[Segments, set[str]]:
         """Read the remnants ``moves`` names and append them to one of this part's files;
-        the segments and chunks that name them there (unchanged when a read failed)."""
+        the segments that name them there and the files the part reads then (as before
+        when a read failed)."""
         device = 0
         if self.placement is not None:
             nbytes = int(refs.nbytes[moves.distinct].sum()) + ALIGN_BYTES * len(moves.distinct)
@@ -431,7 +434,7 @@ class PartWriter:
         placed = moves.placed(refs, at.offset)
         views = _compact.read_moves(self.store, refs, moves, placed)
         if views is None:
-            return segments, refs
+            return segments, refs.files()
         nbytes = placed.end - placed.start
         if self.placement is not None:
             self.placement.enqueue(device, nbytes)
@@ -439,10 +442,12 @@ class PartWriter:
         at.offset = placed.end
         self._compacted = int(refs.nbytes[moves.distinct].sum())
         self._differ.padding += nbytes - self._compacted
-        for c, new in zip(moves.chunks.tolist(), placed.new_offset.tolist(), strict=True):
-            self.new_index[refs.hashes[c].tobytes()] = (at.key, new)
-        segments = _compact.rewrite(segments, refs, moves, placed, at.key, self.chunk_bytes)
-        return segments, _compact.expand(segments, self.base, self.chunk_bytes)
+        new_index, key = self.new_index, at.key
+        for blob, chunks in _compact.by_blob(refs, moves, placed).items():
+            self._differ.relocate(blob, at.file, chunks)
+            for _k, offset, _n, digest in chunks:
+                new_index[digest] = (key, offset)
+        return self._differ.segments(), _compact.files_after(refs, moves, at.key)
 
     def _build(self, segments: Segments | None = None) -> tuple[Manifest, bytes]:
         if segments is None:
