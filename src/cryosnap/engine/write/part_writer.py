@@ -42,7 +42,7 @@ from cryosnap.engine.write import _compact
 from cryosnap.engine.write._appender import Appender
 from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable, Segments
 from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
-from cryosnap.errors import CheckpointError, CheckpointExistsError
+from cryosnap.errors import CheckpointError, CheckpointExistsError, StorageError
 from cryosnap.storage import Store
 from cryosnap.storage.tiers import Placement
 
@@ -429,7 +429,10 @@ class PartWriter:
         device = 0
         if self.placement is not None:
             nbytes = int(refs.nbytes[moves.distinct].sum()) + ALIGN_BYTES * len(moves.distinct)
-            device = self.placement.choose(nbytes, reserve=nbytes)
+            try:
+                device = self.placement.choose(nbytes, reserve=nbytes)
+            except StorageError:  # no room for the copy on scratch: the references stay
+                return segments, refs.files()
         at = self._cursors[device]
         placed = moves.placed(refs, at.offset)
         views = _compact.read_moves(self.store, refs, moves, placed)
