@@ -414,43 +414,11 @@ class PartWriter:
                 size_of=self.store.size,
             )
             if moves is not None:
-                segments, files = self._append_moved(segments, refs, moves)
+                segments, files = _append_moved(self, segments, refs, moves)
                 self._used = frozenset(files)
                 return segments
         self._used = frozenset(refs.files())
         return segments
-
-    def _append_moved(
-        self, segments: Segments, refs: _compact.ChunkRefs, moves: _compact.CompactPlan
-    ) -> tuple[Segments, set[str]]:
-        """Read the remnants ``moves`` names and append them to one of this part's files;
-        the segments that name them there and the files the part reads then (as before
-        when a read failed)."""
-        device = 0
-        if self.placement is not None:
-            nbytes = int(refs.nbytes[moves.distinct].sum()) + ALIGN_BYTES * len(moves.distinct)
-            try:
-                device = self.placement.choose(nbytes, reserve=nbytes)
-            except StorageError:  # no room for the copy on scratch: the references stay
-                return segments, refs.files()
-        at = self._cursors[device]
-        placed = moves.placed(refs, at.offset)
-        views = _compact.read_moves(self.store, refs, moves, placed)
-        if views is None:
-            return segments, refs.files()
-        nbytes = placed.end - placed.start
-        if self.placement is not None:
-            self.placement.enqueue(device, nbytes)
-        self._ios[device].append(views, lambda: None, nbytes)
-        at.offset = placed.end
-        self._compacted = int(refs.nbytes[moves.distinct].sum())
-        self._differ.padding += nbytes - self._compacted
-        new_index, key = self.new_index, at.key
-        for blob, chunks in _compact.by_blob(refs, moves, placed).items():
-            self._differ.relocate(blob, at.file, chunks)
-            for _k, offset, _n, digest in chunks:
-                new_index[digest] = (key, offset)
-        return self._differ.segments(), _compact.files_after(refs, moves, at.key)
 
     def _build(self, segments: Segments | None = None) -> tuple[Manifest, bytes]:
         if segments is None:
@@ -507,6 +475,39 @@ class PartWriter:
         finally:
             if self.placement is not None:
                 self.placement.release()
+
+
+def _append_moved(
+    self: PartWriter, segments: Segments, refs: _compact.ChunkRefs, moves: _compact.CompactPlan
+) -> tuple[Segments, set[str]]:
+    """Read the remnants ``moves`` names and append them to one of the part's files (of
+    ``self``, in its ``finish``); the segments that name them there and the files the part
+    reads then (as before when a read or the placement failed)."""
+    device = 0
+    if self.placement is not None:
+        nbytes = int(refs.nbytes[moves.distinct].sum()) + ALIGN_BYTES * len(moves.distinct)
+        try:
+            device = self.placement.choose(nbytes, reserve=nbytes)
+        except StorageError:  # no room for the copy on scratch: the references stay
+            return segments, refs.files()
+    at = self._cursors[device]
+    placed = moves.placed(refs, at.offset)
+    views = _compact.read_moves(self.store, refs, moves, placed)
+    if views is None:
+        return segments, refs.files()
+    nbytes = placed.end - placed.start
+    if self.placement is not None:
+        self.placement.enqueue(device, nbytes)
+    self._ios[device].append(views, lambda: None, nbytes)
+    at.offset = placed.end
+    self._compacted = int(refs.nbytes[moves.distinct].sum())
+    self._differ.padding += nbytes - self._compacted
+    new_index, key = self.new_index, at.key
+    for blob, chunks in _compact.by_blob(refs, moves, placed).items():
+        self._differ.relocate(blob, at.file, chunks)
+        for _k, offset, _n, digest in chunks:
+            new_index[digest] = (key, offset)
+    return self._differ.segments(), _compact.files_after(refs, moves, at.key)
 
 
 def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[list[Item]]:
