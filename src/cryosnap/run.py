@@ -27,6 +27,7 @@ from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import load
 from cryosnap.dist import Coordinator
 from cryosnap.dist._environ import job_coordinator
+from cryosnap.engine import VersionSpace
 from cryosnap.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -46,6 +47,7 @@ __all__ = [
     "VerifyReport",
     "VersionCheck",
     "VersionInfo",
+    "VersionSpace",
     "VersionSummary",
     "committed_steps",
     "flush",
@@ -163,6 +165,8 @@ class Removal:
     data_files: tuple[str, ...]
     freed_bytes: int
     dry_run: bool
+    # Bytes of the removed versions' data files that stay: kept versions still read them.
+    still_read_bytes: int = 0
 
 
 class Run:
@@ -224,6 +228,12 @@ class Run:
             incremental=record.incremental,
             created_unix=record.created_unix,
         )
+
+    def space(self) -> list[VersionSpace]:
+        """Per version, oldest first, the bytes of data files it keeps alive: those it wrote,
+        those of earlier versions it reads, and of these the ones whose version is gone (it
+        pins them). From the commit records and one size per file; takes no lock."""
+        return engine.version_space(self._store)
 
     def summary(self, step: int) -> VersionSummary:
         """Version ``step`` from its commit record only (what ``cryosnap ls`` lists): cheaper
@@ -332,7 +342,18 @@ class Run:
             tuple(plan.data_files),
             freed,
             dry_run,
+            sum(_size(store, k) for k in self._still_read(plan)),
         )
+
+    def _still_read(self, plan: engine.RetirePlan) -> set[str]:
+        """The data files of ``plan``'s dropped versions that it keeps: kept versions read
+        them (an incremental version pins what it reads until it goes itself)."""
+        versions = engine.list_versions(self._store)
+        files: set[str] = set()
+        for step in plan.dropped:
+            with contextlib.suppress(CheckpointNotFoundError):
+                files.update(engine.read_commit(self._store, step, versions.get(step)).data_files)
+        return files - set(plan.data_files)
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -83,3 +83,63 @@ def test_sigkill_after_commit_keeps_the_version(tmp_path: Path) -> None:
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == -9
     assert cryosnap.load(run) == {"x": 7}
+
+
+_COMPACTING_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    import cryosnap
+    from cryosnap.storage import LocalStore
+    from cryosnap.testing import FaultyStore
+
+    run, phase = sys.argv[1], sys.argv[2]
+    armed = {"on": False}
+    rng = np.arange(5000, dtype=np.uint8)  # never changes: a remnant copied forward
+
+    def fault(op, key):
+        if not armed["on"]:
+            return
+        name = op
+        if op == "write":
+            name = "commit" if key.endswith("COMMIT.json") else "manifest"
+        if name == phase and (op != "read_into" or key.startswith("data/")):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    store = FaultyStore(LocalStore(run), fault=fault)
+    with cryosnap.Checkpointer(store, keep=2, chunk_bytes=64 << 10) as ckpt:
+        for step in range(5):
+            armed["on"] = step == 4
+            ckpt.save(step, {"a": np.arange(100_000.0) + step, "rng": rng}).result()
+    print("finished without crashing")
+    """
+)
+
+
+@pytest.mark.parametrize("phase", ["read_into", "writer.commit", "commit"])
+def test_sigkill_while_compacting_keeps_the_old_references(tmp_path: Path, phase: str) -> None:
+    """Killed while a version copies a remnant forward (reading it, the copy not durable, the
+    version not committed): the kept versions still read the remnant where it was."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPACTING_CHILD, str(run), phase],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    rng = np.arange(5000, dtype=np.uint8)
+    assert cryosnap.Run(run).steps() == [2, 3]
+    for step in (2, 3):
+        out = cryosnap.load(run, step=step)
+        np.testing.assert_array_equal(out["a"], np.arange(100_000.0) + step)
+        np.testing.assert_array_equal(out["rng"], rng)
+    with cryosnap.Checkpointer(run, keep=2, chunk_bytes=64 << 10) as ckpt:
+        for step in (4, 5, 6):
+            ckpt.save(step, {"a": np.arange(100_000.0) + step, "rng": rng}).result()
+        ckpt.wait()
+    assert cryosnap.Run(run).steps() == [5, 6]
+    np.testing.assert_array_equal(cryosnap.load(run, step=5)["rng"], rng)
+    # The files of the dropped versions went: two versions' data, no more.
+    data = sum(f.stat().st_size for f in (run / "data").iterdir())
+    assert data <= 2 * (800_000 + 5000) + 2 * 64

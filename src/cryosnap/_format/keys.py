@@ -19,6 +19,7 @@ __all__ = [
     "parse_commit_key",
     "parse_manifest_key",
     "step_of_commit_key",
+    "step_of_data_key",
     "validate_key",
     "version_prefix",
     "visible_versions",
@@ -85,6 +86,15 @@ def manifest_key(step: int, rank: int, generation: int = 0) -> str:
 
 def data_key(step: int, rank: int, token: str) -> str:
     return f"data/{step:012d}-r{rank:05d}-{token}.dat"
+
+
+_DATA_NAME = re.compile(r"data/([0-9]{12})-r[0-9]{5}-[^/]+\.dat")
+
+
+def step_of_data_key(key: str) -> int | None:
+    """The step of the version that wrote data file ``key`` (:func:`data_key`), or None."""
+    m = _DATA_NAME.fullmatch(key)
+    return None if m is None else int(m.group(1))
 
 
 _MANIFEST_NAME = re.compile(r"rank-([0-9]{5})(?:-g([1-9][0-9]{0,8}))?(?:-[0-9a-f]{8})?\.json")

@@ -384,7 +384,10 @@ class Levels:
         for handoff in self.handoffs:
             waiting |= handoff.unfinished()
             error = error or handoff.flusher.last_error
-        return Status(steps=steps, not_persistent=tuple(sorted(waiting)), flush_error=error)
+        space = {level.name: tuple(engine.version_space(level.store)) for level in self.levels}
+        return Status(
+            steps=steps, not_persistent=tuple(sorted(waiting)), flush_error=error, space=space
+        )
 
     def step_exists(self, step: int, lineage: Lineage | None = None) -> str | None:
         """The url of a level where ``step`` is a version that a save of ``step`` in

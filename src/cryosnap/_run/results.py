@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryosnap._run.staging import CaptureTracker
+from cryosnap.engine import VersionSpace
 from cryosnap.errors import CheckpointTimeoutError
 
 __all__ = ["PendingSave", "SaveInfo", "Status"]
@@ -49,11 +50,15 @@ class Status:
     ``steps`` lists the complete versions per tier (``"scratch"``, ``"persistent"``);
     ``not_persistent`` the versions committed on a faster tier and not yet on the last one,
     oldest first; ``flush_error`` the last failure of a flush in progress while it is retried.
+    ``space`` says per tier what each version keeps alive (``engine.VersionSpace``: bytes of
+    the data files it wrote, of earlier versions' files it reads, and of those whose version
+    is gone, which it pins).
     """
 
     steps: dict[str, tuple[int, ...]]
     not_persistent: tuple[int, ...]
     flush_error: BaseException | None
+    space: dict[str, tuple[VersionSpace, ...]] = field(default_factory=dict)
 
 
 class PendingSave:

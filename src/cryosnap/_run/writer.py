@@ -219,6 +219,8 @@ class VersionWriter:
             shares=plan.shares,
             replicated=plan.keys,
             lineage=job.lineage,
+            # Remnants are copied forward only where retention will drop versions.
+            compact=self.level.keep is not None,
         )
 
     def _tell_failure(self, job: Job, exc: BaseException, *, exchanged: bool, copied: bool) -> None:

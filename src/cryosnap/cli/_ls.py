@@ -1,4 +1,6 @@
-"""``cryosnap ls``: one row per committed version, from the commit records (no manifest read).
+"""``cryosnap ls``: one row per committed version, from the commit records (no manifest read),
+with the bytes of data files each keeps alive: written by it, read from earlier versions, and
+pinned (read from versions that are gone).
 
 Runs on the caller's thread, over :meth:`cryosnap.Run.summary`; takes no lock.
 """
@@ -11,7 +13,7 @@ from cryosnap.cli._common import committed, open_run
 from cryosnap.cli._render import Column, Table, iso_time, one_line, print_json
 from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from cryosnap.progress import human_bytes
-from cryosnap.run import Run, VersionSummary
+from cryosnap.run import Run, VersionSpace, VersionSummary
 
 
 def cmd_ls(location: str, *, as_json: bool) -> None:
@@ -30,6 +32,9 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
             Column("logical", right=True),
             Column("written", right=True),
             Column("files", right=True),
+            Column("owns", right=True),
+            Column("reads", right=True),
+            Column("pins", right=True),
         ]
     )
     for v in versions:
@@ -44,13 +49,21 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
             human_bytes(v["logical_bytes"]),
             human_bytes(v["written_bytes"]),
             str(v["data_files"]),
+            human_bytes(v["owned_bytes"]),
+            human_bytes(v["referenced_bytes"]),
+            human_bytes(v["pinned_bytes"]),
         )
     table.render()
 
 
 def _versions(run: Run) -> list[dict[str, Any]]:
     versions: list[dict[str, Any]] = []
-    for step in committed(run):
+    steps = committed(run)
+    try:
+        space = {s.step: s for s in run.space()}
+    except (CheckpointFormatError, IntegrityError):
+        space = {}  # a damaged record: its row says so, the others show no space
+    for step in steps:
         try:
             summary = run.summary(step)
         except CheckpointNotFoundError:
@@ -58,11 +71,11 @@ def _versions(run: Run) -> list[dict[str, Any]]:
         except (CheckpointFormatError, IntegrityError) as exc:
             versions.append({"step": step, "damaged": True, "error": one_line(str(exc))})
             continue
-        versions.append(_version_doc(summary))
+        versions.append(_version_doc(summary, space.get(step)))
     return versions
 
 
-def _version_doc(summary: VersionSummary) -> dict[str, Any]:
+def _version_doc(summary: VersionSummary, space: VersionSpace | None) -> dict[str, Any]:
     return {
         "step": summary.step,
         "damaged": False,
@@ -74,4 +87,7 @@ def _version_doc(summary: VersionSummary) -> dict[str, Any]:
         "written_bytes": summary.written_bytes,
         "data_files": summary.data_files,
         "chunk_bytes": summary.chunk_bytes,
+        "owned_bytes": space.owned_bytes if space else 0,
+        "referenced_bytes": space.referenced_bytes if space else 0,
+        "pinned_bytes": space.pinned_bytes if space else 0,
     }

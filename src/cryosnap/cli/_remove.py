@@ -26,13 +26,20 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
                 "kept_steps": list(removal.kept),
                 "freed_bytes": removal.freed_bytes,
                 "data_files_deleted": len(removal.data_files),
+                "still_read_bytes": removal.still_read_bytes,
             }
         )
         return
     verb = ("would delete", "would free") if dry_run else ("deleted", "freed")
+    kept_files = (
+        f" ({human_bytes(removal.still_read_bytes)} of their data stays: kept versions read it)"
+        if removal.still_read_bytes
+        else ""
+    )
     print_line(
         f"{verb[0]} {plural(len(removal.removed), 'version')}, kept "
         f"{plural(len(removal.kept), 'version')}; {verb[1]} {human_bytes(removal.freed_bytes)}"
+        f"{kept_files}"
     )
 
 

@@ -39,7 +39,15 @@ from cryosnap.engine._resolved import (
     resolve_version,
 )
 from cryosnap.engine._resolved import _resolve_one as _resolve_one
-from cryosnap.engine._retire import RetirePlan, apply_retire, ignore_files, plan_retire, retire
+from cryosnap.engine._retire import (
+    RetirePlan,
+    VersionSpace,
+    apply_retire,
+    ignore_files,
+    plan_retire,
+    retire,
+    version_space,
+)
 from cryosnap.engine._select import validate_keys
 from cryosnap.engine.read import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
 from cryosnap.engine.read import IO_BATCH_BYTES
@@ -73,9 +81,11 @@ __all__ = [
     "read_part",
     "resolve",
     "resolve_version",
+    "VersionSpace",
     "apply_retire",
     "assign_shares",
     "plan_retire",
+    "version_space",
     "retire",
     "step_exists",
     "validate_keys",

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from cryosnap._format.keys import step_of_data_key
 from cryosnap._format.manifest import (
     CommitRecord,
     Lineage,
@@ -23,11 +24,19 @@ from cryosnap._format.manifest import (
 )
 from cryosnap.engine._records import _no_fence, list_records, read_commit
 from cryosnap.engine._resolved import chain_keys
-from cryosnap.errors import CheckpointError
+from cryosnap.errors import CheckpointError, CheckpointNotFoundError
 from cryosnap.policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
 from cryosnap.storage import Store
 
-__all__ = ["RetirePlan", "apply_retire", "ignore_files", "plan_retire", "retire"]
+__all__ = [
+    "RetirePlan",
+    "VersionSpace",
+    "apply_retire",
+    "ignore_files",
+    "plan_retire",
+    "retire",
+    "version_space",
+]
 
 log = logging.getLogger("cryosnap")
 
@@ -50,6 +59,48 @@ class RetirePlan:
     superseded: list[str] = field(default_factory=list)
     # The commit records of ``dropped``, in the same order.
     records: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpace:
+    """The data files one version keeps alive, from its commit record and their sizes:
+    ``owned_bytes`` of the files it wrote, ``referenced_bytes`` of earlier versions' files it
+    reads, ``pinned_bytes`` the part of those whose version is gone (kept for this one)."""
+
+    step: int
+    owned_bytes: int
+    referenced_bytes: int
+    pinned_bytes: int
+
+
+def version_space(store: Store) -> list[VersionSpace]:
+    """Per version of ``store``, oldest first, the bytes of data files it keeps alive (one
+    size per file; reads commit records only). A file that is gone counts 0."""
+    versions = visible_versions(list_records(store))
+    sizes: dict[str, int] = {}
+    out: list[VersionSpace] = []
+    for step, lineage in versions.items():
+        record = read_commit(store, step, lineage)
+        owned = referenced = pinned = 0
+        for key in record.data_files:
+            if key not in sizes:
+                sizes[key] = _size(store, key)
+            written_by = step_of_data_key(key)
+            if written_by == step:
+                owned += sizes[key]
+                continue
+            referenced += sizes[key]
+            if written_by not in versions:
+                pinned += sizes[key]
+        out.append(VersionSpace(step, owned, referenced, pinned))
+    return out
+
+
+def _size(store: Store, key: str) -> int:
+    try:
+        return store.size(key)
+    except CheckpointNotFoundError:
+        return 0
 
 
 def plan_retire(

@@ -24,9 +24,11 @@ from safetensors.torch import load_file
 import cryosnap
 import cryosnap.cli
 import cryosnap.storage
+from cryosnap import engine
 from cryosnap.cli import main
 from cryosnap.export import ExportError, ExportResult, export
 from cryosnap.progress import human_bytes
+from cryosnap.storage import LocalStore
 
 
 def torch_state() -> dict[str, Any]:
@@ -277,7 +279,10 @@ def test_ls_text(capsys: pytest.CaptureFixture[str], run: Path) -> None:
     code, out, err = cli(capsys, "ls", run)
     assert (code, err) == (0, "")
     header, *rows = out.splitlines()
-    assert header.split() == ["step", "created", "world", "leaves", "logical", "written", "files"]
+    assert header.split() == [
+        *("step", "created", "world", "leaves", "logical", "written", "files"),
+        *("owns", "reads", "pins"),
+    ]
     assert len(rows) == 2
     cells = rows[1].split()
     assert cells[0] == "2"
@@ -299,7 +304,9 @@ def test_ls_json(capsys: pytest.CaptureFixture[str], run: Path) -> None:
     assert last["written_bytes"] == info.written_bytes
     assert last["world_size"] == 1
     assert last["leaves"] == 1
-    assert last["data_files"] == 3  # incremental: its own file and those of its chain
+    # Incremental: exactly the files its chunks lie in (its own, or its chain's).
+    read = engine.resolve_version(LocalStore(run), 9).used_files()
+    assert last["data_files"] == len(read)
     assert datetime.fromisoformat(last["created"]).timestamp() == pytest.approx(
         last["created_unix"], abs=1
     )
@@ -409,6 +416,41 @@ def test_gc_dry_run_deletes_nothing(capsys: pytest.CaptureFixture[str], tmp_path
     code, out, _ = cli(capsys, "gc", run, "--keep", "1", "--json")
     assert json.loads(out)["deleted_steps"] == [0, 1, 2]
     assert len(list((run / "data").iterdir())) == 1
+
+
+def test_ls_and_gc_say_what_kept_versions_pin(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A run kept whole (no retention, so nothing copied forward): every incremental version
+    reads the small leaf from the first version's file. gc says that file stays, and once its
+    version is gone ls shows the versions that pin it."""
+    run = tmp_path / "run"
+    small = np.arange(1000, dtype=np.uint8)
+    with cryosnap.Checkpointer(run, chunk_bytes=4096) as ckpt:
+        for step in range(5):
+            ckpt.save(step, {"w": np.arange(4096.0) + step, "small": small}).result()
+    first = next(p for p in (run / "data").iterdir() if p.name.startswith("000000000000-"))
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    rows = {v["step"]: v for v in json.loads(out)["versions"]}
+    assert code == 0 and rows[0]["referenced_bytes"] == 0
+    assert all(rows[s]["referenced_bytes"] == first.stat().st_size for s in range(1, 5))
+    assert all(rows[s]["owned_bytes"] == 4096 * 8 for s in range(1, 5))
+    assert all(v["pinned_bytes"] == 0 for v in rows.values())
+    code, out, _ = cli(capsys, "gc", run, "--keep", "3", "--dry-run", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["deleted_steps"] == [0, 1]
+    assert doc["still_read_bytes"] == first.stat().st_size  # step 0's file stays
+    assert doc["freed_bytes"] < 2 * 4096 * 8 + first.stat().st_size
+    code, out, _ = cli(capsys, "gc", run, "--keep", "3", "--dry-run")
+    assert "of their data stays: kept versions read it" in out
+    cli(capsys, "gc", run, "--keep", "3")
+    assert first.exists()
+    code, out, _ = cli(capsys, "ls", run, "--json")
+    rows = {v["step"]: v for v in json.loads(out)["versions"]}
+    assert sorted(rows) == [2, 3, 4]
+    assert all(v["pinned_bytes"] == first.stat().st_size for v in rows.values())
+    code, out, _ = cli(capsys, "ls", run)
+    assert out.splitlines()[0].split()[-3:] == ["owns", "reads", "pins"]
 
 
 # ---------------------------------------------------------------------------------------------

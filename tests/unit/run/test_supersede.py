@@ -398,7 +398,8 @@ class SupersedeMachine(RuleBasedStateMachine):
         # Committed: every version after the fork is superseded; keep=4 keeps 3 more.
         older = sorted((s, t) for s, t in self.model.items() if s < step)
         self.model = {**dict(older[-3:]), step: self.trajectory}
-        self.damaged &= set(self.model)
+        # The step saved again is a new version: the damage was the superseded one's.
+        self.damaged = (self.damaged & set(self.model)) - {step}
         self.next_step = step + 1
 
     @precondition(lambda self: bool(self.model))

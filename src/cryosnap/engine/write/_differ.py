@@ -313,6 +313,40 @@ class Differ:
                 left = True
         return left
 
+    def relocate(self, blob: int, file: int, moves: Sequence[tuple[int, int, int, bytes]]) -> None:
+        """Chunks of ``blob`` copied into file ``file`` (compaction: engine/write/_compact.py):
+        ``moves`` of ``(chunk, offset, nbytes, hash)`` become stored segments there; the
+        blob's other chunks keep their segments (split around the moved ones)."""
+        at = self._one_at[blob]
+        if at >= 0:  # one chunk: its one row
+            ((k, offset, nbytes, _digest),) = moves
+            assert k == 0
+            self._one_rows[4 * at : 4 * at + 4] = (STORED, file, offset, nbytes)
+            return
+        old = self._builders[blob]
+        new = BlobSegments()
+        new.hashes = old.hashes
+        cb = self.chunk_bytes
+        moved = {k: (offset, nbytes, digest) for k, offset, nbytes, digest in moves}
+        chunk = 0
+        for seg in old.segments:
+            n = -(-seg[3] // cb) if seg[0] == STORED else seg[3]
+            if not any(chunk + j in moved for j in range(n)):
+                new.segments.append(seg)
+                chunk += n
+                continue
+            for j in range(n):
+                if chunk + j in moved:
+                    offset, nbytes, digest = moved[chunk + j]
+                    new.store(file, offset, nbytes, digest, cb)
+                elif seg[0] == STORED:
+                    size = min(cb, seg[3] - j * cb)
+                    new.store(seg[1], seg[2] + j * cb, size, seg[4][j], cb)
+                else:
+                    new.inherit(seg[1], seg[2] + j, 1)
+            chunk += n
+        self._builders[blob] = new
+
     def root(self, i: int) -> bytes:
         """The Merkle root of blob ``i`` (every chunk diffed)."""
         at = self._one_at[i]

@@ -39,10 +39,11 @@ from cryosnap._state import FlatState
 from cryosnap._state.gc import paused_gc
 from cryosnap.engine._resolved import ResolvedPart, _Loc, _resolve_one
 from cryosnap.engine.items import Hashed, Item, Piece, Unchanged
+from cryosnap.engine.write import _compact
 from cryosnap.engine.write._appender import Appender
-from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable
+from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable, Segments
 from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
-from cryosnap.errors import CheckpointError, CheckpointExistsError
+from cryosnap.errors import CheckpointError, CheckpointExistsError, StorageError
 from cryosnap.storage import Store
 from cryosnap.storage.tiers import Placement
 
@@ -71,6 +72,9 @@ class PartResult:
     leaves: int
     root: bytes
     incremental: bool
+    # The data files the version reads, exactly (None: own files and all of the base's).
+    files: frozenset[str] | None = None
+    compacted_bytes: int = 0  # remnants of older files copied into this part's (in written)
     _resolved: ResolvedPart | None = None
 
     def resolved(self) -> ResolvedPart:
@@ -83,7 +87,10 @@ class PartResult:
 
     def used_files(self) -> set[str]:
         """Data files this version may read: its own plus, if incremental, its base's (a
-        superset of what it inherits; the chain is bounded, so retention still reclaims)."""
+        superset of what it inherits; the chain is bounded, so retention still reclaims), or
+        exactly those its chunks lie in when the writer knew them."""
+        if self.files is not None:
+            return set(self.files)
         own = set(self.manifest.data_files)
         if self.base is None:
             return own
@@ -142,6 +149,7 @@ class PartWriter:
         shares: dict[int, Owners] | None = None,
         replicated: Replicated = None,
         lineage: Lineage | None = None,
+        compact: bool = False,
     ) -> None:
         if store.exists(commit_key(step, lineage)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
@@ -155,6 +163,11 @@ class PartWriter:
         self.index = index if self.base is not None and index is not None else {}
         self.placement = placement
         self.replicated = replicated
+        # Copy small remnants of older files forward (engine/write/_compact.py): only where
+        # retention will drop versions.
+        self.compact = compact
+        self._used: frozenset[str] | None = None
+        self._compacted = 0
         token = secrets.token_hex(4)
         if placement is None:
             keys = [data_key(step, rank, token)]
@@ -363,12 +376,14 @@ class PartWriter:
     # -- the end of the part ---------------------------------------------------------------------
 
     def finish(self) -> PartResult:
-        # The manifest is built while the I/O threads fsync the data, and written after.
+        # The manifest is built while the I/O threads fsync the data, and written after; an
+        # incremental part's segments first, for the compaction appends before the fsync.
+        segments = self._compacted_segments() if self.base is not None else None
         for io in self._ios:
             io.start_commit()
         try:
             with paused_gc():
-                manifest, body = self._build()
+                manifest, body = self._build(segments)
         finally:
             try:
                 for io in self._ios:
@@ -378,13 +393,38 @@ class PartWriter:
                     self.placement.release()
         return self._write_manifest(manifest, body)
 
-    def _build(self) -> tuple[Manifest, bytes]:
+    def _check_complete(self) -> None:
         self._shares.check_placed()
         incomplete = self._differ.incomplete()
         if incomplete is not None:
             path = self.flat.blobs[incomplete].path
             raise CheckpointError(f"step {self.step}: leaf {path} was captured incompletely")
-        segments = self._differ.segments()
+
+    def _compacted_segments(self) -> Segments:
+        """The part's segments, with the small remnants of older files it reads copied into
+        its own file (appended here, before the fsync); notes the files it reads exactly."""
+        self._check_complete()
+        with paused_gc():
+            segments = self._differ.segments()
+            refs = _compact.expand(segments, self.base, self.chunk_bytes)
+        if self.compact:
+            moves = _compact.plan(
+                refs,
+                own=set(self._files.keys[: len(self._ios)]),
+                fixed_blobs=set(self.shares),
+                size_of=self.store.size,
+            )
+            if moves is not None:
+                segments, files = _append_moved(self, segments, refs, moves)
+                self._used = frozenset(files)
+                return segments
+        self._used = frozenset(refs.files())
+        return segments
+
+    def _build(self, segments: Segments | None = None) -> tuple[Manifest, bytes]:
+        if segments is None:
+            self._check_complete()
+            segments = self._differ.segments()
         base, flat = self.base, self.flat
         manifest = Manifest(
             step=self.step,
@@ -431,6 +471,8 @@ class PartWriter:
             leaves=self.flat.leaves,
             root=merkle_root([e.root for e in manifest.blobs]),
             incremental=base is not None,
+            files=self._used,
+            compacted_bytes=self._compacted,
         )
 
     def abort(self) -> None:
@@ -440,6 +482,39 @@ class PartWriter:
         finally:
             if self.placement is not None:
                 self.placement.release()
+
+
+def _append_moved(
+    self: PartWriter, segments: Segments, refs: _compact.ChunkRefs, moves: _compact.CompactPlan
+) -> tuple[Segments, set[str]]:
+    """Read the remnants ``moves`` names and append them to one of the part's files (of
+    ``self``, in its ``finish``); the segments that name them there and the files the part
+    reads then (as before when a read or the placement failed)."""
+    device = 0
+    if self.placement is not None:
+        nbytes = int(refs.nbytes[moves.distinct].sum()) + ALIGN_BYTES * len(moves.distinct)
+        try:
+            device = self.placement.choose(nbytes, reserve=nbytes)
+        except StorageError:  # no room for the copy on scratch: the references stay
+            return segments, refs.files()
+    at = self._cursors[device]
+    placed = moves.placed(refs, at.offset)
+    views = _compact.read_moves(self.store, refs, moves, placed)
+    if views is None:
+        return segments, refs.files()
+    nbytes = placed.end - placed.start
+    if self.placement is not None:
+        self.placement.enqueue(device, nbytes)
+    self._ios[device].append(views, lambda: None, nbytes)
+    at.offset = placed.end
+    self._compacted = int(refs.nbytes[moves.distinct].sum())
+    self._differ.padding += nbytes - self._compacted
+    new_index, key = self.new_index, at.key
+    for blob, chunks in _compact.by_blob(refs, moves, placed).items():
+        self._differ.relocate(blob, at.file, chunks)
+        for _k, offset, _n, digest in chunks:
+            new_index[digest] = (key, offset)
+    return self._differ.segments(), _compact.files_after(refs, moves, at.key)
 
 
 def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[list[Item]]:
