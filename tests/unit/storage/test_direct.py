@@ -239,3 +239,40 @@ def test_a_full_disk_during_a_direct_write_is_a_storage_error(direct_dir: Path) 
         writer.commit()
     writer.abort()
     assert store.list() == [] and not list(direct_dir.iterdir())
+
+
+# -- faults midway, through a Checkpointer: never a torn version ----------------------------------
+
+
+def _ten_mib(step: int) -> dict[str, np.ndarray]:
+    return {"w": np.random.default_rng(step).random(10 << 17), "step": np.int64(step)}
+
+
+def test_a_checkpoint_whose_device_refuses_midway_commits_whole(direct_dir: Path) -> None:
+    fault = _After(4, errno.EINVAL, every=True)
+    store = LocalStore(direct_dir, direct_io=True, syscalls=FaultySyscalls(fault))
+    with cryosnap.Checkpointer(store, keep=2) as ckpt:
+        for step in range(3):
+            ckpt.save(step, _ten_mib(step)).result()
+        assert ckpt.steps() == [1, 2]
+    assert fault.seen >= 4  # the refusal came, after some direct writes
+    for step in (1, 2):
+        got = cryosnap.load(direct_dir, step=step)
+        assert np.array_equal(got["w"], _ten_mib(step)["w"])
+    assert cryosnap.Run(direct_dir).verify().ok
+
+
+def test_a_full_disk_during_a_direct_write_fails_that_version_only(direct_dir: Path) -> None:
+    fault = _After(10**9, errno.ENOSPC)
+    store = LocalStore(direct_dir, direct_io=True, syscalls=FaultySyscalls(fault))
+    with cryosnap.Checkpointer(store) as ckpt:
+        ckpt.save(0, _ten_mib(0)).result()
+        fault.at = fault.seen + 1  # the next version's first direct write
+        with pytest.raises(cryosnap.StorageError, match="disk full"):
+            ckpt.save(1, _ten_mib(1)).result()
+        assert ckpt.steps() == [0]
+        ckpt.save(2, _ten_mib(2)).result()  # the disk has room again
+        assert ckpt.steps() == [0, 2]
+    assert not [p for p in direct_dir.rglob("*") if p.name.endswith(".partial")]
+    assert cryosnap.Run(direct_dir).verify().ok
+    assert np.array_equal(cryosnap.load(direct_dir, step=0)["w"], _ten_mib(0)["w"])
