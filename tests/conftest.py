@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,3 +27,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in gpu:
         item.add_marker(skip)
+
+
+def _takes_direct_io(directory: str) -> str | None:
+    """None if ``directory`` takes an aligned O_DIRECT write (the probe's), else why not."""
+    from cryosnap.storage import LocalStore
+
+    try:
+        store = LocalStore(directory, direct_io=None)
+        return None if store.check_direct_io() else f"{directory} writes buffered (probed)"
+    except OSError as exc:
+        return f"{directory}: {exc}"
+
+
+@pytest.fixture
+def direct_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A fresh directory whose file system takes O_DIRECT (ext4, xfs...): pytest's tmp_path
+    where it does, else one under /var/tmp or the working directory; skips, saying why, where
+    none does (tmp_path on tmpfs and nothing else writable)."""
+    import shutil
+    import tempfile
+
+    base = tmp_path_factory.mktemp("direct")
+    why = _takes_direct_io(str(base))
+    if why is None:
+        yield base
+        return
+    reasons = [why]
+    for root in ("/var/tmp", os.getcwd()):
+        try:
+            candidate = tempfile.mkdtemp(prefix="cryosnap-direct-", dir=root)
+        except OSError as exc:
+            reasons.append(f"{root}: {exc}")
+            continue
+        why = _takes_direct_io(candidate)
+        if why is None:
+            try:
+                yield Path(candidate)
+            finally:
+                shutil.rmtree(candidate, ignore_errors=True)
+            return
+        shutil.rmtree(candidate, ignore_errors=True)
+        reasons.append(why)
+    pytest.skip("no directory here takes O_DIRECT: " + "; ".join(reasons))

@@ -24,6 +24,7 @@ import xxhash
 
 __all__ = [
     "address_of",
+    "cached_pages",
     "can_map",
     "dontneed",
     "hash_chunks",
@@ -60,6 +61,7 @@ class Binding:
     munmap: _Fn | None = None
     get_errno: Callable[[], int] | None = None
     xxh3: _Fn | None = None
+    mincore: _Fn | None = None
 
 
 def _open_libc() -> Any:
@@ -118,6 +120,11 @@ def _bind_libc(libc: Any) -> dict[str, Any]:
         )
         unmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
         out["mmap"], out["munmap"] = map_, unmap
+    mincore = getattr(libc, "mincore", None)
+    if mincore is not None:
+        mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        mincore.restype = ctypes.c_int
+        out["mincore"] = mincore
     return out
 
 
@@ -293,6 +300,27 @@ def map_shared_read(fd: int, nbytes: int) -> memoryview:
     with contextlib.suppress(AttributeError, OSError):  # advice only
         mapping.madvise(mmap.MADV_SEQUENTIAL)
     return memoryview(mapping)
+
+
+def cached_pages(fd: int, nbytes: int) -> tuple[int, int] | None:
+    """``(pages in the page cache, pages)`` of the first ``nbytes`` of ``fd`` (``mincore``
+    over a shared read-only mapping, which reads nothing in); None where it cannot be told."""
+    map_, unmap, mincore = _lib.mmap, _lib.munmap, _lib.mincore
+    pages = -(-nbytes // _PAGE_BYTES)
+    if map_ is None or unmap is None or mincore is None or not pages:
+        return None
+    import ctypes  # loaded: the binding above came from it
+
+    address = map_(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        if mincore(address, nbytes, vec):
+            return None
+        return sum(b & 1 for b in vec), pages
+    finally:
+        unmap(address, nbytes)
 
 
 def page_cached(path: Path, offset: int) -> bool | None:

@@ -9,6 +9,7 @@ Runs on the caller's thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -101,6 +102,14 @@ class Checkpointer:
     staging_bytes
         Host memory budget for captured state (None: as much as the state needs, kept for reuse).
         With less than the state, capture streams and blocks until the writer frees buffers.
+    direct_io
+        How data files reach a level's disk. None (default): with ``O_DIRECT`` (from the
+        page-aligned staging buffers, bypassing the page cache) on every level whose file
+        system takes it, probed once at open; buffered through the page cache elsewhere
+        (tmpfs, object stores, many FUSE and network file systems). True: direct on every
+        local level, and one whose file system refuses it is a :class:`~cryosnap.DirectIOError`
+        at open naming the level. False: buffered everywhere. A :class:`~cryosnap.Tier`'s
+        own ``direct_io`` overrides it for that scratch device.
     max_inflight
         Versions that may be captured but not yet durable; a further ``save`` waits.
     allow_pickle
@@ -174,6 +183,7 @@ class Checkpointer:
         full_every: int = 16,
         chunk_bytes: int = 1 << 20,
         staging_bytes: int | None = None,
+        direct_io: bool | None = None,
         max_inflight: int = 1,
         allow_pickle: bool = False,
         policy: SavePolicy | None = None,
@@ -196,6 +206,7 @@ class Checkpointer:
             full_every=full_every,
             chunk_bytes=chunk_bytes,
             staging_bytes=staging_bytes,
+            direct_io=direct_io,
             max_inflight=max_inflight,
             allow_pickle=allow_pickle,
             policy=policy,
@@ -348,7 +359,8 @@ class Checkpointer:
         (``restore(replicated_only=True)``). In a world of one it changes nothing but the record.
         """
         t0 = time.perf_counter()
-        job = self._start(step, state, t0, _metrics(metrics), replicated)
+        returned = threading.Event()
+        job = self._start(step, state, t0, _metrics(metrics), replicated, returned)
         try:
             if lazy:
                 self._capturer.lazy(job, t0)
@@ -358,10 +370,16 @@ class Checkpointer:
                 if error is not None:
                     job.pending.mark_delivered()
                     raise error
-            self._policies.event("saved", step, stall_seconds=job.stall_clock)
+            self._policies.event("saved", step, stall_seconds=self._options.clock() - job.clock0)
         except KeyboardInterrupt as exc:
             _note_interrupt(exc, job)
             raise
+        finally:
+            # The whole call blocked the caller: flattening, the capture (or the start of a
+            # lazy one and its thread's first hold of the GIL), the policy's bookkeeping.
+            job.stall_clock = self._options.clock() - job.clock0
+            job.stall_seconds = time.perf_counter() - t0
+            returned.set()
         return job.pending
 
     def _save_durable(self, step: int, state: Any) -> SaveInfo:
@@ -377,6 +395,7 @@ class Checkpointer:
         t0: float,
         metrics: dict[str, float] | None = None,
         replicated: object = None,
+        returned: threading.Event | None = None,
     ) -> Job:
         clock0 = self._options.clock()
         self._check_open()
@@ -388,6 +407,7 @@ class Checkpointer:
             lineage=self._lineage,
             metrics=metrics,
             replicated=replicated,
+            returned=returned,
         )
 
     # waiting and reading -----------------------------------------------------------------------

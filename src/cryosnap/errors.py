@@ -56,6 +56,8 @@ catch one class. Where a builtin already means the same thing, the error derives
         │                                                permissions, unreachable endpoint)
         ├── StorageTimeoutError (+ TimeoutError)         one storage call did not return within
         │                                                the per-call timeout
+        ├── DirectIOError                                ``direct_io=True`` on a level whose file
+        │                                                system refuses O_DIRECT (or no local one)
         └── ConditionalWritesUnsupported                 the server refuses conditional requests
 
 Programming errors are ``TypeError`` / ``ValueError`` themselves; messages name the step, the
@@ -76,6 +78,7 @@ __all__ = [
     "CoordinationError",
     "DcpError",
     "DcpFormatError",
+    "DirectIOError",
     "ExportError",
     "FileLeafError",
     "IntegrityError",
@@ -226,6 +229,12 @@ class RunLockedError(CheckpointError):
 
 class StorageTimeoutError(StorageError, TimeoutError):
     """A storage call did not return within the store's per-call timeout."""
+
+
+class DirectIOError(StorageError):
+    """``direct_io=True`` asks for direct writes where they cannot be made: a level whose file
+    system refuses ``O_DIRECT`` (tmpfs, many FUSE and network file systems), or one that is not
+    a local directory; the message names the level and why."""
 
 
 class ConditionalWritesUnsupported(StorageError):

@@ -59,6 +59,19 @@ class Job:
     diff_base: int | None = None
     full: bool = False
     captured_bytes: int = 0
+    # Set by ``Checkpointer.save`` once it returns, with the stall above final: the writer
+    # waits for it before it reports the stall (None: a job no caller waits on).
+    returned: threading.Event | None = None
+
+    def final_stall(self) -> tuple[float, float]:
+        """The stall (perf_counter seconds, policy-clock seconds) of this version: the
+        ``save`` call from entry to return, plus the waits in optimizer hooks and
+        ``wait_captured`` so far; waits until ``save`` returned."""
+        if self.returned is not None:
+            self.returned.wait()
+        extra = self.pending.stall_seconds
+        return self.stall_seconds + extra, self.stall_clock + extra
+
     ticket: int = -1  # this capture's turn with the DeviceDiff
     ready: Any = None  # CUDA event on the caller's stream at save(): the capture waits for it
     # The lineage the version is committed in (None: generation 0); a version saved after a

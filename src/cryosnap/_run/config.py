@@ -89,7 +89,7 @@ def _text(value: Any, key: str, where: str) -> str:
 
 
 def _scratch(value: Any, key: str, where: str) -> Any:
-    """A path, a list of paths, or a list of tables ``{path, capacity_bytes}`` (TOML's
+    """A path, a list of paths, or a list of tables ``{path, capacity_bytes, direct_io}`` (TOML's
     ``[[scratch]]``); from the environment, paths separated by commas."""
     if isinstance(value, str):
         items: list[Any] = [v.strip() for v in value.split(",") if v.strip()]
@@ -102,16 +102,21 @@ def _scratch(value: Any, key: str, where: str) -> Any:
     for item in value:
         if isinstance(item, str):
             out.append(item)
-        elif isinstance(item, Mapping) and set(item) <= {"path", "capacity_bytes"}:
+        elif isinstance(item, Mapping) and set(item) <= {"path", "capacity_bytes", "direct_io"}:
             cap = item.get("capacity_bytes")
+            direct = item.get("direct_io")
             path = _text(item.get("path"), f"{key}.path", where)
             out.append(
-                Tier(path, None if cap is None else _int(cap, f"{key}.capacity_bytes", where))
+                Tier(
+                    path,
+                    None if cap is None else _int(cap, f"{key}.capacity_bytes", where),
+                    None if direct is None else _bool(direct, f"{key}.direct_io", where),
+                )
             )
         else:
             raise ConfigError(
-                f"{key} from {where}: each tier is a path or a table with path and "
-                f"capacity_bytes, got {item!r:.80}"
+                f"{key} from {where}: each tier is a path or a table with path, "
+                f"capacity_bytes and direct_io, got {item!r:.80}"
             )
     return out
 
@@ -153,6 +158,7 @@ _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "full_every": _int,
     "chunk_bytes": _int,
     "staging_bytes": _or_none(_int, "all"),
+    "direct_io": _or_none(_bool, "auto"),
     "max_inflight": _int,
     "allow_pickle": _bool,
     "handle_signals": _signals,

@@ -38,7 +38,7 @@ from cryosnap.errors import (
     CheckpointNotFoundError,
     RunLockedError,
 )
-from cryosnap.storage import Store, join_location, open_store, unwrap
+from cryosnap.storage import Store, check_direct_io, join_location, open_store, unwrap
 from cryosnap.storage.tiers import Placement, StripedStore, Tier
 
 __all__ = ["OpenRun", "newest_record", "open_run", "resume_handoffs"]
@@ -169,11 +169,17 @@ def open_stores(options: RunOptions, coord: Coordinator) -> tuple[Store, Striped
     devices = list(options.scratch_tiers)
     if devices and coord.world_size > 1:
         # Node-local: ranks of one node may share a scratch path, each keeps its own run.
-        devices = [Tier(_rank_dir(t, coord.rank), t.capacity_bytes) for t in devices]
+        devices = [Tier(_rank_dir(t, coord.rank), t.capacity_bytes, t.direct_io) for t in devices]
     persistent = open_store(
-        options.path, timeout_seconds=timeout, **(options.storage_options or {})
+        options.path,
+        timeout_seconds=timeout,
+        direct_io=options.direct_io,
+        **(options.storage_options or {}),
     )
-    stores = [open_store(t.path, timeout_seconds=timeout) for t in devices]
+    stores = [
+        open_store(t.path, timeout_seconds=timeout, direct_io=options.direct_io_of(t))
+        for t in devices
+    ]
     _check_distinct(persistent, stores)
     if not stores:
         return persistent, None
@@ -216,6 +222,11 @@ def open_levels(
     levels[-1].locks.extend(_shared_lock(persistent, coord))
     for dev in scratch.devices if scratch is not None else ():
         levels[0].locks.append(acquire_run_lock(dev))
+    # Decided once per level, at open (the probe writes in the level's directory).
+    check_direct_io(persistent, options.direct_io, PERSISTENT)
+    devices = scratch.devices if scratch is not None else []
+    for dev, tier in zip(devices, options.scratch_tiers, strict=True):
+        check_direct_io(dev, options.direct_io_of(tier), f"{SCRATCH} ({dev.url})")
     return opened
 
 

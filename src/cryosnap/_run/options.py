@@ -48,6 +48,7 @@ class RunOptions:
     full_every: int = 16
     chunk_bytes: int = 1 << 20
     staging_bytes: int | None = None
+    direct_io: bool | None = None
     max_inflight: int = 1
     allow_pickle: bool = False
     policy: SavePolicy | None = None
@@ -73,6 +74,8 @@ class RunOptions:
                 f"staging_bytes={budget} is smaller than one chunk (chunk_bytes={chunk_bytes})"
             )
         _set(self, "staging_bytes", budget)
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise TypeError(f"direct_io must be None, True or False, got {self.direct_io!r}")
         _set(self, "max_inflight", _validate.positive_int(self.max_inflight, "max_inflight"))
         _set(self, "keep", as_retention(self.keep))
         _set(self, "policy", _policy(self.policy))
@@ -144,6 +147,10 @@ class RunOptions:
     def scratch_keep(self) -> int:
         """The scratch level's retention: its newest ``keep_scratch`` versions."""
         return DEFAULT_KEEP_SCRATCH if self.keep_scratch is None else self.keep_scratch
+
+    def direct_io_of(self, tier: Tier) -> bool | None:
+        """A scratch device's ``direct_io``: its own, else the run's."""
+        return self.direct_io if tier.direct_io is None else tier.direct_io
 
     @property
     def signals(self) -> tuple[int, ...]:

@@ -23,8 +23,11 @@ class SaveInfo:
     """What one version cost this process (this rank).
 
     ``written_bytes`` counts the data this rank wrote to its first tier; ``stall_seconds`` is how
-    long the program was blocked by the save (the ``save`` call, plus any optimizer step that
-    waited for a lazy capture); ``seconds`` runs from the ``save`` call until the version was
+    long the program was blocked by the save: the whole ``save`` call from entry to return
+    (flattening and packing, waiting for a free in-flight slot, the copy itself when eager,
+    the start of the capture thread when lazy), plus, in lazy mode, every wait of an optimizer
+    step pre-hook for the leaves it mutates and of ``wait_captured`` before the version was
+    durable; ``seconds`` runs from the ``save`` call until the version was
     durable; ``tiers`` names the tiers (storage levels) the version reached, fastest first;
     ``captured_bytes`` counts the bytes copied out of the program's memory (from a GPU: over
     PCIe), below ``logical_bytes`` when change detection on the device skipped unchanged chunks

@@ -9,6 +9,7 @@ Runs on the caller's thread; no collectives here.
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any
 
 import cryosnap._run.replicated as _replicated
@@ -48,9 +49,11 @@ class Saves:
         lineage: Lineage | None,
         metrics: dict[str, float] | None = None,
         replicated: object = None,
+        returned: threading.Event | None = None,
     ) -> Job:
         """Flatten ``state`` into the job of version ``step`` and queue it for the writer
-        (its capture is the caller's to run); raises when the version cannot be saved."""
+        (its capture is the caller's to run); raises when the version cannot be saved.
+        ``returned``: set by the caller once its ``save`` returns (:attr:`Job.returned`)."""
         self._run.capturer.remove_spent_hooks()
         validate_step(step)
         self.raise_undelivered()
@@ -78,6 +81,7 @@ class Saves:
             clock0=clock0,
             replicated=keys,
             lineage=lineage,
+            returned=returned,
         )
         version = self._writer.version
         job.plan, job.rank = version.plan(flat, keys), version.own_rank()

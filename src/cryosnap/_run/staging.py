@@ -20,6 +20,7 @@ from cryosnap import _native
 from cryosnap._format.chunks import chunk_count, hash_chunks_released, value_runs
 from cryosnap._state import Blob, FlatState
 from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
+from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 
 # Batch, Hashed, Piece and Unchanged are the engine's (engine/items.py): re-exported here.
 __all__ = [
@@ -39,17 +40,25 @@ _SMALL_PIECE_BYTES = 1 << 20
 
 
 class _Slab:
+    """``nbytes`` of host memory starting on a page (BLOCK_BYTES): a piece placed at a page
+    offset of it goes to a direct-I/O data file from where it lies (storage/_direct.py)."""
+
     __slots__ = ("array", "nbytes", "tensor")
 
     def __init__(self, nbytes: int, pin: bool) -> None:
         torch = sys.modules.get("torch")
         self.nbytes = nbytes
         self.tensor: Any = None
+        extra = BLOCK_BYTES
         if torch is not None:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            whole = torch.empty(nbytes + extra, dtype=torch.uint8, pin_memory=pin)
+            skip = -whole.data_ptr() % BLOCK_BYTES
+            self.tensor = whole[skip : skip + nbytes]
             self.array: np.ndarray[Any, np.dtype[np.uint8]] = self.tensor.numpy()
         else:
-            self.array = np.empty(nbytes, dtype=np.uint8)
+            whole_array = np.empty(nbytes + extra, dtype=np.uint8)
+            skip = -whole_array.ctypes.data % BLOCK_BYTES
+            self.array = whole_array[skip : skip + nbytes]
 
 
 class StagingPool:
@@ -286,6 +295,9 @@ class _SlabFiller:
                 self.slab = self.pool.acquire(self.abort, self.flush_held)
                 self.whole = self.slab.array.data  # sliced per piece (cheaper than the array)
             slab = self.slab
+            if hi - start >= DIRECT_MIN_BYTES:
+                # A large piece starts on a page of the slab: a direct write takes it from here.
+                self.fill = min(-(-self.fill // BLOCK_BYTES) * BLOCK_BYTES, slab.nbytes)
             n = _pieces(hi, start, slab.nbytes - self.fill, self.chunk_bytes)
             if n == 0:
                 self.seal()

@@ -239,6 +239,7 @@ class VersionWriter:
     def _saved(self, job: Job, part: engine.PartResult) -> SaveInfo:
         """What the committed ``part`` cost (the SaveInfo of this level)."""
         seconds = time.perf_counter() - job.pending.started
+        stall, _ = job.final_stall()
         log.info(
             "step %d durable in %.3f s: %s written",
             job.step,
@@ -251,7 +252,7 @@ class VersionWriter:
             written_bytes=part.written_bytes,
             chunks=part.chunks,
             new_chunks=part.new_chunks,
-            stall_seconds=job.stall_seconds + job.pending.stall_seconds,
+            stall_seconds=stall,
             seconds=seconds,
             incremental=part.incremental,
             tiers=(self.level.name,),
@@ -492,7 +493,7 @@ class WriterThread:
                 "durable",
                 job.step,
                 seconds=self.clock() - job.clock0,
-                stall_seconds=job.stall_clock + job.pending.stall_seconds,
+                stall_seconds=job.final_stall()[1],
             )
         except Exception as exc:
             # The version is committed; a failing retention or policy must not stop the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import mmap
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -124,6 +125,87 @@ class RawLimit(Peer):
                         raise EOFError(f"{work / self._file} is shorter than the state")
                     view = view[n:]
         return into
+
+
+class RawDirectLimit(Peer):
+    """The same bytes with ``O_DIRECT``, from a page-aligned copy of the state made untimed
+    before each save (direct I/O needs aligned memory): the disk's own limit, without the
+    page cache. Its read goes to the disk every time (a direct read is cold whatever the
+    cache), into that copy, then into the tensors."""
+
+    key = "raw_direct"
+    label = "raw O_DIRECT write+fsync / read (limit)"
+    limit = True
+    restores_into = True
+    _file = "raw-direct.bin"
+    _piece = 64 << 20
+
+    def __init__(self) -> None:
+        self._buffer: mmap.mmap | None = None
+        self._nbytes = 0
+
+    def setup(self, root: Path, state: StateDict) -> None:
+        self._nbytes = state_nbytes(state)
+        self._buffer = mmap.mmap(-1, -(-self._nbytes // 4096) * 4096 or 4096)
+
+    def begin(self, work: Path, state: StateDict) -> None:
+        assert self._buffer is not None  # the state as it is now: the workload may change it
+        view, at = memoryview(self._buffer), 0
+        for tensor in state.values():
+            b = byte_view(tensor)
+            view[at : at + b.nbytes] = b
+            at += b.nbytes
+        view.release()
+
+    def _open(self, path: Path, flags: int) -> int:
+        try:
+            return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path.parent} refuses O_DIRECT: {exc.strerror}") from exc
+
+    def save(self, work: Path, state: StateDict) -> FinishFn | None:
+        assert self._buffer is not None
+        fd = self._open(work / self._file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            view = memoryview(self._buffer)
+            for at in range(0, len(view), self._piece):
+                piece = view[at : at + self._piece]
+                while piece:  # a raw write may be short
+                    n = os.pwrite(fd, piece, at)
+                    piece, at = piece[n:], at + n
+            view.release()
+            os.ftruncate(fd, self._nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_path(work)
+        return None
+
+    def load_into(self, work: Path, into: StateDict) -> object:
+        assert self._buffer is not None
+        fd = self._open(work / self._file, os.O_RDONLY)
+        try:
+            view = memoryview(self._buffer)
+            at = 0
+            while at < len(view):
+                n = os.preadv(fd, [view[at : at + self._piece]], at)
+                if not n:
+                    break
+                at += n
+            at = 0
+            for tensor in into.values():  # the copy out of the aligned buffer counts
+                b = byte_view(tensor)
+                b[:] = view[at : at + b.nbytes]
+                at += b.nbytes
+            view.release()
+        finally:
+            os.close(fd)
+        return into
+
+    def close(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
 
 
 class TorchSavePeer(Peer):
@@ -291,11 +373,15 @@ class CheckpointerPeer(Peer):
     an untimed full first version, then the timed incremental one against it.
     """
 
-    def __init__(self, *, lazy: bool, incremental: bool) -> None:
+    def __init__(self, *, lazy: bool, incremental: bool, direct_io: bool | None = None) -> None:
         self.lazy = lazy
         self.incremental = incremental
+        self.direct_io = direct_io
         self.key = "cryosnap_lazy" if lazy else "cryosnap_eager"
         self.label = f"cryosnap Checkpointer {'lazy' if lazy else 'eager'}"
+        if direct_io is False:
+            self.key += "_buffered"
+            self.label += " (direct_io=False)"
         self.restores = self.restores_into = not lazy
         if lazy:
             self.note = "the lazy Checkpointer writes the eager one's files: its restore is theirs"
@@ -324,6 +410,7 @@ class CheckpointerPeer(Peer):
             chunk_bytes=CHUNK_BYTES,
             staging_bytes=None,
             keep=None if self.incremental else 1,
+            direct_io=self.direct_io,
         )
         self._step = 0
         self._ckpt.save(self._step, state).result()
@@ -368,7 +455,10 @@ class CheckpointerPeer(Peer):
 
 def make_peers(workload: str, into: StateDict) -> tuple[list[Peer], dict[str, str]]:
     """The limits and every peer that imports, and why each missing one is missing."""
+    incremental = workload == "sparse"
     peers: list[Peer] = [MemcpyLimit(into), RawLimit(), TorchSavePeer()]
+    if not incremental:  # its aligned copy is made before the sparse change of each save
+        peers.insert(2, RawDirectLimit())
     missing: dict[str, str] = {}
     if importlib.util.find_spec("safetensors") is not None:
         peers.append(SafetensorsPeer())
@@ -382,9 +472,8 @@ def make_peers(workload: str, into: StateDict) -> tuple[list[Peer], dict[str, st
         peers.append(TorchsnapshotPeer())
     else:
         missing["torchsnapshot"] = "not installed"
-    incremental = workload == "sparse"
     if not incremental:
-        peers.append(CryosnapPeer())
+        peers += [CryosnapPeer(), CheckpointerPeer(lazy=False, incremental=False, direct_io=False)]
     peers += [
         CheckpointerPeer(lazy=False, incremental=incremental),
         CheckpointerPeer(lazy=True, incremental=incremental),

@@ -110,6 +110,8 @@ class BenchResult:
             "write_fsync_seconds": self._limit("raw", "durable_seconds"),
             "read_warm_seconds": self._limit("raw", "restore_into_seconds"),
             "read_cold_seconds": self._limit("raw", "restore_cold_seconds"),
+            "direct_write_fsync_seconds": self._limit("raw_direct", "durable_seconds"),
+            "direct_read_seconds": self._limit("raw_direct", "restore_into_seconds"),
         }
 
     def ratios(self, peer: PeerFigures) -> dict[str, float]:
@@ -311,7 +313,10 @@ class BenchResult:
                 f"medians of {c.repeat} after {c.warmup} warm-up round(s), peers round-robin; "
                 f"ratios: stall x memcpy ({_seconds_cell(limits['memcpy_seconds'])}), durable x "
                 f"raw write+fsync ({_seconds_cell(limits['write_fsync_seconds'])}), restore x "
-                f"raw readinto warm ({_seconds_cell(limits['read_warm_seconds'])})"
+                f"raw readinto warm ({_seconds_cell(limits['read_warm_seconds'])}); the disk "
+                f"without the page cache: O_DIRECT write+fsync "
+                f"{_seconds_cell(limits['direct_write_fsync_seconds'])}, read "
+                f"{_seconds_cell(limits['direct_read_seconds'])}"
             )
             lines.append(f"cold: {self.cold}")
             lines.append(f"peak memory: {self.memory_method}")

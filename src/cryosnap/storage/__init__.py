@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cryosnap.errors import DirectIOError
 from cryosnap.storage._fsspec import FsspecStore
 from cryosnap.storage._local import LocalStore
 from cryosnap.storage._timeout import TimeoutStore
@@ -36,6 +37,7 @@ __all__ = [
     "TimeoutStore",
     "TruncatedError",
     "WrapperStore",
+    "check_direct_io",
     "join_location",
     "open_store",
     "unwrap",
@@ -53,9 +55,14 @@ def open_store(
     location: str | os.PathLike[str] | Store,
     *,
     timeout_seconds: float | None = DEFAULT_TIMEOUT_SECONDS,
+    direct_io: bool | None = None,
     **storage_options: Any,
 ) -> Store:
     """The store for ``location``: a directory, a ``file://`` URL, any fsspec URL or a Store.
+
+    ``direct_io`` is a directory's (:class:`LocalStore`): None, O_DIRECT data files where its
+    file system takes them; True, always (a refusal is an error); False, never. It is not
+    checked for the other stores here: ``check_direct_io`` says what a store does.
 
     The backend is wrapped in a :class:`TimeoutStore`: a call that does not return within
     ``timeout_seconds`` raises :class:`~cryosnap.errors.StorageTimeoutError` (None: no limit).
@@ -64,7 +71,7 @@ def open_store(
     """
     if isinstance(location, Store):
         return location
-    backend = _backend(location, storage_options)
+    backend = _backend(location, storage_options, direct_io)
     if timeout_seconds is None:
         return backend
     return TimeoutStore(backend, timeout_seconds)
@@ -87,13 +94,40 @@ _STORE_MEMBERS = (
 )
 
 
+def check_direct_io(store: Store, wanted: bool | None, level: str) -> bool:
+    """Whether ``store`` writes its data files with O_DIRECT (a directory's is decided here,
+    once, by a probe); ``wanted`` True where it cannot is a :class:`DirectIOError` naming
+    ``level``."""
+    backend = unwrap(store)
+    try:
+        if isinstance(backend, LocalStore):
+            direct = backend.check_direct_io()
+        else:
+            direct = False
+            if wanted:
+                raise DirectIOError(
+                    f"direct_io=True, but {store.url} is not a local directory: direct writes "
+                    "need one (give direct_io=None or False)"
+                )
+    except DirectIOError as exc:
+        raise DirectIOError(f"the {level} level: {exc}") from None
+    if wanted and not direct:
+        raise DirectIOError(
+            f"the {level} level: direct_io=True, but {store.url} was opened with "
+            f"direct_io={backend.direct_io if isinstance(backend, LocalStore) else None}"
+        )
+    return direct
+
+
 def join_location(root: str, sub: str) -> str:
     """``sub`` under the location ``root``: a URL joined with ``/``, a local path with the
     platform's separator (what :func:`open_store` then opens)."""
     return f"{root.rstrip('/')}/{sub}" if "://" in root else os.path.join(root, sub)
 
 
-def _backend(location: str | os.PathLike[str], storage_options: dict[str, Any]) -> Store:
+def _backend(
+    location: str | os.PathLike[str], storage_options: dict[str, Any], direct_io: bool | None
+) -> Store:
     if isinstance(location, os.PathLike):
         location = os.fspath(location)
     if not isinstance(location, str) or not location:
@@ -108,7 +142,7 @@ def _backend(location: str | os.PathLike[str], storage_options: dict[str, Any]) 
             f"checkpoint path must be a non-empty str, os.PathLike or URL, got {location!r}"
         )
     if location.startswith("file://"):
-        return LocalStore(location[len("file://") :])
+        return LocalStore(location[len("file://") :], direct_io=direct_io)
     if "://" in location or location.startswith("memory:"):
         return FsspecStore(location, **storage_options)
-    return LocalStore(location)
+    return LocalStore(location, direct_io=direct_io)

@@ -22,8 +22,10 @@ from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    DirectIOError,
     StorageError,
 )
+from cryosnap.storage._direct import O_DIRECT, DirectFile, Syscalls, probe_direct
 from cryosnap.storage.base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["LocalStore"]
@@ -83,14 +85,49 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LocalStore:
-    """A store rooted at a local directory (created on first write)."""
+    """A store rooted at a local directory (created on first write).
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    ``direct_io``: how data files (``open_writer``) are written. None: with ``O_DIRECT``
+    where the directory's file system takes it (probed once, by the first data file or
+    :meth:`check_direct_io`), buffered elsewhere; True: direct, and a file system that refuses
+    it is a :class:`~cryosnap.DirectIOError`; False: through the page cache. Small files
+    (``write``) always go through the page cache. ``syscalls``: the calls direct writes make
+    (tests inject faults with :class:`cryosnap.testing.FaultySyscalls`)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        direct_io: bool | None = None,
+        syscalls: Syscalls | None = None,
+    ) -> None:
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise TypeError(f"direct_io must be None, True or False, got {direct_io!r}")
         self.root = Path(root).expanduser().absolute()
         self._warned: set[str] = set()
+        self.direct_io = direct_io
+        self.syscalls = syscalls or Syscalls()
+        self._direct: bool | None = None if direct_io is not False else False
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
+
+    def check_direct_io(self) -> bool:
+        """Whether data files are written with ``O_DIRECT``, decided once (by a probe, which
+        creates the root); raises :class:`~cryosnap.DirectIOError` where ``direct_io=True``
+        and the file system refuses it."""
+        if self._direct is None:
+            errors = self._errors(".", "probing direct I/O in")
+            with errors, self._dirs([], ".", create=True) as fds:
+                fs = _fs_type(os.fstat(fds[0]).st_dev)
+                why = probe_direct(fds[0], self.syscalls, fs, memory=bool(self.direct_io))
+            if why is not None and self.direct_io:
+                raise DirectIOError(
+                    f"direct_io=True, but {self.url} cannot take direct writes: {why}; "
+                    "give direct_io=None (direct where it works) or False"
+                )
+            self._direct = why is None
+        return self._direct
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LocalStore) and other.root == self.root
@@ -324,7 +361,7 @@ class LocalStore:
             with self._dirs(parts[:-1], key, create=True) as fds:
                 parent = os.dup(fds[-1])  # the writer commits in this very directory
             try:
-                return _LocalWriter(self, key, parent, parts[-1])
+                return _LocalWriter(self, key, parent, parts[-1], direct=self.check_direct_io())
             except BaseException:
                 os.close(parent)
                 raise
@@ -392,7 +429,9 @@ class LocalStore:
 
 
 class _LocalWriter:
-    def __init__(self, store: LocalStore, key: str, parent: int, name: str) -> None:
+    def __init__(
+        self, store: LocalStore, key: str, parent: int, name: str, *, direct: bool
+    ) -> None:
         self.key = key
         self._store = store
         self._name = name
@@ -401,14 +440,19 @@ class _LocalWriter:
         self._parent: int | None = parent
         with suppress(FileNotFoundError):
             os.unlink(self._partial, dir_fd=parent)  # a crashed writer's, or a planted name
-        self._fd: int | None = os.open(self._partial, _CREATE_FLAGS, 0o644, dir_fd=parent)
+        flags = _CREATE_FLAGS | (O_DIRECT if direct else 0)
+        self._fd: int | None = os.open(self._partial, flags, 0o644, dir_fd=parent)
+        self._direct = DirectFile(self._fd, key, store.syscalls) if direct else None
         self._written = 0
 
     def write(self, buffers: Sequence[BytesLike]) -> None:
         if self._fd is None:
             raise ValueError(f"writer for {self.key} is closed")
         with self._store._errors(self.key, "writing"):
-            self._written += _writev_all(self._fd, list(buffers))
+            if self._direct is not None:
+                self._written += self._direct.write(_flat_views(buffers))
+            else:
+                self._written += _writev_all(self._fd, list(buffers))
 
     def tell(self) -> int:
         return self._written
@@ -418,6 +462,8 @@ class _LocalWriter:
             raise ValueError(f"writer for {self.key} is closed")
         with self._store._errors(self.key, "committing"):
             try:
+                if self._direct is not None:
+                    self._direct.finish()
                 os.fsync(self._fd)
             finally:
                 os.close(self._fd)
@@ -431,6 +477,8 @@ class _LocalWriter:
             os.close(parent)
 
     def abort(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -443,18 +491,22 @@ class _LocalWriter:
                 os.close(parent)
 
 
+def _flat_views(buffers: Sequence[BytesLike]) -> list[memoryview]:
+    return [
+        v
+        if isinstance(v, memoryview) and v.ndim == 1 and v.format == "B"
+        else memoryview(v).cast("B")
+        for v in buffers
+    ]
+
+
 def _writev_all(fd: int, buffers: list[BytesLike]) -> int:
     """Write every buffer, looping over partial writes and the iovec limit.
 
     The common case (every call writes everything) does no per-buffer Python work: this runs
     on the I/O thread while another thread holds the GIL for hashing.
     """
-    views = [
-        v
-        if isinstance(v, memoryview) and v.ndim == 1 and v.format == "B"
-        else memoryview(v).cast("B")
-        for v in buffers
-    ]
+    views = _flat_views(buffers)
     total = 0
     i = 0
     while i < len(views):
@@ -484,8 +536,14 @@ _fs_types: dict[int, str] = {}
 
 
 def _mappable_device(dev: int) -> bool:
-    """Whether the file system of device ``dev`` is one of _MAPPED_FS, from
-    ``/proc/self/mountinfo`` (once per device); False where it cannot be told."""
+    """Whether the file system of device ``dev`` is one of _MAPPED_FS; False where it cannot
+    be told."""
+    return _fs_type(dev) in _MAPPED_FS
+
+
+def _fs_type(dev: int) -> str:
+    """The file system type of device ``dev`` from ``/proc/self/mountinfo`` (once per
+    device); "" where it cannot be told."""
     fs = _fs_types.get(dev)
     if fs is None:
         fs = ""
@@ -500,7 +558,7 @@ def _mappable_device(dev: int) -> bool:
                     fs = fields[fields.index("-") + 1]
                     break
         _fs_types[dev] = fs
-    return fs in _MAPPED_FS
+    return fs
 
 
 def _preadv_all(fd: int, offset: int, buffers: list[memoryview], key: str) -> None:

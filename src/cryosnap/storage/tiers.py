@@ -35,12 +35,17 @@ class Tier:
     """A storage device for the scratch level: a directory or fsspec URL.
 
     ``capacity_bytes`` caps the checkpoint data cryosnap keeps on it (None: no cap).
+    ``direct_io``: its data files written with O_DIRECT (True), through the page cache
+    (False), or as the Checkpointer's ``direct_io`` says (None).
     """
 
     path: str | os.PathLike[str] | Store
     capacity_bytes: int | None = None
+    direct_io: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.direct_io is not None and not isinstance(self.direct_io, bool):
+            raise TypeError(f"direct_io must be None, True or False, got {self.direct_io!r}")
         cap = self.capacity_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(

@@ -1,22 +1,26 @@
-"""Fault injection for tests and benchmarks: a store wrapper that fails, stalls or throttles.
+"""Fault injection for tests and benchmarks: a store wrapper that fails, stalls or throttles,
+and the syscalls of direct writes that fail midway.
 
 ``FaultyStore(inner, fault=...)`` calls ``fault(op, key)`` before every operation;
 ``bytes_per_second`` throttles writes. Conditional writes bypass the primitives: no faults.
-Runs on the calling thread; ``fault`` runs there too, before the operation.
-docs/design/storage.md lists the operations.
+``FaultySyscalls(fault)`` goes to ``LocalStore(..., syscalls=)``. Runs on the calling thread;
+``fault`` runs there too, before the operation. docs/design/storage.md lists the operations.
 """
 
 from __future__ import annotations
 
 import builtins
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+from cryosnap.storage._direct import BLOCK_BYTES, O_DIRECT, Syscalls
 from cryosnap.storage._wrap import WrapperStore
 from cryosnap.storage.base import BlobWriter, BytesLike, Store
 
-__all__ = ["FaultyStore"]
+__all__ = ["FaultyStore", "FaultySyscalls"]
 
 Fault = Callable[[str, str], None]
 
@@ -111,3 +115,37 @@ class _FaultyWriter:
 
     def abort(self) -> None:
         self._inner.abort()
+
+
+class FaultySyscalls(Syscalls):
+    """The writes of a :class:`~cryosnap.storage.LocalStore`'s direct-I/O data files (and of
+    its probe), failing where ``fault(nbytes, direct)`` says: it runs before each ``pwrite``
+    (``direct``: the descriptor has ``O_DIRECT``) and raises an ``OSError`` (``EINVAL``: the
+    device refuses direct I/O; ``ENOSPC``: the disk is full), returns a byte count below
+    ``nbytes`` (a short write: that many bytes land), or None (the write as asked).
+    ``writes`` lists ``(nbytes, direct)`` of every write that landed."""
+
+    def __init__(self, fault: Callable[[int, bool], int | None]) -> None:
+        self.fault = fault
+        self.writes: list[tuple[int, bool]] = []
+        self._lock = threading.Lock()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        direct = bool(flags & O_DIRECT)
+        n = self.fault(data.nbytes, direct)
+        if n is not None and n < data.nbytes:
+            data = data[:n]
+            if direct and n % BLOCK_BYTES:
+                # The device wrote part of a block: land those bytes as it would have.
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+                try:
+                    return self._landed(os.pwrite(fd, data, offset), direct)
+                finally:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return self._landed(super().pwrite(fd, data, offset), direct)
+
+    def _landed(self, n: int, direct: bool) -> int:
+        with self._lock:
+            self.writes.append((n, direct))
+        return n

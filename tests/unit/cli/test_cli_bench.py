@@ -72,7 +72,8 @@ def peers_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def check_save_load(doc: dict[str, Any], stdout: str, *, incremental: bool) -> None:
     peers = peers_of(doc)
-    assert set(peers) == expected_peers() | ({"cryosnap"} if not incremental else set())
+    dense = {"cryosnap", "cryosnap_eager_buffered", "raw_direct"}
+    assert set(peers) == expected_peers() | (dense if not incremental else set())
     state_bytes = doc["state"]["bytes"]
     for key, peer in peers.items():
         assert peer["error"] is None, (key, peer["error"])

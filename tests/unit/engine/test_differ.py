@@ -17,6 +17,7 @@ from cryosnap._format.manifest import INHERITED, STORED
 from cryosnap._state import Blob
 from cryosnap.engine import ResolvedBlob, ResolvedPart
 from cryosnap.engine.write._differ import ALIGN_BYTES, ALIGN_MIN_BYTES, Cursor, Differ, FileTable
+from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 
 CHUNK = 4096  # blobs of one chunk or more are aligned (ALIGN_MIN_BYTES)
 OWN = "versions/2/data-own"  # the part's own data file
@@ -225,3 +226,45 @@ def test_new_blobs_of_a_chunk_or_more_start_aligned(case: Case) -> None:
         earlier.update(
             entry.hashes[j : j + HASH_BYTES] for j in range(0, len(entry.hashes), HASH_BYTES)
         )
+
+
+def test_large_runs_start_where_direct_writes_take_them_from_memory() -> None:
+    """A new run of DIRECT_MIN_BYTES or more starts at an offset congruent to its memory
+    address modulo BLOCK_BYTES (a cache-line-aligned address: the blob stays ALIGN_BYTES
+    aligned); a piece that continues its blob's run stays contiguous; memory that is not
+    cache-line aligned keeps the ALIGN_BYTES rule."""
+    cb = DIRECT_MIN_BYTES
+    sizes = [100, 4 * cb, 2 * cb, cb]
+    blobs = [Blob(("leaf", i), n, b"") for i, n in enumerate(sizes)]
+    referenced = digest(9, cb)
+    differ = Differ(
+        blobs, chunk_bytes=cb, base=None, index={referenced: (OLD, 0)}, files=FileTable([OWN])
+    )
+    at = Cursor(0, OWN)
+    assert differ.diff_ones([0], [digest(1, 100)], at, [0]) == [0]
+    pads = []
+    a = (1 << 30) + 3 * ALIGN_BYTES  # blob 1's memory: 192 bytes past a page
+    two = b"".join(digest(c, cb) for c in (2, 3))
+    writes = differ.diff(1, 0, two, 2 * cb, at, a)
+    assert writes == [((a - 100) % BLOCK_BYTES, 0, 2 * cb)]
+    pads.append(writes[0][0])
+    start = 100 + writes[0][0]
+    assert start % BLOCK_BYTES == a % BLOCK_BYTES and start % ALIGN_BYTES == 0
+    # The next piece of blob 1 (elsewhere in memory: another slab) continues its run.
+    more = b"".join(digest(c, cb) for c in (4, 5))
+    assert differ.diff(1, 2, more, 2 * cb, at, 1 << 31) == [(0, 0, 2 * cb)]
+    # Blob 2: its first chunk is stored before, its second starts a run of its own.
+    b = (1 << 32) + 5 * BLOCK_BYTES
+    end = at.offset
+    writes = differ.diff(2, 0, referenced + digest(6, cb), 2 * cb, at, b)
+    assert writes == [((b + cb - end) % BLOCK_BYTES, cb, 2 * cb)]
+    pads.append(writes[0][0])
+    assert (end + writes[0][0]) % BLOCK_BYTES == 0
+    # Blob 3: memory 16 bytes past a cache line (numpy's) is placed as before.
+    end = at.offset
+    writes = differ.diff(3, 0, digest(7, cb), cb, at, (1 << 33) + 16)
+    assert writes == [(-end % ALIGN_BYTES, 0, cb)]
+    pads.append(writes[0][0])
+    rows = [e.table.tolist() for e in differ.segments().entries]
+    assert len(rows[1]) == 1 and rows[1][0][2] == start and rows[1][0][3] == 4 * cb
+    assert differ.padding == sum(pads)

@@ -584,7 +584,8 @@ def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) 
     import os
 
     state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
-    cryosnap.save(tmp_path, state, step=STEP, chunk_bytes=CHUNK)
+    # Buffered: the page cache keeps what was saved (a direct write leaves it cold).
+    cryosnap.save(LocalStore(tmp_path, direct_io=False), state, step=STEP, chunk_bytes=CHUNK)
     seen: list[bool] = []
     real = _execute.PartReader._cold
 

@@ -17,6 +17,7 @@ from cryosnap._format.chunks import HASH_BYTES, merkle_root, value_runs
 from cryosnap._format.manifest import INHERITED, STORED, BlobEntry
 from cryosnap._state import Blob
 from cryosnap.engine._resolved import ResolvedPart, _Loc
+from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 
 __all__ = ["EXTERNAL", "BlobSegments", "Cursor", "Differ", "FileTable", "Write"]
 
@@ -42,6 +43,17 @@ Write = tuple[int, int, int]
 def align_pad(offset: int, nbytes: int) -> int:
     """Zero bytes before a new blob of ``nbytes`` whose bytes would start at ``offset``."""
     return -offset % ALIGN_BYTES if nbytes >= ALIGN_MIN_BYTES else 0
+
+
+def run_pad(offset: int, nbytes: int, address: int) -> int:
+    """Zero bytes before a new run of ``nbytes`` that lies at ``address`` in memory and would
+    start at ``offset``: a run of DIRECT_MIN_BYTES or more whose memory is ALIGN_BYTES-aligned
+    starts at an offset equal to its address modulo BLOCK_BYTES, so that a direct write
+    (storage/_direct.py) takes it from where it lies, past its first partial block (and the
+    blob stays ALIGN_BYTES-aligned); any other as :func:`align_pad` says."""
+    if nbytes >= DIRECT_MIN_BYTES and address and address % ALIGN_BYTES == 0:
+        return (address - offset) % BLOCK_BYTES
+    return align_pad(offset, nbytes)
 
 
 class FileTable:
@@ -126,6 +138,14 @@ class Segments:
     data_files: list[str]
 
 
+def _continues(builder: BlobSegments, file: int, offset: int) -> bool:
+    """Whether the blob's last segment is stored in ``file`` and ends at ``offset``."""
+    last = builder.segments[-1] if builder.segments else None
+    return (
+        last is not None and last[0] == STORED and last[1] == file and last[2] + last[3] == offset
+    )
+
+
 class Differ:
     """Diffs the chunks of a part's blobs, as their hashes arrive in blob order, against the
     ``base`` (chunks equal to the base's at the same place are inherited) and the content
@@ -204,9 +224,13 @@ class Differ:
         same = (np.frombuffer(digests, np.uint8).reshape(n, HASH_BYTES) == old).all(1)
         return j, [(a, b, bool(same[a])) for a, b in value_runs(same)]
 
-    def diff(self, blob: int, first: int, digests: bytes, nbytes: int, at: Cursor) -> list[Write]:
-        """Chunks ``first ..`` of ``blob`` (``nbytes`` bytes, hashes ``digests``): their
-        segments, new chunks placed at ``at`` (advanced past them); the bytes to append."""
+    def diff(
+        self, blob: int, first: int, digests: bytes, nbytes: int, at: Cursor, address: int = 0
+    ) -> list[Write]:
+        """Chunks ``first ..`` of ``blob`` (``nbytes`` bytes at ``address`` in memory, 0:
+        unknown; hashes ``digests``): their segments, new chunks placed at ``at`` (advanced
+        past them); the bytes to append. A run of new chunks starts where :func:`run_pad`
+        says, unless it continues the blob's previous one in the file."""
         cb = self.chunk_bytes
         files, new_index, index = self.files, self.new_index, self.index
         j, runs = self._base_runs(blob, first, digests)
@@ -233,9 +257,11 @@ class Differ:
                     continue
                 if run_start < 0:
                     if first + k == 0:  # the blob's first bytes
-                        pad = align_pad(offset, self.blobs[blob].nbytes)
-                        offset += pad
-                        self.padding += pad
+                        pad = run_pad(offset, self.blobs[blob].nbytes, address)
+                    elif address and not _continues(builder, at.file, offset):
+                        pad = run_pad(offset, nbytes - lo, address + lo)
+                    offset += pad
+                    self.padding += pad
                     run_start = lo
                 new_index[digest] = (at.key, offset)
                 builder.store(at.file, offset, size, digest, cb)
@@ -246,16 +272,24 @@ class Differ:
         at.offset = offset
         return writes
 
-    def diff_ones(self, blobs: Sequence[int], digests: Sequence[bytes], at: Cursor) -> list[int]:
+    def diff_ones(
+        self,
+        blobs: Sequence[int],
+        digests: Sequence[bytes],
+        at: Cursor,
+        addresses: Sequence[int] | None = None,
+    ) -> list[int]:
         """Whole blobs of one chunk each, not replicated (most small leaves), each one
-        segment, as :meth:`diff` makes it, kept in flat lists. Per blob, the zero bytes to
-        append before its bytes, or -1 when none are (inherited or referenced)."""
+        segment, as :meth:`diff` makes it, kept in flat lists (``addresses``: where each lies
+        in memory, 0: unknown). Per blob, the zero bytes to append before its bytes, or -1
+        when none are (inherited or referenced)."""
         offset = at.offset
         new_index, index, files = self.new_index, self.index, self.files
         got, one_at, rows, hashes = self._got, self._one_at, self._one_rows, self._one_hashes
         base, base_blob, sizes = self.base, self._base_blob, self.blobs
         out: list[int] = []
-        for blob, digest in zip(blobs, digests, strict=True):
+        where = addresses if addresses is not None else [0] * len(blobs)
+        for blob, digest, address in zip(blobs, digests, where, strict=True):
             got[blob] += 1
             one_at[blob] = len(hashes)
             hashes.append(digest)
@@ -272,7 +306,7 @@ class Differ:
                 rows += (STORED, files.index(loc[0]), loc[1], nbytes)
                 out.append(-1)
                 continue
-            pad = align_pad(offset, nbytes)
+            pad = run_pad(offset, nbytes, address)
             offset += pad
             self.padding += pad
             new_index[digest] = (at.key, offset)

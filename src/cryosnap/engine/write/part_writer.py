@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from cryosnap import _native
 from cryosnap._format.chunks import (
     chunk_count,
     hash_chunks_released,
@@ -45,6 +46,7 @@ from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable
 from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
 from cryosnap.errors import CheckpointError, CheckpointExistsError, StorageError
 from cryosnap.storage import Store
+from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 from cryosnap.storage.tiers import Placement
 
 __all__ = ["PartResult", "PartWriter"]
@@ -52,7 +54,7 @@ __all__ = ["PartResult", "PartWriter"]
 # New bytes of a version are placed on scratch devices in groups of this size.
 _PLACE_BYTES = 4 << 20
 
-_ZEROS = memoryview(bytes(ALIGN_BYTES))
+_ZEROS = memoryview(bytes(BLOCK_BYTES))  # the longest padding before a run (run_pad)
 
 
 @dataclass(slots=True)
@@ -327,7 +329,8 @@ class PartWriter:
         digests = hash_chunks_released(view, self.chunk_bytes)
         first = p.offset // self.chunk_bytes
         at = self._cursors[self._device]
-        for pad, lo, hi in self._differ.diff(p.blob, first, digests, view.nbytes, at):
+        address = _native.address_of(view) if view.nbytes >= DIRECT_MIN_BYTES else 0
+        for pad, lo, hi in self._differ.diff(p.blob, first, digests, view.nbytes, at, address):
             if pad:
                 out.append(_ZEROS[:pad])
             out.append(view[lo:hi])
@@ -338,7 +341,9 @@ class PartWriter:
         views = [p.view for p in ones]
         digests = hash_each_released(views)
         at = self._cursors[self._device]
-        pads = self._differ.diff_ones([p.blob for p in ones], digests, at)
+        min_bytes = DIRECT_MIN_BYTES
+        addresses = [_native.address_of(v) if v.nbytes >= min_bytes else 0 for v in views]
+        pads = self._differ.diff_ones([p.blob for p in ones], digests, at, addresses)
         for view, pad in zip(views, pads, strict=True):
             if pad > 0:
                 out.append(_ZEROS[:pad])

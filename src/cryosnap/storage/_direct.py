@@ -1,0 +1,210 @@
+"""Direct I/O for data files: ``O_DIRECT`` writes that bypass the page cache, the probe that
+decides once per directory whether its file system takes them, and the injectable syscalls.
+
+:class:`DirectFile` runs on the data file's I/O thread (the appender's); :func:`probe_direct`
+on the thread that opens the level. docs/design/storage.md ("Direct I/O") has the why.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Final
+
+from cryosnap import _native
+
+__all__ = ["BLOCK_BYTES", "DirectFile", "Syscalls", "probe_direct"]
+
+log = logging.getLogger("cryosnap")
+
+# The alignment of every direct write's offset, length and memory: the page size, a multiple
+# of every block device's logical block (512 or 4096 bytes).
+BLOCK_BYTES: Final = 4096
+# The aligned bounce buffer that gathers what cannot go to the disk from where it lies (small
+# blobs, the unaligned head and tail of a large one): one direct write per this many bytes.
+BOUNCE_BYTES: Final = 8 << 20
+# Aligned runs shorter than this are copied to the bounce buffer: a syscall each costs more.
+DIRECT_MIN_BYTES: Final = 64 << 10
+O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
+# File systems that are the page cache: a direct write there is a copy into it all the same.
+_MEMORY_FS: Final = frozenset({"tmpfs", "ramfs"})
+
+
+class Syscalls:
+    """The calls a direct write makes; tests pass a subclass that fails some of them
+    (:class:`cryosnap.testing.FaultySyscalls`)."""
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def ftruncate(self, fd: int, nbytes: int) -> None:
+        os.ftruncate(fd, nbytes)
+
+
+def _buffered(fd: int) -> None:
+    """Clear ``O_DIRECT`` on ``fd``: its later writes go through the page cache."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+
+
+class DirectFile:
+    """The writes of one data file opened with ``O_DIRECT``, in order.
+
+    A buffer whose memory and file offset are aligned alike goes to the disk from where it
+    lies (the staging slabs and the data file's layout make it so for large blobs); the rest
+    is gathered in a page-aligned bounce buffer written in large aligned pieces. ``finish``
+    writes the last partial block padded with zeros and truncates the file to its bytes.
+    A write the file system refuses midway (EINVAL) or a short one that leaves the offset
+    unaligned switches this file to buffered writes, from the same offset on: nothing written
+    is lost, and the file is fsynced once by its writer as every file is."""
+
+    def __init__(self, fd: int, key: str, syscalls: Syscalls) -> None:
+        self.key = key
+        self._fd = fd
+        self._sys = syscalls
+        self._bounce: mmap.mmap | None = None
+        self._view = memoryview(b"")
+        self._base = 0  # the file offset of the bounce buffer's first byte (aligned)
+        self._fill = 0  # bytes in the bounce buffer
+        self.direct = True
+
+    @property
+    def size(self) -> int:
+        return self._base + self._fill
+
+    def _room(self) -> memoryview:
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous: page-aligned, zeroed
+            self._view = memoryview(self._bounce)
+        return self._view
+
+    def write(self, buffers: Sequence[memoryview]) -> int:
+        """Append ``buffers`` (flat byte views); the bytes taken."""
+        total = 0
+        for v in buffers:
+            total += v.nbytes
+            if self.direct:
+                self._put(v)
+            else:
+                self._flush(pad=False)
+                self._write_at(v, self._base)
+                self._base += v.nbytes
+        return total
+
+    def _put(self, v: memoryview) -> None:
+        n, i = v.nbytes, 0
+        address = _native.address_of(v) if n >= DIRECT_MIN_BYTES else 1
+        while i < n and self.direct:
+            k = -self._fill % BLOCK_BYTES  # bytes to the next block boundary of the file
+            body = (n - i - k) // BLOCK_BYTES * BLOCK_BYTES
+            aligned = body >= DIRECT_MIN_BYTES and (address + i + k) % BLOCK_BYTES == 0
+            if aligned and k == 0:
+                self._flush(pad=False)
+                self._write_at(v[i : i + body], self._base)
+                self._base += body
+                i += body
+                continue
+            room = self._room()
+            take = k if aligned else min(n - i, BOUNCE_BYTES - self._fill)
+            room[self._fill : self._fill + take] = v[i : i + take]
+            self._fill += take
+            i += take
+            if self._fill == BOUNCE_BYTES:
+                self._flush(pad=False)
+        if i < n:  # switched to buffered writes meanwhile
+            self.write([v[i:]])
+
+    def _flush(self, *, pad: bool) -> None:
+        """Write the bounce buffer's whole blocks (``pad``: every byte, the last block padded
+        with zeros); what is left of a partial block stays, moved to the front."""
+        fill = self._fill
+        if not fill:
+            return
+        room = self._view
+        if pad or not self.direct:
+            whole = fill if not self.direct else -(-fill // BLOCK_BYTES) * BLOCK_BYTES
+            room[fill:whole] = bytes(whole - fill)
+        else:
+            whole = fill // BLOCK_BYTES * BLOCK_BYTES
+        if whole:
+            self._write_at(room[:whole], self._base)
+        done = min(whole, fill)
+        rest = fill - done
+        if rest:
+            room[:rest] = room[done:fill]
+        self._base += done
+        self._fill = rest
+
+    def _write_at(self, data: memoryview, offset: int) -> None:
+        while data.nbytes:
+            try:
+                n = self._sys.pwrite(self._fd, data, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._fall_back(f"the file system refused a direct write ({exc.strerror})")
+                continue
+            if n <= 0:
+                raise OSError(errno.EIO, f"a write of {data.nbytes} bytes wrote none")
+            data, offset = data[n:], offset + n
+            if data.nbytes and self.direct and n % BLOCK_BYTES:
+                self._fall_back(f"a short direct write ({n} bytes) left an unaligned offset")
+
+    def _fall_back(self, why: str) -> None:
+        log.warning("cryosnap: %s: %s; the rest of the file is written buffered", self.key, why)
+        _buffered(self._fd)
+        self.direct = False
+
+    def finish(self) -> None:
+        """Write what the bounce buffer holds; the file ends at the last byte given."""
+        size = self.size
+        padded = self.direct and size % BLOCK_BYTES
+        self._flush(pad=True)
+        if padded:
+            self._sys.ftruncate(self._fd, size)  # the zeros after the last byte go
+        self.close()
+
+    def close(self) -> None:
+        """Free the bounce buffer (the descriptor is the writer's)."""
+        self._view.release()
+        self._view = memoryview(b"")
+        if self._bounce is not None:
+            self._bounce.close()
+            self._bounce = None
+
+
+def probe_direct(root_fd: int, syscalls: Syscalls, fs_type: str, *, memory: bool) -> str | None:
+    """Whether the directory ``root_fd`` takes direct writes: None if an aligned direct write
+    of one block to a scratch file in it succeeds, else why not (the file is removed). Unless
+    ``memory``, a memory file system (``fs_type`` tmpfs, ramfs) is not probed: it is the page
+    cache itself, where a direct write is a copy into it all the same."""
+    if not O_DIRECT:
+        return "this platform has no O_DIRECT"
+    if fs_type in _MEMORY_FS and not memory:
+        return f"{fs_type} keeps files in memory"
+    name = f".direct-probe-{secrets.token_hex(4)}.tmp"  # a name remove_incomplete reclaims
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | O_DIRECT
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=root_fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return f"its file system ({fs_type or 'unknown'}) refuses O_DIRECT"
+    block = mmap.mmap(-1, BLOCK_BYTES)
+    try:
+        syscalls.pwrite(fd, memoryview(block), 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return f"its file system ({fs_type or 'unknown'}) refuses direct writes"
+    finally:
+        block.close()
+        os.close(fd)
+        with suppress(OSError):
+            os.unlink(name, dir_fd=root_fd)
+    return None
