@@ -1,4 +1,5 @@
-# Quick start: `make demo` runs the main job, `make test` runs lint + types + tests.
+# Quick start: `make demo` runs the main job, `make test` runs lint + types + tests, and
+# `make test-deep` the full-length campaigns that `make test` runs a slice of.
 # Both create .venv themselves. `make demo` installs the runtime and the demo's needs
 # (requirements.txt); `make test` adds the development stack (requirements-dev.txt) on top, so
 # either order installs each package once. constraints.txt pins every transitive version.
@@ -12,7 +13,15 @@ CREATED     := $(VENV)/.created
 RUNTIME     := $(VENV)/.runtime-installed
 DEV         := $(VENV)/.dev-installed
 
-.PHONY: test demo lint typecheck pytest bench clean
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist) in a random order (pytest-randomly,
+# its seed printed at the top); CONTRIBUTING.md says how to rerun one order, or file order.
+# `make test` leaves out the tests marked deep (full-length campaigns); `make test-deep` runs
+# them (CI runs both). PYTEST_ARGS adds options to both.
+PYTEST_WORKERS ?= 4
+PYTEST_ARGS    ?=
+PYTEST      := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+
+.PHONY: test test-deep demo lint typecheck pytest bench clean
 
 $(CREATED):
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +49,10 @@ typecheck: $(DEV)
 	$(PY) -m mypy
 
 pytest: $(DEV)
-	$(PY) -m pytest -q
+	$(PYTEST) -m "not deep" $(PYTEST_ARGS)
+
+test-deep: $(DEV)
+	$(PYTEST) -m deep $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

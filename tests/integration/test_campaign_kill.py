@@ -247,6 +247,7 @@ def test_kill_campaign_fast(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(1800)
 def test_kill_campaign(tmp_path: Path) -> None:
     """``CRYOSNAP_CAMPAIGN_KILLS`` kills: about two thirds at every phase of a save (the n-th
