@@ -19,7 +19,11 @@ DEV         := $(VENV)/.dev-installed
 # them (CI runs both). PYTEST_ARGS adds options to both.
 PYTEST_WORKERS ?= 4
 PYTEST_ARGS    ?=
-PYTEST      := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+PYTEST      := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+# Compiled modules are cached in __pycache__ (ignored by git) even where the environment says
+# not to write them: each xdist worker and each child process of the tests would otherwise
+# compile src/ and tests/ again (about 3 s of CPU per worker).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: test test-deep demo lint typecheck pytest bench clean
 
@@ -45,8 +49,11 @@ lint: $(DEV)
 	$(PY) -m ruff format --check src tests bench
 	$(VENV)/bin/lint-imports
 
+# mypy's parallel mode (experimental in mypy 2; the same checks): about 1.5x faster cold on 2 cores.
+MYPY_WORKERS ?= 2
+
 typecheck: $(DEV)
-	$(PY) -m mypy
+	$(PY) -m mypy --num-workers $(MYPY_WORKERS)
 
 pytest: $(DEV)
 	$(PYTEST) -m "not deep" $(PYTEST_ARGS)
