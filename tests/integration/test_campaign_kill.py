@@ -9,8 +9,10 @@ writer's lock), checks that every version it can see loads bit-exact and that ev
 step is there unless retention legitimately dropped it, saves one more version, closes, and
 counts the garbage left: bytes in files that no committed version references.
 
-``CRYOSNAP_CAMPAIGN_KILLS`` (default 100) sets the number of kills of the slow campaign; the
-counts are printed (``-s``) and written to ``campaign_kill.json`` under the test's tmp_path.
+``make test`` runs ``test_kill_campaign_fast`` (a kill at each kind of phase, and random kills);
+``make test-deep`` the full campaign, whose number of kills ``CRYOSNAP_CAMPAIGN_KILLS`` (default
+100) sets; the counts are printed (``-s``) and written to ``campaign_kill.json`` under the
+test's tmp_path.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every ```python block of README.md runs in document order in one Python process 
 session, one namespace) in a temporary working directory; every ``cryosnap ...`` line of a
 ```bash block runs there too, at its place in the document, as ``python -m cryosnap ...``.
 Then a second session runs the same code against the runs the first one left: a user running
-the same script again. Both sessions must exit 0.
+the same script again. Both sessions must exit 0. (``make test`` runs the first session alone,
+``make test-deep`` both.)
 
 The snippets use a few names a user's own program defines (``train_step``, ``dataset``,
 ``total_steps``); :data:`PRELUDE` defines them, small and real: ``train_step`` does a real
