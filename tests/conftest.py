@@ -14,9 +14,29 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cryosnap"))
 
 
+def _share_module_fixtures(items: list[pytest.Item]) -> None:
+    """The tests of a module that use one of its module-scoped fixtures (a trained reference,
+    a template run) form one xdist group: under ``--dist loadgroup`` one worker runs them and
+    builds the fixture once, instead of every worker that got one of them building it."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        module = item.getparent(pytest.Module)
+        if info is None or module is None:
+            continue
+        for name in item.fixturenames:
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope == "module":
+                item.add_marker(pytest.mark.xdist_group(module.nodeid))
+                break
+
+
+# tryfirst: the group marks are in place before xdist reads them (its own hook of this name).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` skip where no CUDA device is available (torch is imported only
-    when such a test was collected)."""
+    """Tests that share a module-scoped fixture go to one xdist worker; tests marked ``gpu``
+    skip where no CUDA device is available (torch is imported only when such a test was
+    collected)."""
+    _share_module_fixtures(items)
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return

@@ -9,8 +9,10 @@ writer's lock), checks that every version it can see loads bit-exact and that ev
 step is there unless retention legitimately dropped it, saves one more version, closes, and
 counts the garbage left: bytes in files that no committed version references.
 
-``CRYOSNAP_CAMPAIGN_KILLS`` (default 100) sets the number of kills of the slow campaign; the
-counts are printed (``-s``) and written to ``campaign_kill.json`` under the test's tmp_path.
+``make test`` runs ``test_kill_campaign_fast`` (a kill at each kind of phase, and random kills);
+``make test-deep`` the full campaign, whose number of kills ``CRYOSNAP_CAMPAIGN_KILLS`` (default
+100) sets; the counts are printed (``-s``) and written to ``campaign_kill.json`` under the
+test's tmp_path.
 """
 
 from __future__ import annotations
@@ -247,6 +249,7 @@ def test_kill_campaign_fast(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(1800)
 def test_kill_campaign(tmp_path: Path) -> None:
     """``CRYOSNAP_CAMPAIGN_KILLS`` kills: about two thirds at every phase of a save (the n-th

@@ -146,6 +146,7 @@ def test_prepare_replaces_an_earlier_demo_run_and_nothing_else(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@pytest.mark.deep
 def test_demo_rerun_reuses_its_own_directory(tmp_path: Path) -> None:
     work = tmp_path / "demo"
     # Seed 19 kills at step 11: the save of step 10 returned only once step 5 was durable

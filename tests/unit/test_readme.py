@@ -4,7 +4,8 @@ Every ```python block of README.md runs in document order in one Python process 
 session, one namespace) in a temporary working directory; every ``cryosnap ...`` line of a
 ```bash block runs there too, at its place in the document, as ``python -m cryosnap ...``.
 Then a second session runs the same code against the runs the first one left: a user running
-the same script again. Both sessions must exit 0.
+the same script again. Both sessions must exit 0. (``make test`` runs the first session alone,
+``make test-deep`` both.)
 
 The snippets use a few names a user's own program defines (``train_step``, ``dataset``,
 ``total_steps``); :data:`PRELUDE` defines them, small and real: ``train_step`` does a real
@@ -135,8 +136,8 @@ def _session(tmp_path: Path, blocks_file: Path) -> subprocess.CompletedProcess[s
     )
 
 
-@pytest.mark.slow
-def test_readme_snippets_run_twice_in_a_row(tmp_path: Path) -> None:
+def _blocks_file(tmp_path: Path) -> tuple[Path, Path, int]:
+    """The user's working directory, the blocks to run (a JSON file) and how many there are."""
     work = tmp_path / "user"
     work.mkdir()
     blocks_file = tmp_path / "blocks.json"
@@ -146,9 +147,27 @@ def test_readme_snippets_run_twice_in_a_row(tmp_path: Path) -> None:
         if b.skip is None
     ]
     blocks_file.write_text(json.dumps(run))
+    return work, blocks_file, len(run)
+
+
+def _run_session(work: Path, blocks_file: Path, blocks: int, session: str) -> str:
+    proc = _session(work, blocks_file)
+    assert proc.returncode == 0, f"{session} session:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.count("=== README.md line") == blocks
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_readme_snippets_run(tmp_path: Path) -> None:
+    """Every block once, in one session (make test; the second session is make test-deep's)."""
+    _run_session(*_blocks_file(tmp_path), "first")
+
+
+@pytest.mark.slow
+@pytest.mark.deep
+def test_readme_snippets_run_twice_in_a_row(tmp_path: Path) -> None:
+    work, blocks_file, blocks = _blocks_file(tmp_path)
     for session in ("first", "second"):
-        proc = _session(work, blocks_file)
-        assert proc.returncode == 0, f"{session} session:\n{proc.stdout}\n{proc.stderr}"
-        assert proc.stdout.count("=== README.md line") == len(run)
+        out = _run_session(work, blocks_file, blocks, session)
     # The second session met the one-shot save's rule instead of overwriting step 100.
-    assert "step 100 already exists" in proc.stdout
+    assert "step 100 already exists" in out
