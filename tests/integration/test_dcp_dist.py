@@ -59,6 +59,7 @@ def test_two_ranks_save_sparse_update_async_and_load(tmp_path: Path) -> None:
     assert one["before"] != one["loaded"]
 
 
+@pytest.mark.deep
 def test_a_writer_per_save_at_two_ranks_and_across_a_restart(tmp_path: Path) -> None:
     """DCP's habit: a new StorageWriter per dcp.save / dcp.async_save, never closed; each
     save is the next version, incremental against the previous one, also after a restart

@@ -23,6 +23,7 @@ JOB = Path(ddp_job.__file__)
 WORLD, TOTAL, KILL_AT = 3, 6, 3  # saves at 2 and 4: the kill comes after step 2 is durable
 
 
+@pytest.mark.deep
 def test_a_killed_ddp_job_resumes_bit_exact_with_prepare_ddp_resume(tmp_path: Path) -> None:
     reference = launch(
         "train", WORLD, tmp_path / "ref", str(tmp_path / "ref-run"), str(TOTAL), script=JOB

@@ -146,6 +146,7 @@ def test_killed_mid_run_and_restarted_is_bit_exact(job: Path) -> None:
     np.testing.assert_array_equal(np.load(job / "final.npy"), reference)
 
 
+@pytest.mark.deep
 def test_killed_then_flushed_by_the_epilogue_scratch_wiped_and_restarted(job: Path) -> None:
     kill_mid_run(heatdis(job, "final.npy"), after=3)
     scratch = [job / node / "scratch" / f"rank-{r:05d}" for node in NODES for r in range(4)]
@@ -169,6 +170,7 @@ def test_killed_then_flushed_by_the_epilogue_scratch_wiped_and_restarted(job: Pa
 XOR_NODES = ("node-0", "node-1", "node-2", "node-3")  # one rank each: one XOR set of 4
 
 
+@pytest.mark.deep
 def test_xor_one_wiped_node_rebuilt_from_parity_two_read_from_the_persistent_level(
     job: Path,
 ) -> None:
@@ -207,6 +209,7 @@ def test_xor_one_wiped_node_rebuilt_from_parity_two_read_from_the_persistent_lev
     np.testing.assert_array_equal(np.load(job / "final.npy"), serial_reference())
 
 
+@pytest.mark.deep
 def test_file_variant_killed_mid_run_and_restarted_is_bit_exact(job: Path) -> None:
     """``--state file``: each rank np.saves its rows to its own file and checkpoints that
     file; a restart rewrites the file (restore(into=)) and the program reads it back."""

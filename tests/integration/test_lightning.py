@@ -227,7 +227,9 @@ def test_fit_ckpt_path_picks_a_step_and_a_new_training_is_refused(
 
 # Lightning warns on resume that a plain DataLoader is not resumable: cryosnap resumed it.
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
-@pytest.mark.parametrize("kind", ["plain", "workers", "distributed"])
+@pytest.mark.parametrize(
+    "kind", ["plain", pytest.param("workers", marks=pytest.mark.deep), "distributed"]
+)
 def test_the_loader_users_have_resumes_exactly_after_sigkill_mid_epoch(
     tmp_path: Path, kind: str
 ) -> None:
