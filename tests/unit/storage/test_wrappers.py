@@ -115,9 +115,14 @@ def local(tmp_path: Path) -> LocalStore:
     return LocalStore(tmp_path / "run")
 
 
+# The stalled call waits this long; every other call must finish within it on a loaded machine
+# (a real open/write/fsync on a worker thread: 0.2 s was too short beside other work).
+LIMIT = 1.0
+
+
 def stalled(local: LocalStore, stall: Stall, **options: int) -> tuple[TimeoutStore, FaultyStore]:
     faulty = FaultyStore(local, fault=stall)
-    return TimeoutStore(faulty, 0.2, **options), faulty
+    return TimeoutStore(faulty, LIMIT, **options), faulty
 
 
 def files(root: Path) -> list[str]:
@@ -137,7 +142,7 @@ def test_stalled_call_times_out_and_later_calls_work(local: LocalStore) -> None:
     with pytest.raises(StorageTimeoutError) as info:
         store.read("slow")
     msg = str(info.value)
-    assert f"reading slow in {local.url} did not return within 0.2 s" in msg, msg
+    assert f"reading slow in {local.url} did not return within {LIMIT:g} s" in msg, msg
     assert "unresponsive" in msg
     assert isinstance(info.value, StorageError) and isinstance(info.value, TimeoutError)
     assert store.stuck_calls == 1
@@ -200,7 +205,7 @@ def test_stuck_calls_of_one_store_do_not_block_another(local: LocalStore, tmp_pa
     stall = Stall("read")
     store, _ = stalled(local, stall, max_stuck_calls=1)
     local.write("k", b"v")
-    other = TimeoutStore(LocalStore(tmp_path / "other"), 0.2)
+    other = TimeoutStore(LocalStore(tmp_path / "other"), LIMIT)
     try:
         with pytest.raises(StorageTimeoutError):
             store.read("k")
@@ -264,7 +269,7 @@ def test_stalled_abort_does_not_raise(local: LocalStore) -> None:
             inner.abort = slow  # type: ignore[method-assign]
             return inner
 
-    store = TimeoutStore(SlowAbort(local), 0.2)
+    store = TimeoutStore(SlowAbort(local), LIMIT)
     w = store.open_writer("data/x.dat")
     w.write([b"abc"])
     w.abort()  # a cleanup step: no new error that would mask the one being handled
