@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -45,3 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in gpu:
         item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The random order's seed, last (``-q`` hides pytest-randomly's header that names it)."""
+    if config.pluginmanager.hasplugin("randomly"):
+        seed = config.getoption("randomly_seed", None)
+        terminalreporter.write_line(f"random order: -p randomly --randomly-seed={seed} reruns it")
