@@ -14,7 +14,7 @@ RUNTIME     := $(VENV)/.runtime-installed
 DEV         := $(VENV)/.dev-installed
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist) in a random order (pytest-randomly,
-# its seed printed at the top); CONTRIBUTING.md says how to rerun one order, or file order.
+# its seed printed last); CONTRIBUTING.md says how to rerun one order, or file order.
 # `make test` leaves out the tests marked deep (full-length campaigns); `make test-deep` runs
 # them (CI runs both). PYTEST_ARGS adds options to both.
 PYTEST_WORKERS ?= 4

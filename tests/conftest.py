@@ -90,3 +90,10 @@ def direct_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
         shutil.rmtree(candidate, ignore_errors=True)
         reasons.append(why)
     pytest.skip("no directory here takes O_DIRECT: " + "; ".join(reasons))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The random order's seed, last (``-q`` hides pytest-randomly's header that names it)."""
+    if config.pluginmanager.hasplugin("randomly"):
+        seed = config.getoption("randomly_seed", None)
+        terminalreporter.write_line(f"random order: -p randomly --randomly-seed={seed} reruns it")
