@@ -17,9 +17,10 @@ DEV         := $(VENV)/.dev-installed
 # its seed printed last); CONTRIBUTING.md says how to rerun one order, or file order.
 # `make test` leaves out the tests marked deep (full-length campaigns); `make test-deep` runs
 # them (CI runs both). PYTEST_ARGS adds options to both.
-# 3 workers on 2 cores: the tests wait on child processes and fsync often (measured against 4:
-# 399 s and 440 s of CPU against 477 s and 474 s, both beside a load of 5-10; CONTRIBUTING.md).
-PYTEST_WORKERS ?= 3
+# 4 workers on 2 cores: the tests wait on child processes and fsync often. Measured beside two
+# CPU burners: 430 s with 4, 499 s with 3 (3 took less CPU, 440 s against 474 s, beside a load
+# of 5-10 without burners; CONTRIBUTING.md).
+PYTEST_WORKERS ?= 4
 PYTEST_ARGS    ?=
 PYTEST      := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 # Compiled modules are cached in __pycache__ (ignored by git) even where the environment says
