@@ -9,7 +9,7 @@ whole tensor). The 2-rank version is then loaded at 1 rank into a plain, unshard
 planner reshards), exported to one ``.pt``, and its sparse update is checked to write only the
 changed chunk.
 
-Each launch runs this file as a script on 1 or 2 processes (test_dist_torch's launcher); each
+Each launch runs this file as a script on 1 or 2 processes (tests/integration/ranks.py); each
 rank writes what it saw to ``OUT_DIR/rank-N.json``.
 """
 
@@ -25,16 +25,11 @@ from typing import Any
 
 import pytest
 
+from tests.integration import ranks
+
 HERE = Path(__file__).resolve()
 TIMEOUT = 60.0
 CHUNK = 4096
-
-
-def launch(scenario: str, world: int, out: Path, *args: str) -> list[dict[str, Any]]:
-    pytest.importorskip("torch.distributed", reason="torch is not installed")
-    from tests.integration import test_dist_torch
-
-    return test_dist_torch.launch(scenario, world, out, *args, script=HERE, timeout=240)
 
 
 # -- the tests ----------------------------------------------------------------------------------
@@ -42,7 +37,7 @@ def launch(scenario: str, world: int, out: Path, *args: str) -> list[dict[str, A
 
 def test_two_ranks_save_sparse_update_async_and_load(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    results = launch("save", 2, tmp_path / "two", str(run))
+    results = ranks.launch(HERE, "save", 2, tmp_path / "two", str(run))
     for got in results:
         assert got["steps"] == [0, 1, 2]
         assert got["loaded"] == got["saved"], "dcp.load through the reader is not bit-exact"
@@ -54,7 +49,7 @@ def test_two_ranks_save_sparse_update_async_and_load(tmp_path: Path) -> None:
     assert [got["written"][1] for got in results] == [CHUNK, 0]
     assert [got["written"][2] for got in results] == [CHUNK, 0]  # the async one, too
     # Step 1 of the 2-rank run, loaded at 1 rank into a plain (unsharded) model.
-    (one,) = launch("load", 1, tmp_path / "one", str(run), "1")
+    (one,) = ranks.launch(HERE, "load", 1, tmp_path / "one", str(run), "1")
     assert one["loaded"] == results[0]["at_step_1"]
     assert one["before"] != one["loaded"]
 
@@ -65,8 +60,8 @@ def test_a_writer_per_save_at_two_ranks_and_across_a_restart(tmp_path: Path) -> 
     save is the next version, incremental against the previous one, also after a restart
     (a new job going on from the run), and the run is free between saves."""
     run = tmp_path / "run"
-    first = launch("per_save", 2, tmp_path / "first", str(run))
-    again = launch("per_save", 2, tmp_path / "again", str(run))
+    first = ranks.launch(HERE, "per_save", 2, tmp_path / "first", str(run))
+    again = ranks.launch(HERE, "per_save", 2, tmp_path / "again", str(run))
     for got in first:
         assert got["steps"] == [0, 1, 2] and got["free"] == [[0], [0, 1], [0, 1, 2]]
         assert got["loaded"] == got["saved"]
@@ -81,8 +76,20 @@ def test_a_writer_per_save_at_two_ranks_and_across_a_restart(tmp_path: Path) -> 
     assert [got["written"] for got in again] == [[CHUNK] * 3, [0] * 3]
 
 
+def test_async_save_on_a_group_of_its_own_while_fsdp_trains(tmp_path: Path) -> None:
+    """docs/DISTRIBUTED.md's form: dcp.async_save(..., process_group=<a new gloo group>) is
+    written on DCP's thread while training steps run FSDP's collectives on the default group;
+    the version is the state at the save, bit for bit, and training went on meanwhile."""
+    run = tmp_path / "run"
+    for got in ranks.launch(HERE, "async_group", 2, tmp_path / "out", str(run)):
+        assert got["steps"] == [0, 1]
+        assert got["in_flight"] == [True, True]  # training steps ran while each save was
+        assert got["loaded"] == got["saved"] != got["after"]
+        assert got["loaded_first"] == got["first"] != got["saved"]
+
+
 def test_one_rank_save_and_load(tmp_path: Path) -> None:
-    (got,) = launch("save", 1, tmp_path / "one", str(tmp_path / "run"))
+    (got,) = ranks.launch(HERE, "save", 1, tmp_path / "one", str(tmp_path / "run"))
     assert got["steps"] == [0, 1, 2]
     assert got["loaded"] == got["saved"]
     assert got["written"][1] == CHUNK
@@ -93,7 +100,7 @@ def test_export_of_a_two_rank_version_is_the_whole_state(tmp_path: Path) -> None
     from cryosnap.export import export
 
     run = tmp_path / "run"
-    (saved, _) = launch("save", 2, tmp_path / "two", str(run))
+    (saved, _) = ranks.launch(HERE, "save", 2, tmp_path / "two", str(run))
     result = export(run, tmp_path / "model.pt", step=1)
     assert result.step == 1
     tree = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -248,6 +255,55 @@ def _per_save(out: Path, run: Path) -> dict[str, Any]:
     return got
 
 
+def _train_step(model: Any, opt: Any) -> None:
+    import torch
+
+    model(torch.randn(4, 64)).sum().backward()  # FSDP: all_gather, reduce_scatter (default group)
+    opt.step()
+    opt.zero_grad()
+
+
+def _async_group(out: Path, run: Path) -> dict[str, Any]:
+    """Two async saves, each on a gloo group of its own, with training steps while each is in
+    flight; then both versions loaded into a model made differently."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import cryosnap.dcp
+    from cryosnap.dcp import _session
+
+    model, opt = _model(0, sharded=True)
+    group = dist.new_group(backend="gloo")  # once, on every rank: the saves' own group
+    got: dict[str, Any] = {"in_flight": []}
+    for name in ("first", "saved"):
+        got[name] = _state_digests(model, opt)  # the state the save holds
+        msd, osd = get_state_dict(model, opt)
+        writer = cryosnap.dcp.StorageWriter(run, chunk_bytes=CHUNK)
+        # The test holds the run's in-process save slot for two training steps: DCP's thread
+        # (its planning collectives on `group`) cannot finish the save meanwhile.
+        with _session.in_flight(_session.run_key(run), timeout_seconds=TIMEOUT):
+            future = dcp.async_save({"model": msd, "optim": osd}, storage_writer=writer,
+                                    process_group=group)  # fmt: skip
+            for _ in range(2):
+                _sparse_update(model)  # changes what the staged copy must not see
+                _train_step(model, opt)
+            got["in_flight"].append(not future.done())
+        for _ in range(2):  # and two more while it writes and commits
+            _train_step(model, opt)
+        future.result()
+    got["after"] = _state_digests(model, opt)
+    got["steps"] = cryosnap.Run(run).steps()
+    for name, step in (("loaded_first", 0), ("loaded", 1)):
+        other, other_opt = _model(1, sharded=True)
+        msd, osd = get_state_dict(other, other_opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, storage_reader=cryosnap.dcp.StorageReader(run, step))
+        set_state_dict(other, other_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        got[name] = _state_digests(other, other_opt)
+    return got
+
+
 def _load(out: Path, run: Path, step: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -273,6 +329,8 @@ def main(scenario: str, out: Path, *args: str) -> None:
         got = _save(out, Path(args[0]))
     elif scenario == "per_save":
         got = _per_save(out, Path(args[0]))
+    elif scenario == "async_group":
+        got = _async_group(out, Path(args[0]))
     else:
         got = _load(out, Path(args[0]), int(args[1]))
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve()
+ROOT = HERE.parents[2]
 TIMEOUT = 30.0  # collectives of the healthy scenarios (a hang guard, never reached)
 SHORT = 1.0  # collectives that are meant to time out
 
@@ -42,9 +43,12 @@ def launch(
     killed: frozenset[int] = frozenset(),
     script: Path = HERE,
     timeout: float = 180,
+    elastic: bool = False,
 ) -> list[dict[str, Any]]:
     """Run ``script scenario out *args`` on ``world`` processes; what each rank reported, by
-    rank (the ranks in ``killed`` SIGKILL themselves and report nothing)."""
+    rank (the ranks in ``killed`` SIGKILL themselves and report nothing). ``elastic``: the
+    whole environment torchrun gives (``LOCAL_RANK``, ``TORCHELASTIC_RUN_ID``...), by which
+    Lightning knows that the processes are launched for it."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -57,7 +61,18 @@ def launch(
             "WORLD_SIZE": str(world),
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
+            # The scripts import tests.integration's support modules, as the tests do.
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
         }
+        if elastic:
+            env.update(
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                GROUP_RANK="0",
+                TORCHELASTIC_RUN_ID=f"cryosnap-{port}",
+            )
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(script), scenario, str(out), *args],

@@ -7,7 +7,7 @@ into DTensors of the same layout made differently (bit-exact: sha256 of every lo
 restore without ``into`` (each rank's local shard), restore into another placement or mesh (an
 error naming the leaf and pointing at ``cryosnap.dcp``), and save lazily (the optimizer step
 waits for the shards it mutates). Each launch runs this file as a script
-on 2 processes (test_dist_torch's launcher); each rank writes what it saw to ``rank-N.json``.
+on 2 processes (tests/integration/ranks.py); each rank writes what it saw to ``rank-N.json``.
 """
 
 from __future__ import annotations
@@ -20,22 +20,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.integration import ranks
 
 HERE = Path(__file__).resolve()
 TIMEOUT = 60.0
 CHUNK = 4096
 
 
-def launch(scenario: str, world: int, out: Path, *args: str) -> list[dict[str, Any]]:
-    pytest.importorskip("torch.distributed", reason="torch is not installed")
-    from tests.integration import test_dist_torch
-
-    return test_dist_torch.launch(scenario, world, out, *args, script=HERE, timeout=240)
-
-
 def test_dtensor_leaves_save_incrementally_and_restore_bit_exact(tmp_path: Path) -> None:
-    results = launch("dtensor", 2, tmp_path / "out", str(tmp_path / "run"))
+    results = ranks.launch(HERE, "dtensor", 2, tmp_path / "out", str(tmp_path / "run"))
     for rank, got in enumerate(results):
         assert got["restored"] == got["saved"], "restore(into=DTensors) is not bit-exact"
         assert got["before"] != got["saved"]  # the targets started out different

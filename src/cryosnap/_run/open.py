@@ -41,9 +41,22 @@ from cryosnap.errors import (
 from cryosnap.storage import Store, check_direct_io, join_location, open_store, unwrap
 from cryosnap.storage.tiers import Placement, StripedStore, Tier
 
-__all__ = ["OpenRun", "newest_record", "open_run", "resume_handoffs"]
+__all__ = ["CHANNELS", "OpenRun", "flush_channel", "newest_record", "open_run", "resume_handoffs"]
 
 SCRATCH, PERSISTENT = "scratch", "persistent"
+
+# The channels the rooms of a run use, each a coordinator of its own (creating one is
+# collective on torch.distributed and MPI): the caller thread's (policy: PolicyRoom; restore),
+# the writer thread's (retire: Levels; writer: VersionWriter), and the hand-off's into level i
+# when every rank writes it again (flush_channel(i)). open_run creates CHANNELS first, in
+# this order; cryosnap.dcp creates them once per process for its writers.
+CHANNELS: tuple[str, ...] = ("policy", "restore", "retire", "writer")
+
+
+def flush_channel(index: int) -> str:
+    """The channel of the collective flush into level ``index`` (1: persistent after scratch)."""
+    return f"flush-{index}"
+
 
 log = logging.getLogger("cryosnap")
 
@@ -80,7 +93,10 @@ def open_run(options: RunOptions) -> OpenRun:
     coord = _coordinator(options.comm)
     options.check_world(coord.world_size)
     # One channel per thread that issues collectives: the caller's (policy, restore),
-    # the writer's and the hand-offs' never interleave.
+    # the writer's and the hand-offs' never interleave. Created here, in one order on every
+    # rank; the rooms below take theirs by name (a channel is made once per name).
+    for name in CHANNELS:
+        coord.channel(name)
     policies = PolicyRoom(options.policy, clock=options.clock, coordinator=coord)
     restore_channel = coord.channel("restore")
     persistent, scratch = open_stores(options, coord)
@@ -381,7 +397,7 @@ def rewriter(options: RunOptions, coord: Coordinator, levels: Levels, index: int
         chunk_bytes=options.chunk_bytes,
         fence=levels.fence,
         run_id=options.run_id,
-        channel=f"flush-{index}",
+        channel=flush_channel(index),
     )
     return Rewriter(writer)
 

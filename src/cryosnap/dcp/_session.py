@@ -16,20 +16,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from cryosnap._run.open import CHANNELS
 from cryosnap.dcp._schema import DcpError
 from cryosnap.dist import Coordinator, LocalCoordinator, TorchCoordinator
 from cryosnap.dist._torch import initialized_world
 from cryosnap.storage import Store
 
-__all__ = ["coordinator", "in_flight", "run_key"]
+__all__ = ["DCP_CHANNEL", "coordinator", "in_flight", "run_key"]
 
 _lock = threading.Lock()
 # (the default process group, the coordinator made over it): one, that of the current group.
 _coordinators: list[tuple[Any, Coordinator]] = []
 _runs: dict[str, threading.Lock] = {}
-# The writer's channel and those a Checkpointer's rooms open (_run/open.py): a name missing here
-# only has its group made at the first save instead.
-_CHANNELS = ("dcp", "policy", "restore", "retire", "writer")
+# The writer's own channel; a Checkpointer's rooms take theirs (_run/open.py's CHANNELS).
+DCP_CHANNEL = "dcp"
 
 
 def coordinator(comm: Coordinator | None) -> Coordinator:
@@ -49,7 +49,7 @@ def coordinator(comm: Coordinator | None) -> Coordinator:
         coord = TorchCoordinator()
         # The channels' gloo groups are made here, on the caller's thread, rather than at the
         # first save, which dcp.async_save runs on a thread of its own while training goes on.
-        for name in _CHANNELS:
+        for name in (DCP_CHANNEL, *CHANNELS):
             coord.channel(name)
         _coordinators[:] = [(group, coord)]
         return coord

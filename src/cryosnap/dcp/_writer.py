@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from cryosnap import _validate
+from cryosnap._run.open import flush_channel
 from cryosnap._run.options import RunOptions
 from cryosnap.checkpointer import Checkpointer, PathLike, SaveInfo
 from cryosnap.dcp import _session
@@ -118,6 +119,10 @@ class StorageWriter(_DcpStorageWriter):
         self._options = dict(checkpointer_options)
         self._key = _session.run_key(path)
         self._coord = _session.coordinator(self._run_options.comm)
+        if self._run_options.scratch_tiers and self._coord.world_size > 1:
+            # The persistent hand-off's channel, made here rather than at the first save's open,
+            # which dcp.async_save runs on a thread of its own while training goes on.
+            self._coord.channel(flush_channel(1))
         self._staging = Staging(budget_bytes=budget, timeout_seconds=STAGE_WAIT_SECONDS)
         self._lock = threading.Lock()
         self._requested: int | None = None
@@ -269,7 +274,7 @@ class StorageWriter(_DcpStorageWriter):
         return self._coord.world_size
 
     def _write(self, ckpt: Checkpointer, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        coord = ckpt.coordinator.channel("dcp")
+        coord = ckpt.coordinator.channel(_session.DCP_CHANNEL)
         error = ""
         tensors: dict[str, Any] = {}
         raw: dict[str, bytes] = {}
