@@ -37,6 +37,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── FileLeafError (+ ValueError)                     a ``cryosnap.File`` leaf names no
     │                                                    readable regular file at ``save()``,
     │                                                    or restore cannot write its target
+    ├── InexactResumeError (+ ValueError)                a framework callback asked for an exact
+    │                                                    resume (``exact=True``) meets a data
+    │                                                    loader or a run it cannot resume exactly
     ├── ConfigError (+ ValueError)                       ``Checkpointer.from_config``: an unknown
     │                                                    key or a value of the wrong type (names
     │                                                    the key and the file or variable)
@@ -81,6 +84,7 @@ __all__ = [
     "DirectIOError",
     "ExportError",
     "FileLeafError",
+    "InexactResumeError",
     "IntegrityError",
     "KeyNotFoundError",
     "LockLostError",
@@ -199,6 +203,14 @@ class FileLeafError(CheckpointError, ValueError):
     """A :class:`cryosnap.File` leaf cannot be saved (its path is missing, unreadable, a
     directory, a FIFO or another non-regular file) or restored (its target cannot be
     written); the message names the leaf path and the file."""
+
+
+class InexactResumeError(CheckpointError, ValueError):
+    """A training asked to resume exactly (``CryosnapCallback(exact=True)``) cannot: a train
+    dataloader whose position cannot be restored mid-epoch (an ``IterableDataset``, a sampler
+    without state, loaders of different lengths that ``CombinedLoader`` cycles) or a version
+    saved by another number of processes. The message names the loader (or the run), why, and
+    how to make it exact; raised when training starts, on every rank."""
 
 
 class ConfigError(CheckpointError, ValueError):

@@ -109,10 +109,11 @@ def fit(
     data: Any = None,
     kind: str = "resumable",
     exact: bool = False,
+    module: type[Tiny] = Tiny,
 ) -> Tiny:
     """One ``fit`` (a fresh process's worth: seeded, a new model and Trainer)."""
     seed_everything(0, verbose=False)
-    model = Tiny()
+    model = module()
     trainer = Trainer(
         max_steps=TOTAL,
         accelerator="cpu",

@@ -10,6 +10,7 @@ written through the CheckpointIO plugin resume the same way.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ pytest.importorskip("lightning")
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import CombinedLoader
 from torch.utils.data import DataLoader, TensorDataset
 
 import cryosnap
@@ -281,7 +283,9 @@ def test_a_loader_that_cannot_resume_exactly_warns_once_and_exact_refuses_it(
     tmp_path: Path,
 ) -> None:
     stream = DataLoader(_Stream(), batch_size=None)
-    with pytest.raises(cryosnap.CheckpointError, match=r"\(DataLoader\) cannot resume mid-epoch"):
+    with pytest.raises(
+        cryosnap.InexactResumeError, match=r"\(DataLoader\) cannot resume mid-epoch"
+    ):
         lightning_job.fit(tmp_path / "strict", tmp_path, data=stream, exact=True)
     assert not (tmp_path / "strict").exists()
     with pytest.warns(lightning_job.InexactResumeWarning) as warned:
@@ -293,6 +297,44 @@ def test_a_loader_that_cannot_resume_exactly_warns_once_and_exact_refuses_it(
     # A plain map-style DataLoader is exact: exact=True takes it.
     lightning_job.fit(tmp_path / "plain", tmp_path, kind="plain", exact=True)
     assert _steps(tmp_path / "plain") == [4, 8, 12, 14]
+
+
+class _Pair(lightning_job.Tiny):
+    """Trains on the batches of two loaders at once (a CombinedLoader's dict of batches)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        losses = [lightning_job.Tiny.training_step(self, b, batch_idx) for b in batch.values()]
+        return torch.stack(losses).sum()
+
+
+def _pair(mode: str) -> CombinedLoader:
+    six = DataLoader(lightning_job.dataset(24), batch_size=4, shuffle=True)  # 6 batches
+    three = DataLoader(lightning_job.dataset(12), batch_size=4, shuffle=True)  # 3 batches
+    return CombinedLoader({"six": six, "three": three}, mode=mode)
+
+
+def test_loaders_of_different_lengths_warn_once_and_exact_refuses_them(tmp_path: Path) -> None:
+    fit = functools.partial(lightning_job.fit, module=_Pair)
+    with pytest.raises(cryosnap.InexactResumeError, match=r"train dataloader 1 \(3 batches\)"):
+        fit(tmp_path / "strict", tmp_path, data=_pair("max_size_cycle"), exact=True)
+    assert not (tmp_path / "strict").exists()  # refused at start, before any save
+    with pytest.warns(lightning_job.InexactResumeWarning) as warned:
+        fit(tmp_path / "run", tmp_path, data=_pair("max_size_cycle"))
+    ours = [str(w.message) for w in warned if w.category is lightning_job.InexactResumeWarning]
+    assert len(ours) == 1, ours
+    assert "is shorter than the longest (6 batches)" in ours[0] and "mode='min_size'" in ours[0]
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+def test_loaders_of_different_lengths_in_min_size_mode_resume_exactly(tmp_path: Path) -> None:
+    """min_size: every loader starts each epoch together and the shortest ends it."""
+    fit = functools.partial(lightning_job.fit, module=_Pair, exact=True)
+    weights = fit(tmp_path / "ref", tmp_path, data=_pair("min_size")).state_dict()
+    fit(tmp_path / "run", tmp_path, Stop(8), data=_pair("min_size"))  # 3 a epoch: mid-epoch
+    probe = Probe()
+    model = fit(tmp_path / "run", tmp_path, probe, data=_pair("min_size"))
+    assert probe.start_step == 8
+    _assert_same(model.state_dict(), weights)
 
 
 def test_load_from_checkpoint_of_a_run(tmp_path: Path) -> None:

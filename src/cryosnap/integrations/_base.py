@@ -117,9 +117,11 @@ class RunSaver:
 
     # -- one training ---------------------------------------------------------------------------
 
-    def begin(self, start_step: int) -> None:
+    def begin(self, start_step: int, *, distributed: bool = False) -> None:
         """A training starts at ``start_step`` (0: from scratch; else resumed): check that the
-        run is this training's, and open it."""
+        run is this training's, and open it: in a world of one (the framework's global rank 0
+        alone saves), or with ``distributed`` on every rank of the torch.distributed job
+        (collective: every rank calls it at the same point; each saves its own part)."""
         self.close()
         steps = self.steps()
         if steps and start_step == 0:
@@ -147,7 +149,8 @@ class RunSaver:
         if signals and threading.current_thread() is not threading.main_thread():
             log.warning("cryosnap: not on the main thread, preemption signals are not handled")
             signals = []
-        options = {"comm": LocalCoordinator(), **self.options}  # rank 0 alone writes
+        # A world of one: rank 0 alone writes. Distributed: the job's ranks (comm=None).
+        options = {**({} if distributed else {"comm": LocalCoordinator()}), **self.options}
         self.ckpt = Checkpointer(
             self.path, policy=self.policy, handle_signals=signals, run_id=run_id, **options
         )

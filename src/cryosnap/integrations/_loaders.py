@@ -4,7 +4,8 @@
 what decides the order of the current iteration (a ``RandomSampler``'s generator state when
 the iteration starts, a ``DistributedSampler``'s epoch, a stateful sampler's ``state_dict``)
 and starts one iteration at a saved position, skipping the consumed indices without loading
-them. :func:`why_inexact` says why a loader cannot be made exact. Runs on the training loop's
+them. :func:`why_inexact` says why a loader cannot be made exact, :func:`why_combined_inexact`
+why several loaders together cannot. Runs on the training loop's
 thread; no framework imported here. docs/design/integrations.md has the rules.
 """
 
@@ -26,7 +27,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-__all__ = ["EpochOrder", "install", "why_inexact"]
+__all__ = ["EpochOrder", "install", "why_combined_inexact", "why_inexact"]
 
 
 def _stateful(obj: object) -> bool:
@@ -67,6 +68,52 @@ def why_inexact(loader: object) -> str | None:
         "load_state_dict (the state at the start of an epoch must decide its order), or use "
         "cryosnap.integrations.torch.ResumableSampler"
     )
+
+
+def why_combined_inexact(mode: str, loaders: list[Any]) -> str | None:
+    """Why the train loaders that Lightning's ``CombinedLoader`` iterates in ``mode`` cannot
+    resume mid-epoch together (None: one loader, or loaders in lockstep). The position saved is
+    the batches the loop consumed in the epoch, the same count for every loader: right for
+    loaders of one length, and in ``min_size`` mode (every loader starts its epoch together
+    and the shortest ends it), wrong for a loader started again or exhausted within the epoch.
+    """
+    if len(loaders) < 2:
+        return None
+    if mode == "sequential":
+        return (
+            f"CombinedLoader(mode='sequential') iterates its {len(loaders)} loaders one after "
+            "another, and the position saved counts the batches of all of them; give the "
+            "Trainer one train dataloader (over a torch.utils.data.ConcatDataset)"
+        )
+    if mode == "min_size":
+        return None
+    lengths = [_length(loader) for loader in loaders]
+    longest = max((n for n in lengths if n is not None), default=None)
+    shorter = [
+        f"train dataloader {i} ({n} batches)"
+        for i, n in enumerate(lengths)
+        if n is not None and longest is not None and n < longest
+    ]
+    if not shorter:
+        return None
+    within = _WITHIN.get(mode, "iterates it otherwise")
+    return (
+        f"{', '.join(shorter)} is shorter than the longest ({longest} batches), and "
+        f"CombinedLoader(mode={mode!r}) {within} within the epoch; the position "
+        "saved is the batches the loop consumed, right only for loaders of one length. Give "
+        "every train dataloader the same number of batches, or combine them with "
+        "CombinedLoader(..., mode='min_size')"
+    )
+
+
+_WITHIN = {"max_size_cycle": "starts it again", "max_size": "runs it out"}
+
+
+def _length(loader: object) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _order_kind(sampler: object) -> str | None:

@@ -13,7 +13,7 @@ import os
 import pathlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -26,16 +26,18 @@ from cryosnap import engine
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import Checkpointer, PendingSave, load
 from cryosnap.dist import LocalCoordinator
-from cryosnap.errors import CheckpointError
+from cryosnap.errors import CheckpointError, InexactResumeError
 from cryosnap.integrations import _loaders
 from cryosnap.integrations._base import RunSaver, split_step
 from cryosnap.integrations.torch import RNGState
 from cryosnap.policy import SavePolicy
+from cryosnap.run import Run
 from cryosnap.storage import open_store
 
 __all__ = [
     "CryosnapCallback",
     "CryosnapCheckpointIO",
+    "InexactResumeError",
     "InexactResumeWarning",
     "load_checkpoint",
     "load_from_checkpoint",
@@ -45,6 +47,7 @@ __all__ = [
 log = logging.getLogger("cryosnap")
 
 _Module = TypeVar("_Module", bound=LightningModule)
+_T = TypeVar("_T")
 
 _RESUME_HINT = (
     "run it with CryosnapCallback(path, ...) (resume=True, the default) or "
@@ -53,8 +56,9 @@ _RESUME_HINT = (
 
 
 class InexactResumeWarning(UserWarning):
-    """A train dataloader whose position cannot be restored mid-epoch: training goes on, and a
-    resume restarts that loader's epoch. ``CryosnapCallback(exact=True)`` makes it an error."""
+    """A train dataloader whose position cannot be restored mid-epoch, or a version saved by
+    another number of processes: training goes on, not bit for bit as an uninterrupted one.
+    ``CryosnapCallback(exact=True)`` makes it an :class:`~cryosnap.InexactResumeError`."""
 
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, complex, str, bytes, bytearray, type(None))
@@ -291,8 +295,9 @@ class CryosnapCallback(Callback):
         ``DataLoader`` over a map-style dataset through the callback (its sampler's order at
         the start of the epoch is saved, and on resume the consumed batches are skipped
         without being loaded). A loader that cannot be made so (an ``IterableDataset``, a
-        sampler without state) trains anyway and is named in one
-        :class:`InexactResumeWarning`; ``exact=True`` refuses to start instead.
+        sampler without state, loaders of different lengths that ``CombinedLoader`` cycles)
+        trains anyway and is named in one :class:`InexactResumeWarning`; ``exact=True``
+        refuses to start instead (:class:`~cryosnap.InexactResumeError`).
     handle_signals
         Preemption signals (default ``(signal.SIGTERM,)``; ``()``: none): the batch in progress
         ends, its step is saved and durable, then the signal goes on to Lightning's own handler
@@ -308,6 +313,8 @@ class CryosnapCallback(Callback):
     The callback's own state (saved with every Lightning checkpoint, this callback's and
     ``ModelCheckpoint``'s alike) holds the random number generators (:class:`RNGState`), put
     back when training starts, and the order of the epoch of each plain train dataloader.
+    Under DDP every rank saves its part of each version: rank 0 the checkpoint, each rank its
+    own state of this callback, which it gets back on resume (docs/design/integrations.md).
     """
 
     def __init__(
@@ -389,7 +396,7 @@ class CryosnapCallback(Callback):
     # -- hooks ----------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or not trainer.is_global_zero:
+        if stage != "fit":
             return
         self._saver.close()
         self.restored_step = None
@@ -403,9 +410,7 @@ class CryosnapCallback(Callback):
             self._resume(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        self._check_loaders(trainer.train_dataloader)
+        self._check_loaders(trainer)
         if self._rng is not None:
             # Here, not in load_state_dict: setting up the data and the loops draws numbers
             # that the uninterrupted run drew before its checkpoint.
@@ -414,7 +419,8 @@ class CryosnapCallback(Callback):
             if self._next_epoch:
                 self._start_next_epoch(trainer)
         # Opened here, after Lightning installed its signal handlers: cryosnap's goes in front.
-        self._saver.begin(trainer.global_step)
+        # Under DDP on every rank (collective): each saves its own part of every version.
+        self._saver.begin(trainer.global_step, distributed=trainer.world_size > 1)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -470,24 +476,32 @@ class CryosnapCallback(Callback):
         if all(_epoch_order(loader) is not None for loader in combined.flattened):
             iter(fetcher)
 
-    def _check_loaders(self, iterables: Any) -> None:
+    def _check_loaders(self, trainer: Trainer) -> None:
         """Refuse (``exact=True``) or name once a train dataloader that cannot resume exactly."""
-        loaders = _loaders_of(iterables)
+        loaders = _loaders_of(trainer.train_dataloader)
         for i, loader in enumerate(loaders):
             why = _loaders.why_inexact(loader)
-            if why is None:
-                continue
-            name = f"train dataloader {i}" if len(loaders) > 1 else "the train dataloader"
-            message = (
-                f"cryosnap: {name} ({type(loader).__name__}) cannot resume mid-epoch where it "
-                f"stopped: {why}. A resume restarts its epoch, so the run would differ from an "
-                "uninterrupted one"
-            )
-            if self.exact:
-                raise CheckpointError(f"{message}; CryosnapCallback(exact=True) refuses it")
-            if message not in self._warned:
-                self._warned.add(message)
-                warnings.warn(message, InexactResumeWarning, stacklevel=2)
+            if why is not None:
+                name = f"train dataloader {i}" if len(loaders) > 1 else "the train dataloader"
+                self._inexact(f"{name} ({type(loader).__name__}) cannot resume mid-epoch", why)
+        combined = trainer.fit_loop._combined_loader
+        if combined is not None:
+            why = _loaders.why_combined_inexact(combined._mode, combined.flattened)
+            if why is not None:
+                self._inexact("the train dataloaders cannot resume mid-epoch", why)
+
+    def _inexact(self, what: str, why: str) -> None:
+        """``exact=True``: raise (on every rank alike); else warn once, on global rank 0."""
+        message = (
+            f"cryosnap: {what} where it stopped: {why}. A resume would differ from an "
+            "uninterrupted run"
+        )
+        if self.exact:
+            raise InexactResumeError(f"{message}; CryosnapCallback(exact=True) refuses it")
+        trainer = self._trainer
+        if message not in self._warned and (trainer is None or trainer.is_global_zero):
+            self._warned.add(message)
+            warnings.warn(message, InexactResumeWarning, stacklevel=3)
 
     # -- resuming -------------------------------------------------------------------------------
 
@@ -499,7 +513,7 @@ class CryosnapCallback(Callback):
                 "connector to restore through; pass CryosnapCallback(..., resume=False) and "
                 f"trainer.fit(ckpt_path={self.path!r})"
             )
-        checkpoint = load_checkpoint(self.path, allow_pickle=self.allow_pickle)
+        checkpoint = self._checkpoint_of_rank(trainer, self.path, None, self.allow_pickle)
         # Lightning restores right after setup (model, callbacks, then loops, optimizers and
         # schedulers) from what its connector holds; a fit(ckpt_path=...) replaces it.
         connector._loaded_checkpoint = checkpoint
@@ -514,13 +528,68 @@ class CryosnapCallback(Callback):
                 trainer.max_steps,
             )
 
+    def _checkpoint_of_rank(
+        self, trainer: Trainer, run: str, step: int | None, allow_pickle: bool
+    ) -> dict[str, Any]:
+        """This rank's Lightning checkpoint of version ``step`` of ``run`` (None: the newest
+        that verifies, as rank 0 finds it). Under DDP rank 0's part holds the checkpoint and
+        every rank's part its own state of this callback (generators, data positions); the
+        ranks read the same version (collective: every rank calls it at the same point)."""
+        world, rank = trainer.world_size, trainer.global_rank
+        if world == 1:
+            return load_checkpoint(run, step=step, allow_pickle=allow_pickle)
+        checkpoint: dict[str, Any] | None = None
+        if step is None and rank == 0:
+            checkpoint, failed = _attempt(lambda: load_checkpoint(run, allow_pickle=allow_pickle))
+            if checkpoint is not None:
+                step = int(checkpoint.get("global_step", 0))
+        else:
+            failed = None
+        step = _agree(run, step, failed)
+        own, failed = _attempt(
+            lambda: self._own_state(run, step, (world, rank), checkpoint, allow_pickle)
+        )
+        _agree(run, step, failed)
+        assert own is not None
+        return own
+
+    def _own_state(
+        self,
+        run: str,
+        step: int,
+        where: tuple[int, int],
+        checkpoint: dict[str, Any] | None,
+        allow_pickle: bool,
+    ) -> dict[str, Any]:
+        """Rank 0's checkpoint of ``step`` with this rank's (world, rank) own callback state."""
+        world, rank = where
+        if checkpoint is None:
+            checkpoint = load_checkpoint(run, step=step, allow_pickle=allow_pickle)
+        saved = Run(run).info(step).world_size
+        key = self.state_key
+        if saved != world:
+            self._inexact(
+                f"step {step} of {run}, saved by {saved} process(es), cannot resume "
+                f"{world} processes",
+                "every rank takes rank 0's random number generators and data position; resume "
+                "with as many processes (devices x num_nodes) as saved",
+            )
+        elif rank:
+            part = load(run, step=step, rank=rank, keys=["callbacks"], allow_pickle=allow_pickle)
+            checkpoint.setdefault("callbacks", {})[key] = part["callbacks"][key]
+        return checkpoint
+
     def _read_runs_through(self, trainer: Trainer) -> None:
         """Make ``fit(ckpt_path=<run>[@step])`` read cryosnap runs (Lightning's default
         CheckpointIO reads files with ``torch.load``)."""
         strategy = trainer.strategy
         io = strategy.checkpoint_io
         if type(io) is TorchCheckpointIO:
-            strategy.checkpoint_io = _RunsOrFiles(io, allow_pickle=self.allow_pickle)
+            strategy.checkpoint_io = _RunsOrFiles(
+                io,
+                allow_pickle=self.allow_pickle,
+                load=lambda *how: self._checkpoint_of_rank(trainer, *how),
+            )
             self._io = (strategy, io)
 
     def _restore_io(self) -> None:
@@ -535,7 +604,12 @@ class CryosnapCallback(Callback):
         # What trainer.save_checkpoint() writes: weights, optimizers, schedulers, loops (the
         # data position of a resumable train dataloader included), callbacks (this one's RNG
         # states), precision plugin; it calls the on_save_checkpoint hooks too.
+        # Under DDP every rank dumps (as trainer.save_checkpoint does: a strategy may gather
+        # optimizer state); rank 0's part is the checkpoint, another rank's its own state of
+        # this callback (its generators and data positions), the rest being rank 0's.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if trainer.world_size > 1 and trainer.global_rank > 0:
+            checkpoint = {"callbacks": {self.state_key: checkpoint["callbacks"][self.state_key]}}
         return to_plain(checkpoint, allow_pickle=self.allow_pickle)
 
 
@@ -543,10 +617,17 @@ class _RunsOrFiles(CheckpointIO):
     """Lightning's ``TorchCheckpointIO``, except that a cryosnap run (``path`` or
     ``path@step``) is loaded through cryosnap."""
 
-    def __init__(self, files: CheckpointIO, *, allow_pickle: bool) -> None:
+    def __init__(
+        self,
+        files: CheckpointIO,
+        *,
+        allow_pickle: bool,
+        load: Callable[[str, int | None, bool], dict[str, Any]],
+    ) -> None:
         super().__init__()
         self.files = files
         self.allow_pickle = allow_pickle
+        self.load = load  # the callback's: (run, step, allow_pickle) -> this rank's checkpoint
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
@@ -564,7 +645,7 @@ class _RunsOrFiles(CheckpointIO):
             return self.files.load_checkpoint(
                 os.fspath(path), map_location, weights_only=weights_only
             )
-        return load_checkpoint(run, step=step, allow_pickle=self.allow_pickle and not weights_only)
+        return self.load(run, step, self.allow_pickle and not weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         self.files.remove_checkpoint(os.fspath(path))
@@ -578,6 +659,33 @@ def _holds_versions(path: str) -> bool:
         return bool(engine.list_steps(open_store(path)))
     except (OSError, ValueError):
         return False
+
+
+def _attempt(read: Callable[[], _T]) -> tuple[_T | None, Exception | None]:
+    """``read()``, or None and what failed (to be agreed on by every rank)."""
+    try:
+        return read(), None
+    except InexactResumeError:
+        raise  # every rank decides it alike, from the same record
+    except (CheckpointError, OSError, TypeError, ValueError, KeyError) as exc:
+        return None, exc
+
+
+def _agree(run: str, step: int | None, failed: Exception | None) -> int:
+    """Every rank: rank 0's ``step``, once no rank ``failed`` (else the rank that failed raises
+    its error, the others one naming it). Collective on the job's default process group."""
+    import torch.distributed as dist
+
+    told: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(told, (step, None if failed is None else f"{failed}"))
+    if failed is not None:
+        raise failed
+    for rank, (_step, error) in enumerate(told):
+        if error is not None:
+            raise CheckpointError(f"cannot resume from {run}: rank {rank}: {error}", path=run)
+    agreed = told[0][0]
+    assert isinstance(agreed, int)
+    return agreed
 
 
 def _loaders_of(iterables: Any) -> list[Any]:

@@ -15,7 +15,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from cryosnap.integrations._loaders import EpochOrder, install, why_inexact
+from cryosnap.integrations._loaders import EpochOrder, install, why_combined_inexact, why_inexact
 from cryosnap.integrations.torch import ResumableSampler
 
 DATA = list(range(30))
@@ -122,3 +122,20 @@ def test_why_inexact_names_what_cannot_resume_and_how_to_fix_it() -> None:
     assert unbatched is not None and "batch_size=None" in unbatched
     assert why_inexact([1, 2]) is not None
     assert install(DataLoader(_Stream(), batch_size=4)) is None
+
+
+def test_why_combined_inexact_names_the_shorter_loaders_and_the_way_out() -> None:
+    six, three = DataLoader(DATA[:24], batch_size=4), DataLoader(DATA[:12], batch_size=4)
+    assert why_combined_inexact("max_size_cycle", [six]) is None  # one loader
+    assert (
+        why_combined_inexact("max_size_cycle", [six, DataLoader(DATA[6:30], batch_size=4)]) is None
+    )
+    assert why_combined_inexact("min_size", [six, three]) is None  # every loader in lockstep
+    why = why_combined_inexact("max_size_cycle", [six, three])
+    assert why is not None
+    assert "train dataloader 1 (3 batches) is shorter than the longest (6 batches)" in why
+    assert "mode='max_size_cycle') starts it again" in why and "mode='min_size'" in why
+    why = why_combined_inexact("max_size", [three, six])
+    assert why is not None and "train dataloader 0 (3 batches)" in why and "runs it out" in why
+    why = why_combined_inexact("sequential", [six, six])
+    assert why is not None and "ConcatDataset" in why
