@@ -19,10 +19,19 @@ pytest.importorskip("lightning")
 
 import torch
 
-from tests.integration import lightning_ddp_job, ranks
+import cryosnap
+from tests.integration import lightning_ddp_job, lightning_job, ranks
 
 JOB = Path(lightning_ddp_job.__file__)
 WORLD = 2
+
+pytestmark = [
+    # As in test_lightning.py: Lightning's advice on workers, and its LeafSpec under torch 2.13.
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated:FutureWarning"),
+    # Lightning warns on resume that a plain DataLoader is not resumable: cryosnap resumes it.
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before"),
+]
 
 
 def _losses(out: Path, rank: int, fit: str) -> list[tuple[int, float]]:
@@ -49,6 +58,12 @@ def test_a_ddp_training_stopped_mid_epoch_resumes_bit_exact_on_every_rank(tmp_pa
         _assert_same_weights(out / f"weights-{rank}-ref.pt", out / f"weights-{rank}-resumed.pt")
     # Each rank's generators are its own: the ranks' losses differ, step for step.
     assert _losses(out, 0, "ref") != _losses(out, 1, "ref")
+    # One process cannot resume what two saved exactly: refused with exact=True, else warned.
+    run = tmp_path / "runs" / "run"
+    with pytest.raises(cryosnap.InexactResumeError, match=r"saved by 2 process\(es\)"):
+        lightning_job.fit(run, tmp_path, kind="plain", exact=True)
+    with pytest.warns(lightning_job.InexactResumeWarning, match="rank 0's random number"):
+        lightning_job.fit(run, tmp_path, kind="plain")
 
 
 @pytest.mark.deep

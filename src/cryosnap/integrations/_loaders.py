@@ -151,8 +151,18 @@ class EpochOrder(Sampler[int]):
         size: int = len(self.sampler)
         return size
 
+    def fits(self, order: Mapping[str, Any]) -> bool:
+        """Whether ``order`` was recorded by a sampler of this kind (a version saved by a job
+        of another world size may hold a DistributedSampler's order for a RandomSampler)."""
+        return set(order) == _ORDER_KEYS[self.kind]
+
     def resume_at(self, order: Mapping[str, Any], skip: int) -> None:
         """The next iteration follows ``order`` and starts after its first ``skip`` indices."""
+        if not self.fits(order):
+            raise ValueError(
+                f"an order {sorted(order)} does not fit a {type(self.sampler).__name__} "
+                f"(it records {sorted(_ORDER_KEYS[self.kind])})"
+            )
         self._resume = (order, skip)
 
     def __iter__(self) -> Iterator[int]:
@@ -190,6 +200,15 @@ class EpochOrder(Sampler[int]):
             return iter(sampler)
         self.order = {}
         return iter(sampler)
+
+
+# What each kind of sampler records of an iteration's order (EpochOrder._begin).
+_ORDER_KEYS = {
+    "random": {"generator"},
+    "distributed": {"epoch"},
+    "stateful": {"state"},
+    "sequential": set(),
+}
 
 
 def install(loader: object) -> EpochOrder | None:

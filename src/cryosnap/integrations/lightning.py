@@ -26,7 +26,7 @@ from cryosnap import engine
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import Checkpointer, PendingSave, load
 from cryosnap.dist import LocalCoordinator
-from cryosnap.errors import CheckpointError, InexactResumeError
+from cryosnap.errors import CheckpointError, CheckpointNotFoundError, InexactResumeError
 from cryosnap.integrations import _loaders
 from cryosnap.integrations._base import RunSaver, split_step
 from cryosnap.integrations.torch import RNGState
@@ -456,7 +456,9 @@ class CryosnapCallback(Callback):
             if trainer.training:
                 order = _loaders.install(dataloader)
                 position = self._positions.pop(0) if self._positions else None
-                if order is not None and position is not None:
+                # An order of another kind of sampler (saved by a job of another world size,
+                # already warned about) cannot be followed: the epoch starts afresh.
+                if order is not None and position is not None and order.fits(position["order"]):
                     skip = int(position["batches"]) * _batch_size(dataloader)
                     order.resume_at(position["order"], skip)
             return dataloader
@@ -536,9 +538,11 @@ class CryosnapCallback(Callback):
         every rank's part its own state of this callback (generators, data positions); the
         ranks read the same version (collective: every rank calls it at the same point)."""
         world, rank = trainer.world_size, trainer.global_rank
-        if world == 1:
-            return load_checkpoint(run, step=step, allow_pickle=allow_pickle)
         checkpoint: dict[str, Any] | None = None
+        if world == 1:
+            checkpoint = load_checkpoint(run, step=step, allow_pickle=allow_pickle)
+            at = int(checkpoint.get("global_step", 0)) if step is None else step
+            return self._own_state(run, at, (1, 0), checkpoint, allow_pickle)
         if step is None and rank == 0:
             checkpoint, failed = _attempt(lambda: load_checkpoint(run, allow_pickle=allow_pickle))
             if checkpoint is not None:
@@ -565,12 +569,15 @@ class CryosnapCallback(Callback):
         world, rank = where
         if checkpoint is None:
             checkpoint = load_checkpoint(run, step=step, allow_pickle=allow_pickle)
-        saved = Run(run).info(step).world_size
+        try:
+            saved = Run(run).info(step).world_size
+        except CheckpointNotFoundError:  # not a version at global_step: not the callback's
+            saved = 1
         key = self.state_key
         if saved != world:
             self._inexact(
                 f"step {step} of {run}, saved by {saved} process(es), cannot resume "
-                f"{world} processes",
+                f"{world} process(es)",
                 "every rank takes rank 0's random number generators and data position; resume "
                 "with as many processes (devices x num_nodes) as saved",
             )

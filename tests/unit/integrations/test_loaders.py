@@ -139,3 +139,13 @@ def test_why_combined_inexact_names_the_shorter_loaders_and_the_way_out() -> Non
     assert why is not None and "train dataloader 0 (3 batches)" in why and "runs it out" in why
     why = why_combined_inexact("sequential", [six, six])
     assert why is not None and "ConcatDataset" in why
+
+
+def test_an_order_of_another_kind_of_sampler_does_not_fit() -> None:
+    shuffled = install(DataLoader(DATA, batch_size=4, shuffle=True))
+    assert shuffled is not None
+    assert not shuffled.fits({"epoch": 1})  # a DistributedSampler's, saved at another size
+    with pytest.raises(ValueError, match=r"does not fit a RandomSampler"):
+        shuffled.resume_at({"epoch": 1}, 8)
+    iter(shuffled).__next__()  # an iteration records its order
+    assert shuffled.order is not None and shuffled.fits(shuffled.order)
