@@ -4,7 +4,8 @@ usage errors, and the temporary files gone afterwards (also after Ctrl-C).
 In process through ``cryosnap.cli.main(argv)`` (torch is imported once for the whole file); the
 usage errors also as a user types them, ``python -m cryosnap bench ...``. No test asserts a
 timing or a ratio of timings: the figures of a 4 MiB state on a shared machine are noise. The
-page cache is never really dropped here: the cold path runs with ``drop_page_cache`` stubbed.
+machine-wide page cache is never dropped here (``drop_page_cache`` stubbed); the cold reads
+drop only each peer's own files.
 """
 
 from __future__ import annotations
@@ -107,11 +108,17 @@ def test_dense_json_table_cold_and_plot(capsys: pytest.CaptureFixture[str], tmp_
     assert doc["config"]["workload"] == "dense" and doc["state"]["tensors"] == 16
     assert doc["state"]["bytes"] == 4 << 20
     check_save_load(doc, stdout, incremental=False)
-    # The stubbed drop counts as a dropped page cache: every restoring peer has a cold read.
-    assert doc["cold"].startswith("the page cache is dropped")
-    assert doc["limits"]["read_cold_seconds"] > 0
-    assert peers_of(doc)["cryosnap"]["medians"]["restore_cold_seconds"] > 0
-    assert "restore cold" in stdout
+    # Each peer's own files are dropped from the page cache (fsync + POSIX_FADV_DONTNEED)
+    # before its cold reads; a memory file system keeps them, and says so.
+    if doc["cold"].startswith("not measured"):
+        pytest.skip(f"cold reads: {doc['cold']}")
+    assert doc["cold"].startswith("before each cold read")
+    assert doc["limits"]["read_cold_seconds"] > 0 and doc["limits"]["direct_read_seconds"] > 0
+    cryosnap_medians = peers_of(doc)["cryosnap"]["medians"]
+    assert cryosnap_medians["restore_cold_seconds"] > 0
+    assert cryosnap_medians["restore_cold_fresh_seconds"] > 0
+    assert "restore_cold_seconds" in peers_of(doc)["cryosnap"]["ratios"]  # x the direct read
+    assert "restore cold" in stdout and "cold fresh" in stdout
     assert doc["memory_method"]
     assert png.read_bytes().startswith(PNG_SIGNATURE)
     assert f"wrote {png}" in stdout
