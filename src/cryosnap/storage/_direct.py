@@ -222,13 +222,17 @@ def probe_direct(root_fd: int, syscalls: Syscalls, fs_type: str, *, memory: bool
 # The most bytes one direct read asks for: a few MiB in flight per reader keeps the device busy
 # without pinning much memory at once.
 DIRECT_READ_BYTES: Final = 8 << 20
+# The aligned bounce buffer of a read thread (what cannot be read into where it goes: small
+# blobs, the heads and tails of large ones, gaps): one direct read per this many bytes. Kept by
+# the thread (its fresh pages cost a fault each), also by a storage thread that lives long.
+READ_BOUNCE_BYTES: Final = 1 << 20
 _IOV_MAX: Final = 1024
 _bounces = threading.local()  # each read thread's aligned bounce buffer, reused
 
 
 def _bounce(nbytes: int) -> memoryview:
-    """This thread's page-aligned bounce buffer, at least ``nbytes`` (at most BOUNCE_BYTES):
-    reused, as its fresh pages cost a fault each."""
+    """This thread's page-aligned bounce buffer, at least ``nbytes`` (at most
+    READ_BOUNCE_BYTES)."""
     view: memoryview | None = getattr(_bounces, "view", None)
     if view is None or view.nbytes < nbytes:
         size = max(nbytes, 64 << 10)
@@ -314,7 +318,7 @@ class DirectReader:
         at = lo // BLOCK_BYTES * BLOCK_BYTES
         k = 0
         while at < end:
-            want = min(-(-(end - at) // BLOCK_BYTES) * BLOCK_BYTES, BOUNCE_BYTES)
+            want = min(-(-(end - at) // BLOCK_BYTES) * BLOCK_BYTES, READ_BOUNCE_BYTES)
             bounce = _bounce(want)[:want]
             got = self._fill(bounce, at, min(want, end - at))
             stop = at + got

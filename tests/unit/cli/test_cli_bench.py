@@ -270,3 +270,23 @@ def test_parse_size() -> None:
     for bad in ("1XB", "", "-1GiB", "1 G B", "GiB"):
         with pytest.raises(benchmark.BenchError, match="not a size"):
             benchmark.parse_size(bad)
+
+
+def test_a_folder_is_dropped_from_the_page_cache(direct_dir: Path) -> None:
+    """The cold reads' drop: fsync, POSIX_FADV_DONTNEED, and what mincore says is left."""
+    from cryosnap import _native
+
+    (direct_dir / "sub").mkdir()
+    for name in ("a.bin", "sub/b.bin"):
+        with open(direct_dir / name, "wb") as f:  # buffered: the page cache holds it
+            f.write(os.urandom(1 << 20))
+    (direct_dir / "empty").write_bytes(b"")
+    fd = os.open(direct_dir / "a.bin", os.O_RDONLY)
+    try:
+        counts = _native.cached_pages(fd, 1 << 20)
+    finally:
+        os.close(fd)
+    if counts is None or counts[0] < counts[1] // 2:
+        pytest.skip("mincore is not available here, or the file was not cached")
+    left = _probes.drop_file_cache(direct_dir)
+    assert left is not None and left <= 0.1
