@@ -1,5 +1,6 @@
 """Cold restores against the disk's own limit (issue #28 item 3): one version of 512 MiB of
-float32 in 8 tensors (``--mib``), saved by a Checkpointer (``--writer checkpointer``, the
+float32 in 8 tensors (``--mib``; ``--tensors N``: ``cryosnap bench``'s many-small state of N
+tensors instead), saved by a Checkpointer (``--writer checkpointer``, the
 staging slabs' layout) or the one-shot ``cryosnap.save`` (``--writer save``, the tensors'),
 then read round-robin, each cold read after the run's files were fsynced and dropped from the
 page cache (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
@@ -11,7 +12,8 @@ page cache (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
 
 Medians of ``--rounds`` after a warm-up round; ratios against the raw direct read (fresh) and
 the raw direct read + copy (``into=``); the load average before and after.
-Usage: ``python bench/bench_cold.py [--dir D] [--mib 512] [--rounds 5] [--writer save]``.
+Usage: ``python bench/bench_cold.py [--dir D] [--mib 512] [--rounds 5] [--writer save]
+[--tensors 20000]``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 import cryosnap
 from cryosnap import _native
+from cryosnap.bench._workloads import build_state, many_small_shapes
 from cryosnap.engine.read import _cold
 
 
@@ -105,12 +108,15 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--writer", choices=["checkpointer", "save"], default="checkpointer")
+    ap.add_argument("--tensors", type=int, default=0)
     args = ap.parse_args()
     load0 = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-cold-", dir=args.dir))
     try:
-        n = (args.mib << 20) // 8 // 4
-        state = {f"layer{i}": torch.randn(n) for i in range(8)}
+        if args.tensors:
+            state = build_state(many_small_shapes(args.mib << 20, args.tensors))
+        else:
+            state = {f"layer{i}": torch.randn((args.mib << 20) // 32) for i in range(8)}
         run = tmp / "run"
         if args.writer == "save":
             cryosnap.save(run, state, step=1)
@@ -153,7 +159,8 @@ def main() -> None:
         assert all(torch.equal(loaded[k], state[k]) for k in state)
         med = {k: statistics.median(v) for k, v in seconds.items()}
         print(
-            f"{args.mib} MiB in 8 tensors, written by {args.writer}; medians of {args.rounds}; "
+            f"{args.mib} MiB in {len(state)} tensors, written by {args.writer}; medians of "
+            f"{args.rounds}; "
             f"load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}"
         )
         for name, v in seconds.items():

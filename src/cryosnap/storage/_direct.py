@@ -23,7 +23,14 @@ from typing import Final
 from cryosnap import _native
 from cryosnap.errors import TruncatedError
 
-__all__ = ["BLOCK_BYTES", "DirectFile", "DirectReader", "Syscalls", "probe_direct"]
+__all__ = [
+    "BLOCK_BYTES",
+    "DirectFile",
+    "DirectReader",
+    "Syscalls",
+    "probe_direct",
+    "takes_direct_reads",
+]
 
 log = logging.getLogger("cryosnap")
 
@@ -251,6 +258,19 @@ def _copy(dest: memoryview, source: memoryview) -> None:
 _Op = tuple[int, memoryview, bool]
 
 
+def takes_direct_reads(fd: int) -> bool:
+    """Whether the file system of ``fd`` takes ``O_DIRECT`` on it (set on ``fd`` if so)."""
+    if not O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
 class DirectReader:
     """The reads of one data file of a cold restore (out of the page cache), in large reads.
 
@@ -269,15 +289,9 @@ class DirectReader:
         self.refused = ""
         self._fd = fd
         self._sys = syscalls
-        self.direct = False
-        if direct and O_DIRECT:
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
-                self.direct = True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.refused = f"its file system refuses O_DIRECT ({exc.strerror})"
+        self.direct = direct and takes_direct_reads(fd)
+        if direct and not self.direct:
+            self.refused = "its file system refuses O_DIRECT"
         if not self.direct:
             self._advise(0, 0, "POSIX_FADV_SEQUENTIAL")
 

@@ -25,7 +25,14 @@ from cryosnap.errors import (
     DirectIOError,
     StorageError,
 )
-from cryosnap.storage._direct import O_DIRECT, DirectFile, DirectReader, Syscalls, probe_direct
+from cryosnap.storage._direct import (
+    O_DIRECT,
+    DirectFile,
+    DirectReader,
+    Syscalls,
+    probe_direct,
+    takes_direct_reads,
+)
 from cryosnap.storage.base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["LocalStore"]
@@ -339,8 +346,16 @@ class LocalStore:
 
     def cached_share(self, key: str) -> float | None:
         """The share of the regular file ``key``'s pages in the page cache (``mincore``, which
-        reads nothing in); None where it cannot be told (an empty file, no ``mincore``)."""
+        reads nothing in), where a cold read of it (:meth:`read_ranges_cold`) would go to the
+        disk with ``O_DIRECT``; None where it cannot be told (an empty file, no ``mincore``) or
+        the read would not be direct (``direct_io=False``, a file system that refuses it): a
+        restore reads such files as warm ones, through the page cache."""
+        if not self._direct_reads:
+            return None
         with self._open_regular(key) as fd:
+            if not takes_direct_reads(fd):
+                self._direct_reads = False
+                return None
             counts = _native.cached_pages(fd, os.fstat(fd).st_size)
         return None if counts is None or not counts[1] else counts[0] / counts[1]
 

@@ -329,3 +329,14 @@ def test_selected_keys_of_a_cold_version(direct_dir: Path) -> None:
     assert set(got) == {"arr", "step"}
     assert np.array_equal(got["arr"], state["arr"])
     assert cryosnap.Run(direct_dir).verify(STEP).ok
+
+
+def test_a_level_without_direct_reads_keeps_the_mapped_path(direct_dir: Path) -> None:
+    """direct_io=False: the cold files are read as warm ones (mapped), not buffered by the
+    direct reader (slower than the mapping)."""
+    state = _saved(direct_dir)
+    syscalls = FaultySyscalls()
+    store = LocalStore(direct_dir, direct_io=False, syscalls=syscalls)
+    assert store.cached_share(_data_files(direct_dir)[0].relative_to(direct_dir).as_posix()) is None
+    assert _equal(cryosnap.load(store, step=STEP), state)
+    assert not syscalls.reads
