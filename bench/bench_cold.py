@@ -7,8 +7,9 @@ page cache (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
 
 - the raw ``O_DIRECT`` read of the data file into a reused page-aligned buffer, alone and with
   the copy into the tensors (``cryosnap bench``'s direct-read limit);
-- ``cryosnap.load`` fresh and ``into=``: cold (direct reads), cold through the mapped path
-  (every file counted as warm, as before #28 item 3), and warm (the file read once first).
+- ``cryosnap.load`` fresh and ``into=``: cold (direct reads; ``into=`` staged, and without
+  staging memory: read twice), cold through the mapped path (every file counted as warm, as
+  before #28 item 3), and warm (the file read once first).
 
 Medians of ``--rounds`` after a warm-up round; ratios against the raw direct read (fresh) and
 the raw direct read + copy (``into=``); the load average before and after.
@@ -102,6 +103,18 @@ def _mapped(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def _unstaged(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        saved = _cold.STAGING_SHARE
+        _cold.STAGING_SHARE = 0.0  # no staging memory: into='s leaves read twice, direct
+        try:
+            return fn()
+        finally:
+            _cold.STAGING_SHARE = saved
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=None)
@@ -138,6 +151,7 @@ def main() -> None:
             "raw O_DIRECT read + copy": (lambda: raw.read(True), True),
             "fresh, cold (direct)": (fresh, True),
             "into=, cold (direct)": (filled, True),
+            "into=, cold (direct, twice)": (_unstaged(filled), True),
             "fresh, cold (mapped, before)": (_mapped(fresh), True),
             "into=, cold (mapped, before)": (_mapped(filled), True),
             "fresh, warm": (fresh, False),

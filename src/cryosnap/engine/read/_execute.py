@@ -21,7 +21,7 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap.engine._resolved import ResolvedPart
-from cryosnap.engine.read._cold import ColdFiles, prefaulting
+from cryosnap.engine.read._cold import ColdFiles, aligned_memory, prefaulting
 from cryosnap.engine.read._gather import Gatherer, unreadable
 from cryosnap.engine.read._mapped import Mapped, MappedWork
 from cryosnap.engine.read._plan import (
@@ -229,7 +229,11 @@ class PartReader:
         here), while hashing still overlaps the reads on other cores. From a warm cache (the
         probe of :meth:`_cold`) every pool thread reads and hashes its own tasks: a single
         reader is then the bottleneck (~35% slower here)."""
-        bounced = [i for i, t in enumerate(tasks) if self._bounced_bytes(t)]
+        # Cold files are read with direct I/O by the pool (several reads in flight, no
+        # read-ahead to keep going); the sequential reader is for the page cache's.
+        bounced = [
+            i for i, t in enumerate(tasks) if t[0] not in self.cold and self._bounced_bytes(t)
+        ]
         if len(bounced) < 2 or not self._cold([tasks[i] for i in bounced]):
             work = [functools.partial(self._task, i, t, second) for i, t in enumerate(tasks)]
             cold = [t for t in tasks if t[0] in self.cold]
@@ -303,7 +307,8 @@ class PartReader:
         faults)."""
         buf: _Buffer | None = getattr(self.tls, "bounce", None)
         if buf is None or len(buf) < nbytes:
-            buf = self.tls.bounce = np.empty(max(nbytes, 1 << 20), np.uint8)
+            # Page-aligned: a direct read of a cold file lands there without a copy.
+            buf = self.tls.bounce = np.frombuffer(aligned_memory(max(nbytes, 1 << 20)), np.uint8)
         return buf
 
     def _task(
@@ -326,10 +331,10 @@ class PartReader:
             bounce = self.scratch
         else:
             bounce = (buf if buf is not None else self._bounce(bounced)).data
-        cold = f in self.cold and not bounced
+        cold = f in self.cold
         layout = self._layout(runs, bounced, bounce, populate=not cold)
-        # A cold file is read from the disk with direct I/O, unless into='s own leaves are
-        # bounced from it (their second pass then reads what this one put in the page cache).
+        # A cold file is read from the disk with direct I/O (into='s own leaves bounced from
+        # it, past the staging budget, are read so in both passes).
         read = self.store.read_ranges
         if cold:
             read = getattr(self.store, "read_ranges_cold", read)
