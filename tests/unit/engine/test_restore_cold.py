@@ -22,7 +22,7 @@ import cryosnap
 from cryosnap import _native
 from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.engine.read import _cold
+from cryosnap.engine.read import _cold, _execute
 from cryosnap.storage import LocalStore, _direct, open_store
 from cryosnap.testing import FaultySyscalls
 
@@ -340,3 +340,30 @@ def test_a_level_without_direct_reads_keeps_the_mapped_path(direct_dir: Path) ->
     assert store.cached_share(_data_files(direct_dir)[0].relative_to(direct_dir).as_posix()) is None
     assert _equal(cryosnap.load(store, step=STEP), state)
     assert not syscalls.reads
+
+
+def test_unstaged_into_catches_a_file_changed_between_the_passes(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the staging budget both passes read from the disk: the second verifies again, so
+    bytes changed meanwhile never reach into= and the restore fails."""
+    monkeypatch.setattr(_cold, "STAGING_SHARE", 0.0)
+    state = _saved(direct_dir)
+    path, offset, nbytes = _segment(direct_dir, "arr")
+    second = _execute.PartReader.second_pass
+
+    def damage_then_fill(self: Any) -> None:
+        _flip(path, offset + nbytes // 2)
+        _evict(direct_dir)
+        second(self)
+
+    monkeypatch.setattr(_execute.PartReader, "second_pass", damage_then_fill)
+    into = _zeros(state)
+    chunk = nbytes // 2 // CHUNK
+    with pytest.raises(cryosnap.IntegrityError, match=f"leaf arr: chunk {chunk} "):
+        cryosnap.load(direct_dir, step=STEP, into=into)
+    got = into["arr"].view(np.uint8)
+    want = state["arr"].view(np.uint8)
+    written = got != 0
+    assert np.array_equal(got[written], want[written])
+    assert not got[chunk * CHUNK : (chunk + 1) * CHUNK].any()
