@@ -11,7 +11,6 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -65,8 +64,9 @@ class ColdFiles:
     in the page cache), on a store that can tell (``cached_share``) and read them so
     (``read_ranges_cold``: a LocalStore, possibly in a TimeoutStore); none elsewhere.
 
-    :meth:`place` hands out fresh page-aligned memory for the large blobs with bytes in a cold
-    file: the leaf is built over it and the reads land there from the disk, no copy."""
+    :meth:`place` hands out fresh memory for the large blobs with bytes in a cold file, placed
+    within its pages as the blob's bytes lie within the file's: the leaf is built over it and
+    the direct reads land there from the disk, no copy."""
 
     def __init__(self, store: Store, part: ResolvedPart) -> None:
         self.files: frozenset[int] = frozenset()
@@ -130,7 +130,7 @@ def placer(
 ) -> Callable[[int, int], memoryview | None]:
     """``first``'s memory for a blob (the mapped files'), else ``cold``'s."""
 
-    def place(blob: int, alignment: int) -> Any:
+    def place(blob: int, alignment: int) -> memoryview | None:
         view = first(blob, alignment)
         return view if view is not None else cold.place(blob, alignment)
 
