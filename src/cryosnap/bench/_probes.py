@@ -1,6 +1,7 @@
 """The machine under the figures: files and their sizes, fsync, syncing the disk, warming and
-dropping the page cache, peak RSS (``/proc`` VmHWM, a sampling thread or ``ru_maxrss``) and
-the machine and software versions. Runs on the caller's thread (the sampler on its own).
+dropping the page cache (machine-wide, or one folder's files), peak RSS (``/proc`` VmHWM, a
+sampling thread or ``ru_maxrss``) and the machine and software versions. Runs on the
+caller's thread (the sampler on its own).
 """
 
 from __future__ import annotations
@@ -95,6 +96,30 @@ def warm_page_cache(root: Path) -> int:
             while n := f.readinto(view):
                 total += n
     return total
+
+
+def drop_file_cache(root: Path) -> float | None:
+    """fsync every file under ``root`` and drop its pages from the page cache
+    (``POSIX_FADV_DONTNEED``): a cold read of this folder's files only, no root needed, the
+    rest of the machine's cache untouched. Returns the share of their pages still cached
+    (``mincore``; None where it cannot be told)."""
+    from cryosnap import _native
+
+    cached = total = 0
+    for path in iter_files(root):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # retired by the run's writer meanwhile (see file_sizes)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            counts = _native.cached_pages(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if counts is not None:  # None: an empty file, or no mincore here
+            cached, total = cached + counts[0], total + counts[1]
+    return cached / total if total else None
 
 
 _DROP_CACHES = Path("/proc/sys/vm/drop_caches")

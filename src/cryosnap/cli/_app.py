@@ -341,7 +341,7 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
             bool,
             typer.Option(
                 "--cold/--no-cold",
-                help="Also restore from a dropped page cache (needs root; drops it machine-wide).",
+                help="Also restore cold: each peer's own files dropped from the page cache first.",
             ),
         ] = True,
     ) -> None:

@@ -46,7 +46,7 @@ from cryosnap.engine._resolved import (
     resolve,
 )
 from cryosnap.engine._select import cut_part, keys_skeleton, renumbered, spread_paths
-from cryosnap.engine.read import Fetched, Mapped, read_blobs
+from cryosnap.engine.read import ColdFiles, Fetched, Mapped, placer, read_blobs
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -260,6 +260,8 @@ def _read_verified(
         restorer = Restorer(skeleton, sizes, allow_pickle=allow_pickle)
         n = len(manifest.blobs)
         mapped: Mapped | None = None
+        cold: ColdFiles | None = None
+        placed: Sequence[bool] = ()
         if getattr(store, "map_file", None) is None:
             views = _allocate(restorer, where, targets)
             fresh = [v for v, direct in zip(views, restorer.direct, strict=True) if not direct]
@@ -276,8 +278,15 @@ def _read_verified(
             # allocation's walk (resolving names none).
             part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=[""] * n)
             part = part if keys is None else cut_part(part, index)
-            mapped = Mapped(store, part)
-            views = _allocate(restorer, where, targets, mapped.place)
+            # Cold data files (out of the page cache) are not mapped: read with direct I/O,
+            # their large blobs into fresh aligned leaves (faulting the file in page by page
+            # through a mapping is slower than the disk).
+            cold = ColdFiles(store, part)
+            mapped = Mapped(store, part, skip=cold.files)
+            views = _allocate(restorer, where, targets, placer(mapped.place, cold))
+            # Only the leaves over the mapped files are verified where they lie; the fresh
+            # ones are read into.
+            placed = [p and i not in cold.fresh for i, p in enumerate(restorer.placed)]
             for blob, path in zip(part.blobs, restorer.blob_paths, strict=True):
                 blob.path = path
         _check_used_files(store, part, checked)
@@ -291,7 +300,8 @@ def _read_verified(
             views,
             direct=restorer.direct,
             mapped=mapped,
-            placed=restorer.placed,
+            placed=placed,
+            cold=cold,
         )
         try:
             if progress is None:

@@ -1,8 +1,10 @@
 """Direct I/O for data files: ``O_DIRECT`` writes that bypass the page cache, the probe that
-decides once per directory whether its file system takes them, and the injectable syscalls.
+decides once per directory whether its file system takes them, the reads of a cold restore
+(:class:`DirectReader`) and the injectable syscalls.
 
-:class:`DirectFile` runs on the data file's I/O thread (the appender's); :func:`probe_direct`
-on the thread that opens the level. docs/design/storage.md ("Direct I/O") has the why.
+:class:`DirectFile` runs on the data file's I/O thread (the appender's), :class:`DirectReader`
+on a read pool's thread; :func:`probe_direct` on the thread that opens the level.
+docs/design/storage.md ("Direct I/O") has the why.
 """
 
 from __future__ import annotations
@@ -13,13 +15,22 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from contextlib import suppress
 from typing import Final
 
 from cryosnap import _native
+from cryosnap.errors import TruncatedError
 
-__all__ = ["BLOCK_BYTES", "DirectFile", "Syscalls", "probe_direct"]
+__all__ = [
+    "BLOCK_BYTES",
+    "DirectFile",
+    "DirectReader",
+    "Syscalls",
+    "probe_direct",
+    "takes_direct_reads",
+]
 
 log = logging.getLogger("cryosnap")
 
@@ -45,6 +56,9 @@ class Syscalls:
 
     def ftruncate(self, fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
+
+    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
 
 
 def _buffered(fd: int) -> None:
@@ -208,3 +222,196 @@ def probe_direct(root_fd: int, syscalls: Syscalls, fs_type: str, *, memory: bool
         with suppress(OSError):
             os.unlink(name, dir_fd=root_fd)
     return None
+
+
+# -- the reads of a cold restore
+
+# The most bytes one direct read asks for: a few MiB in flight per reader keeps the device busy
+# without pinning much memory at once.
+DIRECT_READ_BYTES: Final = 8 << 20
+# The aligned bounce buffer of a read thread (what cannot be read into where it goes: small
+# blobs, the heads and tails of large ones, gaps): one direct read per this many bytes. Kept by
+# the thread (its fresh pages cost a fault each), also by a storage thread that lives long.
+READ_BOUNCE_BYTES: Final = 1 << 20
+_IOV_MAX: Final = 1024
+_bounces = threading.local()  # each read thread's aligned bounce buffer, reused
+
+
+def _bounce(nbytes: int) -> memoryview:
+    """This thread's page-aligned bounce buffer, at least ``nbytes`` (at most
+    READ_BOUNCE_BYTES)."""
+    view: memoryview | None = getattr(_bounces, "view", None)
+    if view is None or view.nbytes < nbytes:
+        size = max(nbytes, 64 << 10)
+        _bounces.view = view = memoryview(mmap.mmap(-1, -(-size // BLOCK_BYTES) * BLOCK_BYTES))
+    return view
+
+
+def _copy(dest: memoryview, source: memoryview) -> None:
+    if dest.nbytes >= DIRECT_MIN_BYTES:
+        _native.memmove(_native.address_of(dest), _native.address_of(source), dest.nbytes)
+    else:
+        dest[:] = source
+
+
+# (file offset, the view its bytes land in, whether it is read straight into that view)
+_Op = tuple[int, memoryview, bool]
+
+
+def takes_direct_reads(fd: int) -> bool:
+    """Whether the file system of ``fd`` takes ``O_DIRECT`` on it (set on ``fd`` if so)."""
+    if not O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+class DirectReader:
+    """The reads of one data file of a cold restore (out of the page cache), in large reads.
+
+    With ``direct`` the file is read with ``O_DIRECT`` (set on ``fd`` here): a buffer whose
+    memory and file offset are aligned alike is read into from where it lies, in reads of up to
+    ``DIRECT_READ_BYTES``; the rest (small buffers, the unaligned head and tail of a large one,
+    gaps) through an aligned bounce buffer, its blocks read once. A file system that refuses
+    ``O_DIRECT``, or refuses a read midway (EINVAL), or a short read that leaves an unaligned
+    offset, switches the file to buffered reads from the same offset on: nothing read is lost
+    (``refused`` says why, for the store to stop asking). Buffered reads are advised
+    (``POSIX_FADV_SEQUENTIAL`` for the file, ``WILLNEED`` per range) so the kernel reads ahead
+    in large requests. The end of the file before the bytes asked is a TruncatedError."""
+
+    def __init__(self, fd: int, key: str, syscalls: Syscalls, *, direct: bool) -> None:
+        self.key = key
+        self.refused = ""
+        self._fd = fd
+        self._sys = syscalls
+        self.direct = direct and takes_direct_reads(fd)
+        if direct and not self.direct:
+            self.refused = "its file system refuses O_DIRECT"
+        if not self.direct:
+            self._advise(0, 0, "POSIX_FADV_SEQUENTIAL")
+
+    def _advise(self, offset: int, nbytes: int, name: str) -> None:
+        advice = getattr(os, name, None)
+        if advice is not None:
+            with suppress(OSError):  # advice only
+                os.posix_fadvise(self._fd, offset, nbytes, advice)
+
+    def read(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` (flat byte views) with the bytes of the file from ``offset`` on,
+        back to back."""
+        views = [v for v in buffers if v.nbytes]
+        if not self.direct:
+            self._advise(offset, sum(v.nbytes for v in views), "POSIX_FADV_WILLNEED")
+            self._fill_all(views, offset)
+            return
+        ops = _ops(offset, views)
+        i = 0
+        while i < len(ops):
+            if ops[i][2] and self.direct:
+                self._fill(ops[i][1], ops[i][0], ops[i][1].nbytes)
+                i += 1
+                continue
+            j = i + 1
+            while j < len(ops) and not (ops[j][2] and self.direct):
+                j += 1
+            self._bounced(ops[i:j])
+            i = j
+
+    def _bounced(self, ops: list[_Op]) -> None:
+        """Ops that follow each other in the file, read through the bounce buffer in aligned
+        windows (buffered: straight into their views)."""
+        if not self.direct:
+            self._fill_all([v for _o, v, _d in ops], ops[0][0])
+            return
+        lo, end = ops[0][0], ops[-1][0] + ops[-1][1].nbytes
+        at = lo // BLOCK_BYTES * BLOCK_BYTES
+        k = 0
+        while at < end:
+            want = min(-(-(end - at) // BLOCK_BYTES) * BLOCK_BYTES, READ_BOUNCE_BYTES)
+            bounce = _bounce(want)[:want]
+            got = self._fill(bounce, at, min(want, end - at))
+            stop = at + got
+            while k < len(ops):
+                o, v, _d = ops[k]
+                a, z = max(o, at), min(o + v.nbytes, stop)
+                if a < z:
+                    _copy(v[a - o : z - o], bounce[a - at : z - at])
+                if o + v.nbytes > stop:
+                    break
+                k += 1
+            at = stop
+
+    def _fill(self, view: memoryview, offset: int, need: int) -> int:
+        """Read into ``view`` from ``offset`` until at least ``need`` bytes came (more, up to
+        its size, where the file has them); the bytes read."""
+        done = 0
+        while done < need:
+            try:
+                n = self._sys.preadv(self._fd, [view[done:]], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._fall_back(f"the file system refused a direct read ({exc.strerror})")
+                continue
+            if n <= 0:
+                raise TruncatedError(
+                    f"{self.key} ends at byte {offset + done}, before the data it should hold"
+                )
+            done += n
+            if done < need and self.direct and n % BLOCK_BYTES:
+                self._fall_back(f"a short direct read ({n} bytes) left an unaligned offset")
+        return done
+
+    def _fill_all(self, views: list[memoryview], offset: int) -> None:
+        """Buffered reads of ``views`` back to back from ``offset``, many buffers a call."""
+        i = 0
+        while i < len(views):
+            batch = views[i : i + _IOV_MAX]
+            n = self._sys.preadv(self._fd, batch, offset)
+            if n <= 0:
+                raise TruncatedError(
+                    f"{self.key} ends at byte {offset}, before the data it should hold"
+                )
+            offset += n
+            for v in batch:
+                if n < v.nbytes:
+                    views[i] = v[n:]
+                    break
+                n -= v.nbytes
+                i += 1
+
+    def _fall_back(self, why: str) -> None:
+        _buffered(self._fd)  # the store that opened the file warns, once
+        self.direct = False
+        self.refused = why
+        self._advise(0, 0, "POSIX_FADV_SEQUENTIAL")
+
+
+def _ops(offset: int, views: list[memoryview]) -> list[_Op]:
+    """The reads of ``views`` back to back from ``offset``: the aligned body of a large view
+    whose memory is aligned as its file offset is goes straight into it (cut in reads of
+    ``DIRECT_READ_BYTES``), the rest through the bounce buffer."""
+    ops: list[_Op] = []
+    pos = offset
+    for v in views:
+        n = v.nbytes
+        lo = -(-pos // BLOCK_BYTES) * BLOCK_BYTES
+        hi = (pos + n) // BLOCK_BYTES * BLOCK_BYTES
+        if hi - lo < DIRECT_MIN_BYTES or v.readonly or (_native.address_of(v) - pos) % BLOCK_BYTES:
+            ops.append((pos, v, False))
+            pos += n
+            continue
+        if lo > pos:
+            ops.append((pos, v[: lo - pos], False))
+        for a in range(lo, hi, DIRECT_READ_BYTES):
+            z = min(a + DIRECT_READ_BYTES, hi)
+            ops.append((a, v[a - pos : z - pos], True))
+        if pos + n > hi:
+            ops.append((hi, v[hi - pos :], False))
+        pos += n
+    return ops

@@ -25,7 +25,14 @@ from cryosnap.errors import (
     DirectIOError,
     StorageError,
 )
-from cryosnap.storage._direct import O_DIRECT, DirectFile, Syscalls, probe_direct
+from cryosnap.storage._direct import (
+    O_DIRECT,
+    DirectFile,
+    DirectReader,
+    Syscalls,
+    probe_direct,
+    takes_direct_reads,
+)
 from cryosnap.storage.base import BytesLike, StoreCapabilities, TruncatedError, validate_key
 
 __all__ = ["LocalStore"]
@@ -108,6 +115,8 @@ class LocalStore:
         self.direct_io = direct_io
         self.syscalls = syscalls or Syscalls()
         self._direct: bool | None = None if direct_io is not False else False
+        # Whether a cold restore reads data files with O_DIRECT: until a file system refuses.
+        self._direct_reads = direct_io is not False
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -334,6 +343,41 @@ class LocalStore:
             if not st.st_size or not _mappable_device(st.st_dev):
                 return None
             return _native.map_private(fd, st.st_size)
+
+    def cached_share(self, key: str) -> float | None:
+        """The share of the regular file ``key``'s pages in the page cache (``mincore``, which
+        reads nothing in), where a cold read of it (:meth:`read_ranges_cold`) would go to the
+        disk with ``O_DIRECT``; None where it cannot be told (an empty file, no ``mincore``) or
+        the read would not be direct (``direct_io=False``, a file system that refuses it): a
+        restore reads such files as warm ones, through the page cache."""
+        if not self._direct_reads:
+            return None
+        with self._open_regular(key) as fd:
+            if not takes_direct_reads(fd):
+                self._direct_reads = False
+                return None
+            counts = _native.cached_pages(fd, os.fstat(fd).st_size)
+        return None if counts is None or not counts[1] else counts[0] / counts[1]
+
+    def read_ranges_cold(
+        self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]
+    ) -> None:
+        """:meth:`read_ranges` for a file out of the page cache: large ``O_DIRECT`` reads
+        straight into the buffers where their memory is aligned as their offsets are (an
+        aligned bounce buffer elsewhere), unless ``direct_io=False`` or the file system refuses
+        them (then, and from a refusal midway on, buffered reads with read-ahead advice;
+        :class:`~cryosnap.storage._direct.DirectReader`). Leaves the page cache as it was."""
+        with self._open_regular(key) as fd:
+            reader = DirectReader(fd, key, self.syscalls, direct=self._direct_reads)
+            try:
+                for offset, buffers in ranges:
+                    reader.read(offset, _flat_views(buffers))
+            finally:
+                if reader.refused and self._direct_reads:
+                    self._direct_reads = False
+                    self._warn_once(
+                        ".direct-reads", f"{self.url}: reads buffered: {reader.refused}"
+                    )
 
     def write(self, key: str, data: BytesLike) -> None:
         parts = validate_key(key).split("/")

@@ -295,6 +295,23 @@ class TimeoutStore(WrapperStore):
         mapped: memoryview | None = self._call("mapping", key, lambda: inner(key))
         return mapped
 
+    def cached_share(self, key: str) -> float | None:
+        """``inner``'s :meth:`LocalStore.cached_share` (bounded like any call), or None if it
+        has none."""
+        inner = getattr(self.inner, "cached_share", None)
+        if inner is None:
+            return None
+        share: float | None = self._call("probing", key, lambda: inner(key))
+        return share
+
+    def read_ranges_cold(
+        self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]
+    ) -> None:
+        """``inner``'s :meth:`LocalStore.read_ranges_cold` (bounded like any call), or its
+        plain ``read_ranges``."""
+        inner = getattr(self.inner, "read_ranges_cold", self.inner.read_ranges)
+        self._call("reading", key, lambda: inner(key, ranges))
+
     def write(self, key: str, data: BytesLike) -> None:
         # A late write must store what was passed, not what a mutable buffer holds by then.
         payload = data if isinstance(data, bytes) else bytes(data)

@@ -123,12 +123,46 @@ class FaultySyscalls(Syscalls):
     (``direct``: the descriptor has ``O_DIRECT``) and raises an ``OSError`` (``EINVAL``: the
     device refuses direct I/O; ``ENOSPC``: the disk is full), returns a byte count below
     ``nbytes`` (a short write: that many bytes land), or None (the write as asked).
-    ``writes`` lists ``(nbytes, direct)`` of every write that landed."""
+    ``writes`` lists ``(nbytes, direct)`` of every write that landed.
 
-    def __init__(self, fault: Callable[[int, bool], int | None]) -> None:
+    ``read_fault(nbytes, direct)`` does the same before each ``preadv`` of a cold restore's
+    reads (:meth:`LocalStore.read_ranges_cold`): an ``OSError``, a byte count below ``nbytes``
+    (a short read: that many bytes land) or None. ``reads`` lists ``(nbytes, direct)`` of
+    every read that returned."""
+
+    def __init__(
+        self,
+        fault: Callable[[int, bool], int | None] = lambda n, direct: None,
+        read_fault: Callable[[int, bool], int | None] = lambda n, direct: None,
+    ) -> None:
         self.fault = fault
+        self.read_fault = read_fault
         self.writes: list[tuple[int, bool]] = []
+        self.reads: list[tuple[int, bool]] = []
         self._lock = threading.Lock()
+
+    def preadv(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        direct = bool(flags & O_DIRECT)
+        nbytes = sum(b.nbytes for b in buffers)
+        n = self.read_fault(nbytes, direct)
+        if n is not None and n < nbytes:
+            if direct and n % BLOCK_BYTES:
+                # The device read part of a block: those bytes land, as from the page cache.
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+                try:
+                    data = os.pread(fd, n, offset) if n > 0 else b""
+                finally:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+                _land(buffers, data)
+                return self._read(len(data), direct)
+            buffers = _cut(buffers, n)
+        return self._read(super().preadv(fd, buffers, offset), direct)
+
+    def _read(self, n: int, direct: bool) -> int:
+        with self._lock:
+            self.reads.append((n, direct))
+        return n
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -149,3 +183,24 @@ class FaultySyscalls(Syscalls):
         with self._lock:
             self.writes.append((n, direct))
         return n
+
+
+def _cut(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first ``nbytes`` of ``buffers``."""
+    out = []
+    for b in buffers:
+        if nbytes <= 0:
+            break
+        out.append(b[:nbytes])
+        nbytes -= b.nbytes
+    return out
+
+
+def _land(buffers: list[memoryview], data: bytes) -> None:
+    at = 0
+    for b in buffers:
+        take = min(b.nbytes, len(data) - at)
+        if take <= 0:
+            break
+        b[:take] = data[at : at + take]
+        at += take

@@ -19,7 +19,7 @@ from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap._format.skeleton import blob_paths
 from cryosnap._state import check_into, direct_targets, flatten
 from cryosnap.engine import _read
-from cryosnap.engine.read import _execute, _plan
+from cryosnap.engine.read import _cold, _execute, _plan
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
 
@@ -346,7 +346,9 @@ def test_a_file_that_changes_between_the_passes_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The second pass verifies every read again: bytes that changed since the first pass never
-    reach into=, and the restore fails."""
+    reach into=, and the restore fails. (From a cold file into= is staged, read once: no
+    second pass; the files here count as warm.)"""
+    monkeypatch.setattr(_cold, "COLD_SHARE", 0.0)
     cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
     _store, _key, manifest = _data_file(str(tmp_path))
     offset, nbytes = _segment(manifest, "big")
@@ -541,6 +543,7 @@ def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     pool verifying (small tasks, so that there are many); records each probe's answer."""
     monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 8 << 10)
     monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 16 << 10)
+    monkeypatch.setattr(_cold, "COLD_SHARE", 0.0)  # not the direct reads of cold files
     _unmapped(monkeypatch)
     probes: list[bool] = []
 
@@ -596,6 +599,7 @@ def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) 
     mp = pytest.MonkeyPatch()
     mp.setattr(_execute.PartReader, "_cold", probe)
     mp.setattr(_plan, "_BOUNCE_BYTES", 64 << 10)
+    mp.setattr(_cold, "COLD_SHARE", 0.0)  # the bounced reads' probe, not the cold files'
     _unmapped(mp)
     try:
         into = {"w": torch.zeros(1 << 20)}

@@ -18,7 +18,7 @@ import torch
 import cryosnap
 from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap.engine import _read
-from cryosnap.engine.read import _execute, _plan
+from cryosnap.engine.read import _cold, _execute, _plan
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import LocalStore, TimeoutStore, _local, open_store
 from cryosnap.testing import FaultyStore
@@ -27,6 +27,13 @@ from ..support import snapshot
 
 STEP = 3
 CHUNK = 64 << 10
+
+
+@pytest.fixture(autouse=True)
+def _warm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every data file here counts as warm, whatever the page cache holds: the mapped path
+    (cold files are read with direct I/O, tests/unit/engine/test_restore_cold.py)."""
+    monkeypatch.setattr(_cold, "COLD_SHARE", 0.0)
 
 
 def _state() -> dict[str, Any]:

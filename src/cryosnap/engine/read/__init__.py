@@ -1,10 +1,12 @@
 """The read path of one part: a pure plan (:mod:`._plan`), its executor on the read pool
-(:mod:`._execute`) and the mapped data files (:mod:`._mapped`); design in
-docs/design/read-path.md. Runs on the caller's thread and the read pool's threads.
+(:mod:`._execute`), the mapped data files (:mod:`._mapped`) and the cold ones read with
+direct I/O (:mod:`._cold`); design in docs/design/read-path.md. Runs on the caller's thread
+and the read pool's threads.
 """
 
 from __future__ import annotations
 
+from cryosnap.engine.read._cold import ColdFiles, placer
 from cryosnap.engine.read._execute import Fetched, read_blobs
 from cryosnap.engine.read._mapped import Mapped
 from cryosnap.engine.read._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
@@ -12,10 +14,12 @@ from cryosnap.engine.read._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, pla
 
 __all__ = [
     "IO_BATCH_BYTES",
+    "ColdFiles",
     "Fetched",
     "Mapped",
     "ReadLimits",
     "ReadPlan",
+    "placer",
     "plan_reads",
     "read_blobs",
 ]

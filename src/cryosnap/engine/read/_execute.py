@@ -1,7 +1,7 @@
 """The executor: runs a part's :class:`ReadPlan` on a pool of read threads (reads, bounce
-buffers, verification as each read lands, the two passes of into='s leaves, the sequential
-reader of a cold cache) and raises the first failure. Runs on the caller's thread and the read
-pool's threads; no collectives here.
+buffers, verification as each read lands, the two passes of into='s leaves, the direct reads
+of cold files and the staging of into='s leaves they fill) and raises the first failure. Runs
+on the caller's thread and the read pool's threads; no collectives here.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.engine.read._cold import ColdFiles, aligned_memory, prefaulting
 from cryosnap.engine.read._gather import Gatherer, unreadable
 from cryosnap.engine.read._mapped import Mapped, MappedWork
 from cryosnap.engine.read._plan import (
@@ -40,6 +41,11 @@ from cryosnap.storage.base import TruncatedError
 __all__ = ["Fetched", "read_blobs"]
 
 _READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+# Threads of a read of cold files: most of them wait on the disk, so a few more than the cores
+# keep reads in flight while the others hash and fault in fresh pages.
+_COLD_THREADS = max(4, _READ_THREADS)
+# Bytes of staged leaves copied into into= per call (on the pool: every core copies).
+_COPY_BYTES = 8 << 20
 # Pieces of fresh memory smaller than this are left to fault in as the read lands.
 _POPULATE_MIN_BYTES = 1 << 20
 
@@ -55,17 +61,24 @@ def read_blobs(
     direct: Sequence[bool] = (),
     mapped: Mapped | None = None,
     placed: Sequence[bool] = (),
+    cold: ColdFiles | None = None,
 ) -> Fetched:
     """Fill ``views`` from the data files and verify every chunk as it lands; raise on the first
     damage (in blob order). The views marked in ``direct`` are verified but left untouched:
     the returned :class:`Fetched` fills them. Those marked in ``placed`` are views of
-    ``mapped``'s files (:meth:`Mapped.place`) and are only verified."""
+    ``mapped``'s files (:meth:`Mapped.place`) and are only verified. ``cold``'s files are read
+    with direct I/O; a direct blob with bytes there is read once into private memory (within
+    the staging budget) that :meth:`Fetched.fill` copies into place."""
     cb = part.manifest.chunk_bytes
     wrong = wrong_chunk_count(part.chunks(), cb)
     if wrong >= 0:
         raise IntegrityError(
             f"step {part.step}, tier {store.url}: leaf {part.blobs[wrong].path}: wrong chunk count"
         )
+    cold_files = cold.files if cold is not None else frozenset()
+    staged: list[tuple[memoryview, memoryview]] = []
+    if cold is not None and cold_files and any(direct):
+        views, direct, staged = _stage_cold(views, direct, cold)
     plan = plan_reads(
         part.chunks(),
         cb,
@@ -73,26 +86,64 @@ def read_blobs(
         direct=direct,
         placed=placed,
         mapped_files=mapped.address.keys() if mapped is not None else (),
+        cold_files=cold_files,
     )
-    reader = PartReader(store, part, views, plan, on_bytes=on_bytes, mapped=mapped)
+    reader = PartReader(
+        store, part, views, plan, on_bytes=on_bytes, mapped=mapped, cold_files=cold_files
+    )
     reader.first_pass()
-    return Fetched(reader)
+    return Fetched(reader, staged)
+
+
+def _stage_cold(
+    views: Sequence[memoryview], direct: Sequence[bool], cold: ColdFiles
+) -> tuple[list[memoryview], list[bool], list[tuple[memoryview, memoryview]]]:
+    """The direct blobs with bytes in a cold file, within the staging budget, read into fresh
+    aligned memory instead (no longer direct): a copy into place once every chunk verified,
+    instead of a second read from the disk. Returns the views, the direct flags and the
+    (staging, into='s memory) pairs."""
+    budget = cold.staging_budget()
+    out, flags = list(views), list(direct)
+    staged: list[tuple[memoryview, memoryview]] = []
+    for i, (view, is_direct) in enumerate(zip(views, direct, strict=True)):
+        if is_direct and view.nbytes and cold.touches(i) and view.nbytes <= budget:
+            budget -= view.nbytes
+            out[i] = cold.memory(i)
+            flags[i] = False
+            staged.append((out[i], view))
+    return out, flags, staged
 
 
 class Fetched:
-    """A part whose every chunk verified; :meth:`fill` puts the direct blobs in place."""
+    """A part whose every chunk verified; :meth:`fill` puts the direct (and staged) blobs in
+    place."""
 
-    __slots__ = ("_reader",)
+    __slots__ = ("_reader", "_staged")
 
-    def __init__(self, reader: PartReader) -> None:
+    def __init__(
+        self, reader: PartReader, staged: Sequence[tuple[memoryview, memoryview]] = ()
+    ) -> None:
         self._reader: PartReader | None = reader
+        self._staged = list(staged)
 
     def fill(self) -> None:
-        """Read the direct blobs into place (once), each piece verified again before it is
-        copied there."""
+        """Copy the staged blobs into place and read the direct ones there (once), each piece
+        verified again before it is copied there."""
         reader, self._reader = self._reader, None
+        staged, self._staged = self._staged, []
+        if staged:
+            _run([functools.partial(_native.memmove, *c) for c in _copies(staged)])
         if reader is not None and reader.plan.has_direct:
             reader.second_pass()
+
+
+def _copies(staged: Sequence[tuple[memoryview, memoryview]]) -> list[tuple[int, int, int]]:
+    """(destination, source, bytes) of the copies of ``staged``, of about _COPY_BYTES each."""
+    out = []
+    for source, dest in staged:
+        to, frm, n = _native.address_of(dest), _native.address_of(source), dest.nbytes
+        out += [(to + a, frm + a, min(_COPY_BYTES, n - a)) for a in range(0, n, _COPY_BYTES)]
+    return out
 
 
 @dataclass
@@ -118,9 +169,11 @@ class PartReader:
         *,
         on_bytes: Callable[[int], None],
         mapped: Mapped | None,
+        cold_files: frozenset[int] = frozenset(),
     ) -> None:
         self.store, self.part, self.views, self.plan = store, part, views, plan
         self.on_bytes = on_bytes
+        self.cold = cold_files
         self.pieces: PieceLists = plan.pieces.lists()
         # The address of each view's first byte, taken once: pieces are hashed and copied by
         # address (no view slices), with the GIL released.
@@ -176,10 +229,16 @@ class PartReader:
         here), while hashing still overlaps the reads on other cores. From a warm cache (the
         probe of :meth:`_cold`) every pool thread reads and hashes its own tasks: a single
         reader is then the bottleneck (~35% slower here)."""
-        bounced = [i for i, t in enumerate(tasks) if self._bounced_bytes(t)]
+        # Cold files are read with direct I/O by the pool (several reads in flight, no
+        # read-ahead to keep going); the sequential reader is for the page cache's.
+        bounced = [
+            i for i, t in enumerate(tasks) if t[0] not in self.cold and self._bounced_bytes(t)
+        ]
         if len(bounced) < 2 or not self._cold([tasks[i] for i in bounced]):
             work = [functools.partial(self._task, i, t, second) for i, t in enumerate(tasks)]
-            _run([*work, *extra])
+            cold = [t for t in tasks if t[0] in self.cold]
+            with prefaulting(self._fresh_ranges(cold)):
+                _run([*work, *extra], _COLD_THREADS if cold else _READ_THREADS)
         else:
             self._run_sequential(tasks, bounced, second, extra)
         self.outcome.raise_first(self.part, self.store.url)
@@ -224,6 +283,17 @@ class PartReader:
             cold += not cached
         return 2 * cold > len(picks)
 
+    def _fresh_ranges(self, tasks: list[Task]) -> list[tuple[int, int]]:
+        """(address, bytes) of the large pieces ``tasks`` read into leaves, in task order."""
+        p, address = self.pieces, self.address
+        return [
+            (address[p.blob[i]] + p.start[i], p.nbytes[i])
+            for _f, runs in tasks
+            for _o, pids, _g in runs
+            for i in pids
+            if not p.direct[i] and p.nbytes[i] >= _POPULATE_MIN_BYTES
+        ]
+
     def _bounced_bytes(self, task: Task) -> int:
         if not self.plan.has_direct:
             return 0
@@ -237,7 +307,8 @@ class PartReader:
         faults)."""
         buf: _Buffer | None = getattr(self.tls, "bounce", None)
         if buf is None or len(buf) < nbytes:
-            buf = self.tls.bounce = np.empty(max(nbytes, 1 << 20), np.uint8)
+            # Page-aligned: a direct read of a cold file lands there without a copy.
+            buf = self.tls.bounce = np.frombuffer(aligned_memory(max(nbytes, 1 << 20)), np.uint8)
         return buf
 
     def _task(
@@ -260,9 +331,15 @@ class PartReader:
             bounce = self.scratch
         else:
             bounce = (buf if buf is not None else self._bounce(bounced)).data
-        layout = self._layout(runs, bounced, bounce)
+        cold = f in self.cold
+        layout = self._layout(runs, bounced, bounce, populate=not cold)
+        # A cold file is read from the disk with direct I/O (into='s own leaves bounced from
+        # it, past the staging budget, are read so in both passes).
+        read = self.store.read_ranges
+        if cold:
+            read = getattr(self.store, "read_ranges_cold", read)
         try:
-            self.store.read_ranges(key, layout.ranges)
+            read(key, layout.ranges)
         except BaseException as exc:
             self._failed(number, key, runs, exc, ring)
             return _nothing
@@ -307,22 +384,25 @@ class PartReader:
             exc = self._unreadable_run(key, runs, exc)
         self.outcome.fail(number, exc)
 
-    def _layout(self, runs: list[Run], bounced: int, bounce: memoryview) -> _Layout:
-        """The buffers each run of a task reads into, and where each piece lands."""
+    def _layout(
+        self, runs: list[Run], bounced: int, bounce: memoryview, *, populate: bool = True
+    ) -> _Layout:
+        """The buffers each run of a task reads into, and where each piece lands (fresh large
+        pieces mapped in first, unless ``populate`` is False: a prefault thread does it)."""
         out = _Layout()
         base = _native.address_of(bounce) if bounced else 0
         direct = self.pieces.direct
         for run in runs:
             _offset, pids, gaps = run
             if not bounced and not any(gaps):
-                self._into_leaves(run, out)
+                self._into_leaves(run, out, populate)
             elif not any(gaps) and all([direct[p] for p in pids]):
                 self._into_bounce(run, out, bounce, base)
             else:
-                self._mixed(run, out, bounce, base)
+                self._mixed(run, out, bounce, base, populate)
         return out
 
-    def _into_leaves(self, run: Run, out: _Layout) -> None:
+    def _into_leaves(self, run: Run, out: _Layout, populate: bool) -> None:
         """Pieces back to back into the leaves themselves (a state of many small tensors: most
         runs): one view each, no per-piece bookkeeping."""
         offset, pids, _gaps = run
@@ -334,7 +414,7 @@ class PartReader:
             else views[p_blob[i]][p_start[i] : p_start[i] + p_nbytes[i]]
             for i in pids
         ]
-        for i in [i for i in pids if p_nbytes[i] >= _POPULATE_MIN_BYTES]:
+        for i in [i for i in pids if populate and p_nbytes[i] >= _POPULATE_MIN_BYTES]:
             _native.populate(address[p_blob[i]] + p_start[i], p_nbytes[i])
         out.dests += bufs
         out.ranges.append((offset, bufs))
@@ -349,7 +429,7 @@ class PartReader:
         out.ranges.append((offset, [bounce[out.at : ends[-1]]]))
         out.at = ends[-1]
 
-    def _mixed(self, run: Run, out: _Layout, bounce: memoryview, base: int) -> None:
+    def _mixed(self, run: Run, out: _Layout, bounce: memoryview, base: int, populate: bool) -> None:
         """Gaps (read into scratch), leaves read into and bounced pieces (consecutive ones in
         one buffer) in one run."""
         offset, pids, gaps = run
@@ -374,7 +454,7 @@ class PartReader:
             view = self.views[blob]
             if nbytes != view.nbytes:
                 view = view[start : start + nbytes]
-            if nbytes >= _POPULATE_MIN_BYTES:
+            if populate and nbytes >= _POPULATE_MIN_BYTES:
                 _native.populate(self.address[blob] + start, nbytes)
             bufs.append(view)
             out.dests.append(view)
@@ -410,11 +490,13 @@ class PartReader:
         return default
 
 
-def _run(work: Sequence[Callable[[], object]]) -> None:
+def _run(work: Sequence[Callable[[], object]], threads: int = 0) -> None:
     # Several reads in flight: copying out of the page cache and faulting in fresh pages run on
     # every core, and a remote store overlaps its latencies.
     if len(work) > 1:
-        with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cryosnap-read") as pool:
+        with ThreadPoolExecutor(
+            threads or _READ_THREADS, thread_name_prefix="cryosnap-read"
+        ) as pool:
             for _ in pool.map(lambda task: task(), work):
                 pass
     else:

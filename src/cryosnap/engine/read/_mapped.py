@@ -7,7 +7,7 @@ into='s leaves, copies) pieces where they lie. :class:`Mapped` runs on the calle
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -29,9 +29,10 @@ class Mapped:
     :meth:`place` hands out the memory of a blob whose chunks lie back to back in one mapped
     file: :class:`cryosnap._state.Restorer` builds the leaf over it (no allocation, no copy) and
     the reader verifies it there. A file that cannot be mapped is read as before (its errors,
-    a missing file for one, come from the read)."""
+    a missing file for one, come from the read). The files ``skip`` names (cold ones, read
+    with direct I/O instead) are not mapped."""
 
-    def __init__(self, store: Store, part: ResolvedPart) -> None:
+    def __init__(self, store: Store, part: ResolvedPart, skip: Collection[int] = ()) -> None:
         map_file: Callable[[str], memoryview | None] | None = getattr(store, "map_file", None)
         self.views: dict[int, memoryview] = {}
         self.address: dict[int, int] = {}
@@ -44,6 +45,8 @@ class Mapped:
         if map_file is None or not len(files):
             return
         for f in np.unique(files).tolist():
+            if f in skip:
+                continue
             with contextlib.suppress(CheckpointError):
                 view = map_file(part.files[f])
                 if view is not None:

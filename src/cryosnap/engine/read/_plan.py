@@ -187,11 +187,14 @@ def plan_reads(
     direct: Sequence[bool] = (),
     placed: Sequence[bool] = (),
     mapped_files: Collection[int] = (),
+    cold_files: Collection[int] = (),
     limits: ReadLimits | None = None,
 ) -> ReadPlan:
     """The plan that fills the leaves (of ``view_bytes`` bytes each) of the blobs ``chunks``
     describes. ``direct`` blobs are verified first and filled by a second pass; ``placed``
-    ones (and direct ones) in ``mapped_files`` are hashed where those are mapped."""
+    ones (and direct ones) in ``mapped_files`` are hashed where those are mapped. The tasks of
+    ``cold_files`` (read from the disk with direct I/O) are of about ``bounce_bytes``: a few
+    in flight, each hashed as it lands."""
     lim = limits if limits is not None else ReadLimits.current()
     nb = len(chunks.starts) - 1
     direct_b = np.array([bool(d) for d in direct] if direct else [False] * nb, bool)
@@ -217,14 +220,15 @@ def plan_reads(
     cols = (p_blob, p_start, p_nbytes, p_file, p_offset, lo, hi, whole, p_direct, p_mapped)
     table = Pieces(*cols)
     capped = p_direct if has_direct else None
+    cold = np.fromiter(cold_files, np.int64, len(cold_files)) if len(cold_files) else None
     second = p_direct & ~p_mapped
     return ReadPlan(
         pieces=table,
         gathers=tuple(gathers),
         staged=staged,
-        first=_reads(table, np.flatnonzero(~p_mapped), capped, lim),
+        first=_reads(table, np.flatnonzero(~p_mapped), capped, lim, cold),
         first_mapped=_batches(p_nbytes, np.flatnonzero(p_mapped), lim),
-        second=_reads(table, np.flatnonzero(second), capped, lim),
+        second=_reads(table, np.flatnonzero(second), capped, lim, cold),
         second_mapped=_batches(p_nbytes, np.flatnonzero(p_direct & p_mapped), lim),
         has_direct=has_direct,
     )
@@ -302,12 +306,14 @@ def _read_order(chunks: PartChunks, pieces: list[Array]) -> list[Array]:
     return [col[order] for col in pieces]
 
 
-def _reads(pieces: Pieces, pids: Array, direct: Array | None, lim: ReadLimits) -> Reads:
+def _reads(
+    pieces: Pieces, pids: Array, direct: Array | None, lim: ReadLimits, cold: Array | None = None
+) -> Reads:
     """Pieces (``pids``, in read order) that follow each other in a file join one run; so do
     pieces a small gap apart (the gap is read into scratch): a fragmented incremental chain
     reads its old data files in a few large reads instead of one per changed region. Runs of
-    one file join tasks of about ``io_batch_bytes`` (a file some direct piece is read from:
-    ``bounce_bytes``)."""
+    one file join tasks of about ``io_batch_bytes`` (a file some direct piece is read from, or
+    one of the ``cold`` files: ``bounce_bytes``)."""
     n = len(pids)
     if not n:
         empty = np.empty(0, np.int64)
@@ -324,6 +330,8 @@ def _reads(pieces: Pieces, pids: Array, direct: Array | None, lim: ReadLimits) -
     if direct is not None:
         bounced = np.add.reduceat(direct[pids].astype(np.int64), first) > 0
         cap[bounced] = lim.bounce_bytes
+    if cold is not None:
+        cap[np.isin(files[first], cold)] = lim.bounce_bytes
     slot = within // cap[segment]
     new_task = new_file.copy()
     new_task[1:] |= slot[1:] != slot[:-1]
