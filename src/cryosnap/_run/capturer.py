@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from cryosnap._run.devdiff import DeviceDiff, DiffPlan
 from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
+from cryosnap._run.through import Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.dtensor import fill_target
 from cryosnap._state.gc import paused_gc
@@ -77,6 +78,25 @@ class Job:
     # The lineage the version is committed in (None: generation 0); a version saved after a
     # rewind supersedes the abandoned ones with it (docs/FORMAT.md, "Superseding").
     lineage: Lineage | None = None
+    # An eager capture onto a direct-I/O level hands blobs to the writer (_run/through.py),
+    # from when both the capture attached it and the writer started this version.
+    through: WriteThrough | None = None
+    began: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self) -> None:
+        """The writer starts this version (on its thread)."""
+        with self._lock:
+            self.began, through = True, self.through
+        if through is not None:
+            through.begin()
+
+    def attach(self, through: WriteThrough) -> None:
+        """The capture's hand-over (on its thread): begun now if the writer already started."""
+        with self._lock:
+            self.through, began = through, self.began
+        if began:
+            through.begin()
 
     def drain(self) -> None:
         """Give back every captured batch still queued (the version is abandoned)."""
@@ -93,7 +113,9 @@ class Capturer:
 
     CUDA tensors are copied on a stream of the capturer's own, ordered after the caller's
     stream at ``save()`` by an event; with ``diff`` only the chunks that changed on the device
-    since the previous version are copied (_devdiff.py).
+    since the previous version are copied (_devdiff.py). With ``through`` (the first level
+    writes with direct I/O) an eager capture hands blobs from the back to the writer, which
+    writes them from the program's memory while the capture copies the others (_through.py).
     """
 
     def __init__(
@@ -103,9 +125,12 @@ class Capturer:
         budget: int | None,
         clock: Callable[[], float],
         diff: DeviceDiff | None = None,
+        through: bool = False,
     ) -> None:
         self.chunk_bytes = chunk_bytes
         self.diff = diff
+        self.through = through
+        self._rates = Rates()
         self._stream: Any = None
         self._clock = clock
         slab = 64 << 20 if budget is None else max(budget // 4, chunk_bytes)
@@ -241,6 +266,8 @@ class Capturer:
             # so its fingerprints are computed before them, on the same stream.
             plan = self.diff.plan(job.ticket, job.flat, overlap=not lazy)
             job.diff_base, job.full = plan.base, plan.full
+        through = None if lazy else self._write_through(job, plan)
+        t0 = time.perf_counter()
         job.captured_bytes = capture_to_slabs(
             job.flat,
             self.pool,
@@ -252,12 +279,38 @@ class Capturer:
             changed=plan.changed if plan is not None else None,
             foreign=job.plan.foreign(job.rank) if job.plan is not None else None,
             events=lazy,
+            through=through,
         )
+        if through is not None:
+            job.captured_bytes += through.handed_bytes  # out of the program's memory too
+            rates = self._rates
+            copied = job.captured_bytes - through.handed_bytes
+            rates.observe("copy_bps", copied, time.perf_counter() - t0)
+            rates.observe("write_bps", through.handed_bytes, through.written_seconds)
         if plan is not None:
             if plan.ready is not None:
                 plan.ready.synchronize()  # the caller may change the state once we return
             assert self.diff is not None
             self.diff.adopt(job.step, plan, job.pending)
+
+    def _write_through(self, job: Job, plan: DiffPlan | None) -> WriteThrough | None:
+        """The hand-over of an eager capture (None: every blob is copied)."""
+        if not self.through:
+            return None
+        skip = [*(job.plan.shares if job.plan is not None else ()), *(plan.changed if plan else ())]
+        blobs = candidates(job.flat, skip=skip)
+        if not blobs:
+            return None
+        through = WriteThrough(
+            job.flat,
+            blobs,
+            emit=job.batches.put,
+            abort=job.pending.abort_requested,
+            rates=self._rates,
+            mark=job.pending._tracker.mark,
+        )
+        job.attach(through)
+        return through
 
     def _optimizer_hooks(self, job: Job) -> list[Any]:
         torch = sys.modules.get("torch")

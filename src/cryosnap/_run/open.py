@@ -119,6 +119,8 @@ def open_run(options: RunOptions) -> OpenRun:
             budget=options.staging_bytes,
             clock=options.clock,
             diff=options.device_diff_for(cuda=_cuda()),
+            # Decided at open_levels: whether the first level writes with direct I/O.
+            through=check_direct_io(levels.levels[0].store, None, levels.levels[0].name),
         )
         lineage = current_lineage(levels.records())
         inflight = threading.BoundedSemaphore(options.max_inflight)

@@ -30,8 +30,9 @@ class SaveInfo:
     durable; ``seconds`` runs from the ``save`` call until the version was
     durable; ``tiers`` names the tiers (storage levels) the version reached, fastest first;
     ``captured_bytes`` counts the bytes copied out of the program's memory (from a GPU: over
-    PCIe), below ``logical_bytes`` when change detection on the device skipped unchanged chunks
-    or other ranks write part of the replicated state (their chunks are hashed, not copied).
+    PCIe; on a direct-I/O level, blobs written from where they lie count too), below
+    ``logical_bytes`` when change detection on the device skipped unchanged chunks or other
+    ranks write part of the replicated state (their chunks are hashed, not copied).
     """
 
     step: int

@@ -18,6 +18,7 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap._format.chunks import chunk_count, hash_chunks_released, value_runs
+from cryosnap._run.through import WriteThrough
 from cryosnap._state import Blob, FlatState
 from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
@@ -199,6 +200,7 @@ def capture_to_slabs(
     changed: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
     foreign: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None = None,
     events: bool = False,
+    through: WriteThrough | None = None,
 ) -> int:
     """Copy every blob into slabs, emitting each sealed slab as a Batch, in blob order; the
     bytes copied.
@@ -214,13 +216,39 @@ def capture_to_slabs(
     budget runs out: the writer's hashing and I/O then do not compete with the copy for cores
     and memory bandwidth (the copy is what the program waits for).
 
+    ``through`` (an eager capture onto a direct-I/O level: _run/through.py) hands blobs
+    from the back to the writer, which writes them from the live memory: they are skipped
+    here, and the capture returns once they are written.
+
     Small pieces of host tensors are one memmove each; larger ones torch ``copy_``.
     """
     filler = _SlabFiller(pool, chunk_bytes, emit, tracker, abort, hold)
+    try:
+        _fill(flat, filler, chunk_bytes, tracker, changed, foreign, events, through)
+    finally:
+        if through is not None:
+            through.finish()  # the writer no longer reads the program's memory
+    filler.flush_held()
+    return filler.copied
+
+
+def _fill(
+    flat: FlatState,
+    filler: _SlabFiller,
+    chunk_bytes: int,
+    tracker: CaptureTracker,
+    changed: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None,
+    foreign: dict[int, np.ndarray[Any, np.dtype[np.bool_]]] | None,
+    events: bool,
+    through: WriteThrough | None,
+) -> None:
+    """The copies of :func:`capture_to_slabs`, every slab sealed (held or emitted)."""
     for index, blob in enumerate(flat.blobs):
         if blob.nbytes == 0:
             tracker.mark(index)
             continue
+        if through is not None and not through.enter(index):
+            continue  # handed to the writer: written from where it lies, marked once written
         cuda = not isinstance(blob.source, (bytes, np.ndarray)) and blob.source.is_cuda
         filler.gpu = filler.gpu or cuda
         mask = changed.get(index) if changed else None
@@ -248,8 +276,6 @@ def capture_to_slabs(
             tracker.issued(index, event)
         filler.marks.append(index)
     filler.seal()
-    filler.flush_held()
-    return filler.copied
 
 
 class _SlabFiller:

@@ -158,6 +158,7 @@ class VersionWriter:
             if self.disagreed is not None:
                 raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
             plan = job.plan if job.plan is not None else self.plan(job.flat, job.replicated)
+            job.begin()  # an eager capture's hand-over of live blobs starts (_run/through.py)
             # The capture decides (before its first batch) whether the version is full or
             # must build on exactly one version: change detection on the device.
             item = job.batches.get()

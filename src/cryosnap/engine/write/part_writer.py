@@ -381,12 +381,15 @@ class PartWriter:
     # -- the end of the part ---------------------------------------------------------------------
 
     def finish(self) -> PartResult:
-        # The manifest is built while the I/O threads fsync the data, and written after; an
-        # incremental part's segments first, for the compaction appends before the fsync.
-        segments = self._compacted_segments() if self.base is not None else None
+        # The manifest is built while the I/O threads fsync the data, and written after; a
+        # compacting part's segments first, for the copy of its remnants before the fsync.
+        compacting = self.base is not None and self.compact
+        segments = self._compacted_segments() if compacting else None
         for io in self._ios:
             io.start_commit()
         try:
+            if self.base is not None and not compacting:
+                segments = self._compacted_segments()  # nothing to copy: beside the fsync
             with paused_gc():
                 manifest, body = self._build(segments)
         finally:

@@ -1,0 +1,235 @@
+"""Write-through capture (_run/through.py): which blobs go to the writer from the live memory,
+in what order, how the capture waits for them, and a writer failure midway (the version fails
+with the storage's error, the capture returns, no thread and no slab is left behind)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import cryosnap
+from cryosnap import engine
+from cryosnap._run.capturer import END, Job
+from cryosnap._run.results import PendingSave
+from cryosnap._run.staging import Batch, CaptureTracker, Piece, StagingPool, capture_to_slabs
+from cryosnap._run.through import Rates, WriteThrough, candidates
+from cryosnap._state import flatten
+from cryosnap.errors import StorageError
+from cryosnap.storage import LocalStore
+from cryosnap.testing import FaultyStore
+
+from .rooms import CHUNK, level, version_writer
+
+BLOB = 4 * CHUNK
+FAST = Rates(copy_bps=1.0, write_bps=4.0)  # the writer 4x faster than the copy: hand over
+
+
+def tree(n: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    return {f"w{i}": rng.integers(0, 255, BLOB, np.uint8) for i in range(n)}
+
+
+def through_of(flat: Any, emitted: list[Batch], rates: Rates, **kw: Any) -> WriteThrough:
+    return WriteThrough(flat, candidates(flat, min_bytes=1), emit=emitted.append, rates=rates, **kw)
+
+
+def handed(batches: list[Batch]) -> list[int]:
+    return [b.pieces[0].blob for b in batches]  # type: ignore[union-attr]
+
+
+def test_blobs_go_from_the_back_at_most_two_until_one_is_written() -> None:
+    flat = flatten(tree(4))
+    emitted: list[Batch] = []
+    through = through_of(flat, emitted, FAST, abort=lambda: None)
+    through.begin()
+    assert handed(emitted) == [3, 2]  # two out, none more until one is written
+    piece = emitted[0].pieces[0]
+    assert isinstance(piece, Piece) and piece.offset == 0 and piece.view.nbytes == BLOB
+    assert through.enter(0) and through.enter(1)  # the capture copies blob 1 now
+    emitted[0].release()
+    assert handed(emitted) == [3, 2]  # blob 1 is the capture's: nothing more to hand over
+    assert not through.enter(2) and not through.enter(3)
+
+
+def test_the_capture_returns_only_once_every_handed_blob_is_written() -> None:
+    flat = flatten(tree(4))
+    emitted: list[Batch] = []
+    through = through_of(flat, emitted, FAST, abort=lambda: None)
+    through.begin()
+    order: list[str] = []
+    finisher = threading.Thread(target=lambda: (through.finish(), order.append("finished")))
+    finisher.start()
+    for batch in emitted:
+        order.append(f"written {handed([batch])[0]}")
+        batch.release()
+    finisher.join()
+    assert order == ["written 3", "written 2", "finished"]
+
+
+def test_a_slow_writer_gets_nothing_and_a_stopped_or_aborted_one_nothing_more() -> None:
+    flat = flatten(tree(8))
+    emitted: list[Batch] = []
+    # Copies 4x faster than writes: only the last blob is written before the copy gets there.
+    through_of(flat, emitted, Rates(copy_bps=4.0, write_bps=1.0), abort=lambda: None).begin()
+    assert handed(emitted) == [7]
+    slow: list[Batch] = []
+    through_of(flatten(tree(3)), slow, Rates(copy_bps=8.0, write_bps=1.0), abort=lambda: None)
+    assert slow == []
+    aborted: list[Batch] = []
+    error = StorageError("gone")
+    through_of(flat, aborted, FAST, abort=lambda: error).begin()
+    assert aborted == []
+    stopped: list[Batch] = []
+    late = through_of(flat, stopped, FAST, abort=lambda: None)
+    late.finish()
+    late.begin()
+    assert stopped == []
+
+
+def test_only_large_host_blobs_of_the_program_are_candidates() -> None:
+    flat = flatten({"big": np.zeros(BLOB, np.uint8), "small": np.zeros(8, np.uint8), "n": 3})
+    assert [flat.blobs[i].key for i in candidates(flat, min_bytes=BLOB)] == [("big",)]
+    assert candidates(flat, min_bytes=BLOB, skip=[0]) == []
+
+
+def test_capture_skips_the_handed_blobs_and_every_byte_arrives_once() -> None:
+    state = tree(6, seed=1)
+    flat = flatten(state)
+    live: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+    written: list[Batch] = []
+
+    def writer() -> None:  # writes (here: keeps) each handed blob, then releases it
+        while (batch := live.get()) is not None:
+            written.append(batch)
+            batch.release()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    tracker = CaptureTracker(len(flat.blobs))
+    through = WriteThrough(
+        flat,
+        candidates(flat, min_bytes=1),
+        emit=live.put,
+        abort=lambda: None,
+        rates=FAST,
+        mark=tracker.mark,
+    )
+    through.begin()  # before the capture starts: the last two go at once
+    out: list[Batch] = []
+    pool = StagingPool(slab_bytes=2 * BLOB, budget_bytes=None)
+    copied = capture_to_slabs(
+        flat, pool, chunk_bytes=CHUNK, emit=out.append, tracker=tracker, through=through
+    )
+    live.put(None)
+    thread.join()
+    order = handed(written)
+    assert order[:2] == [5, 4] and order == sorted(order, reverse=True)
+    assert copied == sum(b.nbytes for b in flat.blobs) - through.handed_bytes
+    got: dict[int, bytearray] = {}
+    for batch in [*written, *out]:
+        for p in batch.pieces:
+            assert isinstance(p, Piece)
+            data = got.setdefault(p.blob, bytearray())
+            assert p.offset == len(data)  # a blob's pieces arrive in order, each once
+            data += p.view
+    for i, blob in enumerate(flat.blobs):
+        assert bytes(got[i]) == state[str(blob.key[0])].tobytes()
+
+
+def _job(step: int, flat: Any) -> Job:
+    tracker = CaptureTracker(len(flat.blobs))
+    pending = PendingSave(step, tracker, time.perf_counter(), ("persistent",), ("persistent",))
+    return Job(step, flat, pending, queue.SimpleQueue())
+
+
+def _write_through(tmp_path: Path, state: Any, fault: Any = None) -> tuple[Any, StagingPool]:
+    """Write ``state`` as step 1 as an eager capture with write-through does: the writer
+    starts first (hands over the last blobs), the capture copies the others meanwhile."""
+    store = FaultyStore(LocalStore(tmp_path), **({"fault": fault} if fault else {}))
+    writer = version_writer(level(store))
+    flat = flatten(state)
+    job = _job(1, flat)
+    through = WriteThrough(
+        flat,
+        candidates(flat, min_bytes=1),
+        emit=job.batches.put,
+        abort=job.pending.abort_requested,
+        rates=Rates(copy_bps=1.0, write_bps=4.0),
+        mark=job.pending._tracker.mark,
+    )
+    job.attach(through)
+    job.begin()
+    result: list[Any] = []
+
+    def write() -> None:
+        try:
+            result.append(writer.write(job))
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    pool = StagingPool(slab_bytes=BLOB, budget_bytes=2 * BLOB)
+    try:
+        capture_to_slabs(
+            flat,
+            pool,
+            chunk_bytes=CHUNK,
+            emit=job.batches.put,
+            tracker=job.pending._tracker,
+            abort=job.pending.abort_requested,
+            hold=True,
+            through=through,
+        )
+    finally:
+        job.batches.put(END)
+    thread.join()
+    return result[0], pool
+
+
+def test_a_version_written_through_restores_and_lays_the_handed_blobs_first(
+    tmp_path: Path,
+) -> None:
+    state = tree(5, seed=2)
+    (info, part), pool = _write_through(tmp_path, state)
+    got = cryosnap.load(tmp_path, step=1)
+    assert all(np.array_equal(got[k], v) for k, v in state.items())
+    first = {e.segments[0].offset: i for i, e in enumerate(part.manifest.blobs)}
+    assert [first[o] for o in sorted(first)][:2] == [4, 3]  # written first, from the back
+    assert info.written_bytes == 5 * BLOB
+    assert pool.allocated_bytes <= 2 * BLOB  # bounded: the budget held
+
+
+def test_a_write_failing_midway_fails_the_version_and_leaves_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    writes = [0]
+
+    def fault(op: str, key: str) -> None:
+        if op == "writer.write":
+            writes[0] += 1
+            if writes[0] == 2:
+                raise StorageError(f"writing {key}: disk full")
+
+    before = {t.ident for t in threading.enumerate()}
+    error, pool = _write_through(tmp_path, tree(6, seed=3), fault)
+    assert isinstance(error, StorageError) and "disk full" in str(error)
+    assert {t.ident for t in threading.enumerate()} <= before  # the I/O thread joined
+    assert len(pool._free) * pool.slab_bytes == pool.allocated_bytes  # every slab given back
+    assert engine.list_steps(LocalStore(tmp_path)) == []  # no version visible
+
+
+def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(tmp_path: Path) -> None:
+    with cryosnap.Checkpointer(tmp_path, keep=2, chunk_bytes=CHUNK) as ckpt:
+        ckpt._capturer.through = True  # as on a direct-I/O level (tmp may be a tmpfs)
+        for step in range(3):
+            state = tree(4, seed=step)
+            info = ckpt.save(step, state).result()
+            assert info.written_bytes == 4 * BLOB
+            got = ckpt.restore(step)
+            assert all(np.array_equal(got[k], v) for k, v in state.items())
