@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cryosnap import _native
 from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
@@ -169,6 +170,11 @@ class Restorer:
     view of such a blob is the memory of ``into=``'s own tensor or array (``direct[b]`` is
     True), which the built tree holds, so :func:`apply_into` has nothing to copy for it.
 
+    A packed leaf among those ``targets`` gets no tensor of its own either: the built tree holds
+    ``into=``'s tensor, and :meth:`fill_packs` (run where :func:`apply_into` runs its
+    ``fill_direct``, once every chunk verified) copies its bytes from the pack's memory, a
+    ``memmove`` each, with no torch call per leaf.
+
     ``allocate(place=...)`` allocates nothing for the tensors and arrays whose bytes already
     lie in memory: ``place(blob, alignment)`` returns that memory (a view of a mapped data
     file, engine/_fetch.py) when its address is a multiple of ``alignment``, or None; the leaf
@@ -190,6 +196,9 @@ class Restorer:
         # The blobs packed leaves claimed, each with where its last leaf so far ends: the leaves
         # of a pack come in the order they were packed, each after the one before.
         self._packs: dict[int, int] = {}
+        # Per pack, the packed leaves filled into into='s own tensors: (offset in the pack,
+        # bytes, into='s tensor), in pack order.
+        self._pack_fills: dict[int, list[tuple[int, int, Any]]] = {}
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
@@ -206,6 +215,7 @@ class Restorer:
             self._place = None
         if self._packs:  # what a message about a damaged pack names
             packed = Counter(b for node, b, _g in self._tensors if "at" in node)
+            packed.update({b: len(fills) for b, fills in self._pack_fills.items()})
             for b, count in packed.items():
                 if count > 1:
                     more = count - 1
@@ -357,7 +367,8 @@ class Restorer:
         else:
             return False
         item = _ITEMSIZE.get(dtype)
-        if item is None or (self._targets and id(node) in self._targets):
+        target = self._targets.get(id(node)) if self._targets else None
+        if item is None or (target is not None and at is None):
             return False
         # A dtype in _TORCH_DTYPES was found in torch: it is imported.
         torch = sys.modules["torch"]
@@ -365,10 +376,14 @@ class Restorer:
         if at is not None:  # packed (as _packed does it)
             if not nbytes or at < 0 or at % item or at + nbytes > self.blob_sizes[b]:
                 return False
+            self._packs[b] = at + nbytes
+            if target is not None:  # filled by fill_packs, no tensor made for it
+                self._pack_fills[b].append((at, nbytes, target))
+                self._values[id(node)] = target
+                return True
             t = torch.frombuffer(self._dest[b][at : at + nbytes], dtype=dtype)
             if n == 2:
                 t = t.view(shape)
-            self._packs[b] = at + nbytes
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -408,7 +423,11 @@ class Restorer:
         if "at" in node:
             if view is not None:
                 raise CheckpointFormatError(f"leaf {path}: both packed and a view")
-            t = self._packed(node, b, dtype, item, shape, path)
+            target = self._targets.get(id(node))
+            t = self._packed(node, b, dtype, item, shape, path, target)
+            if target is not None:
+                self._values[id(node)] = target
+                return
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -473,10 +492,19 @@ class Restorer:
         self._values[id(node)] = _as_leaf(t, node, path)
 
     def _packed(
-        self, node: dict[str, Any], b: int, dtype: Any, item: int, shape: tuple[int, ...], path: str
+        self,
+        node: dict[str, Any],
+        b: int,
+        dtype: Any,
+        item: int,
+        shape: tuple[int, ...],
+        path: str,
+        target: Any = None,
     ) -> Any:
         """The tensor of a packed leaf: its own tensor over its bytes in the pack's memory
-        (claimed by the first of its leaves: mapped, or allocated once for all of them)."""
+        (claimed by the first of its leaves: mapped, or allocated once for all of them); with
+        ``target`` (into='s tensor, from direct_targets) none: the leaf is noted for
+        :meth:`fill_packs`."""
         torch = _torch()
         at = node["at"]
         need = math.prod(shape) * item
@@ -488,17 +516,35 @@ class Restorer:
             if dest is None:
                 dest = _byte_view(torch.empty(self.blob_sizes[b], dtype=torch.uint8))
             self._claim(b, dest, path)
+            self._pack_fills[b] = []
         elif b not in self._packs:
             raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
         elif at < self._packs[b]:
             # Leaves over the same bytes would change each other: never as saved.
             raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
         self._packs[b] = at + need
+        if target is not None:
+            if need:
+                self._pack_fills[b].append((at, need, target))
+            return target
         if not need:
             return torch.empty(shape, dtype=dtype)
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
         # independent of its neighbours as when it was saved.
         return torch.frombuffer(dest[at : at + need], dtype=dtype).view(shape)
+
+    def fill_packs(self) -> None:
+        """Copy each packed leaf noted by ``allocate(targets)`` from its pack's memory into
+        ``into=``'s tensor (contiguous, on the CPU, of the leaf's dtype and shape: what
+        :func:`direct_targets` picks), one ``memmove`` each. Run it only once every chunk of
+        the packs verified."""
+        memmove, address_of = _native.memmove, _native.address_of
+        for b, fills in self._pack_fills.items():
+            if not fills:
+                continue
+            base = address_of(self._dest[b])
+            for at, nbytes, target in fills:
+                memmove(target.data_ptr(), base + at, nbytes)
 
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled

@@ -34,7 +34,7 @@ from cryosnap._state.torch_import import loaded_torch
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
 # packed (a fraction of the pack, so that a pack holds many).
 PACK_BYTES = 1 << 20
-PACK_LEAF_FRACTION = 16
+PACK_LEAF_FRACTION = 4
 
 
 def is_stateful(obj: object) -> bool:
