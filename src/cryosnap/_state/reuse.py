@@ -1,10 +1,9 @@
 """Reusing the last flatten of a state whose structure did not change (:class:`FlattenCache`):
-one scan of the tree with the tensors of each state dict taken in bulk, a fingerprint of the
-tensors made of whole lists, then the last skeleton (inline scalars that changed re-encoded
-into a copy of the path to them) and blob layout, with no node built per leaf.
+one scan (a state dict's tensors as one list), a fingerprint of the tensors in whole lists,
+then the last skeleton and blob layout, with no node built per leaf (flatten.py uses them).
 
-Pure; the caller's thread (one cache per Checkpointer, behind a lock). flatten.py builds and
-uses the entries; docs/design/state-trees.md ("Reusing the last flatten") has the why.
+Pure; the caller's thread (one cache per Checkpointer, behind a lock).
+docs/design/state-trees.md ("Reusing the last flatten") has the why.
 """
 
 from __future__ import annotations
