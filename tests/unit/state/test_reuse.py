@@ -221,3 +221,17 @@ def test_reuse_is_a_fresh_flatten_whatever_the_trees(first: Any, second: Any) ->
     for spec in (first, first, second, second):
         state = {"s": _build(spec, g)}  # fresh values every time
         _assert_same(_flat(state, cache), _flat(state))
+
+
+def test_a_reused_flatten_keeps_incremental_versions_small(tmp_path: Path) -> None:
+    state = {"m": {f"t{i}": torch.full((100,), float(i)) for i in range(60)}}  # 6 packs
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, incremental=True) as ckpt:
+        first = ckpt.save(1, state).result()
+        state["m"]["t33"].add_(1.0)
+        second = ckpt.save(2, state).result()  # one changed tensor: its pack's chunk
+        third = ckpt.save(3, state).result()  # nothing changed: nothing new
+        assert ckpt._saves.flattened.reused == 2
+    assert first.written_bytes >= 60 * 400
+    assert 0 < second.written_bytes <= CHUNK
+    assert third.written_bytes == 0
+    assert_same(cryosnap.load(tmp_path, step=2), state)
