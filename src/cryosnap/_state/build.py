@@ -170,10 +170,8 @@ class Restorer:
     view of such a blob is the memory of ``into=``'s own tensor or array (``direct[b]`` is
     True), which the built tree holds, so :func:`apply_into` has nothing to copy for it.
 
-    A packed leaf among those ``targets`` gets no tensor of its own either: the built tree holds
-    ``into=``'s tensor, and :meth:`fill_packs` (run where :func:`apply_into` runs its
-    ``fill_direct``, once every chunk verified) copies its bytes from the pack's memory, a
-    ``memmove`` each, with no torch call per leaf.
+    A packed leaf among ``targets`` gets no tensor either: :meth:`fill_packs` copies its bytes
+    from the verified pack into ``into=``'s tensor (in :func:`apply_into`'s ``fill_direct``).
 
     ``allocate(place=...)`` allocates nothing for the tensors and arrays whose bytes already
     lie in memory: ``place(blob, alignment)`` returns that memory (a view of a mapped data
@@ -214,12 +212,7 @@ class Restorer:
         finally:
             self._place = None
         if self._packs:  # what a message about a damaged pack names
-            packed = Counter(b for node, b, _g in self._tensors if "at" in node)
-            packed.update({b: len(fills) for b, fills in self._pack_fills.items()})
-            for b, count in packed.items():
-                if count > 1:
-                    more = count - 1
-                    self.blob_paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+            _name_packs(self.blob_paths, self._tensors, self._pack_fills)
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -423,15 +416,11 @@ class Restorer:
         if "at" in node:
             if view is not None:
                 raise CheckpointFormatError(f"leaf {path}: both packed and a view")
-            target = self._targets.get(id(node))
-            t = self._packed(node, b, dtype, item, shape, path, target)
-            if target is not None:
-                self._values[id(node)] = target
-                return
-            self._tensors.append((node, b, None))
-            self._values[id(node)] = (
-                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
-            )
+            t = self._packed(node, b, dtype, item, shape, path)
+            if id(node) not in self._targets:
+                self._tensors.append((node, b, None))
+                t = _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            self._values[id(node)] = t
             return
         if view is None:
             if math.prod(shape) * item != self.blob_sizes[b]:
@@ -492,20 +481,13 @@ class Restorer:
         self._values[id(node)] = _as_leaf(t, node, path)
 
     def _packed(
-        self,
-        node: dict[str, Any],
-        b: int,
-        dtype: Any,
-        item: int,
-        shape: tuple[int, ...],
-        path: str,
-        target: Any = None,
+        self, node: dict[str, Any], b: int, dtype: Any, item: int, shape: tuple[int, ...], path: str
     ) -> Any:
         """The tensor of a packed leaf: its own tensor over its bytes in the pack's memory
-        (claimed by the first of its leaves: mapped, or allocated once for all of them); with
-        ``target`` (into='s tensor, from direct_targets) none: the leaf is noted for
-        :meth:`fill_packs`."""
+        (claimed by the first of its leaves: mapped, or allocated once for all of them); for
+        one of the targets, that target, the leaf noted for :meth:`fill_packs`."""
         torch = _torch()
+        target = self._targets.get(id(node))
         at = node["at"]
         need = math.prod(shape) * item
         if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
@@ -534,39 +516,18 @@ class Restorer:
         return torch.frombuffer(dest[at : at + need], dtype=dtype).view(shape)
 
     def fill_packs(self) -> None:
-        """Copy each packed leaf noted by ``allocate(targets)`` from its pack's memory into
-        ``into=``'s tensor (contiguous, on the CPU, of the leaf's dtype and shape: what
-        :func:`direct_targets` picks), one ``memmove`` each. Run it only once every chunk of
-        the packs verified."""
-        memmove, address_of = _native.memmove, _native.address_of
+        """Copy the packed leaves ``allocate(targets)`` noted from their verified packs into
+        ``into=``'s tensors (what :func:`direct_targets` picks), one ``memmove`` each."""
         for b, fills in self._pack_fills.items():
-            if not fills:
-                continue
-            base = address_of(self._dest[b])
-            for at, nbytes, target in fills:
-                memmove(target.data_ptr(), base + at, nbytes)
+            _copy_out(self._dest[b], fills)
 
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
         and before :meth:`build`: through the pinned slabs of :mod:`._devcopy`. Leaves that
         shared a storage share one storage there; Parameters stay Parameters. (The leaves are
         copied even when ``device`` is the CPU: callers skip that case.)"""
-        if not self._tensors:
-            return
-        plain = [(node, b) for node, b, geometry in self._tensors if geometry is None]
-        bases = sorted({b for _node, b, geometry in self._tensors if geometry is not None})
-        sources = [self._values[id(node)].detach() for node, _b in plain]
-        sources += [self._values[-b - 1] for b in bases]
-        moved = to_device(sources, device)
-        for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
-            self._values[id(node)] = _as_leaf(t, node, "")
-        for b, base in zip(bases, moved[len(plain) :], strict=True):
-            self._values[-b - 1] = base
-        for node, b, geometry in self._tensors:
-            if geometry is not None:
-                dtype = self._values[id(node)].dtype
-                view = _view_of(self._values[-b - 1], dtype, geometry)
-                self._values[id(node)] = _as_leaf(view, node, "")
+        if self._tensors:
+            _moved(self._tensors, self._values, device)
 
     # phase 2 -------------------------------------------------------------------------------
     def build(self) -> Any:
@@ -598,6 +559,52 @@ class Restorer:
         if t == "pickle":
             return pickle.loads(self._values[id(node)])
         return _scalar(node, format_path(path))
+
+
+def _name_packs(
+    paths: list[str],
+    tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
+    fills: dict[int, list[tuple[int, int, Any]]],
+) -> None:
+    """Add to the path of each pack's blob how many more tensors it holds."""
+    packed = Counter(b for node, b, _g in tensors if "at" in node)
+    packed.update({b: len(members) for b, members in fills.items()})
+    for b, count in packed.items():
+        if count > 1:
+            more = count - 1
+            paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+
+
+def _copy_out(pack: memoryview, fills: list[tuple[int, int, Any]]) -> None:
+    """Copy each ``(offset, nbytes, tensor)`` of ``fills`` from ``pack`` into its tensor."""
+    if not fills:
+        return
+    memmove, base = _native.memmove, _native.address_of(pack)
+    for at, nbytes, target in fills:
+        memmove(target.data_ptr(), base + at, nbytes)
+
+
+def _moved(
+    tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
+    values: dict[int, Any],
+    device: Any,
+) -> None:
+    """:meth:`Restorer.to_device` of its ``tensors``, whose leaves ``values`` holds (by node id;
+    a shared storage's base by ``-blob - 1``)."""
+    plain = [(node, b) for node, b, geometry in tensors if geometry is None]
+    bases = sorted({b for _node, b, geometry in tensors if geometry is not None})
+    sources = [values[id(node)].detach() for node, _b in plain]
+    sources += [values[-b - 1] for b in bases]
+    moved = to_device(sources, device)
+    for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
+        values[id(node)] = _as_leaf(t, node, "")
+    for b, base in zip(bases, moved[len(plain) :], strict=True):
+        values[-b - 1] = base
+    for node, b, geometry in tensors:
+        if geometry is not None:
+            dtype = values[id(node)].dtype
+            view = _view_of(values[-b - 1], dtype, geometry)
+            values[id(node)] = _as_leaf(view, node, "")
 
 
 _ALLOCATED = frozenset(("torch", "numpy", "bytearray", "file"))
