@@ -21,7 +21,7 @@ from cryosnap._run.options import RunOptions
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import CaptureTracker
 from cryosnap._run.writer import WriterThread
-from cryosnap._state import flatten
+from cryosnap._state import FlattenCache, flatten
 from cryosnap._validate import step as validate_step
 from cryosnap.errors import CheckpointExistsError, CoordinationError, LockLostError
 
@@ -38,6 +38,8 @@ class Saves:
         self._options = options
         # Saves not yet done, and failed ones the caller has not received yet.
         self.pending: list[PendingSave] = run.pending
+        # The last flatten, reused while the state's structure does not change.
+        self.flattened = FlattenCache()
 
     def start(
         self,
@@ -63,6 +65,7 @@ class Saves:
             allow_pickle=self._options.allow_pickle,
             pack_bytes=self._options.chunk_bytes,
             pack_apart=replicated,
+            cache=self.flattened,
         )
         keys = _replicated.replicated_keys(replicated, flat)
         self._writer.inflight.acquire()

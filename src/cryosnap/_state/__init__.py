@@ -15,6 +15,7 @@ from cryosnap._state.flatten import (
     is_stateful,
 )
 from cryosnap._state.into import apply_into, check_into, direct_targets
+from cryosnap._state.reuse import FlattenCache
 
 __all__ = [
     "PACK_BYTES",
@@ -22,6 +23,7 @@ __all__ = [
     "Blob",
     "File",
     "FlatState",
+    "FlattenCache",
     "Place",
     "Restorer",
     "apply_into",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cryosnap import _native
 from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
@@ -169,6 +170,9 @@ class Restorer:
     view of such a blob is the memory of ``into=``'s own tensor or array (``direct[b]`` is
     True), which the built tree holds, so :func:`apply_into` has nothing to copy for it.
 
+    A packed leaf among ``targets`` gets no tensor either: :meth:`fill_packs` copies its bytes
+    from the verified pack into ``into=``'s tensor (in :func:`apply_into`'s ``fill_direct``).
+
     ``allocate(place=...)`` allocates nothing for the tensors and arrays whose bytes already
     lie in memory: ``place(blob, alignment)`` returns that memory (a view of a mapped data
     file, engine/_fetch.py) when its address is a multiple of ``alignment``, or None; the leaf
@@ -190,6 +194,9 @@ class Restorer:
         # The blobs packed leaves claimed, each with where its last leaf so far ends: the leaves
         # of a pack come in the order they were packed, each after the one before.
         self._packs: dict[int, int] = {}
+        # Per pack, the packed leaves filled into into='s own tensors: (offset in the pack,
+        # bytes, into='s tensor), in pack order.
+        self._pack_fills: dict[int, list[tuple[int, int, Any]]] = {}
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
@@ -205,11 +212,7 @@ class Restorer:
         finally:
             self._place = None
         if self._packs:  # what a message about a damaged pack names
-            packed = Counter(b for node, b, _g in self._tensors if "at" in node)
-            for b, count in packed.items():
-                if count > 1:
-                    more = count - 1
-                    self.blob_paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+            _name_packs(self.blob_paths, self._tensors, self._pack_fills)
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -357,7 +360,8 @@ class Restorer:
         else:
             return False
         item = _ITEMSIZE.get(dtype)
-        if item is None or (self._targets and id(node) in self._targets):
+        target = self._targets.get(id(node)) if self._targets else None
+        if item is None or (target is not None and at is None):
             return False
         # A dtype in _TORCH_DTYPES was found in torch: it is imported.
         torch = sys.modules["torch"]
@@ -365,10 +369,14 @@ class Restorer:
         if at is not None:  # packed (as _packed does it)
             if not nbytes or at < 0 or at % item or at + nbytes > self.blob_sizes[b]:
                 return False
+            self._packs[b] = at + nbytes
+            if target is not None:  # filled by fill_packs, no tensor made for it
+                self._pack_fills[b].append((at, nbytes, target))
+                self._values[id(node)] = target
+                return True
             t = torch.frombuffer(self._dest[b][at : at + nbytes], dtype=dtype)
             if n == 2:
                 t = t.view(shape)
-            self._packs[b] = at + nbytes
             self._tensors.append((node, b, None))
             self._values[id(node)] = (
                 _as_leaf(t, node, path) if "param" in node or "grad" in node else t
@@ -409,10 +417,10 @@ class Restorer:
             if view is not None:
                 raise CheckpointFormatError(f"leaf {path}: both packed and a view")
             t = self._packed(node, b, dtype, item, shape, path)
-            self._tensors.append((node, b, None))
-            self._values[id(node)] = (
-                _as_leaf(t, node, path) if "param" in node or "grad" in node else t
-            )
+            if id(node) not in self._targets:
+                self._tensors.append((node, b, None))
+                t = _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+            self._values[id(node)] = t
             return
         if view is None:
             if math.prod(shape) * item != self.blob_sizes[b]:
@@ -476,8 +484,10 @@ class Restorer:
         self, node: dict[str, Any], b: int, dtype: Any, item: int, shape: tuple[int, ...], path: str
     ) -> Any:
         """The tensor of a packed leaf: its own tensor over its bytes in the pack's memory
-        (claimed by the first of its leaves: mapped, or allocated once for all of them)."""
+        (claimed by the first of its leaves: mapped, or allocated once for all of them); for
+        one of the targets, that target, the leaf noted for :meth:`fill_packs`."""
         torch = _torch()
+        target = self._targets.get(id(node))
         at = node["at"]
         need = math.prod(shape) * item
         if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
@@ -488,39 +498,36 @@ class Restorer:
             if dest is None:
                 dest = _byte_view(torch.empty(self.blob_sizes[b], dtype=torch.uint8))
             self._claim(b, dest, path)
+            self._pack_fills[b] = []
         elif b not in self._packs:
             raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
         elif at < self._packs[b]:
             # Leaves over the same bytes would change each other: never as saved.
             raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
         self._packs[b] = at + need
+        if target is not None:
+            if need:
+                self._pack_fills[b].append((at, need, target))
+            return target
         if not need:
             return torch.empty(shape, dtype=dtype)
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
         # independent of its neighbours as when it was saved.
         return torch.frombuffer(dest[at : at + need], dtype=dtype).view(shape)
 
+    def fill_packs(self) -> None:
+        """Copy the packed leaves ``allocate(targets)`` noted from their verified packs into
+        ``into=``'s tensors (what :func:`direct_targets` picks), one ``memmove`` each."""
+        for b, fills in self._pack_fills.items():
+            _copy_out(self._dest[b], fills)
+
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
         and before :meth:`build`: through the pinned slabs of :mod:`._devcopy`. Leaves that
         shared a storage share one storage there; Parameters stay Parameters. (The leaves are
         copied even when ``device`` is the CPU: callers skip that case.)"""
-        if not self._tensors:
-            return
-        plain = [(node, b) for node, b, geometry in self._tensors if geometry is None]
-        bases = sorted({b for _node, b, geometry in self._tensors if geometry is not None})
-        sources = [self._values[id(node)].detach() for node, _b in plain]
-        sources += [self._values[-b - 1] for b in bases]
-        moved = to_device(sources, device)
-        for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
-            self._values[id(node)] = _as_leaf(t, node, "")
-        for b, base in zip(bases, moved[len(plain) :], strict=True):
-            self._values[-b - 1] = base
-        for node, b, geometry in self._tensors:
-            if geometry is not None:
-                dtype = self._values[id(node)].dtype
-                view = _view_of(self._values[-b - 1], dtype, geometry)
-                self._values[id(node)] = _as_leaf(view, node, "")
+        if self._tensors:
+            _moved(self._tensors, self._values, device)
 
     # phase 2 -------------------------------------------------------------------------------
     def build(self) -> Any:
@@ -552,6 +559,52 @@ class Restorer:
         if t == "pickle":
             return pickle.loads(self._values[id(node)])
         return _scalar(node, format_path(path))
+
+
+def _name_packs(
+    paths: list[str],
+    tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
+    fills: dict[int, list[tuple[int, int, Any]]],
+) -> None:
+    """Add to the path of each pack's blob how many more tensors it holds."""
+    packed = Counter(b for node, b, _g in tensors if "at" in node)
+    packed.update({b: len(members) for b, members in fills.items()})
+    for b, count in packed.items():
+        if count > 1:
+            more = count - 1
+            paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+
+
+def _copy_out(pack: memoryview, fills: list[tuple[int, int, Any]]) -> None:
+    """Copy each ``(offset, nbytes, tensor)`` of ``fills`` from ``pack`` into its tensor."""
+    if not fills:
+        return
+    memmove, base = _native.memmove, _native.address_of(pack)
+    for at, nbytes, target in fills:
+        memmove(target.data_ptr(), base + at, nbytes)
+
+
+def _moved(
+    tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
+    values: dict[int, Any],
+    device: Any,
+) -> None:
+    """:meth:`Restorer.to_device` of its ``tensors``, whose leaves ``values`` holds (by node id;
+    a shared storage's base by ``-blob - 1``)."""
+    plain = [(node, b) for node, b, geometry in tensors if geometry is None]
+    bases = sorted({b for _node, b, geometry in tensors if geometry is not None})
+    sources = [values[id(node)].detach() for node, _b in plain]
+    sources += [values[-b - 1] for b in bases]
+    moved = to_device(sources, device)
+    for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
+        values[id(node)] = _as_leaf(t, node, "")
+    for b, base in zip(bases, moved[len(plain) :], strict=True):
+        values[-b - 1] = base
+    for node, b, geometry in tensors:
+        if geometry is not None:
+            dtype = values[id(node)].dtype
+            view = _view_of(values[-b - 1], dtype, geometry)
+            values[id(node)] = _as_leaf(view, node, "")
 
 
 _ALLOCATED = frozenset(("torch", "numpy", "bytearray", "file"))

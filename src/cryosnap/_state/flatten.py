@@ -29,12 +29,22 @@ from cryosnap._format.skeleton import (
 from cryosnap._state import dtensor
 from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
+from cryosnap._state.reuse import (
+    Entry,
+    FlattenCache,
+    Scan,
+    fingerprint,
+    inline_places,
+    patched,
+    scan,
+    storages,
+)
 from cryosnap._state.torch_import import loaded_torch
 
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
 # packed (a fraction of the pack, so that a pack holds many).
 PACK_BYTES = 1 << 20
-PACK_LEAF_FRACTION = 16
+PACK_LEAF_FRACTION = 4
 
 
 def is_stateful(obj: object) -> bool:
@@ -101,21 +111,119 @@ _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a skeleton ("flo
 
 
 def flatten(
-    state: Any, *, allow_pickle: bool = False, pack_bytes: int = 0, pack_apart: object = None
+    state: Any,
+    *,
+    allow_pickle: bool = False,
+    pack_bytes: int = 0,
+    pack_apart: object = None,
+    cache: FlattenCache | None = None,
 ) -> FlatState:
     """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf.
 
     ``pack_bytes`` > 0 packs small CPU tensors into shared blobs of at most that many bytes
     (capped at :data:`PACK_BYTES`; see the module docstring); 0 stores every tensor alone.
     ``pack_apart``: top-level keys (a list or tuple, as ``save(replicated=...)`` takes them)
-    whose leaves never share a pack with the other keys' leaves."""
+    whose leaves never share a pack with the other keys' leaves.
+    ``cache``: the last flatten made with it is reused when the state's structure did not
+    change (reuse.py); the result is the same as without it."""
     apart = frozenset(
         k
         for k in (pack_apart if isinstance(pack_apart, (list, tuple)) else ())
         if type(k) in (str, int)
     )
+    pack = min(max(pack_bytes, 0), PACK_BYTES)
     with paused_gc():
-        return _Flattener(allow_pickle, min(max(pack_bytes, 0), PACK_BYTES), apart).run(state)
+        if cache is None:
+            return _Flattener(allow_pickle, pack, apart).run(state)
+        key = (allow_pickle, pack, apart)
+        found = scan(state) if loaded_torch() is not None else None
+        if found is not None:
+            entry = cache.match(key, found)
+            ptrs = storages(found.tensors) if entry is not None else None
+            if entry is not None and ptrs is not None:
+                cache.hit()
+                return _reused(entry, found, ptrs)
+        flattener = _Flattener(allow_pickle, pack, apart)
+        flat = flattener.run(state)
+        cache.keep(_entry(key, found, flattener, flat) if found is not None else None)
+        return flat
+
+
+def _reused(entry: Entry, found: Scan, ptrs: list[int]) -> FlatState:
+    """The flat state of ``found`` laid out as ``entry`` says: its skeleton (the inline
+    leaves that changed re-encoded), a blob per tensor alone, the packs filled anew."""
+    skeleton = entry.skeleton
+    encode = _Flattener(False).inline
+    for (at, node), value in zip(entry.places, found.inline, strict=True):
+        fresh = encode(value)
+        if fresh != node:
+            skeleton = patched(skeleton, at, fresh)
+    torch = sys.modules["torch"]
+    tensors, uint8 = found.tensors, torch.uint8
+    contiguous = entry.fingerprint[5]  # the tensors' (they have the entry's fingerprint)
+    blobs: list[Blob] = []
+    with torch.no_grad():
+        for path, size, members in entry.blobs:
+            if members is None:  # size: the tensor's index
+                t = tensors[size]
+                x = t if contiguous[size] else t.contiguous()
+                blobs.append(_alone(t, x, x.nbytes, path, ptrs[size], uint8))
+            else:
+                fill = [
+                    (tensors[i] if contiguous[i] else tensors[i].contiguous(), n, at)
+                    for i, n, at in members
+                ]
+                blobs.append(Blob(path, size, _fill_pack(torch, size, fill), 0, True))
+    stateful = [(format_path(path), obj) for path, obj in found.stateful]
+    return FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
+
+
+def _entry(
+    key: tuple[Any, ...], found: Scan, flattener: _Flattener, flat: FlatState
+) -> Entry | None:
+    """What the next flatten of a state of this structure may reuse, or None where reuse
+    does not cover it: every blob a tensor alone or a pack (no shared storage, no array,
+    bytes or file), no complex tensor (lazy conjugation is no part of the fingerprint), the
+    scan's tensors those the flatten met."""
+    tensors = flattener.tensors
+    if flat.files or len(tensors) != len(found.tensors):
+        return None
+    if [t.data_ptr() for _n, t, _p in tensors] != [t.data_ptr() for t in found.tensors]:
+        return None
+    if any(t.is_complex() for t in found.tensors) or storages(found.tensors) is None:
+        return None
+    members: list[list[tuple[int, int, int]]] = [[] for _ in flat.blobs]
+    alone: list[int] = [-1] * len(flat.blobs)
+    for i, (node, t, _path) in enumerate(tensors):
+        b = node["b"]
+        if "view" in node:
+            return None
+        if "at" in node:
+            members[b].append((i, t.nbytes, node["at"]))
+        else:
+            alone[b] = i
+    blobs: list[tuple[tuple[str | int, ...], int, list[tuple[int, int, int]] | None]] = []
+    for b, blob in enumerate(flat.blobs):
+        if members[b]:
+            blobs.append((blob.key, blob.nbytes, members[b]))
+        elif alone[b] >= 0:
+            blobs.append((blob.key, alone[b], None))
+        else:
+            return None  # bytes, an array, a pickle: not a tensor's
+    places = inline_places(flat.skeleton)
+    if len(places) != len(found.inline):
+        return None
+    return Entry(
+        key,
+        found.shape,
+        fingerprint(found.tensors),
+        flat.skeleton,
+        places,
+        blobs,
+        flat.leaves,
+        flat.logical_bytes,
+        flat.packed,
+    )
 
 
 class _Flattener:
@@ -255,6 +363,12 @@ class _Flattener:
             f"cannot checkpoint {format_path(path)}: {tp.__module__}.{tp.__qualname__} is a "
             "list/tuple subclass (namedtuples and the like need allow_pickle=True)"
         )
+
+    def inline(self, obj: Any) -> Json:
+        """The node of a leaf held in the skeleton itself: a scalar of no blob, a Size."""
+        if type(obj) in _SCALARS:
+            return self.scalar(obj, ())
+        return {"t": "size", "v": list(obj)}
 
     def scalar(self, obj: Any, path: tuple[str | int, ...]) -> Json:
         if obj is None:
@@ -412,17 +526,8 @@ class _Flattener:
                     # contiguous: its n bytes lie at x.data_ptr()
                     packer.add(node, path, x, n, x.element_size())
                     continue
-                if n == x.element_size() and x.dim() and x.stride()[-1] != 1:
-                    # torch calls a one-element view of any stride contiguous, but a byte view
-                    # needs stride 1.
-                    x = x.as_strided((1,), (1,))
-                flat = x.reshape(-1).view(uint8) if n else x.new_empty(0).view(uint8).reshape(0)
-                if flat.requires_grad:  # a view taken before no_grad (never, but be sure)
-                    flat = flat.detach()
-                # add_blob inlined (one call less per tensor of a state of many small ones)
                 node["b"] = len(blobs)
-                origin = ptrs[i] if x is t or x.untyped_storage().data_ptr() == ptrs[i] else 0
-                blobs.append(Blob(path, n, flat, origin))
+                blobs.append(_alone(t, x, n, path, ptrs[i], uint8))
                 continue
             # Shared storage: one blob covering every byte the group uses, aligned so each
             # member's offset stays a multiple of its element size.
@@ -452,6 +557,38 @@ class _Flattener:
                 node["view"] = {"offset": start - lo, "stride": list(t.stride())}
         packer.close()
         return packer.packs > 0
+
+
+def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8: Any) -> Blob:
+    """The blob of tensor ``t`` stored alone: ``x`` is ``t`` contiguous (and resolved), of
+    ``n`` bytes; ``ptr`` the data_ptr of ``t``'s storage."""
+    if n == x.element_size() and x.dim() and x.stride()[-1] != 1:
+        # torch calls a one-element view of any stride contiguous, but a byte view needs
+        # stride 1.
+        x = x.as_strided((1,), (1,))
+    flat = x.reshape(-1).view(uint8) if n else x.new_empty(0).view(uint8).reshape(0)
+    if flat.requires_grad:  # a view taken before no_grad (never, but be sure)
+        flat = flat.detach()
+    origin = ptr if x is t or x.untyped_storage().data_ptr() == ptr else 0
+    return Blob(path, n, flat, origin)
+
+
+def _fill_pack(torch: Any, size: int, members: list[tuple[Any, int, int]]) -> Any:
+    """A fresh pack of ``size`` bytes holding ``members`` (contiguous CPU tensor, its bytes,
+    its offset), in offset order."""
+    pack = torch.empty(size, dtype=torch.uint8)
+    # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
+    # and cat cost more per call and run on its intra-op threads), and zeros in the
+    # alignment gaps: every byte of a pack is defined.
+    base = pack.data_ptr()
+    memmove, zero = _native.memmove, _native.zero
+    end = 0
+    for t, n, at in members:
+        if at > end:
+            zero(base + end, at - end)
+        memmove(base + at, t.data_ptr(), n)
+        end = at + n
+    return pack
 
 
 class _Packer:
@@ -492,18 +629,9 @@ class _Packer:
         if not members:
             return
         self.members = []
-        pack = self.torch.empty(self.size, dtype=self.torch.uint8)
-        # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
-        # and cat cost more per call and run on its intra-op threads), and zeros in the
-        # alignment gaps: every byte of a pack is defined.
-        base, index = pack.data_ptr(), len(self.blobs)
-        memmove, zero = _native.memmove, _native.zero
-        end = 0
-        for node, t, n, at in members:
-            if at > end:
-                zero(base + end, at - end)
-            memmove(base + at, t.data_ptr(), n)
-            end = at + n
+        pack = _fill_pack(self.torch, self.size, [(t, n, at) for _node, t, n, at in members])
+        index = len(self.blobs)
+        for node, _t, _n, at in members:
             node["b"] = index
             node["at"] = at
         # A private copy: nothing the program does from now on can change it (origin 0).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -163,7 +164,9 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
 
 def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int, Any]:
     """The leaves of ``into`` (checked by :func:`check_into`) of at least ``min_bytes`` that a
-    restore may read straight into: ``id`` of the skeleton node -> ``into``'s tensor or array.
+    restore may read straight into: ``id`` of the skeleton node -> ``into``'s tensor or array;
+    and, whatever their size, the packed leaves whose tensor the restore may fill from the
+    pack's memory with a plain copy of bytes (``Restorer.fill_packs``).
 
     Those are the tensors and arrays :func:`apply_into` would fill by a plain copy (not those
     inside stateful objects, which ``load_state_dict`` fills), that are on the CPU, C-contiguous,
@@ -210,7 +213,7 @@ def _targets(
                 if not n:
                     continue
                 lo = x.data_ptr()
-                direct = n >= min_bytes and _direct(v, x)
+                direct = (n >= min_bytes or "at" in v) and _plain_direct(v, x)
                 spans.append((lo, lo + n, len(found) if direct else -1))
                 if direct:
                     found.append((id(v), x))
@@ -226,7 +229,7 @@ def _targets(
     span = _span(into)
     if span is None:
         return  # on a GPU, or empty
-    direct = span[1] - span[0] >= min_bytes and _direct(node, into)
+    direct = (span[1] - span[0] >= min_bytes or "at" in node) and _direct(node, into)
     spans.append((*span, len(found) if direct else -1))
     if direct:
         found.append((id(node), into))
@@ -262,8 +265,17 @@ def _span(leaf: Any) -> tuple[int, int] | None:
     return lo, hi
 
 
+def _plain_direct(node: dict[str, Any], leaf: Any) -> bool:
+    """:func:`_direct` for a contiguous CPU ``torch.Tensor`` in a dict (``_targets`` checked
+    that much), which :func:`check_into` found a torch leaf of its dtype and shape."""
+    return (
+        "view" not in node and not leaf.is_inference() and not leaf.is_conj() and not leaf.is_neg()
+    )
+
+
 def _direct(node: dict[str, Any], leaf: Any) -> bool:
-    """Whether a restore may read the bytes of ``node`` straight into ``leaf``."""
+    """Whether a restore may read the bytes of ``node`` straight into ``leaf`` (or, packed,
+    copy them there from the pack)."""
     if isinstance(leaf, np.ndarray):
         return (
             node["t"] == "numpy"
@@ -277,7 +289,6 @@ def _direct(node: dict[str, Any], leaf: Any) -> bool:
     return (
         node["t"] == "torch"
         and "view" not in node
-        and "at" not in node
         and type(leaf) in (torch.Tensor, torch.nn.Parameter)
         and leaf.layout == torch.strided
         and leaf.is_contiguous()
@@ -303,13 +314,11 @@ def apply_into(
     on a GPU in one batch through the pinned slabs of :mod:`._devcopy`) and mutable containers
     (dict, list) get the new values of their non-fillable leaves.
     """
-    loads: list[tuple[tuple[str | int, ...], Any, Any]] = []
-    fills: list[tuple[Any, Any]] = []
-    sets: list[tuple[Any, Any, Any]] = []
-    files = FileWrites()
-    result = _plan(node, loaded, into, (), loads, fills, sets, files)
+    plan = _Plan()
+    result = plan.make(node, loaded, into)
+    files = plan.files
     try:
-        _load_states(loads)
+        _load_states(plan.loads)
     except BaseException:
         files.discard()
         raise
@@ -320,7 +329,7 @@ def apply_into(
     on_device = []
     direct = []
     with torch.no_grad() if torch is not None else contextlib.nullcontext():
-        for dst, src in fills:
+        for dst, src in plan.fills:
             if dst is src:
                 if not isinstance(dst, np.ndarray):
                     direct.append(dst)
@@ -335,7 +344,7 @@ def apply_into(
         # Read straight into them: what a copy_ would have done to their version counters
         # (autograd's check of the tensors it saved for backward), done here.
         torch.autograd.graph.increment_version(direct)  # type: ignore[union-attr]
-    for container, key, value in sets:
+    for container, key, value in plan.sets:
         container[key] = value
     return result
 
@@ -351,65 +360,55 @@ def _load_states(loads: list[tuple[tuple[str | int, ...], Any, Any]]) -> None:
             ) from exc
 
 
-def _plan(
-    node: Json,
-    loaded: Any,
-    into: Any,
-    path: tuple[str | int, ...],
-    loads: list[tuple[tuple[str | int, ...], Any, Any]],
-    fills: list[tuple[Any, Any]],
-    sets: list[tuple[Any, Any, Any]],
-    files: FileWrites,
-) -> Any:
-    """Walk ``into`` beside the loaded tree: collect what :func:`apply_into` fills, loads and
-    sets; stage each file (any failure there removes the files staged before it)."""
-    try:
-        return _walk(node, loaded, into, path, loads, fills, sets, files)
-    except BaseException:
-        files.discard()
-        raise
+@dataclass(slots=True)
+class _Plan:
+    """What :func:`apply_into` does, collected by one walk of ``into`` beside the loaded tree:
+    the stateful objects to load (path, object, state), the leaves to fill (target, source),
+    the container slots to set (container, key, value), and the files staged."""
 
+    loads: list[tuple[tuple[str | int, ...], Any, Any]] = field(default_factory=list)
+    fills: list[tuple[Any, Any]] = field(default_factory=list)
+    sets: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    files: FileWrites = field(default_factory=FileWrites)
 
-def _walk(
-    node: Json,
-    loaded: Any,
-    into: Any,
-    path: tuple[str | int, ...],
-    loads: list[tuple[tuple[str | int, ...], Any, Any]],
-    fills: list[tuple[Any, Any]],
-    sets: list[tuple[Any, Any, Any]],
-    files: FileWrites,
-) -> Any:
-    t = node["t"]
-    if t == "file":
-        files.stage(into, loaded, path)
-        return into
-    if _is_object(into):
-        inner = node["v"] if t == "stateful" else node
-        loads.append((path, into, dtensor.for_stateful(into, inner, loaded)))
-        return into
-    if t in ("dict", "odict"):
-        torch = loaded_torch()
-        plain = torch.Tensor if torch is not None else None
-        for k, v in dict_items(node, format_path(path)):
-            x = into[k]
-            if type(x) is plain:  # a state dict's tensors: filled in place (as below)
-                fills.append((x, loaded[k]))
-                continue
-            new = _walk(v, loaded[k], x, (*path, k), loads, fills, sets, files)
-            if new is not x:
-                sets.append((into, k, new))
-        return into
-    if t in ("list", "tuple"):
-        items = [
-            _walk(v, loaded[i], into[i], (*path, i), loads, fills, sets, files)
-            for i, v in enumerate(node["v"])
-        ]
-        if isinstance(into, list):
-            sets.extend((into, i, new) for i, new in enumerate(items) if new is not into[i])
+    def make(self, node: Json, loaded: Any, into: Any) -> Any:
+        """Walk the whole tree; the tree as restored. Any failure removes the files staged."""
+        try:
+            return self._walk(node, loaded, into, ())
+        except BaseException:
+            self.files.discard()
+            raise
+
+    def _walk(self, node: Json, loaded: Any, into: Any, path: tuple[str | int, ...]) -> Any:
+        t = node["t"]
+        if t == "file":
+            self.files.stage(into, loaded, path)
             return into
-        return tuple(items)
-    if _fillable(into):
-        fills.append((dtensor.fill_target(into), loaded))
-        return into
-    return loaded
+        if _is_object(into):
+            inner = node["v"] if t == "stateful" else node
+            self.loads.append((path, into, dtensor.for_stateful(into, inner, loaded)))
+            return into
+        if t in ("dict", "odict"):
+            torch = loaded_torch()
+            plain = torch.Tensor if torch is not None else None
+            for k, v in dict_items(node, format_path(path)):
+                x = into[k]
+                if type(x) is plain:  # a state dict's tensors: filled in place (as below)
+                    self.fills.append((x, loaded[k]))
+                    continue
+                new = self._walk(v, loaded[k], x, (*path, k))
+                if new is not x:
+                    self.sets.append((into, k, new))
+            return into
+        if t in ("list", "tuple"):
+            items = [self._walk(v, loaded[i], into[i], (*path, i)) for i, v in enumerate(node["v"])]
+            if isinstance(into, list):
+                self.sets.extend(
+                    (into, i, new) for i, new in enumerate(items) if new is not into[i]
+                )
+                return into
+            return tuple(items)
+        if _fillable(into):
+            self.fills.append((dtensor.fill_target(into), loaded))
+            return into
+        return loaded

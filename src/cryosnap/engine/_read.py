@@ -594,8 +594,13 @@ def _read_whole(
     )
     if into is None:
         return tree
+
+    def fill() -> None:  # the leaves read straight into into=, then its packed leaves
+        fetched.fill()
+        restorer.fill_packs()
+
     try:
-        return apply_into(restorer.skeleton, tree, into, fill_direct=fetched.fill)
+        return apply_into(restorer.skeleton, tree, into, fill_direct=fill)
     except CheckpointError:
         raise
     except Exception as exc:

@@ -288,8 +288,8 @@ def test_divergent_replicas_fail_on_every_rank_and_commit_nothing(
         with cryosnap.Checkpointer(tmp_path, comm=c, chunk_bytes=CHUNK) as ckpt:
             ckpt.save(0, state_of(c.rank, model, opt), replicated=["model", "optim"]).result()
             if c.rank == 1:
-                with torch.no_grad():
-                    model[2].bias[5] += 1.0
+                with torch.no_grad():  # a leaf of its own (a packed one names its pack's first)
+                    model[2].weight[5, 5] += 1.0
             pending = ckpt.save(1, state_of(c.rank, model, opt), replicated=["model", "optim"])
             with pytest.raises(ReplicaDivergenceError) as diverged:
                 pending.result(timeout=60)
@@ -304,9 +304,8 @@ def test_divergent_replicas_fail_on_every_rank_and_commit_nothing(
             return str(diverged.value), steps, str(argument.value), ckpt.steps()
 
     for message, steps, argument, after in run_ranks(3, body):
-        assert "replicated leaf model/2.bias differs between ranks: ranks [0, 2] vs ranks [1]" in (
-            message
-        )
+        expected = "replicated leaf model/2.weight differs between ranks: ranks [0, 2] vs ranks [1]"
+        assert expected in message
         assert "nothing was committed" in message
         assert steps == [0]
         assert "the ranks passed different replicated=" in argument

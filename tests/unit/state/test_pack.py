@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import cli
-from cryosnap._state import PACK_BYTES, flatten
+from cryosnap._state import PACK_BYTES, PACK_LEAF_FRACTION, flatten
 from cryosnap.errors import CheckpointFormatError, IntegrityError
 from cryosnap.storage import LocalStore
 
 from ..support import assert_same, rewrite_version
 
 CHUNK = 4096
-LEAF_MAX = CHUNK // 16  # what a pack of one 4 KiB chunk takes
+LEAF_MAX = CHUNK // PACK_LEAF_FRACTION  # what a pack of one 4 KiB chunk takes
 
 
 @pytest.fixture(params=["mapped", "read"])
@@ -71,7 +71,7 @@ def test_small_tensors_share_packs_and_come_back_on_their_own(tmp_path: Path, re
     doc = _manifest(tmp_path, 1)
     leaves = _leaves(doc["tree"])
     packed = [leaf for leaf in leaves if "at" in leaf]
-    assert len(packed) == 161  # every tensor but "big" (20 KB, more than a pack's sixteenth)
+    assert len(packed) == 161  # every tensor but "big" (20 KB, more than a pack's quarter)
     packs = {leaf["b"] for leaf in packed}
     assert len(doc["blobs"]) == len(packs) + 1
     for b in packs:
@@ -110,7 +110,7 @@ def test_what_is_not_packed() -> None:
     state = {
         "shared": [base[:4], base[4:]],  # views of one storage: one blob with views
         "array": np.ones(3, np.float32),  # numpy arrays stay alone
-        "big": torch.ones(LEAF_MAX // 4 + 1),  # past a sixteenth of a pack
+        "big": torch.ones(LEAF_MAX // 4 + 1),  # past a quarter of a pack
         "empty": torch.ones(0),
         "small": torch.ones(LEAF_MAX // 4),
     }
@@ -346,3 +346,67 @@ def test_a_manifest_with_packs_says_format_version_2(tmp_path: Path) -> None:
         commit = tmp_path / run / "versions" / f"{1:012d}" / "COMMIT.json"
         assert json.loads(commit.read_bytes())["format_version"] == 1
         assert cryosnap.load(tmp_path / run)["a"].sum() == 3
+
+
+def test_into_copies_packed_leaves_only_once_every_chunk_verified(
+    tmp_path: Path, reading: str
+) -> None:
+    state = _small_state()
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    (data,) = (tmp_path / "data").iterdir()
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # the last pack's last byte
+    data.write_bytes(bytes(raw))
+    into = _small_state(seed=1)
+    before = {k: {n: t.clone() for n, t in v.items()} for k, v in into["model"].items()}
+    with pytest.raises(IntegrityError):
+        cryosnap.load(tmp_path, step=1, into=into)
+    for k, v in into["model"].items():  # every packed target as it was
+        for n, t in v.items():
+            assert torch.equal(t, before[k][n])
+
+
+def test_into_packed_targets_of_every_kind(tmp_path: Path, reading: str) -> None:
+    # Packed leaves filled by a copy of their bytes (contiguous CPU tensors and Parameters of
+    # their dtype and shape), and the ones that keep the copy through a tensor: a transposed
+    # view, two leaves over one storage, a leaf into= holds as a numpy array.
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "w": torch.randn(6, 4, generator=g),
+        "p": torch.nn.Parameter(torch.randn(5, generator=g)),
+        "t": torch.randn(4, 6, generator=g),
+        "a": torch.randn(3, generator=g),
+        "b": torch.randn(3, generator=g),
+        "i": torch.arange(7),
+    }
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    assert all("at" in leaf for leaf in _leaves(_manifest(tmp_path, 1)["tree"]))
+    shared = torch.zeros(6)
+    into: dict[str, Any] = {
+        "w": torch.zeros(6, 4),
+        "p": torch.nn.Parameter(torch.zeros(5)),
+        "t": torch.zeros(6, 4).T,  # not contiguous
+        "a": shared[:3],
+        "b": shared[3:],
+        "i": torch.zeros(7, dtype=torch.int64),
+    }
+    held = dict(into)
+    versions = {k: v._version for k, v in into.items()}
+    cryosnap.load(tmp_path, into=into)
+    for k, v in into.items():
+        assert v is held[k]
+        assert torch.equal(v.detach(), state[k].detach())
+        assert v._version > versions[k]  # autograd sees the in-place change
+    assert into["p"].requires_grad
+    assert torch.equal(shared, torch.cat([state["a"], state["b"]]))
+
+
+def test_into_refuses_a_packed_leaf_of_another_dtype_or_shape(tmp_path: Path) -> None:
+    from cryosnap.errors import StateMismatchError
+
+    cryosnap.save(tmp_path, {"m": {"a": torch.ones(3), "b": torch.ones(4)}}, step=1)
+    for wrong in (torch.zeros(4, dtype=torch.float64), torch.zeros(5)):
+        into = {"m": {"a": torch.zeros(3), "b": wrong}}
+        with pytest.raises(StateMismatchError, match="m/b"):
+            cryosnap.load(tmp_path, into=into)
+        assert not into["m"]["a"].any()  # nothing filled

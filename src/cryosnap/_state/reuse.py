@@ -1,0 +1,215 @@
+"""Reusing the last flatten of a state whose structure did not change (:class:`FlattenCache`):
+one scan (a state dict's tensors as one list), a fingerprint of the tensors in whole lists,
+then the last skeleton and blob layout, with no node built per leaf (flatten.py uses them).
+
+Pure; the caller's thread (one cache per Checkpointer, behind a lock).
+docs/design/state-trees.md ("Reusing the last flatten") has the why.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from cryosnap._format.skeleton import MAX_DEPTH, Json
+from cryosnap._state.torch_import import loaded_torch
+
+__all__ = [
+    "Entry",
+    "FlattenCache",
+    "Scan",
+    "fingerprint",
+    "inline_places",
+    "patched",
+    "scan",
+    "storages",
+]
+
+# Leaves a skeleton holds inline, without a blob (torch.Size too).
+_INLINE = frozenset((int, float, bool, str, complex, type(None)))
+
+
+@dataclass(slots=True)
+class Scan:
+    """One walk of a state in flatten's order: its shape (container types and keys, leaf
+    types), its inline leaves, its tensors and its stateful objects (path, object)."""
+
+    shape: list[Any]
+    inline: list[Any]
+    tensors: list[Any]
+    stateful: list[tuple[tuple[str | int, ...], Any]]
+
+
+class _Other(Exception):
+    """A leaf a reused flatten does not cover (arrays, bytes, files, subclasses...)."""
+
+
+def scan(state: Any) -> Scan | None:
+    """Walk ``state`` as flatten does (dict order, list order, ``state_dict()`` of stateful
+    objects); None if it holds anything but containers, inline scalars and plain tensors, or
+    nests deeper than a skeleton may (flatten then says what is wrong)."""
+    found = Scan([], [], [], [])
+    torch = loaded_torch()
+    plain = frozenset((torch.Tensor, torch.nn.Parameter)) if torch is not None else frozenset()
+    size = torch.Size if torch is not None else None
+    try:
+        _walk(state, (), found, 0, plain, size)
+    except _Other:
+        return None
+    return found
+
+
+def _walk(
+    obj: Any,
+    path: tuple[str | int, ...],
+    found: Scan,
+    depth: int,
+    plain: frozenset[type],
+    size: Any,
+) -> None:
+    if depth > MAX_DEPTH:
+        raise _Other
+    tp = type(obj)
+    if tp in _INLINE or tp is size:
+        found.shape.append(tp)
+        found.inline.append(obj)
+    elif tp is dict or tp is OrderedDict:
+        keys = list(obj)
+        if not set(map(type, keys)) <= {str, int}:
+            raise _Other
+        values = list(obj.values())
+        if values and set(map(type, values)) <= plain:  # a state dict: its tensors in bulk
+            found.shape.append((tp, keys, len(values)))
+            found.tensors += values
+            return
+        found.shape.append((tp, keys, -1))
+        for k, v in zip(keys, values, strict=True):
+            _walk(v, (*path, k), found, depth + 1, plain, size)
+    elif tp is list or tp is tuple:
+        found.shape.append((tp, len(obj)))
+        for i, v in enumerate(obj):
+            _walk(v, (*path, i), found, depth + 1, plain, size)
+    elif tp in plain:
+        found.shape.append(tp)
+        found.tensors.append(obj)
+    elif callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    ):
+        found.shape.append(tp)
+        found.stateful.append((path, obj))
+        _walk(obj.state_dict(), path, found, depth + 1, plain, size)
+    else:
+        raise _Other
+
+
+def fingerprint(tensors: list[Any]) -> tuple[list[Any], ...]:
+    """What decides the skeleton nodes and blobs of ``tensors``, as whole lists: type
+    (Parameter or not), dtype, shape, device, requires_grad, contiguity, layout. (Whether
+    storages are shared is checked apart: their addresses may change from save to save.)"""
+    return (
+        list(map(type, tensors)),
+        [t.dtype for t in tensors],
+        [t.shape for t in tensors],
+        [t.device for t in tensors],
+        [t.requires_grad for t in tensors],
+        [t.is_contiguous() for t in tensors],
+        [t.layout for t in tensors],
+    )
+
+
+def storages(tensors: list[Any]) -> list[int] | None:
+    """The data_ptr of each tensor's storage, or None if two share one (or one has none)."""
+    try:
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ptrs if len(set(ptrs)) == len(ptrs) and 0 not in ptrs else None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A flatten to reuse: what it was made with (``key``: allow_pickle, pack bytes, keys
+    packed apart), the scan's shape and fingerprint, the skeleton, where each inline leaf's
+    node lies in it (indices from the root; None steps into a stateful node) with that node,
+    and the blobs by tensor index: ``(path, tensor, None)`` alone, ``(path, size, members)``
+    a pack of ``(tensor, nbytes, offset)``."""
+
+    key: tuple[Any, ...]
+    shape: list[Any]
+    fingerprint: tuple[list[Any], ...]
+    skeleton: Json
+    places: list[tuple[list[int | None], Json]]
+    blobs: list[tuple[tuple[str | int, ...], int, list[tuple[int, int, int]] | None]]
+    leaves: int
+    logical_bytes: int
+    packed: bool
+
+
+class FlattenCache:
+    """The last flatten a Checkpointer made, for the next one to reuse when the state's shape
+    and fingerprint are the same (:func:`flatten`'s ``cache``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entry: Entry | None = None
+        self.reused = 0  # how many flattens reused an entry (tests read it)
+
+    def match(self, key: tuple[Any, ...], found: Scan) -> Entry | None:
+        """The entry ``found`` (made with ``key``) may reuse, or None."""
+        with self._lock:
+            entry = self._entry
+        if (
+            entry is None
+            or entry.key != key
+            or len(entry.fingerprint[0]) != len(found.tensors)
+            or entry.shape != found.shape
+            or entry.fingerprint != fingerprint(found.tensors)
+        ):
+            return None
+        return entry
+
+    def hit(self) -> None:
+        with self._lock:
+            self.reused += 1
+
+    def keep(self, entry: Entry | None) -> None:
+        with self._lock:
+            self._entry = entry
+
+
+def inline_places(skeleton: Json) -> list[tuple[list[int | None], Json]]:
+    """Every leaf node of ``skeleton`` that is no tensor, in visit order, with the indices
+    that lead to it from the root."""
+    out: list[tuple[list[int | None], Json]] = []
+    stack: list[tuple[Json, list[int | None]]] = [(skeleton, [])]
+    while stack:
+        node, at = stack.pop()
+        t = node["t"]
+        if t in ("dict", "odict", "list", "tuple"):
+            for i in range(len(node["v"]) - 1, -1, -1):
+                child = node["v"][i]
+                if child["t"] != "torch":
+                    stack.append((child, [*at, i]))
+        elif t == "stateful":
+            stack.append((node["v"], [*at, None]))
+        elif t != "torch":
+            out.append((at, node))
+    return out
+
+
+def patched(skeleton: Json, at: list[int | None], node: Json) -> Json:
+    """A copy of ``skeleton`` with ``node`` at ``at``: only the containers on the way are
+    copied, everything else is shared (a skeleton is never modified once made)."""
+    if not at:
+        return node
+    top = dict(skeleton)
+    head, rest = at[0], at[1:]
+    if head is None:
+        top["v"] = patched(skeleton["v"], rest, node)
+    else:
+        values = list(skeleton["v"])
+        values[head] = patched(values[head], rest, node)
+        top["v"] = values
+    return top
