@@ -30,13 +30,29 @@ def _share_module_fixtures(items: list[pytest.Item]) -> None:
                 break
 
 
-# tryfirst: the group marks are in place before xdist reads them (its own hook of this name).
+def _heavy_first(items: list[pytest.Item]) -> None:
+    """The multi-process tests (tests/integration) and those marked ``slow`` start first, each
+    part still in pytest-randomly's order (a stable sort, after its shuffle): xdist hands the
+    tests out in this order as workers free up, so a 30-second test no longer starts last and
+    leaves the other workers idle while it finishes."""
+    integration = Path(__file__).resolve().parent / "integration"
+
+    def light(item: pytest.Item) -> bool:
+        heavy = item.path.is_relative_to(integration) or item.get_closest_marker("slow")
+        return not heavy
+
+    items.sort(key=light)
+
+
+# tryfirst: the group marks are in place before xdist reads them (its own hook of this name);
+# pytest-randomly's shuffle (a hook wrapper) runs before it.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that share a module-scoped fixture go to one xdist worker; tests marked ``gpu``
-    skip where no CUDA device is available (torch is imported only when such a test was
-    collected)."""
+    """Tests that share a module-scoped fixture go to one xdist worker; the heavy tests start
+    first; tests marked ``gpu`` skip where no CUDA device is available (torch is imported only
+    when such a test was collected)."""
     _share_module_fixtures(items)
+    _heavy_first(items)
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return

@@ -5,6 +5,7 @@
 registers botocore handlers on import), its request log and warnings stay out of the tests, and
 it exits with the test process however that ends. ``s3_bucket`` gives each test a fresh, empty
 bucket and the ``storage_options`` that reach it; ``s3_env`` points boto's environment at it.
+``killed_before_flush`` makes a two-level run whose program died before its last flush.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.integration.levels_support import KillBeforeFlush, KilledRun
 
 _START_SECONDS = 30.0
 
@@ -177,3 +181,18 @@ def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     return s3_endpoint
+
+
+@pytest.fixture
+def killed_before_flush(tmp_path: Path) -> KillBeforeFlush:
+    """Makes, under ``tmp_path``, a run that saved steps 1..``last`` (default 2) on the scratch
+    tiers named ``scratch`` (default one, ``scratch``) and on ``persistent``, and died as the
+    flush of ``last`` began: ``last`` is on scratch only (tests/integration/levels_support.py)."""
+    from tests.integration.levels_support import KilledRun, killed_run
+
+    def make(*, last: int = 2, scratch: Sequence[str] = ("scratch",)) -> KilledRun:
+        run = KilledRun(tmp_path / "persistent", [tmp_path / name for name in scratch])
+        killed_run(run.persistent, run.scratch, last)
+        return run
+
+    return make

@@ -15,23 +15,21 @@ from cryosnap import demo
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+# make test: 17 steps, killed at step 11 (seed 19): versions 5 and 10 before the kill, 15 and
+# 17 after it; make test-deep also 30 steps (seed 3: a kill at step 13, six versions).
 @pytest.mark.slow
-def test_demo_kills_resumes_and_matches(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("steps", "seed"),
+    [
+        pytest.param(17, 19, id="17-steps"),
+        pytest.param(30, 3, id="30-steps", marks=pytest.mark.deep),
+    ],
+)
+def test_demo_kills_resumes_and_matches(tmp_path: Path, steps: int, seed: int) -> None:
     work = tmp_path / "demo"
+    args = ["--dir", str(work), "--steps", str(steps), "--every", "5", "--seed", str(seed)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cryosnap.demo",
-            "--dir",
-            str(work),
-            "--steps",
-            "30",
-            "--every",
-            "5",
-            "--seed",
-            "3",
-        ],
+        [sys.executable, "-m", "cryosnap.demo", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -41,7 +39,7 @@ def test_demo_kills_resumes_and_matches(tmp_path: Path) -> None:
     assert "exited with -9 (killed by SIGKILL)" in out
     assert "incremental" in out
     assert "resumed from step" in out
-    assert "(scratch wiped): step 30 restored in" in out
+    assert f"(scratch wiped): step {steps} restored in" in out
     assert "equal to the final state: YES" in out
     assert "bit for bit: YES" in out
     # Both tiers were used: the persistent tier holds the newest versions, scratch was rebuilt.

@@ -11,9 +11,7 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,68 +22,12 @@ from cryosnap.engine import list_steps
 from cryosnap.errors import RunLockedError
 from cryosnap.storage import LocalStore
 
+from .levels_support import KillBeforeFlush, check, state
+
 pytestmark = pytest.mark.timeout(180)
 
 HERE = Path(__file__).resolve().parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-
-# Saves steps 1..LAST; SIGKILLs itself as the flush of LAST starts writing to persistent.
-_CHILD = textwrap.dedent(
-    """
-    import json, os, signal, sys
-    import numpy as np
-    import cryosnap
-    from cryosnap.storage import LocalStore
-    from cryosnap.testing import FaultyStore
-
-    persistent, scratch, last = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-
-    def fault(op, key):
-        if key.startswith(f"data/{last:012d}") and op == "open_writer":
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def state(step):
-        a = np.arange(200_000, dtype=np.float64)
-        a[(step * 997) % 200_000 :: 50_000] = step
-        return {"a": a, "step": step, "name": f"v{step}"}
-
-    p = FaultyStore(LocalStore(persistent), fault=fault)
-    with cryosnap.Checkpointer(p, scratch=scratch, chunk_bytes=64 << 10) as ckpt:
-        for step in range(1, last + 1):
-            ckpt.save(step, state(step)).result()
-    print("finished without crashing")
-    """
-)
-
-
-def state(step: int) -> dict[str, Any]:
-    a = np.arange(200_000, dtype=np.float64)
-    a[(step * 997) % 200_000 :: 50_000] = step
-    return {"a": a, "step": step, "name": f"v{step}"}
-
-
-def check(out: Any, step: int) -> None:
-    assert out["step"] == step and out["name"] == f"v{step}"
-    np.testing.assert_array_equal(out["a"], state(step)["a"])
-
-
-def killed_run(persistent: Path, scratch: list[Path], last: int = 2) -> None:
-    """A run whose program died after committing ``last`` on scratch, before its flush."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _CHILD,
-            str(persistent),
-            json.dumps([str(s) for s in scratch]),
-            str(last),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -9, proc.stdout + proc.stderr
-    assert list_steps(LocalStore(persistent)) == list(range(1, last))
 
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -100,9 +42,11 @@ def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_flush_after_the_program_died_then_load_bit_exact(tmp_path: Path) -> None:
-    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
-    killed_run(persistent, [scratch])
+def test_flush_after_the_program_died_then_load_bit_exact(
+    killed_before_flush: KillBeforeFlush,
+) -> None:
+    run = killed_before_flush()
+    persistent, (scratch,) = run.persistent, run.scratch
     # The dead writer's lock is taken over.
     done = cli("flush", persistent, "--scratch", scratch)
     assert done.returncode == 0, done.stderr
@@ -123,10 +67,9 @@ def test_flush_after_the_program_died_then_load_bit_exact(tmp_path: Path) -> Non
     check(cryosnap.load(persistent), 2)
 
 
-def test_flush_json_and_several_scratch_tiers(tmp_path: Path) -> None:
-    persistent = tmp_path / "persistent"
-    tiers = [tmp_path / "nvme0", tmp_path / "nvme1"]
-    killed_run(persistent, tiers, last=3)
+def test_flush_json_and_several_scratch_tiers(killed_before_flush: KillBeforeFlush) -> None:
+    run = killed_before_flush(last=3, scratch=("nvme0", "nvme1"))
+    persistent, tiers = run.persistent, run.scratch
     done = cli("flush", persistent, "--scratch", tiers[0], "--scratch", tiers[1], "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
@@ -137,9 +80,9 @@ def test_flush_json_and_several_scratch_tiers(tmp_path: Path) -> None:
     check(cryosnap.load(persistent, step=3), 3)
 
 
-def test_the_python_entry_point(tmp_path: Path) -> None:
-    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
-    killed_run(persistent, [scratch])
+def test_the_python_entry_point(killed_before_flush: KillBeforeFlush) -> None:
+    run = killed_before_flush()
+    persistent, (scratch,) = run.persistent, run.scratch
     report = cryosnap.flush(persistent, scratch=[Tier(scratch)])
     assert report.ok and [v.step for v in report.flushed] == [2]
     assert report.flushed[0].nbytes > 0 and report.already == (1,)
@@ -147,9 +90,9 @@ def test_the_python_entry_point(tmp_path: Path) -> None:
     check(cryosnap.load(persistent), 2)
 
 
-def test_a_live_writer_is_refused(tmp_path: Path) -> None:
-    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
-    killed_run(persistent, [scratch])
+def test_a_live_writer_is_refused(tmp_path: Path, killed_before_flush: KillBeforeFlush) -> None:
+    run = killed_before_flush()
+    persistent, (scratch,) = run.persistent, run.scratch
     with cryosnap.Checkpointer(persistent, scratch=tmp_path / "other-scratch"):
         refused = cli("flush", persistent, "--scratch", scratch)
         assert refused.returncode == 2
@@ -161,9 +104,11 @@ def test_a_live_writer_is_refused(tmp_path: Path) -> None:
         assert list_steps(LocalStore(persistent)) == [1]
 
 
-def test_a_damaged_scratch_chunk_names_the_leaf_and_commits_nothing(tmp_path: Path) -> None:
-    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
-    killed_run(persistent, [scratch])
+def test_a_damaged_scratch_chunk_names_the_leaf_and_commits_nothing(
+    killed_before_flush: KillBeforeFlush,
+) -> None:
+    run = killed_before_flush()
+    persistent, (scratch,) = run.persistent, run.scratch
     (data,) = (scratch / "data").glob("000000000002-*")
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
@@ -179,9 +124,9 @@ def test_a_damaged_scratch_chunk_names_the_leaf_and_commits_nothing(tmp_path: Pa
     assert list_steps(LocalStore(persistent)) == [1]
 
 
-def test_superseded_versions_are_not_flushed(tmp_path: Path) -> None:
-    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
-    killed_run(persistent, [scratch], last=3)  # scratch: 2, 3; persistent: 1, 2
+def test_superseded_versions_are_not_flushed(killed_before_flush: KillBeforeFlush) -> None:
+    run = killed_before_flush(last=3)  # scratch: 2, 3; persistent: 1, 2
+    persistent, (scratch,) = run.persistent, run.scratch
     # Another job (its own scratch) rewinds to step 1 and saves step 2 again: the old 2 and 3
     # are no versions of the run any more.
     with cryosnap.Checkpointer(persistent) as ckpt:

@@ -2,9 +2,9 @@
 
 A child process trains a small model with dropout on a shuffled :class:`ResumableLoader`, with
 noise from numpy's and Python's generators, and checkpoints model, optimizer, ``RNGState`` and
-loader every few steps. It is SIGKILLed three times (mid-epoch between checkpoints, and right
-after the checkpoint that ends an epoch), restarted each time from the newest version, and must
-end with the very parameters of a run that was never interrupted.
+loader every few steps. It is SIGKILLed two or three times (mid-epoch between checkpoints, and
+right after the checkpoint that ends an epoch), restarted each time from the newest version,
+and must end with the very parameters of a run that was never interrupted.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 _CHILD = textwrap.dedent(
@@ -66,6 +67,9 @@ _CHILD = textwrap.dedent(
 
 # (kill at step, the step, epoch and consumed samples the next run resumes from)
 _KILLS = [(7, (6, 0, 24)), (17, (15, 1, 12)), (24, (24, 1, 45))]
+# make test kills the chain twice: mid-epoch (7) and right after the checkpoint that ends an
+# epoch (24); make test-deep also mid-epoch in the next epoch (17), three kills in one chain.
+_SLICE = [_KILLS[0], _KILLS[2]]
 
 
 def _child(run: Path, kill_at: int, out: Path) -> subprocess.Popen[str]:
@@ -77,11 +81,20 @@ def _child(run: Path, kill_at: int, out: Path) -> subprocess.Popen[str]:
     )
 
 
-def test_resume_after_sigkill_is_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "kills",
+    [
+        pytest.param(_SLICE, id="mid-epoch-and-epoch-end"),
+        pytest.param(_KILLS, id="three-kills", marks=pytest.mark.deep),
+    ],
+)
+def test_resume_after_sigkill_is_bit_exact(
+    tmp_path: Path, kills: list[tuple[int, tuple[int, int, int]]]
+) -> None:
     # The uninterrupted reference runs alongside the interrupted chain.
     reference = _child(tmp_path / "reference", -1, tmp_path / "reference.pt")
     run, resumed_from = tmp_path / "run", []
-    for kill_at, _expected in _KILLS:
+    for kill_at, _expected in kills:
         proc = _child(run, kill_at, tmp_path / "unused.pt")
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == -9, stdout + stderr
@@ -91,7 +104,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path: Path) -> None:
     assert last.returncode == 0, stdout + stderr
     resumed_from += [line for line in stdout.splitlines() if line.startswith("resumed")]
     assert stdout.splitlines()[-1] == "finished 36"
-    assert resumed_from == [f"resumed {s} {e} {c}" for _kill, (s, e, c) in _KILLS]
+    assert resumed_from == [f"resumed {s} {e} {c}" for _kill, (s, e, c) in kills]
     ref_out, ref_err = reference.communicate(timeout=120)
     assert reference.returncode == 0, ref_out + ref_err
 

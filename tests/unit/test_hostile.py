@@ -713,6 +713,7 @@ def run_campaign(tmp_path: Path, run: str, sample: int) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_hostile_campaign_slice(tmp_path: Path, run: str) -> None:

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -169,5 +170,18 @@ def _abandon(ckpt: cryosnap.Checkpointer) -> None:
     levels.release_locks()
 
 
-RunMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
-TestRun = RunMachine.TestCase
+_FULL = settings(max_examples=40, stateful_step_count=20, deadline=None)
+
+
+@pytest.mark.slow
+class TestRun(RunMachine.TestCase):
+    """make test's slice: 10 of the 40 runs of 20 steps (the same rules)."""
+
+    settings = settings(_FULL, max_examples=10)
+
+
+@pytest.mark.deep
+class TestRunFull(RunMachine.TestCase):
+    """make test-deep: all 40 runs."""
+
+    settings = _FULL
