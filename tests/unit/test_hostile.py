@@ -670,7 +670,7 @@ def child_main(template: str, work: str, run: str, headroom: int, sample: int = 
 
 # make test runs a slice of each campaign (every family, 1 in SAMPLE of its members); make
 # test-deep runs all of it.
-SAMPLE = 8
+SAMPLE = 16
 
 
 def run_campaign(tmp_path: Path, run: str, sample: int) -> dict[str, Any]:
