@@ -14,7 +14,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -46,7 +45,7 @@ from cryosnap.engine._resolved import (
     resolve,
 )
 from cryosnap.engine._select import cut_part, keys_skeleton, renumbered, spread_paths
-from cryosnap.engine.read import ColdFiles, Fetched, Mapped, placer, read_blobs
+from cryosnap.engine.read import ColdFiles, Fetched, Mapped, placer, prefaulting, read_blobs
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -180,7 +179,6 @@ def _check_used_files(store: Store, part: ResolvedPart, checked: set[str]) -> No
 
 
 _PREFAULT_MIN_BYTES = 1 << 20
-_PREFAULT_STEP_BYTES = 8 << 20
 
 
 @contextlib.contextmanager
@@ -188,26 +186,8 @@ def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
     """Write zeros over freshly allocated ``views`` on a background thread (``memset``
     releases the GIL) until the block ends; the block must not touch ``views``."""
     big = [v for v in views if v.nbytes >= _PREFAULT_MIN_BYTES and v.contiguous and not v.readonly]
-    if not big:
+    with prefaulting([(_native.address_of(v), v.nbytes) for v in big], touch=_native.zero):
         yield
-        return
-    stop = threading.Event()
-
-    def run() -> None:
-        for v in big:
-            addr = _native.address_of(v)
-            for lo in range(0, v.nbytes, _PREFAULT_STEP_BYTES):
-                if stop.is_set():
-                    return
-                _native.zero(addr + lo, min(_PREFAULT_STEP_BYTES, v.nbytes - lo))
-
-    thread = threading.Thread(target=run, name="cryosnap-prefault", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _open_part(

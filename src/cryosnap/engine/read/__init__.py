@@ -6,7 +6,7 @@ and the read pool's threads.
 
 from __future__ import annotations
 
-from cryosnap.engine.read._cold import ColdFiles, placer
+from cryosnap.engine.read._cold import ColdFiles, placer, prefaulting
 from cryosnap.engine.read._execute import Fetched, read_blobs
 from cryosnap.engine.read._mapped import Mapped
 from cryosnap.engine.read._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
@@ -21,5 +21,6 @@ __all__ = [
     "ReadPlan",
     "placer",
     "plan_reads",
+    "prefaulting",
     "read_blobs",
 ]

@@ -142,11 +142,15 @@ _PREFAULT_STEP_BYTES = 8 << 20
 
 
 @contextlib.contextmanager
-def prefaulting(ranges: Sequence[tuple[int, int]]) -> Iterator[None]:
+def prefaulting(
+    ranges: Sequence[tuple[int, int]],
+    touch: Callable[[int, int], object] = _native.populate,
+) -> Iterator[None]:
     """Map the fresh pages of ``ranges`` ((address, bytes), in the order the reads reach
     them) on a thread of its own until the block ends: the kernel zeroes and maps them on one
     core while the direct reads that land there wait on the disk (a read that gets there first
-    faults the rest in itself; mapping a page twice costs nothing)."""
+    faults the rest in itself; mapping a page twice costs nothing). ``touch(address, bytes)``
+    maps a step (``_native.zero`` where the pages are the caller's own and may be written)."""
     if not ranges:
         yield
         return
@@ -157,7 +161,7 @@ def prefaulting(ranges: Sequence[tuple[int, int]]) -> Iterator[None]:
             for lo in range(0, nbytes, _PREFAULT_STEP_BYTES):
                 if stop.is_set():
                     return
-                _native.populate(address + lo, min(_PREFAULT_STEP_BYTES, nbytes - lo))
+                touch(address + lo, min(_PREFAULT_STEP_BYTES, nbytes - lo))
 
     thread = threading.Thread(target=run, name="cryosnap-prefault", daemon=True)
     thread.start()
