@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import cryosnap
-from cryosnap import _native
+from cryosnap.bench._probes import drop_file_cache
 from cryosnap.bench._workloads import build_state, many_small_shapes
 from cryosnap.engine.read import _cold
 
@@ -42,19 +42,9 @@ def _files(root: Path) -> list[Path]:
 
 
 def _drop(root: Path) -> None:
-    cached = total = 0
-    for path in _files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            counts = _native.cached_pages(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        if counts is not None:
-            cached, total = cached + counts[0], total + counts[1]
-    if total and cached > 0.05 * total:
-        raise SystemExit(f"{cached} of {total} pages stayed in the page cache: not cold")
+    share = drop_file_cache(root)
+    if share is not None and share > 0.05:
+        raise SystemExit(f"{share:.0%} of the pages stayed in the page cache: not cold")
 
 
 def _warm(root: Path) -> None:
