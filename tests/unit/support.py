@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -404,3 +406,33 @@ def leaves_of(tree: Any) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [x for v in tree for x in leaves_of(v)]
     return [tree]
+
+
+def evict(path: Path) -> None:
+    """fsync ``path`` (a file, or every file under a folder) and drop its pages from the page
+    cache (``POSIX_FADV_DONTNEED``)."""
+    for p in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_pages_of(paths: Iterable[Path]) -> tuple[int, int] | None:
+    """(pages in the page cache, pages) over ``paths`` (``mincore``); None where it cannot be
+    told for one of them."""
+    from cryosnap import _native
+
+    cached = total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            counts = _native.cached_pages(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if counts is None:
+            return None
+        cached, total = cached + counts[0], total + counts[1]
+    return cached, total

@@ -7,7 +7,6 @@ with into= untouched, and a device that refuses direct reads midway loses nothin
 from __future__ import annotations
 
 import errno
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from cryosnap.engine.read import _cold, _execute
 from cryosnap.storage import LocalStore, _direct, open_store
 from cryosnap.testing import FaultySyscalls
 
-from ..support import snapshot
+from ..support import cached_pages_of, evict, snapshot
 
 CHUNK = 64 << 10
 STEP = 5
@@ -69,13 +68,7 @@ def _data_files(root: Path) -> list[Path]:
 def _evict(root: Path) -> None:
     """fsync and drop every file of the run from the page cache; skips where the kernel keeps
     them (mincore says)."""
-    for path in [p for p in root.rglob("*") if p.is_file()]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(root)
     share = _cached_share(root)
     if share is None:
         pytest.skip("mincore is not available here")
@@ -84,17 +77,8 @@ def _evict(root: Path) -> None:
 
 
 def _cached_share(root: Path) -> float | None:
-    cached = total = 0
-    for path in _data_files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            counts = _native.cached_pages(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        if counts is None:
-            return None
-        cached, total = cached + counts[0], total + counts[1]
-    return cached / max(total, 1)
+    counts = cached_pages_of(_data_files(root))
+    return None if counts is None else counts[0] / max(counts[1], 1)
 
 
 def _saved(root: Path, state: dict[str, Any] | None = None) -> dict[str, Any]:

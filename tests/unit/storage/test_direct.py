@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cryosnap
-from cryosnap import _native
 from cryosnap.storage import LocalStore, check_direct_io, open_store
 from cryosnap.storage._direct import BLOCK_BYTES, BOUNCE_BYTES, DIRECT_MIN_BYTES
 from cryosnap.testing import FaultySyscalls
+
+from ..support import cached_pages_of
 
 
 def _aligned(nbytes: int, seed: int) -> tuple[mmap.mmap, memoryview]:
@@ -105,16 +106,10 @@ def test_a_direct_checkpoint_leaves_the_page_cache_cold(direct_dir: Path) -> Non
             state["w"] += 1
             ckpt.save(step, state).result()
     files = sorted((direct_dir / "run" / "data").iterdir())
-    cached = total = 0
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            counts = _native.cached_pages(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        if counts is None:
-            pytest.skip("mincore is not available here")
-        cached, total = cached + counts[0], total + counts[1]
+    counts = cached_pages_of(files)
+    if counts is None:
+        pytest.skip("mincore is not available here")
+    cached, total = counts
     assert total >= (32 << 20) // BLOCK_BYTES
     assert cached <= 0.1 * total, f"{cached} of {total} pages of the data files are cached"
     assert np.array_equal(cryosnap.load(direct_dir / "run")["w"], state["w"])

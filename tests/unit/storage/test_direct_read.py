@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import logging
 import mmap
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,23 +22,16 @@ from cryosnap.storage import LocalStore, TimeoutStore
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_READ_BYTES
 from cryosnap.testing import FaultySyscalls
 
+from ..support import evict
+
 FILE_BYTES = 3 * DIRECT_READ_BYTES // 2 + 12_345  # a last partial block
 
 
 def _file(root: Path, nbytes: int = FILE_BYTES) -> bytes:
     data = np.random.default_rng(7).integers(0, 256, nbytes, np.uint8).tobytes()
     (root / "x.dat").write_bytes(data)
-    _evict(root / "x.dat")
+    evict(root / "x.dat")
     return data
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _buffer(nbytes: int, skip: int) -> memoryview:
