@@ -7,9 +7,10 @@ page cache (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
 
 - the raw ``O_DIRECT`` read of the data file into a reused page-aligned buffer, alone and with
   the copy into the tensors (``cryosnap bench``'s direct-read limit);
-- ``cryosnap.load`` fresh and ``into=``: cold (direct reads; ``into=`` staged, and without
-  staging memory: read twice), cold through the mapped path (every file counted as warm, as
-  before #28 item 3), and warm (the file read once first).
+- ``cryosnap.load`` fresh and ``into=``: cold (fresh: direct reads; ``into=``: its leaves
+  through the mapping, as now, staged with direct reads, and without staging memory: read
+  twice), cold through the mapped path (every file counted as warm, as before #28 item 3),
+  and warm (the file read once first).
 
 Medians of ``--rounds`` after a warm-up round; ratios against the raw direct read (fresh) and
 the raw direct read + copy (``into=``); the load average before and after.
@@ -93,14 +94,16 @@ def _mapped(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def _unstaged(fn: Callable[[], object]) -> Callable[[], object]:
+def _staged(fn: Callable[[], object], share: float | None = None) -> Callable[[], object]:
     def run() -> object:
-        saved = _cold.STAGING_SHARE
-        _cold.STAGING_SHARE = 0.0  # no staging memory: into='s leaves read twice, direct
+        saved = _cold.MAP_COLD_INTO, _cold.STAGING_SHARE
+        _cold.MAP_COLD_INTO = False  # into='s leaves in cold files staged, not mapped
+        if share is not None:
+            _cold.STAGING_SHARE = share  # 0: no staging memory, read twice with direct I/O
         try:
             return fn()
         finally:
-            _cold.STAGING_SHARE = saved
+            _cold.MAP_COLD_INTO, _cold.STAGING_SHARE = saved
 
     return run
 
@@ -140,10 +143,11 @@ def main() -> None:
             "raw O_DIRECT read": (lambda: raw.read(False), True),
             "raw O_DIRECT read + copy": (lambda: raw.read(True), True),
             "fresh, cold (direct)": (fresh, True),
-            "into=, cold (direct)": (filled, True),
-            "into=, cold (direct, twice)": (_unstaged(filled), True),
+            "into=, cold (now: mapped)": (filled, True),
+            "into=, cold (staged)": (_staged(filled), True),
+            "into=, cold (direct, twice)": (_staged(filled, 0.0), True),
             "fresh, cold (mapped, before)": (_mapped(fresh), True),
-            "into=, cold (mapped, before)": (_mapped(filled), True),
+            "into=, cold (all mapped)": (_mapped(filled), True),
             "fresh, warm": (fresh, False),
             "into=, warm": (filled, False),
         }

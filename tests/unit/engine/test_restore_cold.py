@@ -1,8 +1,9 @@
 """Restores from cold data files (engine/read/_cold.py): files out of the page cache (made so
 by fsync + POSIX_FADV_DONTNEED, checked with mincore) are read with O_DIRECT, large fresh
-leaves into page-aligned memory of their own and into='s leaves into staging memory copied in
-once every chunk verified; the bytes are those of the mapped path, damage fails the restore
-with into= untouched, and a device that refuses direct reads midway loses nothing."""
+leaves into page-aligned memory of their own; into='s leaves through the mapping (the file
+mapped after all) or, staged, into staging memory copied in once every chunk verified; the
+bytes are those of the mapped path, damage fails the restore with into= untouched, and a device
+that refuses direct reads midway loses nothing."""
 
 from __future__ import annotations
 
@@ -148,9 +149,28 @@ def test_a_warm_restore_keeps_the_mapped_path(direct_dir: Path) -> None:
     assert not syscalls.reads
 
 
-def test_a_cold_restore_into_fills_in_place(
+def _staged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """into='s leaves in cold files staged (read once with direct I/O), not mapped."""
+    monkeypatch.setattr(_cold, "MAP_COLD_INTO", False)
+
+
+def test_a_cold_restore_into_fills_in_place_through_the_mapping(direct_dir: Path) -> None:
+    """into='s own leaves (those of at least 256 KiB) are verified and copied from the
+    mapped file: no direct read of their bytes, none staged."""
+    state = _saved(direct_dir)
+    syscalls = FaultySyscalls()
+    into = _zeros(state)
+    kept = {k: v for k, v in into.items() if not isinstance(v, int)}
+    out = cryosnap.load(LocalStore(direct_dir, syscalls=syscalls), step=STEP, into=into)
+    assert _equal(out, state)
+    assert all(out[k] is v for k, v in kept.items())  # filled in place
+    assert _direct_bytes(syscalls) <= 0.1 * _nbytes(state)  # "small" only: the rest mapped
+
+
+def test_a_staged_cold_restore_into_fills_in_place(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _staged(monkeypatch)
     state = _saved(direct_dir)
     copied = _bounced(monkeypatch)
     syscalls = FaultySyscalls()
@@ -174,10 +194,11 @@ def test_a_cold_restore_into_fills_in_place(
     ),
     chunk=st.sampled_from([4096, 64 << 10, MIB]),
     into=st.booleans(),
+    staged=st.booleans(),
     data=st.data(),
 )
 def test_the_direct_path_and_the_mapped_path_give_the_same_bytes(
-    direct_dir: Path, sizes: list[int], chunk: int, into: bool, data: st.DataObject
+    direct_dir: Path, sizes: list[int], chunk: int, into: bool, staged: bool, data: st.DataObject
 ) -> None:
     rng = np.random.default_rng(len(sizes) * 31 + chunk)
     state: dict[str, Any] = {}
@@ -189,7 +210,9 @@ def test_the_direct_path_and_the_mapped_path_give_the_same_bytes(
     _evict(root)
     syscalls = FaultySyscalls()
     store = LocalStore(root, syscalls=syscalls)
-    cold = cryosnap.load(store, step=STEP, into=_zeros(state) if into else None)
+    with pytest.MonkeyPatch.context() as staging:
+        staging.setattr(_cold, "MAP_COLD_INTO", not staged)
+        cold = cryosnap.load(store, step=STEP, into=_zeros(state) if into else None)
     mp = pytest.MonkeyPatch()
     mp.setattr(_cold, "COLD_SHARE", 0.0)  # every file counts as warm: mapped
     try:
@@ -217,11 +240,13 @@ def _flip(path: Path, pos: int) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
-@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("path", ["mapped", "staged", "twice"])
 def test_damage_fails_a_cold_restore_and_leaves_into_untouched(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    if not staged:  # no memory to stage in: into='s leaves are read twice, as before
+    if path != "mapped":
+        _staged(monkeypatch)
+    if path == "twice":  # no memory to stage in: into='s leaves are read twice, as before
         monkeypatch.setattr(_cold, "available_memory_bytes", lambda: 0)
     state = _state()
     cryosnap.save(direct_dir, state, step=STEP, chunk_bytes=CHUNK)
@@ -241,6 +266,7 @@ def test_damage_fails_a_cold_restore_and_leaves_into_untouched(
 def test_without_staging_memory_into_is_still_filled(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _staged(monkeypatch)
     monkeypatch.setattr(_cold, "STAGING_SHARE", 0.0)
     state = _saved(direct_dir)
     into = _zeros(state)
@@ -248,10 +274,12 @@ def test_without_staging_memory_into_is_still_filled(
 
 
 def test_a_short_read_at_the_end_names_the_leaf_and_leaves_into_untouched(
-    direct_dir: Path,
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The device returns nothing for a read (the file ends there, as a truncated file does
-    after the size checks): the corruption error naming step, level and leaf."""
+    after the size checks): the corruption error naming step, level and leaf (into='s
+    leaves staged: read with direct I/O as fresh leaves are)."""
+    _staged(monkeypatch)
     state = _saved(direct_dir)
 
     def eof(nbytes: int, direct: bool) -> int | None:
@@ -326,12 +354,15 @@ def test_a_level_without_direct_reads_keeps_the_mapped_path(direct_dir: Path) ->
     assert not syscalls.reads
 
 
-def test_unstaged_into_catches_a_file_changed_between_the_passes(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("path", ["mapped", "twice"])
+def test_into_catches_a_cold_file_changed_between_the_passes(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """Past the staging budget both passes read from the disk: the second verifies again, so
-    bytes changed meanwhile never reach into= and the restore fails."""
-    monkeypatch.setattr(_cold, "STAGING_SHARE", 0.0)
+    """Mapped, or past the staging budget (both passes read from the disk): the second pass
+    verifies again, so bytes changed meanwhile never reach into= and the restore fails."""
+    if path == "twice":
+        _staged(monkeypatch)
+        monkeypatch.setattr(_cold, "STAGING_SHARE", 0.0)
     state = _saved(direct_dir)
     path, offset, nbytes = _segment(direct_dir, "arr")
     second = _execute.PartReader.second_pass

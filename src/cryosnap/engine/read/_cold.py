@@ -10,7 +10,7 @@ import contextlib
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -32,6 +32,11 @@ COLD_SHARE = 0.5
 # Blobs of a cold file at least this large get fresh page-aligned memory (one mapping each),
 # read into straight from the disk; smaller ones go through the reader's bounce buffer.
 ALIGNED_MIN_BYTES = 1 << 20
+# into='s leaves with bytes in a cold file take the mapped path (that file is mapped after
+# all: both passes read the page cache the first fills), measured faster here than staging
+# them (fresh memory to fault in, then a copy): docs/PERFORMANCE.md, "Restores, quiet
+# re-measurement". False: staged (below), as where a cold file cannot be mapped.
+MAP_COLD_INTO = True
 # into='s leaves are staged in private memory (a copy at the end instead of a second read
 # from the disk) while the staging takes at most this share of the memory available.
 STAGING_SHARE = 0.5
@@ -78,6 +83,7 @@ class ColdFiles:
         heads = chunks.offsets[first] % mmap.PAGESIZE if len(chunks.offsets) else first * 0
         self._head: list[int] = heads.tolist()
         self._touches: list[bool] = [False] * len(part.blobs)
+        self._chunk_files, self._starts = chunks.files, chunks.starts
         self.fresh: set[int] = set()  # blobs given memory by place()
         share: Callable[[str], float | None] | None = getattr(store, "cached_share", None)
         if share is None or getattr(store, "read_ranges_cold", None) is None:
@@ -95,9 +101,22 @@ class ColdFiles:
         counts = np.cumsum(np.concatenate([[0], in_cold.astype(np.int64)]))
         self._touches = (counts[chunks.starts[1:]] > counts[chunks.starts[:-1]]).tolist()
 
-    def touches(self, blob: int) -> bool:
-        """Whether some chunk of ``blob`` lies in a cold file."""
-        return self._touches[blob]
+    def touches(self, blob: int, files: Collection[int] | None = None) -> bool:
+        """Whether some chunk of ``blob`` lies in a cold file (of ``files``, if given)."""
+        if files is None or not self._touches[blob]:
+            return self._touches[blob]
+        lo, hi = int(self._starts[blob]), int(self._starts[blob + 1])
+        wanted = np.fromiter(files, np.int64, len(files))
+        return bool(np.isin(self._chunk_files[lo:hi], wanted).any())
+
+    def direct_files(self, direct: Sequence[bool]) -> list[int]:
+        """The cold files that some chunk of a ``direct`` blob (into='s own leaf) lies in."""
+        if not self.files or not any(direct):
+            return []
+        counts = np.diff(self._starts)
+        of_direct = np.repeat(np.asarray(direct, bool), counts)
+        used = np.unique(self._chunk_files[of_direct]).tolist()
+        return [f for f in used if f in self.files]
 
     def memory(self, blob: int, alignment: int = 1) -> memoryview:
         """Fresh memory for ``blob``'s bytes, placed within its first page as its first chunk

@@ -21,6 +21,7 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap.engine._resolved import ResolvedPart
+from cryosnap.engine.read import _cold
 from cryosnap.engine.read._cold import ColdFiles, aligned_memory, prefaulting
 from cryosnap.engine.read._gather import Gatherer, unreadable
 from cryosnap.engine.read._mapped import Mapped, MappedWork
@@ -78,7 +79,11 @@ def read_blobs(
     cold_files = cold.files if cold is not None else frozenset()
     staged: list[tuple[memoryview, memoryview]] = []
     if cold is not None and cold_files and any(direct):
-        views, direct, staged = _stage_cold(views, direct, cold)
+        if mapped is not None and _cold.MAP_COLD_INTO:
+            # into='s leaves in cold files take the mapped path: both passes from the page
+            # cache the first fills (read-ahead), no fresh memory to fault in for staging.
+            mapped.add(cold.direct_files([bool(d) for d in direct]))
+        views, direct, staged = _stage_cold(views, direct, cold, mapped)
     plan = plan_reads(
         part.chunks(),
         cb,
@@ -96,17 +101,23 @@ def read_blobs(
 
 
 def _stage_cold(
-    views: Sequence[memoryview], direct: Sequence[bool], cold: ColdFiles
+    views: Sequence[memoryview],
+    direct: Sequence[bool],
+    cold: ColdFiles,
+    mapped: Mapped | None = None,
 ) -> tuple[list[memoryview], list[bool], list[tuple[memoryview, memoryview]]]:
-    """The direct blobs with bytes in a cold file, within the staging budget, read into fresh
-    aligned memory instead (no longer direct): a copy into place once every chunk verified,
-    instead of a second read from the disk. Returns the views, the direct flags and the
-    (staging, into='s memory) pairs."""
+    """The direct blobs with bytes in a cold file that is not mapped (``mapped``), within the
+    staging budget, read into fresh aligned memory instead (no longer direct): a copy into
+    place once every chunk verified, instead of a second read from the disk. Returns the
+    views, the direct flags and the (staging, into='s memory) pairs."""
+    unmapped = cold.files - (mapped.address.keys() if mapped is not None else set())
+    if not unmapped:
+        return list(views), list(direct), []
     budget = cold.staging_budget()
     out, flags = list(views), list(direct)
     staged: list[tuple[memoryview, memoryview]] = []
     for i, (view, is_direct) in enumerate(zip(views, direct, strict=True)):
-        if is_direct and view.nbytes and cold.touches(i) and view.nbytes <= budget:
+        if is_direct and view.nbytes and cold.touches(i, unmapped) and view.nbytes <= budget:
             budget -= view.nbytes
             out[i] = cold.memory(i)
             flags[i] = False

@@ -7,7 +7,7 @@ into='s leaves, copies) pieces where they lie. :class:`Mapped` runs on the calle
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
@@ -33,29 +33,43 @@ class Mapped:
     with direct I/O instead) are not mapped."""
 
     def __init__(self, store: Store, part: ResolvedPart, skip: Collection[int] = ()) -> None:
-        map_file: Callable[[str], memoryview | None] | None = getattr(store, "map_file", None)
+        self._map_file: Callable[[str], memoryview | None] | None = getattr(store, "map_file", None)
+        self._part = part
         self.views: dict[int, memoryview] = {}
         self.address: dict[int, int] = {}
         chunks = part.chunks()
-        files = chunks.files
         n = len(part.blobs)
         self._file: list[int] = [-1] * n
         self._offset: list[int] = [0] * n
         self._nbytes: list[int] = chunks.nbytes.tolist()
-        if map_file is None or not len(files):
+        if self._map_file is None or not len(chunks.files):
             return
-        for f in np.unique(files).tolist():
-            if f in skip:
-                continue
-            with contextlib.suppress(CheckpointError):
-                view = map_file(part.files[f])
-                if view is not None:
-                    self.views[f] = view
-                    self.address[f] = _native.address_of(view)
-        if not self.views:
-            return
+        self.add(f for f in np.unique(chunks.files).tolist() if f not in skip)
+
+    def add(self, files: Iterable[int]) -> frozenset[int]:
+        """Map ``files`` (indices into the part's files) too, where the store maps them;
+        returns those now mapped. Where the blobs lie is found again (:meth:`alone`); blobs
+        already given memory by :meth:`place` keep it."""
+        added = set()
+        if self._map_file is not None:
+            for f in files:
+                if f in self.views:
+                    continue
+                with contextlib.suppress(CheckpointError):
+                    view = self._map_file(self._part.files[f])
+                    if view is not None:
+                        self.views[f] = view
+                        self.address[f] = _native.address_of(view)
+                        added.add(f)
+        if added:
+            self._locate()
+        return frozenset(added)
+
+    def _locate(self) -> None:
         # A blob lies in one piece of memory when its chunks follow each other in one file.
-        cb = part.manifest.chunk_bytes
+        chunks = self._part.chunks()
+        files = chunks.files
+        cb = self._part.manifest.chunk_bytes
         offs = chunks.offsets
         new = np.ones(len(files), bool)
         new[1:] = (files[1:] != files[:-1]) | (offs[1:] != offs[:-1] + cb)
