@@ -181,15 +181,25 @@ def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int
         _targets(skeleton, into, found, spans, min_bytes)
     except _Unknown:
         return {}  # a leaf whose memory cannot be told: every leaf keeps the copy
-    spans.sort()
-    shared: set[int] = set()
-    reach = -1
-    for i, (lo, hi, which) in enumerate(spans):
-        overlaps = lo < reach or (i + 1 < len(spans) and spans[i + 1][0] < hi)
-        if overlaps and which >= 0:
-            shared.add(which)
-        reach = max(reach, hi)
+    shared = _overlapping(spans)
+    if not shared:
+        return dict(found)
     return {key: leaf for i, (key, leaf) in enumerate(found) if i not in shared}
+
+
+def _overlapping(spans: list[tuple[int, int, int]]) -> set[int]:
+    """The indices (``spans``' third column, -1: none) of the spans that overlap another,
+    in bulk: sorted by first byte, a span overlaps one before it if it starts before the
+    furthest end so far, and the next one if that starts before its end."""
+    if len(spans) < 2:
+        return set()
+    table = np.array(spans, np.int64)  # addresses are below 2**63
+    table = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
+    lo, hi, which = table[:, 0], table[:, 1], table[:, 2]
+    hit = np.zeros(len(table), bool)
+    hit[1:] = lo[1:] < np.maximum.accumulate(hi)[:-1]
+    hit[:-1] |= lo[1:] < hi[:-1]
+    return set(which[hit & (which >= 0)].tolist())
 
 
 def _targets(
@@ -213,10 +223,19 @@ def _targets(
                 if not n:
                     continue
                 lo = x.data_ptr()
-                direct = (n >= min_bytes or "at" in v) and _plain_direct(v, x)
-                spans.append((lo, lo + n, len(found) if direct else -1))
-                if direct:
+                # What _direct checks of a contiguous CPU torch.Tensor that check_into found
+                # a torch leaf of its dtype and shape.
+                if (
+                    (n >= min_bytes or "at" in v)
+                    and "view" not in v
+                    and not x.is_inference()
+                    and not x.is_conj()
+                    and not x.is_neg()
+                ):
+                    spans.append((lo, lo + n, len(found)))
                     found.append((id(v), x))
+                else:
+                    spans.append((lo, lo + n, -1))
                 continue
             _targets(v, x, found, spans, min_bytes)
         return
@@ -263,14 +282,6 @@ def _span(leaf: Any) -> tuple[int, int] | None:
     lo = addr + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
     hi = addr + item + sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0)
     return lo, hi
-
-
-def _plain_direct(node: dict[str, Any], leaf: Any) -> bool:
-    """:func:`_direct` for a contiguous CPU ``torch.Tensor`` in a dict (``_targets`` checked
-    that much), which :func:`check_into` found a torch leaf of its dtype and shape."""
-    return (
-        "view" not in node and not leaf.is_inference() and not leaf.is_conj() and not leaf.is_neg()
-    )
 
 
 def _direct(node: dict[str, Any], leaf: Any) -> bool:

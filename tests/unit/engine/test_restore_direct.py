@@ -12,12 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.manifest import Manifest, manifest_key
 from cryosnap._format.skeleton import blob_paths
 from cryosnap._state import check_into, direct_targets, flatten
+from cryosnap._state import into as into_module
 from cryosnap.engine import _read
 from cryosnap.engine.read import _cold, _execute, _plan
 from cryosnap.storage import LocalStore, Store, open_store
@@ -176,6 +179,26 @@ def test_direct_targets_leave_overlapping_leaves_to_the_copy() -> None:
     skeleton = flatten(state).skeleton
     into = {"a": torch.from_numpy(arr), "b": torch.zeros(600), "c": arr}
     assert {id(v) for v in direct_targets(skeleton, into).values()} == {id(into["b"])}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 64), st.integers(1, 24), st.booleans()), min_size=0, max_size=12
+    )
+)
+def test_the_bulk_overlap_check_finds_every_pair(spans: list[tuple[int, int, bool]]) -> None:
+    """into._overlapping (sorted, in numpy) against every pair: a target overlapping any other
+    span (a target or a leaf that keeps the copy) is left to the copy, the others are not."""
+    rows: list[tuple[int, int, int]] = []
+    for lo, n, target in spans:
+        rows.append((lo, lo + n, len([r for r in rows if r[2] >= 0]) if target else -1))
+    want = {
+        w
+        for i, (lo, hi, w) in enumerate(rows)
+        if w >= 0 and any(lo < b and a < hi for j, (a, b, _w) in enumerate(rows) if j != i)
+    }
+    assert into_module._overlapping(rows) == want
 
 
 def test_direct_targets_keep_the_copy_for_small_leaves() -> None:
