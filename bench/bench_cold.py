@@ -12,8 +12,10 @@ page cache (``POSIX_FADV_DONTNEED``, checked with ``mincore``):
   twice), cold through the mapped path (every file counted as warm, as before #28 item 3),
   and warm (the file read once first).
 
-Medians of ``--rounds`` after a warm-up round; ratios against the raw direct read (fresh) and
-the raw direct read + copy (``into=``); the load average before and after.
+``--cases`` picks some of them (and the parts of a fresh cold restore's time: the raw read
+into fresh memory, mapping fresh memory in, hashing). Medians of ``--rounds`` after a warm-up
+round, wall and CPU seconds; ratios against the raw direct read (fresh) and the raw direct
+read + copy (``into=``); the load average before and after.
 Usage: ``python bench/bench_cold.py [--dir D] [--mib 512] [--rounds 5] [--writer save]
 [--tensors 20000]``.
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 import cryosnap
+from cryosnap import _native
 from cryosnap.bench._probes import drop_file_cache
 from cryosnap.bench._workloads import build_state, many_small_shapes
 from cryosnap.engine.read import _cold
@@ -63,12 +66,16 @@ class _Raw:
         self.view = memoryview(self.buffer)
         self.view[:] = bytes(len(self.view))  # its pages faulted in, as the limit's are
 
-    def read(self, copy: bool) -> None:
+    def read(self, copy: bool, fresh: bool = False) -> None:
+        """The read (``copy``: then the copy into the tensors; ``fresh``: into fresh memory,
+        not mapped in yet, in 8 MiB reads, as a restore's fresh leaves are)."""
+        view = memoryview(mmap.mmap(-1, len(self.view))) if fresh else self.view
+        step = (8 if fresh else 64) << 20
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
         try:
             at = 0
-            while at < len(self.view):
-                n = os.preadv(fd, [self.view[at : at + (64 << 20)]], at)
+            while at < len(view):
+                n = os.preadv(fd, [view[at : at + step]], at)
                 if not n:
                     break
                 at += n
@@ -108,6 +115,25 @@ def _staged(fn: Callable[[], object], share: float | None = None) -> Callable[[]
     return run
 
 
+# The cases, by the name --cases takes.
+_CASES = {
+    "raw": "raw O_DIRECT read",
+    "raw+copy": "raw O_DIRECT read + copy",
+    "raw-fresh": "raw O_DIRECT read, fresh memory",
+    "populate": "map in fresh memory (populate)",
+    "hash": "XXH3 of the bytes, one thread",
+    "fresh": "fresh, cold (direct)",
+    "into": "into=, cold (now: mapped)",
+    "into-staged": "into=, cold (staged)",
+    "into-twice": "into=, cold (direct, twice)",
+    "fresh-mapped": "fresh, cold (mapped, before)",
+    "into-mapped": "into=, cold (all mapped)",
+    "fresh-warm": "fresh, warm",
+    "into-warm": "into=, warm",
+}
+_DEFAULT = [k for k in _CASES if k not in ("raw-fresh", "populate", "hash")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=None)
@@ -115,7 +141,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--writer", choices=["checkpointer", "save"], default="checkpointer")
     ap.add_argument("--tensors", type=int, default=0)
+    ap.add_argument(
+        "--cases",
+        default=",".join(_DEFAULT),
+        help=f"comma-separated, of {','.join(_CASES)} (default: {','.join(_DEFAULT)})",
+    )
     args = ap.parse_args()
+    wanted = args.cases.split(",")
+    if not wanted or not set(wanted) <= set(_CASES):
+        raise SystemExit(f"--cases: of {','.join(_CASES)}")
     load0 = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-cold-", dir=args.dir))
     try:
@@ -139,30 +173,41 @@ def main() -> None:
         def filled() -> object:
             return cryosnap.load(run, into=into)
 
-        cases: dict[str, tuple[Callable[[], object], bool]] = {
-            "raw O_DIRECT read": (lambda: raw.read(False), True),
-            "raw O_DIRECT read + copy": (lambda: raw.read(True), True),
-            "fresh, cold (direct)": (fresh, True),
-            "into=, cold (now: mapped)": (filled, True),
-            "into=, cold (staged)": (_staged(filled), True),
-            "into=, cold (direct, twice)": (_staged(filled, 0.0), True),
-            "fresh, cold (mapped, before)": (_mapped(fresh), True),
-            "into=, cold (all mapped)": (_mapped(filled), True),
-            "fresh, warm": (fresh, False),
-            "into=, warm": (filled, False),
+        def populate() -> None:  # what mapping in fresh memory for the leaves costs
+            view = memoryview(mmap.mmap(-1, len(raw.view)))
+            _native.populate(_native.address_of(view), len(view))
+
+        every: dict[str, tuple[Callable[[], object], bool | None]] = {
+            "raw": (lambda: raw.read(False), True),
+            "raw+copy": (lambda: raw.read(True), True),
+            "raw-fresh": (lambda: raw.read(False, fresh=True), True),
+            "populate": (populate, None),
+            "hash": (lambda: _native.hash_chunks(raw.view, 1 << 20, 0), None),
+            "fresh": (fresh, True),
+            "into": (filled, True),
+            "into-staged": (_staged(filled), True),
+            "into-twice": (_staged(filled, 0.0), True),
+            "fresh-mapped": (_mapped(fresh), True),
+            "into-mapped": (_mapped(filled), True),
+            "fresh-warm": (fresh, False),
+            "into-warm": (filled, False),
         }
+        cases = {_CASES[k]: every[k] for k in wanted}
         seconds: dict[str, list[float]] = {k: [] for k in cases}
+        cpu: dict[str, list[float]] = {k: [] for k in cases}
         names = list(cases)
         for r in range(args.rounds + 1):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 fn, cold = cases[name]
-                _drop(run) if cold else _warm(run)
-                t0 = time.perf_counter()
+                if cold is not None:
+                    _drop(run) if cold else _warm(run)
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = fn()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 del out
                 if r:
                     seconds[name].append(dt)
+                    cpu[name].append(dc)
         loaded = cryosnap.load(run)
         assert all(torch.equal(loaded[k], state[k]) for k in state)
         med = {k: statistics.median(v) for k, v in seconds.items()}
@@ -172,9 +217,13 @@ def main() -> None:
             f"load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}"
         )
         for name, v in seconds.items():
-            ref = med["raw O_DIRECT read + copy" if "into" in name else "raw O_DIRECT read"]
+            ref = med.get(_CASES["raw+copy" if "into" in name else "raw"])
+            ratio = f"x{med[name] / ref:.2f}" if ref else "     "
             samples = " ".join(f"{x:.3f}" for x in v)
-            print(f"{name:32s} {med[name]:.3f} s  x{med[name] / ref:.2f}   ({samples})")
+            print(
+                f"{name:36s} {med[name]:.3f} s  {ratio}  CPU {statistics.median(cpu[name]):.3f} s"
+                f"   ({samples})"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
