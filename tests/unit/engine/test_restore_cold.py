@@ -183,6 +183,21 @@ def test_a_staged_cold_restore_into_fills_in_place(
     assert sum(copied) <= 0.1 * _nbytes(state)  # into staging memory placed alike
 
 
+def test_cold_files_that_cannot_be_mapped_stage_into(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the store maps no file (``map_file`` says None) into='s leaves in cold files are
+    staged: read once with direct I/O, copied in once every chunk verified."""
+    state = _saved(direct_dir)
+    monkeypatch.setattr(LocalStore, "map_file", lambda self, key: None)
+    syscalls = FaultySyscalls()
+    into = _zeros(state)
+    out = cryosnap.load(LocalStore(direct_dir, syscalls=syscalls), step=STEP, into=into)
+    assert _equal(out, state)
+    assert all(out[k] is v for k, v in into.items() if not isinstance(v, int))
+    assert _direct_bytes(syscalls) >= 4 * MIB
+
+
 @settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

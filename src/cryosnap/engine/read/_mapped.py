@@ -30,7 +30,8 @@ class Mapped:
     file: :class:`cryosnap._state.Restorer` builds the leaf over it (no allocation, no copy) and
     the reader verifies it there. A file that cannot be mapped is read as before (its errors,
     a missing file for one, come from the read). The files ``skip`` names (cold ones, read
-    with direct I/O instead) are not mapped."""
+    with direct I/O instead) are not mapped, until :meth:`add` maps some of them (those
+    into='s own leaves lie in: no leaf is built over them)."""
 
     def __init__(self, store: Store, part: ResolvedPart, skip: Collection[int] = ()) -> None:
         self._map_file: Callable[[str], memoryview | None] | None = getattr(store, "map_file", None)
@@ -46,11 +47,12 @@ class Mapped:
             return
         self.add(f for f in np.unique(chunks.files).tolist() if f not in skip)
 
-    def add(self, files: Iterable[int]) -> frozenset[int]:
-        """Map ``files`` (indices into the part's files) too, where the store maps them;
-        returns those now mapped. Where the blobs lie is found again (:meth:`alone`); blobs
-        already given memory by :meth:`place` keep it."""
-        added = set()
+    def add(self, files: Iterable[int]) -> None:
+        """Map ``files`` (indices into the part's files) too, where the store maps them (a
+        file that cannot be mapped is left out: ``views`` says which are). Where the blobs
+        lie is found again (:meth:`alone`); blobs already given memory by :meth:`place` keep
+        it."""
+        added = False
         if self._map_file is not None:
             for f in files:
                 if f in self.views:
@@ -60,10 +62,9 @@ class Mapped:
                     if view is not None:
                         self.views[f] = view
                         self.address[f] = _native.address_of(view)
-                        added.add(f)
+                        added = True
         if added:
             self._locate()
-        return frozenset(added)
 
     def _locate(self) -> None:
         # A blob lies in one piece of memory when its chunks follow each other in one file.
