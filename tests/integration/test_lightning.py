@@ -14,7 +14,6 @@ import functools
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from cryosnap.integrations.lightning import (
     to_plain,
 )
 
-from . import lightning_job
+from . import forkserver, lightning_job
 
 JOB = Path(lightning_job.__file__)
 
@@ -147,13 +146,7 @@ def _job(
 ) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     args = [str(run), str(out), "--kill-at", str(kill_at), "--signal", sig, "--loader", kind]
-    return subprocess.run(
-        [sys.executable, str(JOB), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return forkserver.run([str(JOB), *args], timeout=300)
 
 
 @pytest.fixture(scope="module")
