@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.integration import forkserver
+from tests import forkserver
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]

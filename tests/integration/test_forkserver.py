@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration import forkserver
+from tests import forkserver
 
 _PROBE = textwrap.dedent(
     """

@@ -35,8 +35,9 @@ from cryosnap.integrations.lightning import (
     load_from_checkpoint,
     to_plain,
 )
+from tests import forkserver
 
-from . import forkserver, lightning_job
+from . import lightning_job
 
 JOB = Path(lightning_job.__file__)
 

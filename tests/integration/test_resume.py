@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration import forkserver
+from tests import forkserver
 
 _CHILD = textwrap.dedent(
     """

@@ -35,8 +35,9 @@ from transformers import (
 
 import cryosnap
 from cryosnap.integrations.transformers import CryosnapCallback, resume
+from tests import forkserver
 
-from . import forkserver, transformers_job
+from . import transformers_job
 
 JOB = Path(transformers_job.__file__)
 

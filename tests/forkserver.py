@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 # Imported once by the server, inherited by every rank it forks.
-PRELOAD = ["numpy", "torch", "torch.distributed", "cryosnap", "cryosnap.dist"]
+PRELOAD = ["numpy", "torch", "torch.distributed", "cryosnap", "cryosnap.dist", "cryosnap.cli"]
 
 
 def enabled() -> bool:
