@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -22,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from tests import forkserver
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
@@ -74,25 +75,14 @@ def launch(
                 TORCHELASTIC_RUN_ID=f"cryosnap-{port}",
             )
         procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), scenario, str(out), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+            forkserver.start(
+                [str(script), scenario, str(out), *args], env, log=out / f"rank-{rank}"
             )
         )
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+    codes = forkserver.wait_all(procs, timeout)
+    for rank, (p, code) in enumerate(zip(procs, codes, strict=True)):
         expected = -signal.SIGKILL if rank in killed else 0
-        assert p.returncode == expected, f"rank {rank} exited {p.returncode}:\n{log}"
+        assert code == expected, f"rank {rank} exited {code}:\n{p.output()}"
     return [
         json.loads((out / f"rank-{r}.json").read_text()) if r not in killed else {}
         for r in range(world)

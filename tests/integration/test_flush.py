@@ -21,6 +21,7 @@ from cryosnap import Tier
 from cryosnap.engine import list_steps
 from cryosnap.errors import RunLockedError
 from cryosnap.storage import LocalStore
+from tests import forkserver
 
 from .levels_support import KillBeforeFlush, check, state
 
@@ -33,13 +34,7 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     """``cryosnap ARGS`` as a user types it, in a process of its own."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(
-        [sys.executable, "-m", "cryosnap", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    return forkserver.run(["-m", "cryosnap", *map(str, args)], env, timeout=120)
 
 
 def test_flush_after_the_program_died_then_load_bit_exact(

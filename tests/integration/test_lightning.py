@@ -14,7 +14,6 @@ import functools
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from cryosnap.integrations.lightning import (
     load_from_checkpoint,
     to_plain,
 )
+from tests import forkserver
 
 from . import lightning_job
 
@@ -147,13 +147,7 @@ def _job(
 ) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     args = [str(run), str(out), "--kill-at", str(kill_at), "--signal", sig, "--loader", kind]
-    return subprocess.run(
-        [sys.executable, str(JOB), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return forkserver.run([str(JOB), *args], timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ and must end with the very parameters of a run that was never interrupted.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import forkserver
 
 _CHILD = textwrap.dedent(
     """
@@ -72,13 +72,9 @@ _KILLS = [(7, (6, 0, 24)), (17, (15, 1, 12)), (24, (24, 1, 45))]
 _SLICE = [_KILLS[0], _KILLS[2]]
 
 
-def _child(run: Path, kill_at: int, out: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(run), str(kill_at), str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _child(run: Path, kill_at: int, out: Path) -> forkserver.Rank:
+    log = out.with_name(f"{out.stem}-{kill_at}")
+    return forkserver.start(["-c", _CHILD, str(run), str(kill_at), str(out)], log=log)
 
 
 @pytest.mark.parametrize(

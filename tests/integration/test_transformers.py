@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from transformers import (
 
 import cryosnap
 from cryosnap.integrations.transformers import CryosnapCallback, resume
+from tests import forkserver
 
 from . import transformers_job
 
@@ -169,12 +169,8 @@ def test_resume_without_versions_trains_from_the_start(tmp_path: Path) -> None:
 
 def _job(run: Path, out: Path, kill_at: int, sig: str) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [sys.executable, str(JOB), str(run), str(out), "--kill-at", str(kill_at), "--signal", sig],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    return forkserver.run(
+        [str(JOB), str(run), str(out), "--kill-at", str(kill_at), "--signal", sig], timeout=300
     )
 
 

@@ -44,7 +44,7 @@ total_steps = 40
 
 
 def train_step(model, opt, batch=None):
-    x = torch.randn(64, 1024) if batch is None else batch[0]
+    x = torch.randn(4, 1024) if batch is None else batch[0]  # a small batch: 1,000 steps run
     loss = model(x).pow(2).mean()
     opt.zero_grad()
     loss.backward()

@@ -29,6 +29,7 @@ from cryosnap.cli import main
 from cryosnap.export import ExportError, ExportResult, export
 from cryosnap.progress import human_bytes
 from cryosnap.storage import LocalStore
+from tests import forkserver
 
 
 def torch_state() -> dict[str, Any]:
@@ -92,14 +93,9 @@ MIXED_LEAVES = [
 
 
 def shell(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m cryosnap ARGS`` as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "cryosnap", *(str(a) for a in args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    """Run ``python -m cryosnap ARGS`` as a user would (forked from tests/forkserver.py's
+    server: a process of its own, its own exit status and streams)."""
+    return forkserver.run(["-m", "cryosnap", *(str(a) for a in args)], timeout=120)
 
 
 def assert_one_error_line(err: str, *fragments: str) -> None:
