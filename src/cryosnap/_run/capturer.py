@@ -27,12 +27,15 @@ from cryosnap._run.through import Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.dtensor import fill_target
 from cryosnap._state.gc import paused_gc
+from cryosnap.engine.write import BACKGROUND_NICE, lower_priority
 
 __all__ = ["END", "Capturer", "Job"]
 
 END = object()  # the last item of a job's batch queue
 # The longest a flush pauses for one capture in progress.
 _YIELD_SECONDS = 5.0
+# The lazy capture's nice value above the program's (engine/write/_priority.py).
+CAPTURE_NICE = BACKGROUND_NICE
 
 
 @dataclass(slots=True)
@@ -168,9 +171,8 @@ class Capturer:
         job.stall_seconds = time.perf_counter() - t0
         job.stall_clock = self._clock() - job.clock0
         thread = threading.Thread(
-            target=self._capture,
+            target=self._capture_lazy,
             args=(job, hooks),
-            kwargs={"lazy": True},
             name=f"cryosnap-capture-{job.step}",
             daemon=True,
         )
@@ -219,6 +221,12 @@ class Capturer:
         self.pool.clear()
 
     # -- capture threads -----------------------------------------------------------------------
+
+    def _capture_lazy(self, job: Job, hooks: list[Any]) -> None:
+        """A lazy capture's thread: below the program's threads (engine/write/_priority.py);
+        an optimizer step waiting for it lets it run."""
+        lower_priority(CAPTURE_NICE)
+        self._capture(job, hooks, lazy=True)
 
     def _capture(self, job: Job, hooks: list[Any], *, lazy: bool) -> None:
         tracker = job.pending._tracker
