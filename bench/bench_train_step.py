@@ -103,19 +103,18 @@ class Sampler:
 
 
 def _block(mode: str, model: Any, opt: Any, data: Any, root: Path, steps: int, every: int) -> Any:
-    """One block of ``mode``: ``none``, ``lazy`` or ``eager``, optionally ``@N``: cryosnap's
-    background threads at nice N above the program's instead of the default (to compare)."""
+    """One block of ``mode``: ``none``, ``lazy`` or ``eager``, optionally ``@N``: the lazy
+    capture's thread at nice N above the program's instead of the default (to compare)."""
     import cryosnap._run.capturer as capturer
-    import cryosnap.engine.write._priority as priority
 
     kind, _, nice = mode.partition("@")
-    saved = priority.BACKGROUND_NICE, capturer.CAPTURE_NICE
+    saved = capturer.CAPTURE_NICE
     if nice:
-        priority.BACKGROUND_NICE = capturer.CAPTURE_NICE = int(nice)
+        capturer.CAPTURE_NICE = int(nice)
     try:
         return _timed_block(kind, model, opt, data, root, steps, every)
     finally:
-        priority.BACKGROUND_NICE, capturer.CAPTURE_NICE = saved
+        capturer.CAPTURE_NICE = saved
 
 
 def _timed_block(

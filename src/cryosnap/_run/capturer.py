@@ -20,6 +20,7 @@ import numpy as np
 from cryosnap import engine
 from cryosnap._format.manifest import Lineage, Replicated
 from cryosnap._run.devdiff import DeviceDiff, DiffPlan
+from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
 from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
@@ -27,14 +28,13 @@ from cryosnap._run.through import Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.dtensor import fill_target
 from cryosnap._state.gc import paused_gc
-from cryosnap.engine.write import BACKGROUND_NICE, lower_priority
 
 __all__ = ["END", "Capturer", "Job"]
 
 END = object()  # the last item of a job's batch queue
 # The longest a flush pauses for one capture in progress.
 _YIELD_SECONDS = 5.0
-# The lazy capture's nice value above the program's (engine/write/_priority.py).
+# The lazy capture thread's nice value above the program's (_run/priority.py).
 CAPTURE_NICE = BACKGROUND_NICE
 
 
@@ -223,8 +223,9 @@ class Capturer:
     # -- capture threads -----------------------------------------------------------------------
 
     def _capture_lazy(self, job: Job, hooks: list[Any]) -> None:
-        """A lazy capture's thread: below the program's threads (engine/write/_priority.py);
-        an optimizer step waiting for it lets it run."""
+        """A lazy capture's thread: below the program's threads (_run/priority.py), as its
+        copies overlap the forward and backward passes; an optimizer step that waits for it
+        leaves the cores to it."""
         lower_priority(CAPTURE_NICE)
         self._capture(job, hooks, lazy=True)
 

@@ -21,7 +21,6 @@ import xxhash
 from cryosnap._format.chunks import HASH_BYTES, hash_chunks_released
 from cryosnap._format.manifest import STORED, CommitRecord
 from cryosnap.engine import chain_keys, chain_manifests, read_commit, read_manifest
-from cryosnap.engine.write import lower_priority
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -349,7 +348,6 @@ class Flusher:
         self._stop.set()
 
     def _run(self) -> None:
-        lower_priority()  # the program's threads first (engine/write/_priority.py)
         while True:
             step = self._queue.get()
             if step is None:

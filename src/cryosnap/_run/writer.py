@@ -37,7 +37,6 @@ from cryosnap._run.staging import Batch, CaptureTracker, direct_batches
 from cryosnap._run.xor import Parity
 from cryosnap._state import FlatState
 from cryosnap.dist import Coordinator
-from cryosnap.engine.write import lower_priority
 from cryosnap.errors import CheckpointError, CoordinationError, StorageTimeoutError
 from cryosnap.progress import Progress, human_bytes
 from cryosnap.storage import Store
@@ -449,7 +448,6 @@ class WriterThread:
         self._thread.join()
 
     def _run(self) -> None:
-        lower_priority()  # the program's threads first (engine/write/_priority.py)
         while True:
             job = self._jobs.get()
             if job is None:

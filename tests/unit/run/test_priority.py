@@ -1,6 +1,6 @@
-"""A managed run's background threads run below the program's (engine/write/_priority.py):
-the writer thread, the appenders' I/O threads, a lazy capture's thread and a hand-off's flush
-thread; an eager capture runs on the caller's thread and leaves its priority alone."""
+"""A lazy capture's thread runs below the program's (_run/priority.py); the writer thread and
+the appenders' I/O threads, which an eager save and the next save wait for, keep the program's
+priority, and an eager capture runs on the caller's thread and leaves its priority alone."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import cryosnap
 from cryosnap._format.manifest import commit_key
 from cryosnap._run.capturer import CAPTURE_NICE, Capturer
-from cryosnap.engine.write import BACKGROUND_NICE, thread_nice
+from cryosnap._run.priority import thread_nice
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 
@@ -45,7 +45,7 @@ def _name() -> str:
     return threading.current_thread().name
 
 
-def test_a_lazy_save_runs_every_background_thread_below_the_program(
+def test_a_lazy_capture_runs_below_the_program_and_the_writer_does_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = Seen()
@@ -62,9 +62,8 @@ def test_a_lazy_save_runs_every_background_thread_below_the_program(
     with cryosnap.Checkpointer(store) as ckpt:
         ckpt.save(1, {"w": np.arange(1 << 16, dtype=np.float32)}, lazy=True).result()
     assert captures == [("cryosnap-capture-1", _below(CAPTURE_NICE))]
-    background = _below(BACKGROUND_NICE)
-    assert seen.calls["writer.write data"] == ("cryosnap-io", background)
-    assert seen.calls[f"write {commit_key(1).split('/')[0]}"] == ("cryosnap-writer", background)
+    assert seen.calls["writer.write data"] == ("cryosnap-io", caller)
+    assert seen.calls[f"write {commit_key(1).split('/')[0]}"] == ("cryosnap-writer", caller)
     assert thread_nice() == caller
 
 
@@ -84,12 +83,3 @@ def test_an_eager_capture_keeps_the_callers_priority(
         ckpt.save(1, {"w": np.ones(1000)}).result()
     assert captures == [(_name(), caller)]
     assert thread_nice() == caller
-
-
-def test_a_handoff_flushes_below_the_program(tmp_path: Path) -> None:
-    seen = Seen()
-    persistent = FaultyStore(LocalStore(tmp_path / "persistent"), fault=seen.fault)
-    with cryosnap.Checkpointer(persistent, scratch=str(tmp_path / "scratch")) as ckpt:
-        ckpt.save(1, {"w": np.arange(1 << 16, dtype=np.float32)}).result()
-    name, nice = seen.calls[f"write {commit_key(1).split('/')[0]}"]
-    assert name == "cryosnap-flush" and nice == _below(BACKGROUND_NICE)

@@ -5,17 +5,8 @@ blobs. Runs on the writer thread; the appenders on their I/O threads.
 
 from __future__ import annotations
 
-from cryosnap.engine.write._priority import BACKGROUND_NICE, lower_priority, thread_nice
 from cryosnap.engine.write._shares import Owners, assign_shares
 from cryosnap.engine.write.part_writer import PartResult, PartWriter
 from cryosnap.engine.write.part_writer import _split_pieces as _split_pieces
 
-__all__ = [
-    "BACKGROUND_NICE",
-    "Owners",
-    "PartResult",
-    "PartWriter",
-    "assign_shares",
-    "lower_priority",
-    "thread_nice",
-]
+__all__ = ["Owners", "PartResult", "PartWriter", "assign_shares"]

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from cryosnap.engine.write._priority import lower_priority
 from cryosnap.storage import Store
 from cryosnap.storage.base import BlobWriter
 from cryosnap.storage.tiers import Placement
@@ -74,7 +73,6 @@ class Appender:
             raise self._error
 
     def _run(self) -> None:
-        lower_priority()  # the program's threads first (_priority.py)
         while True:
             task = self._queue.get()
             if isinstance(task, _Stop):

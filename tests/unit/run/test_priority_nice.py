@@ -1,6 +1,5 @@
-"""Background threads below the program's (engine/write/_priority.py): the nice value a thread
-gives itself, never raised, at most 19, left alone where threads have none or the system
-refuses; the appender's I/O thread writes at it while the caller's thread keeps its own."""
+"""A thread below the program's (_run/priority.py): the nice value it gives itself, never
+raised, at most 19, left alone where threads have none or the system refuses."""
 
 from __future__ import annotations
 
@@ -8,16 +7,12 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cryosnap.engine.write import _priority
-from cryosnap.engine.write._appender import Appender
-from cryosnap.engine.write._priority import BACKGROUND_NICE, lower_priority, thread_nice
-from cryosnap.storage import LocalStore
-from cryosnap.testing import FaultyStore
+from cryosnap._run import priority as _priority
+from cryosnap._run.priority import BACKGROUND_NICE, lower_priority, thread_nice
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
 
@@ -80,23 +75,3 @@ def test_where_threads_have_no_nice_value_nothing_is_done(monkeypatch: pytest.Mo
     assert on_thread(lower_priority) is None
     assert on_thread(thread_nice) is None
     assert calls == []
-
-
-@linux
-def test_the_appenders_io_thread_writes_below_the_program(tmp_path: Path) -> None:
-    seen: dict[str, int | None] = {}
-
-    def record(op: str, _key: str) -> None:
-        seen[op] = thread_nice()
-
-    before = thread_nice()
-    store = FaultyStore(LocalStore(tmp_path), fault=record)
-    appender = Appender(store, "data/x")
-    done = threading.Event()
-    appender.append([memoryview(b"abc" * 1000)], done.set, 3000)
-    appender.start_commit()
-    appender.wait_commit()
-    assert done.is_set()
-    want = min(19, _program_nice() + BACKGROUND_NICE)
-    assert seen == {"open_writer": want, "writer.write": want, "writer.commit": want}
-    assert thread_nice() == before  # the caller's own priority is its own

@@ -1,12 +1,18 @@
-"""The scheduling priority of cryosnap's background threads (Linux: a nice value per thread).
+"""The scheduling priority of a lazy capture's thread (Linux: a nice value per thread).
 
-A checkpoint's background work (the lazy capture's copies, hashing and diffing on the writer
-thread, the appenders' writes and fsyncs, the hand-off's flushes) competes with the program for
-the cores. The program's threads come first: each background thread lowers its own priority
-when it starts, to :data:`BACKGROUND_NICE` above the process's nice value (at most 19), so the
-scheduler runs it on the cycles the program leaves and preempts it when a program thread wakes.
-It is never raised: a thread of a process already started with a higher nice value keeps it.
-Where threads have no nice value of their own (not Linux), nothing changes.
+A lazy capture copies the state into staging while the program runs its next forward and
+backward passes, on the same cores. Its thread lowers its own priority when it starts, to
+:data:`BACKGROUND_NICE` above the process's nice value (at most 19), so the scheduler gives
+the program's threads the cores first and runs the copy on the cycles they leave; an optimizer
+step that waits for the copy leaves the cores to it. It is never raised: a process started
+with a higher nice value keeps it. Where threads have no nice value of their own (not Linux),
+or the system refuses (a sandbox without ``setpriority``), nothing changes.
+
+The writer thread and the appenders' I/O threads keep the program's priority: an eager save
+waits for the blobs the writer writes from the program's memory (_run/through.py) and the next
+save for the previous version's commit (``max_inflight``), and the storage calls' worker
+threads, which inherit the nice value of the thread that starts them, are shared with the
+caller's own calls. docs/PERFORMANCE.md ("Training at every step") has the measurements.
 
 Runs on the thread it lowers; no storage, no collectives.
 """
@@ -19,8 +25,8 @@ import threading
 
 __all__ = ["BACKGROUND_NICE", "lower_priority", "thread_nice"]
 
-# How far below the program's threads cryosnap's background threads run (in nice steps: at 10
-# the scheduler gives a thread about a tenth of the share of one at 0 when both want a core).
+# How far below the program's threads a lowered thread runs (in nice steps: at 10 the
+# scheduler gives it about a tenth of the share of a thread at 0 when both want a core).
 BACKGROUND_NICE = 10
 _MAX_NICE = 19
 
