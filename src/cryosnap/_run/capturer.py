@@ -20,6 +20,7 @@ import numpy as np
 from cryosnap import engine
 from cryosnap._format.manifest import Lineage, Replicated
 from cryosnap._run.devdiff import DeviceDiff, DiffPlan
+from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
 from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
@@ -33,6 +34,8 @@ __all__ = ["END", "Capturer", "Job"]
 END = object()  # the last item of a job's batch queue
 # The longest a flush pauses for one capture in progress.
 _YIELD_SECONDS = 5.0
+# The lazy capture thread's nice value above the program's (_run/priority.py).
+CAPTURE_NICE = BACKGROUND_NICE
 
 
 @dataclass(slots=True)
@@ -168,9 +171,8 @@ class Capturer:
         job.stall_seconds = time.perf_counter() - t0
         job.stall_clock = self._clock() - job.clock0
         thread = threading.Thread(
-            target=self._capture,
+            target=self._capture_lazy,
             args=(job, hooks),
-            kwargs={"lazy": True},
             name=f"cryosnap-capture-{job.step}",
             daemon=True,
         )
@@ -219,6 +221,13 @@ class Capturer:
         self.pool.clear()
 
     # -- capture threads -----------------------------------------------------------------------
+
+    def _capture_lazy(self, job: Job, hooks: list[Any]) -> None:
+        """A lazy capture's thread: below the program's threads (_run/priority.py), as its
+        copies overlap the forward and backward passes; an optimizer step that waits for it
+        leaves the cores to it."""
+        lower_priority(CAPTURE_NICE)
+        self._capture(job, hooks, lazy=True)
 
     def _capture(self, job: Job, hooks: list[Any], *, lazy: bool) -> None:
         tracker = job.pending._tracker
