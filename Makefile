@@ -17,10 +17,10 @@ DEV         := $(VENV)/.dev-installed
 # its seed printed last); CONTRIBUTING.md says how to rerun one order, or file order.
 # `make test` leaves out the tests marked deep (full-length campaigns); `make test-deep` runs
 # them (CI runs both). PYTEST_ARGS adds options to both.
-# 4 workers on 2 cores: the tests wait on child processes and fsync often. Beside two CPU
-# burners 4 and 3 measured alike (430 and 432 s; 499 and 411 s), 3 with a little less CPU
-# (CONTRIBUTING.md); more workers take a larger share of a busy machine.
-PYTEST_WORKERS ?= 4
+# 6 workers on 2 cores: the tests wait on child processes, the disk and fsync often; since
+# their children are forked from a warm server (tests/forkserver.py) the suite needs less CPU
+# and waits more: 6 workers took 319 s where 4 took 384 s (CONTRIBUTING.md).
+PYTEST_WORKERS ?= 6
 PYTEST_ARGS    ?=
 PYTEST      := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 # Compiled modules are cached in __pycache__ (ignored by git) even where the environment says

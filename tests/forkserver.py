@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing
+import multiprocessing.process
 import os
 import runpy
 import signal
@@ -55,6 +56,14 @@ def _server() -> Any:
 
 def _run_script(argv: Sequence[str], env: Mapping[str, str], cwd: str, logs: Sequence[str]) -> None:
     """In the forked rank: the process a ``python argv...`` exec would have been."""
+    # multiprocessing made this process a child of the server's: make it a main process again,
+    # with the platform's default start method (a DataLoader's workers are then its own
+    # children, which notice its death, not the server's).
+    multiprocessing.set_start_method(None, force=True)
+    me: Any = multiprocessing.current_process()  # as multiprocessing's _MainProcess is made
+    me._identity, me._name, me._parent_pid = (), "MainProcess", None
+    multiprocessing.process._parent_process = None  # type: ignore[attr-defined]
+    multiprocessing.process._children = set()  # type: ignore[attr-defined]
     for target, path in zip((1, 2), logs, strict=True):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, target)

@@ -15,10 +15,19 @@ from tests import forkserver
 
 _PROBE = textwrap.dedent(
     """
-    import atexit, json, os, sys, threading, time
+    import atexit, json, multiprocessing, os, sys, threading, time
     import numpy as np
 
     out = sys.argv[1]
+
+    def child_ppid():  # a child of the default start method is this process's own
+        q = multiprocessing.Queue()
+        p = multiprocessing.Process(target=report_ppid, args=(q,))
+        p.start(); ppid = q.get(timeout=60); p.join(60)
+        return ppid
+
+    def report_ppid(q):
+        q.put(os.getppid())
     def at_exit():
         with open(out + ".atexit", "w") as f:
             f.write("ran")
@@ -31,7 +40,10 @@ _PROBE = textwrap.dedent(
     report = {
         "pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv, "name": __name__,
         "env": os.environ.get("PROBE"), "rand": float(np.random.random()),
-        "path0": sys.path[0],
+        "path0": sys.path[0], "start": multiprocessing.get_start_method(),
+        "process": multiprocessing.current_process().name,
+        "parent": multiprocessing.parent_process() is None,
+        "child_ppid": child_ppid(),
     }
     with open(out, "w") as f:
         json.dump(report, f)
@@ -58,6 +70,12 @@ def test_a_forked_process_is_the_process_it_replaces(tmp_path: Path, how: str) -
         assert report["pid"] == proc.pid != os.getpid()
         assert report["cwd"] == str(tmp_path) and report["env"] == f"value-{k}"
         assert report["name"] == "__main__"
+        assert (report["start"], report["process"], report["parent"]) == (
+            "fork",
+            "MainProcess",
+            True,
+        )
+        assert report["child_ppid"] == proc.pid
         assert report["argv"][1:] == [str(out), "3"]
         assert report["path0"] == (str(tmp_path) if how == "script" else "")
         assert (tmp_path / f"report-{k}.json.atexit").read_text() == "ran"

@@ -14,6 +14,7 @@ import functools
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,6 @@ from cryosnap.integrations.lightning import (
     load_from_checkpoint,
     to_plain,
 )
-from tests import forkserver
 
 from . import lightning_job
 
@@ -147,7 +147,17 @@ def _job(
 ) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     args = [str(run), str(out), "--kill-at", str(kill_at), "--signal", sig, "--loader", kind]
-    return forkserver.run([str(JOB), *args], timeout=300)
+    # Exec'd, not forked (tests/forkserver.py): the job's DataLoader workers (``workers``)
+    # inherit the run's lock and outlive a SIGKILLed job by up to 5 s (their watchdog's
+    # period); a rerun forked at once would find the run still locked. An exec'd rerun spends
+    # those seconds importing torch and Lightning.
+    return subprocess.run(
+        [sys.executable, str(JOB), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
