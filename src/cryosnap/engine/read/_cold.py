@@ -97,17 +97,15 @@ class ColdFiles:
         self.files = frozenset(cold)
         if not cold:
             return
-        in_cold = np.isin(chunks.files, np.fromiter(cold, np.int64, len(cold)))
-        counts = np.cumsum(np.concatenate([[0], in_cold.astype(np.int64)]))
-        self._touches = (counts[chunks.starts[1:]] > counts[chunks.starts[:-1]]).tolist()
+        self._touches = self.touching(cold)
 
-    def touches(self, blob: int, files: Collection[int] | None = None) -> bool:
-        """Whether some chunk of ``blob`` lies in a cold file (of ``files``, if given)."""
-        if files is None or not self._touches[blob]:
-            return self._touches[blob]
-        lo, hi = int(self._starts[blob]), int(self._starts[blob + 1])
-        wanted = np.fromiter(files, np.int64, len(files))
-        return bool(np.isin(self._chunk_files[lo:hi], wanted).any())
+    def touching(self, files: Collection[int]) -> list[bool]:
+        """For each blob, whether some chunk of it lies in one of ``files`` (indices into
+        the part's files; the cold ones: :attr:`files`)."""
+        inside = np.isin(self._chunk_files, np.fromiter(files, np.int64, len(files)))
+        counts = np.cumsum(np.concatenate([[0], inside.astype(np.int64)]))
+        touched: list[bool] = (counts[self._starts[1:]] > counts[self._starts[:-1]]).tolist()
+        return touched
 
     def direct_files(self, direct: Sequence[bool]) -> list[int]:
         """The cold files that some chunk of a ``direct`` blob (into='s own leaf) lies in."""

@@ -114,10 +114,11 @@ def _stage_cold(
     if not unmapped:
         return list(views), list(direct), []
     budget = cold.staging_budget()
+    touches = cold.touching(unmapped)
     out, flags = list(views), list(direct)
     staged: list[tuple[memoryview, memoryview]] = []
     for i, (view, is_direct) in enumerate(zip(views, direct, strict=True)):
-        if is_direct and view.nbytes and cold.touches(i, unmapped) and view.nbytes <= budget:
+        if is_direct and view.nbytes and touches[i] and view.nbytes <= budget:
             budget -= view.nbytes
             out[i] = cold.memory(i)
             flags[i] = False
