@@ -154,16 +154,23 @@ def _staged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cold, "MAP_COLD_INTO", False)
 
 
-def test_a_cold_restore_into_fills_in_place_through_the_mapping(direct_dir: Path) -> None:
-    """into='s own leaves (those of at least 256 KiB) are verified and copied from the
-    mapped file: no direct read of their bytes, none staged."""
-    state = _saved(direct_dir)
+def _restored_into_in_place(direct_dir: Path, state: dict[str, Any]) -> FaultySyscalls:
+    """Restore ``state``'s version into zeroed leaves, check that it is ``state`` and that
+    every array leaf was filled in place; the syscalls the restore made."""
     syscalls = FaultySyscalls()
     into = _zeros(state)
     kept = {k: v for k, v in into.items() if not isinstance(v, int)}
     out = cryosnap.load(LocalStore(direct_dir, syscalls=syscalls), step=STEP, into=into)
     assert _equal(out, state)
     assert all(out[k] is v for k, v in kept.items())  # filled in place
+    return syscalls
+
+
+def test_a_cold_restore_into_fills_in_place_through_the_mapping(direct_dir: Path) -> None:
+    """into='s own leaves (those of at least 256 KiB) are verified and copied from the
+    mapped file: no direct read of their bytes, none staged."""
+    state = _saved(direct_dir)
+    syscalls = _restored_into_in_place(direct_dir, state)
     assert _direct_bytes(syscalls) <= 0.1 * _nbytes(state)  # "small" only: the rest mapped
 
 
@@ -173,12 +180,7 @@ def test_a_staged_cold_restore_into_fills_in_place(
     _staged(monkeypatch)
     state = _saved(direct_dir)
     copied = _bounced(monkeypatch)
-    syscalls = FaultySyscalls()
-    into = _zeros(state)
-    kept = {k: v for k, v in into.items() if not isinstance(v, int)}
-    out = cryosnap.load(LocalStore(direct_dir, syscalls=syscalls), step=STEP, into=into)
-    assert _equal(out, state)
-    assert all(out[k] is v for k, v in kept.items())  # filled in place
+    syscalls = _restored_into_in_place(direct_dir, state)
     assert _direct_bytes(syscalls) >= 4 * MIB  # read once, from the disk
     assert sum(copied) <= 0.1 * _nbytes(state)  # into staging memory placed alike
 
@@ -190,11 +192,7 @@ def test_cold_files_that_cannot_be_mapped_stage_into(
     staged: read once with direct I/O, copied in once every chunk verified."""
     state = _saved(direct_dir)
     monkeypatch.setattr(LocalStore, "map_file", lambda self, key: None)
-    syscalls = FaultySyscalls()
-    into = _zeros(state)
-    out = cryosnap.load(LocalStore(direct_dir, syscalls=syscalls), step=STEP, into=into)
-    assert _equal(out, state)
-    assert all(out[k] is v for k, v in into.items() if not isinstance(v, int))
+    syscalls = _restored_into_in_place(direct_dir, state)
     assert _direct_bytes(syscalls) >= 4 * MIB
 
 

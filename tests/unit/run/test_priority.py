@@ -45,10 +45,8 @@ def _name() -> str:
     return threading.current_thread().name
 
 
-def test_a_lazy_capture_runs_below_the_program_and_the_writer_does_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen = Seen()
+def _observe_captures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
+    """Each capture's thread name and nice value, as it starts."""
     captures: list[tuple[str, int | None]] = []
     capture = Capturer._capture
 
@@ -57,6 +55,14 @@ def test_a_lazy_capture_runs_below_the_program_and_the_writer_does_not(
         capture(self, job, hooks, lazy=lazy)
 
     monkeypatch.setattr(Capturer, "_capture", observed)
+    return captures
+
+
+def test_a_lazy_capture_runs_below_the_program_and_the_writer_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = Seen()
+    captures = _observe_captures(monkeypatch)
     caller = thread_nice()
     store = FaultyStore(LocalStore(tmp_path / "run"), fault=seen.fault)
     with cryosnap.Checkpointer(store) as ckpt:
@@ -70,14 +76,7 @@ def test_a_lazy_capture_runs_below_the_program_and_the_writer_does_not(
 def test_an_eager_capture_keeps_the_callers_priority(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    captures: list[tuple[str, int | None]] = []
-    capture = Capturer._capture
-
-    def observed(self: Capturer, job: Any, hooks: list[Any], *, lazy: bool) -> None:
-        captures.append((_name(), thread_nice()))
-        capture(self, job, hooks, lazy=lazy)
-
-    monkeypatch.setattr(Capturer, "_capture", observed)
+    captures = _observe_captures(monkeypatch)
     caller = thread_nice()
     with cryosnap.Checkpointer(tmp_path / "run") as ckpt:
         ckpt.save(1, {"w": np.ones(1000)}).result()
