@@ -44,6 +44,17 @@ def _heavy_first(items: list[pytest.Item]) -> None:
     items.sort(key=light)
 
 
+# A full-length campaign (``deep``) may take minutes beside others on a busy 2-core machine;
+# the suite-wide timeout (pyproject.toml) is for hangs in ordinary tests.
+DEEP_TIMEOUT = 1500
+
+
+def _deep_timeouts(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("deep") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(DEEP_TIMEOUT))
+
+
 # tryfirst: the group marks are in place before xdist reads them (its own hook of this name);
 # pytest-randomly's shuffle (a hook wrapper) runs before it.
 @pytest.hookimpl(tryfirst=True)
@@ -53,6 +64,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     when such a test was collected)."""
     _share_module_fixtures(items)
     _heavy_first(items)
+    _deep_timeouts(items)
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return

@@ -147,10 +147,9 @@ def _job(
 ) -> subprocess.CompletedProcess[str]:
     out.mkdir(parents=True, exist_ok=True)
     args = [str(run), str(out), "--kill-at", str(kill_at), "--signal", sig, "--loader", kind]
-    # Exec'd, not forked (tests/forkserver.py): the job's DataLoader workers (``workers``)
-    # inherit the run's lock and outlive a SIGKILLed job by up to 5 s (their watchdog's
-    # period); a rerun forked at once would find the run still locked. An exec'd rerun spends
-    # those seconds importing torch and Lightning.
+    # Exec'd, not forked (tests/forkserver.py). Its DataLoader workers outlive a SIGKILLed
+    # job by up to 5 s; they no longer hold its run locked (cryosnap._run.lock closes a fork's
+    # copy), but a forked job was not yet tried beside the whole suite.
     return subprocess.run(
         [sys.executable, str(JOB), *args],
         capture_output=True,

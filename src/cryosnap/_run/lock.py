@@ -19,6 +19,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,21 @@ class RunLock:
             f"{self.store.url}: this writer no longer holds the run's write lock "
             f"({self._lost}); it stops instead of saving or deleting"
         )
+
+    def _forked(self) -> None:
+        """In a child forked from the writer (a DataLoader worker, a ``multiprocessing`` fork):
+        the lock stays the parent's alone. The child closes its copy of the locked file, so a
+        worker that outlives a killed parent does not hold the run locked, and it never writes,
+        deletes or heartbeats the lock: it is not the writer."""
+        self._mutex = threading.Lock()  # another thread may have held it at the fork
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            # close, never LOCK_UN: the open file is shared with the parent, whose lock it is.
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._owner = None
+        self._heartbeat = None
+        self._lose(f"this process (pid {os.getpid()}) was forked from the writer, which keeps it")
 
     def check(self) -> None:
         """Raise :class:`LockLostError` unless this writer still holds the lock (one stat
@@ -256,6 +272,7 @@ class RunLock:
         self._heartbeat.start()
 
     def release(self) -> None:
+        _HELD.discard(self)
         if self._fd is not None:
             import fcntl
 
@@ -307,6 +324,7 @@ def acquire_run_lock(
     local = store.capabilities.local_path
     if local is not None:
         _acquire_flock(lock, local)
+        _HELD.add(lock)
         return lock
     s3 = _ConditionalLock.of(store, stale)
     try:
@@ -320,8 +338,23 @@ def acquire_run_lock(
     except BaseException:
         lock._owner = None
         raise
+    _HELD.add(lock)
     lock._start_heartbeat()
     return lock
+
+
+# The locks this process holds, so that a fork's child can let go of its copies (RunLock._forked).
+_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_HELD):
+        lock._forked()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _refuse_if_held(lock: RunLock, current: Any) -> None:

@@ -411,3 +411,69 @@ def test_paused_checkpointer_resumes_and_saves_nothing(
             for step in (100, 101, 102):
                 assert int(successor.restore(step)["x"][0]) == step
     assert out.startswith("lost:"), out
+
+
+# --- forks of the writer ---------------------------------------------------------------------
+
+_FORKING_WRITER = """
+import multiprocessing, sys, time
+from cryosnap._run.lock import acquire_run_lock
+from cryosnap.storage import LocalStore
+
+lock = acquire_run_lock(LocalStore(sys.argv[1]))
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+worker.start()
+print("held", worker.pid, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_forked_worker_does_not_keep_a_killed_writers_run_locked(
+    tmp_path: Path, held: list[RunLock]
+) -> None:
+    # A DataLoader worker is a fork of the training process: it must not outlive a SIGKILLed
+    # writer holding the run's flock.
+    run = tmp_path / "run"
+    with _spawn(_FORKING_WRITER, str(run)) as writer:
+        assert writer.stdout is not None
+        word, pid = writer.stdout.readline().split()
+        assert word == "held"
+        worker = int(pid)
+        try:
+            with pytest.raises(RunLockedError):
+                acquire_run_lock(LocalStore(run))
+            writer.kill()
+            writer.wait(60)
+            os.kill(worker, 0)  # the forked worker is still alive ...
+            held.append(acquire_run_lock(LocalStore(run)))  # ... and the run is free
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_a_fork_of_the_writer_is_not_the_writer(
+    tmp_path: Path, kind: str, held: list[RunLock]
+) -> None:
+    store: Any = LocalStore(tmp_path / "run") if kind == "local" else FsspecStore("memory://forked")
+    lock = acquire_run_lock(store)
+    held.append(lock)
+    pid = os.fork()
+    if pid == 0:  # the child: refuses to act as the writer, and its release changes nothing
+        code = 1
+        try:
+            try:
+                lock.check()
+            except LockLostError as exc:
+                code = 0 if "forked from the writer" in str(exc) else 2
+            lock.release()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    lock.check()  # still the parent's
+    if kind == "memory":
+        assert _lock_info(store)["token"] == lock.token
+    else:
+        with pytest.raises(RunLockedError):
+            acquire_run_lock(LocalStore(tmp_path / "run"))
