@@ -118,6 +118,7 @@ class RunLock:
         self._beat_ok = 0.0  # clock() when the last successful lock write began
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        _HELD.add(self)  # until released: a fork's child lets go of it (_forked)
 
     @property
     def lost(self) -> bool:
@@ -324,7 +325,6 @@ def acquire_run_lock(
     local = store.capabilities.local_path
     if local is not None:
         _acquire_flock(lock, local)
-        _HELD.add(lock)
         return lock
     s3 = _ConditionalLock.of(store, stale)
     try:
@@ -338,12 +338,11 @@ def acquire_run_lock(
     except BaseException:
         lock._owner = None
         raise
-    _HELD.add(lock)
     lock._start_heartbeat()
     return lock
 
 
-# The locks this process holds, so that a fork's child can let go of its copies (RunLock._forked).
+# The locks of this process not yet released, so that a fork's child lets go of its copies.
 _HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
 
 
