@@ -104,17 +104,20 @@ class Sampler:
 
 def _block(mode: str, model: Any, opt: Any, data: Any, root: Path, steps: int, every: int) -> Any:
     """One block of ``mode``: ``none``, ``lazy`` or ``eager``, optionally ``@N``: the lazy
-    capture's thread at nice N above the program's instead of the default (to compare)."""
+    capture's thread at nice N above the program's instead of the default (to compare);
+    ``lazy-copy``: a lazy capture that copies every blob (no write-through)."""
     import cryosnap._run.capturer as capturer
 
     kind, _, nice = mode.partition("@")
-    saved = capturer.CAPTURE_NICE
+    saved = capturer.CAPTURE_NICE, capturer.LAZY_THROUGH
     if nice:
         capturer.CAPTURE_NICE = int(nice)
+    if kind == "lazy-copy":
+        kind, capturer.LAZY_THROUGH = "lazy", False
     try:
         return _timed_block(kind, model, opt, data, root, steps, every)
     finally:
-        capturer.CAPTURE_NICE = saved
+        capturer.CAPTURE_NICE, capturer.LAZY_THROUGH = saved
 
 
 def _timed_block(

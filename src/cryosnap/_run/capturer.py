@@ -36,6 +36,9 @@ END = object()  # the last item of a job's batch queue
 _YIELD_SECONDS = 5.0
 # The lazy capture thread's nice value above the program's (_run/priority.py).
 CAPTURE_NICE = BACKGROUND_NICE
+# Whether lazy captures hand blobs to the writer too (_run/through.py); False copies them all
+# (bench/bench_train_step.py compares the two).
+LAZY_THROUGH = True
 
 
 @dataclass(slots=True)
@@ -133,7 +136,10 @@ class Capturer:
         self.chunk_bytes = chunk_bytes
         self.diff = diff
         self.through = through
+        # The copy and write rates of eager and of lazy captures apart: a lazy capture copies
+        # beside the program's threads, below them (_run/priority.py), far slower.
         self._rates = Rates()
+        self._lazy_rates = Rates()
         self._stream: Any = None
         self._clock = clock
         slab = 64 << 20 if budget is None else max(budget // 4, chunk_bytes)
@@ -275,7 +281,7 @@ class Capturer:
             # so its fingerprints are computed before them, on the same stream.
             plan = self.diff.plan(job.ticket, job.flat, overlap=not lazy)
             job.diff_base, job.full = plan.base, plan.full
-        through = None if lazy else self._write_through(job, plan)
+        through = self._write_through(job, plan, lazy)
         t0 = time.perf_counter()
         job.captured_bytes = capture_to_slabs(
             job.flat,
@@ -292,9 +298,13 @@ class Capturer:
         )
         if through is not None:
             job.captured_bytes += through.handed_bytes  # out of the program's memory too
-            rates = self._rates
+            rates = self._lazy_rates if lazy else self._rates
             copied = job.captured_bytes - through.handed_bytes
-            rates.observe("copy_bps", copied, time.perf_counter() - t0)
+            # The copy's own time: not the wait for the writer at the end (counted in, a
+            # capture that waited would read as a slow copy, and the next would hand over
+            # more, and wait longer).
+            copying = time.perf_counter() - t0 - through.waited_seconds
+            rates.observe("copy_bps", copied, copying)
             rates.observe("write_bps", through.handed_bytes, through.written_seconds)
         if plan is not None:
             if plan.ready is not None:
@@ -302,9 +312,12 @@ class Capturer:
             assert self.diff is not None
             self.diff.adopt(job.step, plan, job.pending)
 
-    def _write_through(self, job: Job, plan: DiffPlan | None) -> WriteThrough | None:
-        """The hand-over of an eager capture (None: every blob is copied)."""
-        if not self.through:
+    def _write_through(self, job: Job, plan: DiffPlan | None, lazy: bool) -> WriteThrough | None:
+        """The hand-over of a capture (None: every blob is copied). A lazy capture's too: the
+        blobs the writer takes are never copied, which is CPU the program's threads get back
+        (a handed-over blob counts as captured once written, so an optimizer step that
+        mutates it waits for that, as it waits for a copy)."""
+        if not self.through or (lazy and not LAZY_THROUGH):
             return None
         skip = [*(job.plan.shares if job.plan is not None else ()), *(plan.changed if plan else ())]
         blobs = candidates(job.flat, skip=skip)
@@ -315,7 +328,7 @@ class Capturer:
             blobs,
             emit=job.batches.put,
             abort=job.pending.abort_requested,
-            rates=self._rates,
+            rates=self._lazy_rates if lazy else self._rates,
             mark=job.pending._tracker.mark,
         )
         job.attach(through)

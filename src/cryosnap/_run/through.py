@@ -111,6 +111,7 @@ class WriteThrough:
         self._began = 0.0
         self.handed_bytes = 0  # bytes written from where they lie (never copied)
         self.written_seconds = 0.0  # from begin to the last handed-over blob written
+        self.waited_seconds = 0.0  # the capture's wait in finish (no copy: not its rate)
 
     # -- the writer's side ---------------------------------------------------------------------
 
@@ -166,6 +167,8 @@ class WriteThrough:
 
     def finish(self) -> None:
         """No more hand-overs; returns once every handed-over blob is written."""
+        t0 = self._clock()
         with self._cond:
             self._stopped = True
             self._cond.wait_for(lambda: self._out == 0)
+        self.waited_seconds = self._clock() - t0

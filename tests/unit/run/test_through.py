@@ -233,3 +233,86 @@ def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(tmp_path: Path)
             assert info.written_bytes == 4 * BLOB
             got = ckpt.restore(step)
             assert all(np.array_equal(got[k], v) for k, v in state.items())
+
+
+class _Fixed(Rates):  # the writer taken for 4x faster than the copy, whatever is measured
+    ratio = 0.25
+
+    def observe(self, attr: str, nbytes: int, seconds: float) -> None:
+        pass
+
+
+def test_a_lazy_save_hands_blobs_over_and_the_optimizer_step_waits_until_they_are_written(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import torch
+
+    from cryosnap._run import capturer
+
+    made: list[WriteThrough] = []
+
+    class Recorded(WriteThrough):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(capturer, "WriteThrough", Recorded)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.Adam(model.parameters())
+
+    def train() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+
+    train()
+    # A slow writer: each step() below comes while the handed-over blobs are being written.
+    store = FaultyStore(LocalStore(tmp_path), bytes_per_second=20e6)
+    snaps = {}
+    with cryosnap.Checkpointer(store, keep=3, chunk_bytes=CHUNK) as ckpt:
+        ckpt._capturer.through = True  # as on a direct-I/O level (tmp may be a tmpfs)
+        ckpt._capturer._lazy_rates = _Fixed()
+        pendings = []
+        for step in range(3):
+            snaps[step] = {
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "exp_avg_sq": [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()],
+            }
+            pendings.append(ckpt.save(step, {"model": model, "opt": opt}, lazy=True))
+            train()  # waits until what it mutates is captured: copied, or handed over and written
+        for p in pendings:
+            p.result(timeout=120)
+        for step, snap in snaps.items():
+            got = ckpt.restore(step)
+            for k, v in snap["model"].items():
+                assert torch.equal(got["model"][k], v), (step, k)
+            saved = got["opt"]["state"]
+            for i, v in enumerate(snap["exp_avg_sq"]):
+                assert torch.equal(saved[i]["exp_avg_sq"], v), (step, i)
+    # Every lazy version handed blobs over (never copied), not only its last one.
+    assert len(made) == 3 and all(t.handed_bytes >= 1 << 20 for t in made)
+
+
+def test_the_capture_s_wait_for_the_writer_is_not_counted_as_copying() -> None:
+    now = [0.0]
+    flat = flatten(tree(4))
+    emitted: list[Batch] = []
+    through = through_of(flat, emitted, FAST, abort=lambda: None, clock=lambda: now[0])
+    through.begin()
+    assert handed(emitted) == [3, 2]
+    assert through.enter(0) and through.enter(1)
+
+    def writer() -> None:  # writes the two handed blobs 5 s into the capture's wait
+        while not through._stopped:
+            time.sleep(0.001)
+        now[0] += 5.0
+        for batch in emitted:
+            batch.release()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    through.finish()
+    thread.join()
+    assert through.waited_seconds == 5.0
+    assert through.written_seconds == 5.0
