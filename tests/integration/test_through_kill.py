@@ -1,5 +1,6 @@
-"""SIGKILL during a save whose blobs go to the writer from the live memory (write-through,
-_run/through.py): the earlier version stays restorable, nothing partial shows, the run reopens."""
+"""SIGKILL during a save (eager or lazy) whose blobs go to the writer from the live memory
+(write-through, _run/through.py): the earlier version stays restorable, nothing partial
+shows, the run reopens."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ _CHILD = textwrap.dedent(
     from cryosnap.storage import LocalStore
     from cryosnap.testing import FaultyStore
 
-    run, phase, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    run, phase, nth, lazy = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "lazy"
     armed = {"on": False, "seen": 0}
 
     def fault(op, key):
@@ -51,10 +52,10 @@ _CHILD = textwrap.dedent(
     # begun (and handed the last blobs over) by the time it gives the first slab back.
     with cryosnap.Checkpointer(store, chunk_bytes=64 << 10, keep=2, staging_bytes=1 << 20) as ckpt:
         ckpt._capturer.through = True  # as on a direct-I/O level (tmp may be a tmpfs)
-        ckpt._capturer._rates = Eager()
-        ckpt.save(1, state(1)).result()
+        ckpt._capturer._rates = ckpt._capturer._lazy_rates = Eager()
+        ckpt.save(1, state(1), lazy=lazy).result()
         armed["on"] = True
-        ckpt.save(2, state(2)).result()
+        ckpt.save(2, state(2), lazy=lazy).result()
     print("finished without crashing")
     """
 )
@@ -76,13 +77,14 @@ def _state(step: int) -> dict[str, object]:
     return out
 
 
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
 @pytest.mark.parametrize(("phase", "nth"), PHASES)
 def test_sigkill_during_a_written_through_save_leaves_the_previous_version(
-    tmp_path: Path, phase: str, nth: int
+    tmp_path: Path, phase: str, nth: int, mode: str
 ) -> None:
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(run), phase, str(nth)],
+        [sys.executable, "-c", _CHILD, str(run), phase, str(nth), mode],
         capture_output=True,
         text=True,
         timeout=120,
