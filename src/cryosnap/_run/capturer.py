@@ -24,7 +24,7 @@ from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
 from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
-from cryosnap._run.through import Rates, WriteThrough, candidates
+from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.dtensor import fill_target
 from cryosnap._state.gc import paused_gc
@@ -140,6 +140,7 @@ class Capturer:
         # beside the program's threads, below them (_run/priority.py), far slower.
         self._rates = Rates()
         self._lazy_rates = Rates()
+        self._chooser = Chooser()  # whether an eager capture hands blobs over
         self._stream: Any = None
         self._clock = clock
         slab = 64 << 20 if budget is None else max(budget // 4, chunk_bytes)
@@ -281,7 +282,8 @@ class Capturer:
             # so its fingerprints are computed before them, on the same stream.
             plan = self.diff.plan(job.ticket, job.flat, overlap=not lazy)
             job.diff_base, job.full = plan.base, plan.full
-        through = self._write_through(job, plan, lazy)
+        through, choice = self._write_through(job, plan, lazy)
+        allocated = self.pool.allocated_bytes
         t0 = time.perf_counter()
         job.captured_bytes = capture_to_slabs(
             job.flat,
@@ -306,23 +308,33 @@ class Capturer:
             copying = time.perf_counter() - t0 - through.waited_seconds
             rates.observe("copy_bps", copied, copying)
             rates.observe("write_bps", through.handed_bytes, through.written_seconds)
+        if choice is not None and self.pool.allocated_bytes == allocated:
+            # What this way stalled per byte (not a capture that allocated staging: its fresh
+            # slabs' first touch is no cost of the way it took).
+            self._chooser.observe(choice, job.captured_bytes, time.perf_counter() - t0)
         if plan is not None:
             if plan.ready is not None:
                 plan.ready.synchronize()  # the caller may change the state once we return
             assert self.diff is not None
             self.diff.adopt(job.step, plan, job.pending)
 
-    def _write_through(self, job: Job, plan: DiffPlan | None, lazy: bool) -> WriteThrough | None:
-        """The hand-over of a capture (None: every blob is copied). A lazy capture's too: the
-        blobs the writer takes are never copied, which is CPU the program's threads get back
-        (a handed-over blob counts as captured once written, so an optimizer step that
-        mutates it waits for that, as it waits for a copy)."""
+    def _write_through(
+        self, job: Job, plan: DiffPlan | None, lazy: bool
+    ) -> tuple[WriteThrough | None, bool | None]:
+        """The hand-over of a capture (None: every blob is copied), and for an eager capture
+        that could hand blobs over, whether the :class:`Chooser` had it do so (None: no
+        choice was made). A lazy capture always hands over: the blobs the writer takes are
+        never copied, which is CPU the program's threads get back (a handed-over blob counts
+        as captured once written, so an optimizer step that mutates it waits for that, as it
+        waits for a copy); the stall it would save is not the program's."""
         if not self.through or (lazy and not LAZY_THROUGH):
-            return None
+            return None, None
         skip = [*(job.plan.shares if job.plan is not None else ()), *(plan.changed if plan else ())]
         blobs = candidates(job.flat, skip=skip)
         if not blobs:
-            return None
+            return None, None
+        if not lazy and not self._chooser.use():
+            return None, False
         through = WriteThrough(
             job.flat,
             blobs,
@@ -332,7 +344,7 @@ class Capturer:
             mark=job.pending._tracker.mark,
         )
         job.attach(through)
-        return through
+        return through, None if lazy else True
 
     def _optimizer_hooks(self, job: Job) -> list[Any]:
         torch = sys.modules.get("torch")

@@ -19,7 +19,7 @@ import numpy as np
 from cryosnap._state import FlatState
 from cryosnap.engine.items import Batch, Piece
 
-__all__ = ["THROUGH_MIN_BYTES", "Rates", "WriteThrough", "candidates"]
+__all__ = ["THROUGH_MIN_BYTES", "Chooser", "Rates", "WriteThrough", "candidates"]
 
 # Blobs smaller than this are copied: a batch of its own costs more than their copy.
 THROUGH_MIN_BYTES = 1 << 20
@@ -52,6 +52,39 @@ class Rates:
         old = getattr(self, attr)
         rate = nbytes / seconds
         setattr(self, attr, rate if old <= 0 else 0.5 * old + 0.5 * rate)
+
+
+class Chooser:
+    """Whether an eager capture hands blobs over, by what each way cost: the stall per byte of
+    the versions captured with and without it (moving averages), the way that stalled less
+    taken, the other retried every :attr:`RETRY` versions (the machine's load moves which one
+    wins: on a quiet 2-core machine the copy and the writer's direct writes share the cores
+    and the memory bandwidth and the hand-over made the stall longer; beside other work, where
+    the copy is slow, it made it shorter). Either way is tried before either is chosen."""
+
+    RETRY = 8
+
+    __slots__ = ("_count", "_per_byte")
+
+    def __init__(self) -> None:
+        self._per_byte = {True: 0.0, False: 0.0}  # seconds of stall per byte; 0: not measured
+        self._count = 0
+
+    def use(self) -> bool:
+        """Whether the next eager capture hands blobs over."""
+        self._count += 1
+        on, off = self._per_byte[True], self._per_byte[False]
+        if on <= 0 or off <= 0:
+            return on <= 0  # the way not measured yet (the hand-over first)
+        best = on <= off
+        return best != (self._count % self.RETRY == 0)
+
+    def observe(self, through: bool, nbytes: int, seconds: float) -> None:
+        """A capture ``through`` (handed blobs over or not) stalled ``seconds`` for ``nbytes``."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        old, rate = self._per_byte[through], seconds / nbytes
+        self._per_byte[through] = rate if old <= 0 else 0.5 * old + 0.5 * rate
 
 
 def candidates(

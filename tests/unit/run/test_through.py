@@ -17,7 +17,7 @@ from cryosnap import engine
 from cryosnap._run.capturer import END, Job
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import Batch, CaptureTracker, Piece, StagingPool, capture_to_slabs
-from cryosnap._run.through import Rates, WriteThrough, candidates
+from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import flatten
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore
@@ -316,3 +316,49 @@ def test_the_capture_s_wait_for_the_writer_is_not_counted_as_copying() -> None:
     thread.join()
     assert through.waited_seconds == 5.0
     assert through.written_seconds == 5.0
+
+
+def test_the_chooser_tries_both_ways_then_takes_the_one_that_stalled_less() -> None:
+    chooser = Chooser()
+    assert chooser.use()  # nothing measured: the hand-over first
+    chooser.observe(True, 1000, 2.0)
+    assert not chooser.use()  # then copying every blob
+    chooser.observe(False, 1000, 1.0)
+    taken = [chooser.use() for _ in range(2 * Chooser.RETRY)]
+    # Copying stalled less: taken, the hand-over retried once every RETRY versions.
+    assert taken.count(True) == 2
+    assert taken[Chooser.RETRY - 3] and taken[2 * Chooser.RETRY - 3]  # the 8th and 16th use
+    for _ in range(3):  # the machine changed: the hand-over now stalls less
+        chooser.observe(True, 1000, 0.25)
+    assert chooser.use()
+    chooser.observe(True, 0, 1.0)  # nothing captured (or no time): no measurement
+    chooser.observe(False, 1000, 0.0)
+    assert chooser.use()
+
+
+def test_an_eager_checkpointer_measures_both_ways_and_keeps_choosing(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from cryosnap._run import capturer
+
+    seen: list[tuple[bool, int]] = []
+
+    class Recorded(Chooser):
+        def observe(self, through: bool, nbytes: int, seconds: float) -> None:
+            seen.append((through, nbytes))
+            super().observe(through, nbytes, seconds)
+
+    monkeypatch.setattr(capturer, "Chooser", Recorded)
+    with cryosnap.Checkpointer(tmp_path, keep=2, chunk_bytes=CHUNK) as ckpt:
+        ckpt._capturer.through = True  # as on a direct-I/O level (tmp may be a tmpfs)
+        rng = np.random.default_rng(0)
+        for step in range(6):  # blobs of 1 MiB: large enough to be handed over
+            state = {f"w{i}": rng.integers(0, 255, 1 << 20, np.uint8) for i in range(4)}
+            ckpt.save(step, state).result()
+            got = ckpt.restore(step)
+            assert all(np.array_equal(got[k], v) for k, v in state.items())
+    # The first version allocated the staging pool: not measured. Both ways were then
+    # measured, each for the whole version's bytes.
+    assert {way for way, _ in seen} == {True, False}
+    assert all(nbytes == 4 << 20 for _, nbytes in seen)
+    assert len(seen) >= 4
