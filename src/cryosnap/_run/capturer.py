@@ -298,6 +298,7 @@ class Capturer:
             events=lazy,
             through=through,
         )
+        elapsed = time.perf_counter() - t0
         if through is not None:
             job.captured_bytes += through.handed_bytes  # out of the program's memory too
             rates = self._lazy_rates if lazy else self._rates
@@ -305,13 +306,12 @@ class Capturer:
             # The copy's own time: not the wait for the writer at the end (counted in, a
             # capture that waited would read as a slow copy, and the next would hand over
             # more, and wait longer).
-            copying = time.perf_counter() - t0 - through.waited_seconds
-            rates.observe("copy_bps", copied, copying)
+            rates.observe("copy_bps", copied, elapsed - through.waited_seconds)
             rates.observe("write_bps", through.handed_bytes, through.written_seconds)
         if choice is not None and self.pool.allocated_bytes == allocated:
             # What this way stalled per byte (not a capture that allocated staging: its fresh
             # slabs' first touch is no cost of the way it took).
-            self._chooser.observe(choice, job.captured_bytes, time.perf_counter() - t0)
+            self._chooser.observe(choice, job.captured_bytes, elapsed)
         if plan is not None:
             if plan.ready is not None:
                 plan.ready.synchronize()  # the caller may change the state once we return

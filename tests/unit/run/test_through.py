@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,24 @@ def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(tmp_path: Path)
             assert all(np.array_equal(got[k], v) for k, v in state.items())
 
 
+def _trained(layers: int) -> tuple[Any, Any, Callable[[], None]]:
+    """A model of ``layers`` Linear(512, 512) (1 MiB weights: large enough to be handed
+    over), its Adam optimizer after one step (its moments exist), and the training step."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(layers)))
+    opt = torch.optim.Adam(model.parameters())
+
+    def train() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+
+    train()
+    return model, opt, train
+
+
 class _Fixed(Rates):  # the writer taken for 4x faster than the copy, whatever is measured
     ratio = 0.25
 
@@ -258,16 +277,7 @@ def test_a_lazy_save_hands_blobs_over_and_the_optimizer_step_waits_until_they_ar
             made.append(self)
 
     monkeypatch.setattr(capturer, "WriteThrough", Recorded)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
-    opt = torch.optim.Adam(model.parameters())
-
-    def train() -> None:
-        opt.zero_grad()
-        model(torch.randn(8, 512)).square().mean().backward()
-        opt.step()
-
-    train()
+    model, opt, train = _trained(layers=2)
     # A slow writer: each step() below comes while the handed-over blobs are being written.
     store = FaultyStore(LocalStore(tmp_path), bytes_per_second=20e6)
     snaps = {}
@@ -370,16 +380,7 @@ def test_a_lazy_written_through_save_whose_write_fails_frees_the_optimizer_and_t
 ) -> None:
     import torch
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(512, 512)
-    opt = torch.optim.Adam(model.parameters())
-
-    def train() -> None:
-        opt.zero_grad()
-        model(torch.randn(8, 512)).square().mean().backward()
-        opt.step()
-
-    train()
+    model, opt, train = _trained(layers=1)
     fail = threading.Event()
 
     def fault(op: str, key: str) -> None:
