@@ -471,6 +471,10 @@ class WriterThread:
                 with self._settled:
                     self._queued -= 1
                     self._settled.notify_all()
+            # Not kept while waiting for the next job: a version's state (its packs of small
+            # tensors among them, which the next flatten fills again: _state/reuse.py) is
+            # freed once it is written.
+            del job, part, info
 
     def _after_commit(self, job: Job, part: engine.PartResult, info: SaveInfo) -> None:
         later: list[Callable[[], None]] = []

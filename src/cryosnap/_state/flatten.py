@@ -32,6 +32,7 @@ from cryosnap._state.gc import paused_gc
 from cryosnap._state.reuse import (
     Entry,
     FlattenCache,
+    PackBuffers,
     Scan,
     fingerprint,
     inline_places,
@@ -162,6 +163,7 @@ def _reused(entry: Entry, found: Scan, ptrs: list[int]) -> FlatState:
     tensors, uint8 = found.tensors, torch.uint8
     contiguous = entry.fingerprint[5]  # the tensors' (they have the entry's fingerprint)
     blobs: list[Blob] = []
+    packs = 0
     with torch.no_grad():
         for path, size, members in entry.blobs:
             if members is None:  # size: the tensor's index
@@ -173,7 +175,9 @@ def _reused(entry: Entry, found: Scan, ptrs: list[int]) -> FlatState:
                     (tensors[i] if contiguous[i] else tensors[i].contiguous(), n, at)
                     for i, n, at in members
                 ]
-                blobs.append(Blob(path, size, _fill_pack(torch, size, fill), 0, True))
+                pack = entry.buffers.take(packs, size, torch)
+                packs += 1
+                blobs.append(Blob(path, size, _fill_pack(torch, size, fill, pack), 0, True))
     stateful = [(format_path(path), obj) for path, obj in found.stateful]
     return FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
 
@@ -223,6 +227,7 @@ def _entry(
         flat.leaves,
         flat.logical_bytes,
         flat.packed,
+        PackBuffers(sum(1 for _path, _size, members in blobs if members is not None)),
     )
 
 
@@ -573,10 +578,12 @@ def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8:
     return Blob(path, n, flat, origin)
 
 
-def _fill_pack(torch: Any, size: int, members: list[tuple[Any, int, int]]) -> Any:
-    """A fresh pack of ``size`` bytes holding ``members`` (contiguous CPU tensor, its bytes,
-    its offset), in offset order."""
-    pack = torch.empty(size, dtype=torch.uint8)
+def _fill_pack(torch: Any, size: int, members: list[tuple[Any, int, int]], pack: Any = None) -> Any:
+    """A pack of ``size`` bytes holding ``members`` (contiguous CPU tensor, its bytes, its
+    offset), in offset order: ``pack`` (a uint8 tensor of that size, every byte rewritten)
+    or a fresh one."""
+    if pack is None:
+        pack = torch.empty(size, dtype=torch.uint8)
     # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
     # and cat cost more per call and run on its intra-op threads), and zeros in the
     # alignment gaps: every byte of a pack is defined.

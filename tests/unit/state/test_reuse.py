@@ -235,3 +235,56 @@ def test_a_reused_flatten_keeps_incremental_versions_small(tmp_path: Path) -> No
     assert 0 < second.written_bytes <= CHUNK
     assert third.written_bytes == 0
     assert_same(cryosnap.load(tmp_path, step=2), state)
+
+
+def _packs(flat: FlatState) -> list[Any]:
+    return [b.source for b in flat.blobs if b.private]
+
+
+def test_a_reused_flatten_fills_the_packs_of_a_version_no_longer_referenced() -> None:
+    state, cache = _state(), FlattenCache()
+    _flat(state, cache)  # the fresh flatten: the entry, no buffers yet
+    second = _flat(state, cache)
+    addresses = [p.data_ptr() for p in _packs(second)]
+    assert addresses
+    del second  # written and dropped: its packs' memory is filled again
+    state["model"]["layer0.weight"].add_(1.0)
+    third = _flat(state, cache)
+    assert [p.data_ptr() for p in _packs(third)] == addresses
+    _assert_same(third, _flat(state))
+
+
+def _hold_tensor(flat: FlatState) -> Any:
+    return _packs(flat)[0]
+
+
+def _hold_view(flat: FlatState) -> Any:
+    return _packs(flat)[0][4:8]
+
+
+def _hold_array(flat: FlatState) -> Any:
+    return flat.blobs[[b.private for b in flat.blobs].index(True)].host_view()
+
+
+@pytest.mark.parametrize("hold", [_hold_tensor, _hold_view, _hold_array])
+def test_a_pack_still_referenced_is_never_filled_again(hold: Callable[[FlatState], Any]) -> None:
+    """A version still being written (its pack, a view of it or the array the writer reads)
+    keeps its bytes while later versions are flattened."""
+    state, cache = _state(), FlattenCache()
+    _flat(state, cache)
+    second = _flat(state, cache)
+    held = hold(second)
+    expected = bytes(memoryview(held.numpy() if isinstance(held, torch.Tensor) else held))
+    first_pack = _packs(second)[0].data_ptr()
+    del second
+    for i in range(3):  # more versions than the buffers kept per pack
+        state["model"]["layer0.weight"].add_(1.0)
+        flat = _flat(state, cache)
+        assert _packs(flat)[0].data_ptr() != first_pack
+        _assert_same(flat, _flat(state))
+        if i == 0:
+            keep = flat  # two versions alive at once: neither's packs are shared
+        else:
+            assert _packs(flat)[0].data_ptr() != _packs(keep)[0].data_ptr()
+    actual = bytes(memoryview(held.numpy() if isinstance(held, torch.Tensor) else held))
+    assert actual == expected
