@@ -127,6 +127,20 @@ def test_manifest_round_trip(manifest: Manifest) -> None:
     assert Manifest.from_json(body, WHERE).to_json() == body
 
 
+@given(manifests(), manifests())
+def test_a_manifest_is_the_text_of_one_json_dumps_whatever_skeleton_came_before(
+    first: Manifest, second: Manifest
+) -> None:
+    """The tree's text is kept for the next manifest of the same skeleton object: the next one
+    of another skeleton, or of the same skeleton again, reads as json.dumps writes it."""
+    for manifest in (first, second, dataclasses.replace(second, step=first.step), first):
+        body = manifest.to_json()
+        doc = json.loads(body)
+        assert list(doc)[-2:] == ["hashes", "tree"]
+        assert body == json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        assert doc["tree"] == json.loads(json.dumps(manifest.skeleton))
+
+
 def _saved_manifest(state: Any, chunk_bytes: int) -> bytes:
     """The manifest ``save`` writes for ``state`` (in memory: no fsync, no files)."""
     store = open_store(f"memory://cryosnap-test-{uuid.uuid4().hex}")
