@@ -30,6 +30,8 @@ from cryosnap._state import dtensor
 from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
 from cryosnap._state.reuse import (
+    DATA,
+    STORAGE,
     Entry,
     FlattenCache,
     PackBuffers,
@@ -139,20 +141,27 @@ def flatten(
         key = (allow_pickle, pack, apart)
         found = scan(state) if loaded_torch() is not None else None
         if found is not None:
-            entry = cache.match(key, found)
-            ptrs = storages(found.tensors) if entry is not None else None
-            if entry is not None and ptrs is not None:
+            matched = cache.match(key, found)
+            if matched is not None:
                 cache.hit()
-                return _reused(entry, found, ptrs)
+                return _reused(*matched, found)
         flattener = _Flattener(allow_pickle, pack, apart)
         flat = flattener.run(state)
         cache.keep(_entry(key, found, flattener, flat) if found is not None else None)
         return flat
 
 
-def _reused(entry: Entry, found: Scan, ptrs: list[int]) -> FlatState:
+def _reused(
+    entry: Entry,
+    meta: list[tuple[Any, ...]],
+    copies: list[list[tuple[int, int, int]]] | None,
+    found: Scan,
+) -> FlatState:
     """The flat state of ``found`` laid out as ``entry`` says: its skeleton (the inline
-    leaves that changed re-encoded), a blob per tensor alone, the packs filled anew."""
+    leaves that changed re-encoded), a blob per tensor alone, the packs filled anew.
+    ``meta``: the tensors' (reuse.metadata); ``copies``: each pack's copies by address, if the
+    tensors lie where the entry's last ones did (then kept for the next save, if they can be
+    made)."""
     skeleton = entry.skeleton
     encode = _Flattener(False).inline
     for (at, node), value in zip(entry.places, found.inline, strict=True):
@@ -161,25 +170,44 @@ def _reused(entry: Entry, found: Scan, ptrs: list[int]) -> FlatState:
             skeleton = patched(skeleton, at, fresh)
     torch = sys.modules["torch"]
     tensors, uint8 = found.tensors, torch.uint8
-    contiguous = entry.fingerprint[5]  # the tensors' (they have the entry's fingerprint)
+    if copies is None:
+        copies = _pack_copies(entry, meta)
+        entry.last[:] = [(meta, copies)]
     blobs: list[Blob] = []
     packs = 0
     with torch.no_grad():
         for path, size, members in entry.blobs:
             if members is None:  # size: the tensor's index
                 t = tensors[size]
-                x = t if contiguous[size] else t.contiguous()
-                blobs.append(_alone(t, x, x.nbytes, path, ptrs[size], uint8))
+                x = t if meta[size][5] else t.contiguous()
+                blobs.append(_alone(t, x, x.nbytes, path, meta[size][STORAGE], uint8))
+                continue
+            pack = entry.buffers.take(packs, size, torch)
+            if copies is not None:
+                # The tensors (alive in ``found``) lie where the copies read.
+                _fill_pack(pack, copies[packs])
             else:
-                fill = [
-                    (tensors[i] if contiguous[i] else tensors[i].contiguous(), n, at)
-                    for i, n, at in members
-                ]
-                pack = entry.buffers.take(packs, size, torch)
-                packs += 1
-                blobs.append(Blob(path, size, _fill_pack(torch, size, fill, pack), 0, True))
+                fill = [(tensors[i].contiguous(), n, at) for i, n, at in members]
+                _fill_pack(pack, [(t.data_ptr(), n, at) for t, n, at in fill])
+            packs += 1
+            blobs.append(Blob(path, size, pack, 0, True))
     stateful = [(format_path(path), obj) for path, obj in found.stateful]
     return FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
+
+
+def _pack_copies(
+    entry: Entry, meta: list[tuple[Any, ...]]
+) -> list[list[tuple[int, int, int]]] | None:
+    """Each pack's copies ``(source address, nbytes, offset)`` for tensors of ``meta``; None if
+    a packed tensor is not contiguous (its bytes are then a fresh copy's, at a new address)."""
+    out = []
+    for _path, _size, members in entry.blobs:
+        if members is None:
+            continue
+        if not all(meta[i][5] for i, _n, _at in members):
+            return None
+        out.append([(meta[i][DATA], n, at) for i, n, at in members])
+    return out
 
 
 def _entry(
@@ -578,22 +606,18 @@ def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8:
     return Blob(path, n, flat, origin)
 
 
-def _fill_pack(torch: Any, size: int, members: list[tuple[Any, int, int]], pack: Any = None) -> Any:
-    """A pack of ``size`` bytes holding ``members`` (contiguous CPU tensor, its bytes, its
-    offset), in offset order: ``pack`` (a uint8 tensor of that size, every byte rewritten)
-    or a fresh one."""
-    if pack is None:
-        pack = torch.empty(size, dtype=torch.uint8)
+def _fill_pack(pack: Any, copies: list[tuple[int, int, int]]) -> Any:
+    """Fill ``pack`` (a uint8 CPU tensor) with the ``copies`` ``(source address, nbytes,
+    offset)`` in offset order, zeros in the alignment gaps: every byte of a pack is defined."""
     # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
-    # and cat cost more per call and run on its intra-op threads), and zeros in the
-    # alignment gaps: every byte of a pack is defined.
+    # and cat cost more per call and run on its intra-op threads).
     base = pack.data_ptr()
     memmove, zero = _native.memmove, _native.zero
     end = 0
-    for t, n, at in members:
+    for source, n, at in copies:
         if at > end:
             zero(base + end, at - end)
-        memmove(base + at, t.data_ptr(), n)
+        memmove(base + at, source, n)
         end = at + n
     return pack
 
@@ -636,7 +660,8 @@ class _Packer:
         if not members:
             return
         self.members = []
-        pack = _fill_pack(self.torch, self.size, [(t, n, at) for _node, t, n, at in members])
+        pack = self.torch.empty(self.size, dtype=self.torch.uint8)
+        _fill_pack(pack, [(t.data_ptr(), n, at) for _node, t, n, at in members])
         index = len(self.blobs)
         for node, _t, _n, at in members:
             node["b"] = index

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cryosnap._format.skeleton import MAX_DEPTH, Json
@@ -24,9 +24,11 @@ __all__ = [
     "Scan",
     "fingerprint",
     "inline_places",
+    "metadata",
     "patched",
     "scan",
     "storages",
+    "unique",
 ]
 
 # Leaves a skeleton holds inline, without a blob (torch.Size too).
@@ -106,19 +108,42 @@ def _walk(
         raise _Other
 
 
-def fingerprint(tensors: list[Any]) -> tuple[list[Any], ...]:
-    """What decides the skeleton nodes and blobs of ``tensors``, as whole lists: type
-    (Parameter or not), dtype, shape, device, requires_grad, contiguity, layout. (Whether
-    storages are shared is checked apart: their addresses may change from save to save.)"""
-    return (
-        list(map(type, tensors)),
-        [t.dtype for t in tensors],
-        [t.shape for t in tensors],
-        [t.device for t in tensors],
-        [t.requires_grad for t in tensors],
-        [t.is_contiguous() for t in tensors],
-        [t.layout for t in tensors],
-    )
+def fingerprint(tensors: list[Any]) -> list[tuple[Any, ...]]:
+    """What decides the skeleton nodes and blobs of each tensor: type (Parameter or not),
+    dtype, shape, device, requires_grad, contiguity, layout. (Whether storages are shared is
+    checked apart: their addresses may change from save to save.)"""
+    return [
+        (type(t), t.dtype, t.shape, t.device, t.requires_grad, t.is_contiguous(), t.layout)
+        for t in tensors
+    ]
+
+
+# Where a tensor's metadata (:func:`metadata`) holds its storage's address and its own.
+STORAGE, DATA = 7, 8
+
+
+def metadata(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
+    """Each tensor's :func:`fingerprint` fields, then the data_ptr of its storage and its
+    own, in one pass (each tensor read once: 20,000 small ones cost 46 ms this way and 68 ms
+    in three passes here, their metadata out of the CPU's caches); None if one has no
+    storage."""
+    try:
+        return [
+            (
+                type(t),
+                t.dtype,
+                t.shape,
+                t.device,
+                t.requires_grad,
+                t.is_contiguous(),
+                t.layout,
+                t.untyped_storage().data_ptr(),
+                t.data_ptr(),
+            )
+            for t in tensors
+        ]
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def storages(tensors: list[Any]) -> list[int] | None:
@@ -127,6 +152,11 @@ def storages(tensors: list[Any]) -> list[int] | None:
         ptrs = [t.untyped_storage().data_ptr() for t in tensors]
     except (RuntimeError, NotImplementedError):
         return None
+    return unique(ptrs)
+
+
+def unique(ptrs: list[int]) -> list[int] | None:
+    """``ptrs`` if no two are the same and none is 0 (storages of their own), else None."""
     return ptrs if len(set(ptrs)) == len(ptrs) and 0 not in ptrs else None
 
 
@@ -172,7 +202,7 @@ class Entry:
 
     key: tuple[Any, ...]
     shape: list[Any]
-    fingerprint: tuple[list[Any], ...]
+    fingerprint: list[tuple[Any, ...]]
     skeleton: Json
     places: list[tuple[list[int | None], Json]]
     blobs: list[tuple[tuple[str | int, ...], int, list[tuple[int, int, int]] | None]]
@@ -180,6 +210,13 @@ class Entry:
     logical_bytes: int
     packed: bool
     buffers: PackBuffers
+    # The metadata of the last tensors reused (:func:`metadata`) and, where every packed
+    # tensor is contiguous, each pack's copies from their addresses ``(source, nbytes,
+    # offset)``: while a save's tensors lie where the last one's did, one list comparison
+    # stands for the fingerprint, the storages and the addresses (training steps in place).
+    last: list[tuple[list[tuple[Any, ...]], list[list[tuple[int, int, int]]] | None]] = field(
+        default_factory=list
+    )
 
 
 class FlattenCache:
@@ -191,19 +228,32 @@ class FlattenCache:
         self._entry: Entry | None = None
         self.reused = 0  # how many flattens reused an entry (tests read it)
 
-    def match(self, key: tuple[Any, ...], found: Scan) -> Entry | None:
-        """The entry ``found`` (made with ``key``) may reuse, or None."""
+    def match(
+        self, key: tuple[Any, ...], found: Scan
+    ) -> tuple[Entry, list[tuple[Any, ...]], list[list[tuple[int, int, int]]] | None] | None:
+        """The entry ``found`` (made with ``key``) may reuse, its tensors' metadata, and the
+        entry's pack copies if they hold for these tensors (:attr:`Entry.last`); or None
+        (the structure changed, or two tensors share a storage now)."""
         with self._lock:
             entry = self._entry
         if (
             entry is None
             or entry.key != key
-            or len(entry.fingerprint[0]) != len(found.tensors)
+            or len(entry.fingerprint) != len(found.tensors)
             or entry.shape != found.shape
-            or entry.fingerprint != fingerprint(found.tensors)
         ):
             return None
-        return entry
+        meta = metadata(found.tensors)
+        if meta is None:
+            return None
+        last = entry.last[0] if entry.last else None
+        if last is not None and meta == last[0]:
+            return entry, meta, last[1]  # where the last ones were: all as then
+        if [m[:STORAGE] for m in meta] != entry.fingerprint:
+            return None
+        if unique([m[STORAGE] for m in meta]) is None:
+            return None
+        return entry, meta, None
 
     def hit(self) -> None:
         with self._lock:

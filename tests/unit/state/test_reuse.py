@@ -288,3 +288,18 @@ def test_a_pack_still_referenced_is_never_filled_again(hold: Callable[[FlatState
             assert _packs(flat)[0].data_ptr() != _packs(keep)[0].data_ptr()
     actual = bytes(memoryview(held.numpy() if isinstance(held, torch.Tensor) else held))
     assert actual == expected
+
+
+def test_reuse_reads_each_tensor_where_it_lies_now() -> None:
+    """The packs' copies by address are the last save's only while every tensor lies where it
+    did: a tensor moved to new memory, or packed but not contiguous, is read where it is."""
+    state, cache = _state(), FlattenCache()
+    state["model"]["t"] = torch.randn(4, 8).T  # packed, not contiguous
+    _flat(state, cache)
+    for step in range(4):
+        if step == 2:
+            state["model"]["layer7.weight"] = torch.full((8, 4), 5.0)  # same kind, new memory
+        state["model"]["layer7.weight"].add_(1.0)
+        state["model"]["t"].mul_(2.0)
+        _assert_same(_flat(state, cache), _flat(state))
+    assert cache.reused == 4
