@@ -30,6 +30,7 @@ __all__ = [
 Json = Any  # a JSON-compatible value (dict / list / str / int / float / bool / None)
 
 _CONTAINERS = frozenset(("dict", "odict", "list", "tuple"))
+_NESTING = _CONTAINERS | {"stateful"}
 
 # Python ints beyond this many bits are written as hex strings: JSON readers (Python's included)
 # refuse numbers of more than a few thousand digits.
@@ -103,6 +104,11 @@ def iter_leaves(node: Json, path: tuple[str | int, ...] = ()) -> Iterator[tuple[
         yield where, node
 
 
+def _nests(node: dict[str, Any]) -> bool:
+    t = node.get("t")
+    return isinstance(t, str) and t in _NESTING
+
+
 def check_depth(skeleton: Json, where: str) -> None:
     """Refuse a skeleton nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
     stack: list[tuple[Json, int]] = [(skeleton, 0)]
@@ -116,7 +122,12 @@ def check_depth(skeleton: Json, where: str) -> None:
         if isinstance(t, str) and t in _CONTAINERS:  # a list there is not hashable
             vals = node.get("v")
             if isinstance(vals, list):
-                stack.extend((v, depth + 1) for v in vals if isinstance(v, dict))
+                if depth >= MAX_DEPTH:  # every child is too deep, a leaf as well
+                    stack.extend((v, depth + 1) for v in vals if isinstance(v, dict))
+                    continue
+                # Only nodes that nest go on the stack: a state dict's 20,000 leaves are each
+                # looked at once, not pushed and popped.
+                stack.extend((v, depth + 1) for v in vals if type(v) is dict and _nests(v))
         elif t == "stateful":
             stack.append((node.get("v"), depth + 1))
 
