@@ -179,7 +179,9 @@ class PackBuffers:
         """A uint8 CPU tensor of ``nbytes`` for the entry's pack number ``pack`` (its bytes
         are the last version's: the caller overwrites every one)."""
         held = self._held[pack]
-        uses = torch._C._storage_Use_Count
+        uses = getattr(torch._C, "_storage_Use_Count", None)
+        if uses is None:  # a torch without it: who else holds a pack cannot be told
+            return torch.empty(nbytes, dtype=torch.uint8)
         for buf in held:
             # References: the list's, the loop's and the argument's; uses: the tensor's and
             # the storage object's that untyped_storage() returns.

@@ -303,3 +303,18 @@ def test_reuse_reads_each_tensor_where_it_lies_now() -> None:
         state["model"]["t"].mul_(2.0)
         _assert_same(_flat(state, cache), _flat(state))
     assert cache.reused == 4
+
+
+def test_without_torch_s_storage_use_count_every_pack_is_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch cannot tell who holds a pack's storage, no pack's memory is kept."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    state, cache = _state(), FlattenCache()
+    _flat(state, cache)
+    for _ in range(3):
+        state["model"]["layer0.weight"].add_(1.0)
+        _assert_same(_flat(state, cache), _flat(state))
+    entry = cache._entry
+    assert entry is not None and entry.packed
+    assert not any(entry.buffers._held)
