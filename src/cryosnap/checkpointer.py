@@ -502,6 +502,7 @@ class Checkpointer:
                 # The last versions reached the next levels: the faster ones' retention applies.
                 self._levels.retire_all_after_close()
                 self._capturer.clear()
+                self._saves.flattened.keep(None)  # the kept packs' memory goes back too
             finally:
                 self._levels.release_locks()
                 self._run.release_signals()

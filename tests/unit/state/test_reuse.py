@@ -180,6 +180,9 @@ def test_a_checkpointer_restores_each_reused_version(tmp_path: Path) -> None:
             ckpt.save(step, state).result()
             assert_same(ckpt.restore(step=step), state)
         assert ckpt._saves.flattened.reused == 2
+        entry = ckpt._saves.flattened._entry
+        assert entry is not None and any(entry.buffers._held)  # the packs' memory, kept
+    assert ckpt._saves.flattened._entry is None  # and let go of at close()
 
 
 _leaf = st.one_of(
