@@ -12,6 +12,7 @@ import base64
 import itertools
 import json
 import re
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -75,6 +76,7 @@ __all__ = [
     "Stored",
     "commit_key",
     "data_key",
+    "forget_tree_text",
     "manifest_key",
     "max_generation",
     "parse_manifest_key",
@@ -275,19 +277,75 @@ class BaseRef:
 
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# The last skeleton encoded and its text: a Checkpointer saves the same skeleton object version
-# after version (_state/reuse.py: a skeleton is never modified once made), and the text of a
-# state of 20,000 leaves took 45-85 ms of the writer's thread per version here.
-_last_tree: tuple[Any, str] = (None, "null")
+# The text of every container node of the last skeleton encoded, by id: (node, its text, the
+# ids of its container children kept). A Checkpointer saves the same skeleton version after
+# version, or a copy where an inline leaf changed (a step counter, a learning rate) that shares
+# every other node (_state/reuse.py; a skeleton is never modified once made): only the
+# containers on the changed path are encoded again. The whole text of a state of 20,000
+# leaves took 45-85 ms of the writer's thread per version here.
+_tree_nodes: dict[int, tuple[Any, str, tuple[int, ...]]] = {}
+_tree_lock = threading.Lock()
+# Stands for a container's children while its other fields are encoded: a string no skeleton
+# holds (NUL characters), checked to occur once.
+_CHILDREN = "\x00cryosnap children\x00"
+_CHILDREN_TEXT = _dumps(_CHILDREN)
+
+
+def forget_tree_text() -> None:
+    """Let go of the texts kept of the last skeleton (a writer that stops: its skeleton need
+    not outlive it)."""
+    global _tree_nodes
+    with _tree_lock:
+        _tree_nodes = {}
 
 
 def _tree_text(skeleton: Any) -> str:
-    """``skeleton`` as JSON text (the last call's text again for the same object)."""
-    global _last_tree
-    last, text = _last_tree  # read once: another writer thread may replace it meanwhile
-    if skeleton is not last:
-        text = _dumps(skeleton)
-        _last_tree = (skeleton, text)
+    """``skeleton`` as JSON text, the text of ``_dumps(skeleton)``, with the texts of the nodes
+    it shares with the last skeleton encoded taken as they were."""
+    global _tree_nodes
+    with _tree_lock:
+        kept: dict[int, tuple[Any, str, tuple[int, ...]]] = {}
+        text = _node_text(skeleton, _tree_nodes, kept)
+        _tree_nodes = kept
+    return text
+
+
+def _is_container(node: Any) -> bool:
+    return type(node) is dict and type(node.get("v")) in (list, dict)
+
+
+def _node_text(
+    node: Any,
+    last: dict[int, tuple[Any, str, tuple[int, ...]]],
+    kept: dict[int, tuple[Any, str, tuple[int, ...]]],
+) -> str:
+    hit = last.get(id(node))
+    if hit is not None and hit[0] is node:
+        stack = [id(node)]  # kept with the texts of its containers, for the next skeleton
+        while stack:
+            entry = last[stack.pop()]
+            kept[id(entry[0])] = entry
+            stack.extend(entry[2])
+        return hit[1]
+    if not _is_container(node):
+        return _dumps(node)
+    children = node["v"]
+    if type(children) is dict:  # a stateful object's state
+        inner = _node_text(children, last, kept)
+    elif not any(_is_container(c) for c in children):
+        text = _dumps(node)  # leaves only (a state dict): one call
+        kept[id(node)] = (node, text, ())
+        return text
+    else:
+        parts = [_node_text(c, last, kept) if _is_container(c) else _dumps(c) for c in children]
+        inner = f"[{','.join(parts)}]"
+    shell = _dumps({k: _CHILDREN if k == "v" else v for k, v in node.items()})
+    if shell.count(_CHILDREN_TEXT) == 1:
+        text = shell.replace(_CHILDREN_TEXT, inner)
+    else:
+        text = _dumps(node)
+    below = (children,) if type(children) is dict else children
+    kept[id(node)] = (node, text, tuple(id(c) for c in below if id(c) in kept))
     return text
 
 

@@ -26,6 +26,7 @@ from cryosnap._format.manifest import (
     PartSummary,
     Replicated,
     commit_key,
+    forget_tree_text,
 )
 from cryosnap._run.capturer import END, Job
 from cryosnap._run.chain import ChainIndex
@@ -446,6 +447,7 @@ class WriterThread:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join()
+        forget_tree_text()
 
     def _run(self) -> None:
         while True:

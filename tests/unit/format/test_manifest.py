@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cryosnap
@@ -139,6 +139,62 @@ def test_a_manifest_is_the_text_of_one_json_dumps_whatever_skeleton_came_before(
         assert list(doc)[-2:] == ["hashes", "tree"]
         assert body == json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         assert doc["tree"] == json.loads(json.dumps(manifest.skeleton))
+
+
+_node_leaf = st.one_of(
+    st.fixed_dictionaries({"t": st.just("int"), "v": st.integers()}),
+    st.fixed_dictionaries({"t": st.just("str"), "v": st.text(max_size=3)}),
+    st.fixed_dictionaries({"t": st.just("size"), "v": st.lists(st.integers(0, 9), max_size=3)}),
+    st.fixed_dictionaries({"t": st.just("torch"), "shape": st.just([2]), "b": st.integers(0, 9)}),
+)
+_node_tree = st.recursive(
+    _node_leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4).map(lambda v: {"t": "list", "v": v}),
+        st.lists(inner, max_size=4).map(
+            lambda v: {"t": "dict", "k": [str(i) for i in range(len(v))], "v": v}
+        ),
+        inner.map(lambda v: {"t": "stateful", "type": "m.C", "v": v}),
+    ),
+    max_leaves=20,
+)
+
+
+def _replaced(node: Any, path: list[int], leaf: Any) -> Any:
+    """A copy of ``node`` with ``leaf`` at ``path`` (indices into "v"), sharing the rest."""
+    v = node.get("v")
+    nested = isinstance(v, dict) or (isinstance(v, list) and all(isinstance(c, dict) for c in v))
+    if not path or not nested:
+        return leaf
+    top = dict(node)
+    if isinstance(node["v"], dict):
+        top["v"] = _replaced(node["v"], path[1:], leaf)
+    elif node["v"]:
+        values = list(node["v"])
+        i = path[0] % len(values)
+        values[i] = _replaced(values[i], path[1:], leaf)
+        top["v"] = values
+    return top
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    _node_tree,
+    st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=5), _node_leaf), max_size=6),
+)
+def test_the_tree_text_is_json_dumps_for_skeletons_that_share_nodes(
+    tree: Any, changes: list[tuple[list[int], Any]]
+) -> None:
+    """Each skeleton a copy of the last one with one node replaced (as a reused flatten
+    patches an inline leaf): the text is the whole tree's json.dumps every time."""
+    from cryosnap._format.manifest import _tree_text
+
+    dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+    for path, leaf in [([], None), *changes]:
+        if path or leaf is not None:
+            tree = _replaced(tree, path, leaf)
+        assert _tree_text(tree) == dumps(tree)
+        assert _tree_text(tree) == dumps(tree)  # the same object again
 
 
 def _saved_manifest(state: Any, chunk_bytes: int) -> bytes:

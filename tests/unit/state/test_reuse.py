@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cryosnap
+from cryosnap._format import manifest
 from cryosnap._state import FlatState, FlattenCache, flatten
 
 from ..support import assert_same
@@ -182,7 +183,12 @@ def test_a_checkpointer_restores_each_reused_version(tmp_path: Path) -> None:
         assert ckpt._saves.flattened.reused == 2
         entry = ckpt._saves.flattened._entry
         assert entry is not None and any(entry.buffers._held)  # the packs' memory, kept
+        # Each version's skeleton is a copy with "step" changed: the model's node is shared,
+        # its text kept for the next manifest.
+        model = entry.skeleton["v"][0]
+        assert manifest._tree_nodes.get(id(model), (None,))[0] is model
     assert ckpt._saves.flattened._entry is None  # and let go of at close()
+    assert manifest._tree_nodes.get(id(model), (None,))[0] is not model  # the texts too
 
 
 _leaf = st.one_of(
