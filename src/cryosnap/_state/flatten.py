@@ -30,17 +30,18 @@ from cryosnap._state import dtensor
 from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
 from cryosnap._state.reuse import (
+    CONTIGUOUS,
     DATA,
     STORAGE,
     Entry,
     FlattenCache,
     PackBuffers,
     Scan,
-    fingerprint,
     inline_places,
+    metadata,
     patched,
     scan,
-    storages,
+    unique,
 )
 from cryosnap._state.torch_import import loaded_torch
 
@@ -179,7 +180,7 @@ def _reused(
         for path, size, members in entry.blobs:
             if members is None:  # size: the tensor's index
                 t = tensors[size]
-                x = t if meta[size][5] else t.contiguous()
+                x = t if meta[size][CONTIGUOUS] else t.contiguous()
                 blobs.append(_alone(t, x, x.nbytes, path, meta[size][STORAGE], uint8))
                 continue
             pack = entry.buffers.take(packs, size, torch)
@@ -204,7 +205,7 @@ def _pack_copies(
     for _path, _size, members in entry.blobs:
         if members is None:
             continue
-        if not all(meta[i][5] for i, _n, _at in members):
+        if not all(meta[i][CONTIGUOUS] for i, _n, _at in members):
             return None
         out.append([(meta[i][DATA], n, at) for i, n, at in members])
     return out
@@ -222,7 +223,10 @@ def _entry(
         return None
     if [t.data_ptr() for _n, t, _p in tensors] != [t.data_ptr() for t in found.tensors]:
         return None
-    if any(t.is_complex() for t in found.tensors) or storages(found.tensors) is None:
+    meta = metadata(found.tensors)
+    if any(t.is_complex() for t in found.tensors) or meta is None:
+        return None
+    if unique([m[STORAGE] for m in meta]) is None:
         return None
     members: list[list[tuple[int, int, int]]] = [[] for _ in flat.blobs]
     alone: list[int] = [-1] * len(flat.blobs)
@@ -248,7 +252,7 @@ def _entry(
     return Entry(
         key,
         found.shape,
-        fingerprint(found.tensors),
+        [m[:STORAGE] for m in meta],
         flat.skeleton,
         places,
         blobs,

@@ -1,6 +1,7 @@
 """Reusing the last flatten of a state whose structure did not change (:class:`FlattenCache`):
-one scan (a state dict's tensors as one list), a fingerprint of the tensors in whole lists,
-then the last skeleton and blob layout, with no node built per leaf (flatten.py uses them).
+one scan (a state dict's tensors as one list), each tensor's metadata read once (its
+fingerprint and addresses), then the last skeleton and blob layout, with no node built per
+leaf (flatten.py uses them).
 
 Pure; the caller's thread (one cache per Checkpointer, behind a lock).
 docs/design/state-trees.md ("Reusing the last flatten") has the why.
@@ -18,16 +19,17 @@ from cryosnap._format.skeleton import MAX_DEPTH, Json
 from cryosnap._state.torch_import import loaded_torch
 
 __all__ = [
+    "CONTIGUOUS",
+    "DATA",
+    "STORAGE",
     "Entry",
     "FlattenCache",
     "PackBuffers",
     "Scan",
-    "fingerprint",
     "inline_places",
     "metadata",
     "patched",
     "scan",
-    "storages",
     "unique",
 ]
 
@@ -108,25 +110,17 @@ def _walk(
         raise _Other
 
 
-def fingerprint(tensors: list[Any]) -> list[tuple[Any, ...]]:
-    """What decides the skeleton nodes and blobs of each tensor: type (Parameter or not),
-    dtype, shape, device, requires_grad, contiguity, layout. (Whether storages are shared is
-    checked apart: their addresses may change from save to save.)"""
-    return [
-        (type(t), t.dtype, t.shape, t.device, t.requires_grad, t.is_contiguous(), t.layout)
-        for t in tensors
-    ]
-
-
-# Where a tensor's metadata (:func:`metadata`) holds its storage's address and its own.
-STORAGE, DATA = 7, 8
+# Where a tensor's metadata (:func:`metadata`) holds its contiguity, then its storage's
+# address and its own; the fields before STORAGE are its fingerprint.
+CONTIGUOUS, STORAGE, DATA = 5, 7, 8
 
 
 def metadata(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
-    """Each tensor's :func:`fingerprint` fields, then the data_ptr of its storage and its
-    own, in one pass (each tensor read once: 20,000 small ones cost 46 ms this way and 68 ms
-    in three passes here, their metadata out of the CPU's caches); None if one has no
-    storage."""
+    """Each tensor's fingerprint, what decides its skeleton node and blob (type, Parameter or
+    not; dtype, shape, device, requires_grad, contiguity, layout), then the data_ptr of its
+    storage and its own, in one pass (each tensor read once: 20,000 small ones cost 46 ms
+    this way and 68 ms in three passes here, their metadata out of the CPU's caches); None
+    if one has no storage."""
     try:
         return [
             (
@@ -144,15 +138,6 @@ def metadata(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
         ]
     except (RuntimeError, NotImplementedError):
         return None
-
-
-def storages(tensors: list[Any]) -> list[int] | None:
-    """The data_ptr of each tensor's storage, or None if two share one (or one has none)."""
-    try:
-        ptrs = [t.untyped_storage().data_ptr() for t in tensors]
-    except (RuntimeError, NotImplementedError):
-        return None
-    return unique(ptrs)
 
 
 def unique(ptrs: list[int]) -> list[int] | None:
