@@ -53,6 +53,9 @@ __all__ = ["PartResult", "PartWriter"]
 
 # New bytes of a version are placed on scratch devices in groups of this size.
 _PLACE_BYTES = 4 << 20
+# The first bytes of a version's first batch that are hashed and queued for writing before the
+# rest of that batch is hashed (the disk waits for no more than their hashing).
+_FIRST_BYTES = 8 << 20
 
 _ZEROS = memoryview(bytes(BLOCK_BYTES))  # the longest padding before a run (run_pad)
 
@@ -193,6 +196,7 @@ class PartWriter:
         self._cursors = [Cursor(d, k) for d, k in enumerate(keys)]
         self._device = 0  # the device taking the new bytes of the batch being diffed
         self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
+        self._started = False  # whether a batch was added (the first is split: add)
 
     @property
     def files(self) -> list[str]:
@@ -227,6 +231,14 @@ class PartWriter:
         :class:`~cryosnap.engine.items.Unchanged` runs (found on the device) are inherited
         from the base, which must be the version the capture compared with."""
         if self.placement is None:
+            if not self._started:
+                # The version's first batch: its first few MiB hashed and queued alone, so the
+                # disk starts while the rest of the batch is hashed.
+                self._started = True
+                groups = _split_pieces(pieces, _FIRST_BYTES, self.chunk_bytes)
+                if len(groups) > 1:
+                    self._add_groups([groups[0], [p for g in groups[1:] for p in g]], release)
+                    return
             try:
                 before = self._cursors[0].offset
                 out = self._diff(pieces)
@@ -238,22 +250,27 @@ class PartWriter:
             return
         self._add_placed(pieces, release, self.placement)
 
+    def _add_groups(self, groups: list[list[Item]], release: Callable[[], None]) -> None:
+        """:meth:`add` of the pieces of ``groups`` (in order, one file), each group hashed and
+        queued in turn; ``release`` runs once every group's I/O is done."""
+        release_one = _release_after(len(groups), release)
+        for i, group in enumerate(groups):
+            try:
+                before = self._cursors[0].offset
+                out = self._diff(group)
+            except BaseException:
+                for _ in range(len(groups) - i):  # the groups not handed to the I/O thread
+                    release_one()
+                raise
+            self._ios[0].append(out, release_one, self._cursors[0].offset - before)
+
     def _add_placed(
         self, pieces: Sequence[Item], release: Callable[[], None], placement: Placement
     ) -> None:
         """:meth:`add` over several devices: groups of about _PLACE_BYTES, each on the device
         the placement chooses; ``release`` runs once every group's I/O is done."""
         groups = _split_pieces(pieces, _PLACE_BYTES, self.chunk_bytes)
-        remaining = [len(groups)]
-        lock = threading.Lock()
-
-        def release_one() -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                release()
-
+        release_one = _release_after(len(groups), release)
         for i, group in enumerate(groups):
             queued = False
             try:
@@ -523,6 +540,21 @@ def _append_moved(
         for _k, offset, _n, digest in chunks:
             new_index[digest] = (key, offset)
     return self._differ.segments(), _compact.files_after(refs, moves, at.key)
+
+
+def _release_after(count: int, release: Callable[[], None]) -> Callable[[], None]:
+    """A callback that runs ``release`` on its ``count``-th call (from any thread)."""
+    remaining = [count]
+    lock = threading.Lock()
+
+    def release_one() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            release()
+
+    return release_one
 
 
 def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[list[Item]]:
