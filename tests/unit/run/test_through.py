@@ -226,15 +226,44 @@ def test_a_write_failing_midway_fails_the_version_and_leaves_nothing_behind(
     assert engine.list_steps(LocalStore(tmp_path)) == []  # no version visible
 
 
-def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(tmp_path: Path) -> None:
+def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from cryosnap._run import capturer
+
+    made: list[WriteThrough] = []
+
+    class Recorded(WriteThrough):
+        """Its capture starts copying once the writer began the version (which hands the
+        first blobs over): a 4 MiB copy may otherwise be done before the writer's thread
+        wakes."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.started = threading.Event()
+            made.append(self)
+
+        def begin(self) -> None:
+            super().begin()
+            self.started.set()
+
+        def enter(self, blob: int) -> bool:
+            assert self.started.wait(60)
+            return super().enter(blob)
+
+    monkeypatch.setattr(capturer, "WriteThrough", Recorded)
+    rng = np.random.default_rng(1)
     with cryosnap.Checkpointer(tmp_path, keep=2, chunk_bytes=CHUNK) as ckpt:
         ckpt._capturer.through = True  # as on a direct-I/O level (tmp may be a tmpfs)
-        for step in range(3):
-            state = tree(4, seed=step)
+        ckpt._capturer._rates = _Fixed()  # the writer taken for faster than the copy
+        for step in range(3):  # blobs of 1 MiB: large enough to be handed over
+            state = {f"w{i}": rng.integers(0, 255, 1 << 20, np.uint8) for i in range(4)}
             info = ckpt.save(step, state).result()
-            assert info.written_bytes == 4 * BLOB
+            assert info.written_bytes == 4 << 20
             got = ckpt.restore(step)
             assert all(np.array_equal(got[k], v) for k, v in state.items())
+    # The versions the chooser had hand blobs over did (the first always tries it).
+    assert made and all(t.handed_bytes >= 1 << 20 for t in made)
 
 
 def _trained(layers: int) -> tuple[Any, Any, Callable[[], None]]:
