@@ -375,10 +375,16 @@ def flush(
     scratch: ScratchLike,
     storage_options: dict[str, Any] | None = None,
     comm: Coordinator | None = None,
+    retry_seconds: float = 300.0,
 ) -> FlushReport:
     """Finish the flush of a run whose program died: every version committed on ``scratch``
     and not yet on the persistent level at ``path`` is copied there as the writer's own flush
     would have (every chunk verified, the commit record last; superseded versions never).
+
+    ``retry_seconds``: how long the versions' copies are retried in all when the persistent
+    level fails (as ``Checkpointer(flush_retry_seconds=)``; 0: one attempt each), so that a job
+    epilogue with a time limit ends within it; a version not flushed stays on scratch and is
+    reported in :attr:`FlushReport.failed`.
 
     ``scratch``: the run's scratch tier(s), as given to the Checkpointer. For a distributed
     run with node-local scratch, call it in one process per rank of the run (``mpiexec -n N``,
@@ -394,7 +400,13 @@ def flush(
     if comm is None:
         comm, close = job_coordinator()
     try:
-        options = RunOptions(path=path, scratch=scratch, storage_options=storage_options, comm=comm)
+        options = RunOptions(
+            path=path,
+            scratch=scratch,
+            storage_options=storage_options,
+            comm=comm,
+            flush_retry_seconds=retry_seconds,
+        )
         return flush_run(options, comm)
     finally:
         close()

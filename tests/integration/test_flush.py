@@ -138,6 +138,39 @@ def test_superseded_versions_are_not_flushed(killed_before_flush: KillBeforeFlus
     ]
 
 
+def test_retry_seconds_bounds_the_retries_of_a_failing_persistent_tier(
+    killed_before_flush: KillBeforeFlush,
+) -> None:
+    """A persistent tier that fails every write (its data folder a file): ``--retry-seconds 0``
+    tries each version once, a longer one retries (one warning line), and either way the version
+    stays on scratch, exit 1, one error line; the tier repaired, the flush goes through."""
+    run = killed_before_flush()
+    persistent, (scratch,) = run.persistent, run.scratch
+    data = persistent / "data"
+    data.rename(persistent / "data.kept")
+    data.write_bytes(b"not a folder")
+    once = cli("flush", persistent, "--scratch", scratch, "--retry-seconds", "0")
+    assert once.returncode == 1, once.stderr
+    (line,) = once.stderr.splitlines()
+    assert line.startswith("cryosnap: error: ") and "step 2" in line and "after 1 attempt:" in line
+    again = cli("flush", persistent, "--scratch", scratch, "--retry-seconds", "1.5")
+    assert again.returncode == 1, again.stderr
+    warning, error = again.stderr.splitlines()
+    assert warning.startswith("cryosnap: warning: flushing step 2") and "retrying" in warning
+    attempts = int(error.split(" after ")[1].split(" attempt")[0])
+    assert attempts > 1
+    assert list_steps(LocalStore(persistent)) == [1]
+    bad = cli("flush", persistent, "--scratch", scratch, "--retry-seconds", "-1")
+    assert bad.returncode == 2 and "--retry-seconds must be a number >= 0" in bad.stderr
+    data.unlink()
+    (persistent / "data.kept").rename(data)
+    done = cli("flush", persistent, "--scratch", scratch, "--retry-seconds", "0")
+    assert done.returncode == 0, done.stderr
+    check(cryosnap.load(persistent), 2)
+    report = cryosnap.flush(persistent, scratch=scratch, retry_seconds=0)
+    assert report.ok and report.already == (1, 2)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -388,7 +388,8 @@ class Flusher:
                     log.error("step %d could not be flushed to %s: %s", step, self.dst.url, exc)
                     return StorageError(
                         f"step {step} is on scratch ({self.src.url}) but could not be flushed "
-                        f"to the persistent tier {self.dst.url} after {attempt} attempts: {exc}"
+                        f"to the persistent tier {self.dst.url} after {attempt} "
+                        f"attempt{'s' * (attempt > 1)}: {exc}"
                     )
                 if attempt == 1:
                     log.warning(

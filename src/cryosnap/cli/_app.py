@@ -184,11 +184,20 @@ def _add_flush_command(app: typer.Typer) -> None:
                 "Distributed: one process per rank (mpiexec -n N, torchrun).",
             ),
         ],
+        retry_seconds: Annotated[
+            float,
+            typer.Option(
+                "--retry-seconds",
+                metavar="S",
+                help="How long the copies are retried in all when the persistent tier fails "
+                "(default 300; 0: one attempt): what is not flushed stays on scratch, exit 1.",
+            ),
+        ] = 300.0,
         json_output: Annotated[bool, JSON_OPT] = False,
     ) -> None:
         """Finish the flush of a run whose program died: copy every version on scratch and not
         yet persistent, verified, commit record last (a job epilogue's scavenge)."""
-        code = cmd_flush(path, scratch=scratch, as_json=json_output)
+        code = cmd_flush(path, scratch=scratch, as_json=json_output, retry_seconds=retry_seconds)
         if code:
             raise typer.Exit(code)
 

@@ -8,6 +8,7 @@ per rank runs it and rank 0 alone prints. Caller's thread.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,15 +19,19 @@ from cryosnap.progress import human_bytes
 from cryosnap.run import FlushReport, flush
 
 
-def cmd_flush(location: str, *, scratch: list[str], as_json: bool = False) -> int:
-    """Flush what ``scratch`` holds and the persistent run at ``location`` lacks; the exit
-    code."""
+def cmd_flush(
+    location: str, *, scratch: list[str], as_json: bool = False, retry_seconds: float = 300.0
+) -> int:
+    """Flush what ``scratch`` holds and the persistent run at ``location`` lacks, each version's
+    copy retried for at most ``retry_seconds`` in all; the exit code."""
     if not location:
         raise CliUsageError("PATH must not be empty")
     if not scratch or not all(scratch):
         raise CliUsageError("--scratch DIR is required (once per scratch tier of the run)")
+    if not math.isfinite(retry_seconds) or retry_seconds < 0:
+        raise CliUsageError(f"--retry-seconds must be a number >= 0, got {retry_seconds}")
     with _warnings_as_lines():
-        report = flush(location, scratch=scratch)
+        report = flush(location, scratch=scratch, retry_seconds=retry_seconds)
     if report.rank == 0:
         _print(report, as_json=as_json)
     return EXIT_OK if report.ok else EXIT_DAMAGED
