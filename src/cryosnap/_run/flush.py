@@ -310,10 +310,14 @@ class Flusher:
         fence: Callable[[], None] = _no_fence,
         flush: Callable[..., int] | CollectiveFlush = flush_version,
         agree: Callable[[int, bool], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[float], object] | None = None,
     ) -> None:
         # ``flush(src, dst, step, yield_to=, fence=)`` copies one version. With ``agree`` its
         # attempts are collectives: after a failed one, every rank says whether it would try
         # again (not given up, not damaged, time left) and all retry only if all would.
+        # ``clock`` tells the retries' deadlines, ``wait(seconds)`` the backoff between them
+        # (default: a wait that :meth:`abandon` cuts short); a test passes a fake pair.
         self._flush_one = flush
         self.agree = agree
         self.src = src
@@ -325,6 +329,8 @@ class Flusher:
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self.last_error: BaseException | None = None
         self._stop = threading.Event()
+        self._clock = clock
+        self._wait = wait if wait is not None else self._stop.wait
         self._closing_deadline = float("inf")
         self._thread = threading.Thread(target=self._run, name="cryosnap-flush", daemon=True)
         self._thread.start()
@@ -334,7 +340,7 @@ class Flusher:
 
     def finish_within(self, seconds: float) -> None:
         """From now on, retries of every queued flush together end after ``seconds``."""
-        self._closing_deadline = min(self._closing_deadline, time.monotonic() + seconds)
+        self._closing_deadline = min(self._closing_deadline, self._clock() + seconds)
 
     def close(self) -> None:
         """Finish the queued flushes, all of them retried at most ``retry_seconds`` more in
@@ -359,7 +365,7 @@ class Flusher:
                 log.exception("after flushing step %d", step)
 
     def _flush(self, step: int) -> Flushed | BaseException:
-        deadline = time.monotonic() + self.retry_seconds
+        deadline = self._clock() + self.retry_seconds
         delay = _BACKOFF_FIRST
         attempt = 0
         while True:
@@ -373,7 +379,7 @@ class Flusher:
                 self.last_error = exc
                 final = isinstance(exc, (SourceDamagedError, LockLostError))
                 give_up = min(deadline, self._closing_deadline)
-                out_of_time = self._stop.is_set() or time.monotonic() + delay > give_up
+                out_of_time = self._stop.is_set() or self._clock() + delay > give_up
                 if self.agree is not None:
                     try:
                         again = self.agree(step, not (final or out_of_time))
@@ -398,7 +404,7 @@ class Flusher:
                         self.dst.url,
                         exc,
                     )
-                self._stop.wait(delay)
+                self._wait(delay)
                 delay = min(delay * 2, _BACKOFF_MAX)
                 continue
             self.last_error = None

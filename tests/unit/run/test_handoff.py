@@ -11,7 +11,7 @@ import pytest
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.manifest import commit_key
-from cryosnap._run.flush import SourceDamagedError, flush_version
+from cryosnap._run.flush import Flusher, SourceDamagedError, flush_version
 from cryosnap._run.levels import Levels
 from cryosnap.dist import LocalCoordinator
 from cryosnap.storage import LocalStore
@@ -86,3 +86,59 @@ def test_versions_left_unflushed_are_handed_off_on_open(tmp_path: Path) -> None:
     finally:
         levels.close_handoffs()
     assert engine.list_steps(persistent.store) == [7]
+
+
+class _FakeTime:
+    """The flusher's clock and backoff wait: each wait moves the clock on by its seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.now += seconds
+        return False
+
+
+@pytest.mark.parametrize(
+    ("retry_seconds", "waits"),
+    [
+        (0.0, []),
+        (1.0, [0.05, 0.1, 0.2, 0.4]),  # the next (0.8) would end past the deadline
+        (10.0, [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2]),  # then 5 (the longest): past it
+        (30.0, [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0, 5.0]),
+    ],
+)
+def test_a_failing_flush_backs_off_until_retry_seconds_then_fails_the_version(
+    tmp_path: Path, retry_seconds: float, waits: list[float]
+) -> None:
+    fake = _FakeTime()
+    attempts: list[float] = []
+
+    def failing(src: object, dst: object, step: int, **_kw: object) -> int:
+        attempts.append(fake.now)
+        raise cryosnap.StorageError(f"the persistent tier is down (step {step})")
+
+    outcomes: dict[int, object] = {}
+    flusher = Flusher(
+        LocalStore(tmp_path / "scratch"),
+        LocalStore(tmp_path / "persistent"),
+        retry_seconds=retry_seconds,
+        on_done=outcomes.__setitem__,
+        flush=failing,
+        clock=fake.clock,
+        wait=fake.wait,
+    )
+    flusher.submit(7)
+    flusher.close()
+    assert fake.waits == waits
+    assert len(attempts) == len(waits) + 1 and attempts[-1] <= retry_seconds
+    error = outcomes[7]
+    assert isinstance(error, cryosnap.StorageError)
+    plural = "s" * (len(attempts) > 1)
+    assert "step 7 is on scratch" in str(error)
+    assert f"after {len(attempts)} attempt{plural}:" in str(error)
