@@ -32,6 +32,7 @@ __all__ = [
     "map_private",
     "map_shared_read",
     "memmove",
+    "memmove_fn",
     "page_cached",
     "populate",
     "zero",
@@ -197,6 +198,13 @@ def memmove(dest: int, source: int, nbytes: int) -> None:
         native(dest, source, nbytes)
     else:
         np.copyto(_bytes_at(dest, nbytes), _bytes_at(source, nbytes))
+
+
+def memmove_fn() -> Callable[[int, int, int], object]:
+    """The memmove to call in a loop of many copies: ctypes' own where bound (the wrapper
+    above costs a Python call per copy, ~15% of 20,000 copies of 13 KB), else :func:`memmove`."""
+    native = _lib.memmove
+    return native if native is not None else memmove
 
 
 def zero(address: int, nbytes: int) -> None:

@@ -347,12 +347,13 @@ class _SlabFiller:
         # wait for each other, and a state of thousands of small tensors stalled for seconds.
         base = slab.array.ctypes.data
         rest = []
+        memmove = _native.memmove_fn()
         for s in self.small:
             src = s[1].source
             if type(src) is bytes or isinstance(src, np.ndarray) or not src.is_cpu:
                 rest.append(s)
             else:
-                _native.memmove(base + s[0], src.data_ptr() + s[2], s[3])
+                memmove(base + s[0], src.data_ptr() + s[2], s[3])
         small = rest
         # Small pieces are back to back in the slab: one torch.cat copies all torch ones.
         torch_small = [s for s in small if not isinstance(s[1].source, (bytes, np.ndarray))]

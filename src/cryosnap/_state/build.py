@@ -579,7 +579,7 @@ def _copy_out(pack: memoryview, fills: list[tuple[int, int, Any]]) -> None:
     """Copy each ``(offset, nbytes, tensor)`` of ``fills`` from ``pack`` into its tensor."""
     if not fills:
         return
-    memmove, base = _native.memmove, _native.address_of(pack)
+    memmove, base = _native.memmove_fn(), _native.address_of(pack)
     for at, nbytes, target in fills:
         memmove(target.data_ptr(), base + at, nbytes)
 

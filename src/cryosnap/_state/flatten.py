@@ -616,7 +616,7 @@ def _fill_pack(pack: Any, copies: list[tuple[int, int, int]]) -> Any:
     # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
     # and cat cost more per call and run on its intra-op threads).
     base = pack.data_ptr()
-    memmove, zero = _native.memmove, _native.zero
+    memmove, zero = _native.memmove_fn(), _native.zero
     end = 0
     for source, n, at in copies:
         if at > end:
