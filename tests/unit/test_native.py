@@ -104,6 +104,12 @@ def test_memmove_and_zero_copy_the_same_bytes(binding: str) -> None:
     _native.memmove(dest.ctypes.data, src.ctypes.data, 0)
     assert np.array_equal(dest[100:9_100], src[7:9_007])
     assert not dest[:100].any() and not dest[9_100:].any()
+    # The loops' memmove (ctypes' own, or the wrapper without it) copies the same bytes.
+    again = np.zeros(12_000, np.uint8)
+    move = _native.memmove_fn()
+    move(again.ctypes.data + 100, src.ctypes.data + 7, 9_000)
+    move(again.ctypes.data, src.ctypes.data, 0)
+    assert np.array_equal(again, dest)
     _native.zero(dest.ctypes.data + 200, 50)
     assert not dest[200:250].any() and dest[100:200].tolist() == src[7:107].tolist()
 
