@@ -231,29 +231,23 @@ class PartWriter:
         :class:`~cryosnap.engine.items.Unchanged` runs (found on the device) are inherited
         from the base, which must be the version the capture compared with."""
         if self.placement is None:
+            groups: list[Sequence[Item]] = [pieces]
             if not self._started:
                 # The version's first batch: its first few MiB hashed and queued alone, so the
                 # disk starts while the rest of the batch is hashed.
                 self._started = True
-                groups = _split_pieces(pieces, _FIRST_BYTES, self.chunk_bytes)
-                if len(groups) > 1:
-                    self._add_groups([groups[0], [p for g in groups[1:] for p in g]], release)
-                    return
-            try:
-                before = self._cursors[0].offset
-                out = self._diff(pieces)
-            except BaseException:
-                release()
-                raise
-            # The new bytes are the views, back to back at the end of the file.
-            self._ios[0].append(out, release, self._cursors[0].offset - before)
+                split = _split_pieces(pieces, _FIRST_BYTES, self.chunk_bytes)
+                if len(split) > 1:
+                    groups = [split[0], [p for g in split[1:] for p in g]]
+            self._add_groups(groups, release)
             return
         self._add_placed(pieces, release, self.placement)
 
-    def _add_groups(self, groups: list[list[Item]], release: Callable[[], None]) -> None:
+    def _add_groups(self, groups: list[Sequence[Item]], release: Callable[[], None]) -> None:
         """:meth:`add` of the pieces of ``groups`` (in order, one file), each group hashed and
-        queued in turn; ``release`` runs once every group's I/O is done."""
-        release_one = _release_after(len(groups), release)
+        queued in turn, its new bytes the views back to back at the end of the file;
+        ``release`` runs once every group's I/O is done."""
+        release_one = release if len(groups) == 1 else _release_after(len(groups), release)
         for i, group in enumerate(groups):
             try:
                 before = self._cursors[0].offset
