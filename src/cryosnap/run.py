@@ -22,7 +22,7 @@ from cryosnap._run.inspect import LeafInfo, VersionDiff, describe_leaves, diff_v
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
-from cryosnap._validate import positive_int
+from cryosnap._validate import positive_int, seconds
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import load
 from cryosnap.dist import Coordinator
@@ -396,6 +396,7 @@ def flush(
     """
     if scratch is None:
         raise ValueError("scratch= is required: the run's scratch tier(s) to flush from")
+    retry_seconds = seconds(retry_seconds, "retry_seconds", allow_zero=True)  # named as here
     close: Callable[[], None] = _nothing
     if comm is None:
         comm, close = job_coordinator()

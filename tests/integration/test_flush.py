@@ -169,6 +169,8 @@ def test_retry_seconds_bounds_the_retries_of_a_failing_persistent_tier(
     check(cryosnap.load(persistent), 2)
     report = cryosnap.flush(persistent, scratch=scratch, retry_seconds=0)
     assert report.ok and report.already == (1, 2)
+    with pytest.raises(ValueError, match=r"^retry_seconds=-1 is invalid"):
+        cryosnap.flush(persistent, scratch=scratch, retry_seconds=-1)
 
 
 @pytest.mark.parametrize(
