@@ -365,9 +365,9 @@ class Checkpointer:
             if lazy:
                 self._capturer.lazy(job, t0)
             else:
-                self._capturer.eager(job)
+                captured = self._capturer.eager(job)
                 error = job.pending._tracker.error
-                if error is not None:
+                if captured and error is not None:
                     job.pending.mark_delivered()
                     raise error
             self._policies.event("saved", step, stall_seconds=self._options.clock() - job.clock0)

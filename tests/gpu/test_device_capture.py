@@ -104,3 +104,22 @@ def test_lazy_capture_orders_the_optimizer_step_after_the_copies(tmp_path: Path)
             got = cryosnap.load(tmp_path / "run", step=step)["model"]
             for k, v in before.items():
                 assert torch.equal(got[k], v.cpu()), (step, k)
+
+
+def test_a_first_eager_save_snapshots_on_the_device_and_keeps_the_state_at_save(
+    tmp_path: Path,
+) -> None:
+    state = cuda_state(3)
+    expect = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    with cryosnap.Checkpointer(tmp_path / "run") as ckpt:
+        pending = ckpt.save(0, state)  # the staging is not allocated yet: a snapshot
+        assert ckpt._capturer.snapshots == 1
+        for i in range(4):
+            state[f"w{i}"].mul_(-1.0)  # queued after the clones: not in version 0
+        pending.result()
+        ckpt.save(1, state).result()  # the staging is there now: copied as usual
+        assert ckpt._capturer.snapshots == 1
+    got = cryosnap.load(tmp_path / "run", step=0)
+    for k, v in expect.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v.cpu()), k

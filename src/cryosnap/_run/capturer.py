@@ -23,6 +23,7 @@ from cryosnap._run.devdiff import DeviceDiff, DiffPlan
 from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
 from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
+from cryosnap._run.snapshot import cuda_bytes, device_room, snapshot, would_allocate
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
 from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
@@ -149,6 +150,7 @@ class Capturer:
         pin = bool(torch is not None and torch.cuda.is_available())
         self.pool = StagingPool(slab_bytes=slab, budget_bytes=budget, pin=pin)
         self._captures = 0
+        self.snapshots = 0  # eager captures that went through a snapshot (:meth:`_snapshot`)
         self._cond = threading.Condition()
         self._spent_hooks: list[Any] = []
         self._hooks_lock = threading.Lock()
@@ -165,10 +167,37 @@ class Capturer:
             job.ready = torch.cuda.Event()
             job.ready.record()
 
-    def eager(self, job: Job) -> None:
-        """Copy the state now, on the caller's thread."""
+    def eager(self, job: Job) -> bool:
+        """Copy the state now, on the caller's thread (True); or, where the staging would have
+        to be allocated first, snapshot it and copy the snapshot on a thread (False: its
+        failure reaches the version's result, as a lazy capture's does; :meth:`_snapshot`)."""
         self._begin(job)
-        self._capture(job, [], lazy=False)
+        snap = self._snapshot(job)
+        if snap is None:
+            self._capture(job, [], lazy=False)
+            return True
+        self.snapshots += 1
+        self._start_thread(job, snap=snap)
+        return False
+
+    def _snapshot(self, job: Job) -> FlatState | None:
+        """The state cloned (_run/snapshot.py) when this capture of CUDA state would first
+        allocate its staging (pinned memory is slow to get: the first save of a session) and
+        every device has room for the clones; None to capture as usual. The caller's stream
+        has the clones queued (and ``job.ready`` recorded after them) when this returns."""
+        if job.ready is None or not would_allocate(job.flat, self.pool):
+            return None
+        torch = sys.modules["torch"]
+        need = cuda_bytes(job.flat)
+        if not device_room(torch, need):
+            return None
+        try:
+            snap = snapshot(job.flat)
+        except torch.cuda.OutOfMemoryError:
+            return None  # the clones made so far go back to torch's allocator
+        job.ready = torch.cuda.Event()
+        job.ready.record()
+        return snap
 
     def lazy(self, job: Job, t0: float) -> None:
         """Start copying on a thread of its own; optimizer steps wait for their leaves."""
@@ -177,9 +206,14 @@ class Capturer:
         # Set before the capture can end: the writer reads it once the batches are done.
         job.stall_seconds = time.perf_counter() - t0
         job.stall_clock = self._clock() - job.clock0
+        self._start_thread(job, hooks)
+
+    def _start_thread(
+        self, job: Job, hooks: list[Any] | None = None, snap: FlatState | None = None
+    ) -> None:
         thread = threading.Thread(
             target=self._capture_lazy,
-            args=(job, hooks),
+            args=(job, hooks or [], snap),
             name=f"cryosnap-capture-{job.step}",
             daemon=True,
         )
@@ -229,16 +263,23 @@ class Capturer:
 
     # -- capture threads -----------------------------------------------------------------------
 
-    def _capture_lazy(self, job: Job, hooks: list[Any]) -> None:
-        """A lazy capture's thread: below the program's threads (_run/priority.py), as its
-        copies overlap the forward and backward passes; an optimizer step that waits for it
-        leaves the cores to it."""
+    def _capture_lazy(self, job: Job, hooks: list[Any], snap: FlatState | None = None) -> None:
+        """A lazy capture's thread (or an eager one's, from its snapshot ``snap``): below the
+        program's threads (_run/priority.py), as its copies overlap the forward and backward
+        passes; an optimizer step that waits for it leaves the cores to it."""
         lower_priority(CAPTURE_NICE)
-        self._capture(job, hooks, lazy=True)
+        self._capture(job, hooks, lazy=True, flat=snap)
+        if snap is not None and self._stream is not None:
+            # The clones go back to torch's allocator (for the caller's stream) when ``snap``
+            # does: only once every copy out of them on the capture stream is done.
+            self._stream.synchronize()
 
-    def _capture(self, job: Job, hooks: list[Any], *, lazy: bool) -> None:
+    def _capture(
+        self, job: Job, hooks: list[Any], *, lazy: bool, flat: FlatState | None = None
+    ) -> None:
         tracker = job.pending._tracker
         error: BaseException | None = None
+        source = job.flat if flat is None else flat
         with self._cond:
             self._captures += 1
         try:
@@ -250,9 +291,9 @@ class Capturer:
                     self._stream = torch.cuda.Stream()
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(job.ready)
-                    self._copy(job, lazy)
+                    self._copy(job, lazy, source)
             else:
-                self._copy(job, lazy)
+                self._copy(job, lazy, source)
         except BaseException as exc:
             error = exc
             job.batches.put(exc)
@@ -275,18 +316,19 @@ class Capturer:
             with self._hooks_lock:
                 self._spent_hooks.extend(hooks)
 
-    def _copy(self, job: Job, lazy: bool) -> None:
+    def _copy(self, job: Job, lazy: bool, flat: FlatState) -> None:
+        """Capture ``flat`` (``job.flat``, or a snapshot of it) into staging."""
         plan: DiffPlan | None = None
         if self.diff is not None:
             # A lazy capture's optimizer guard orders the step after each blob's copies only,
             # so its fingerprints are computed before them, on the same stream.
-            plan = self.diff.plan(job.ticket, job.flat, overlap=not lazy)
+            plan = self.diff.plan(job.ticket, flat, overlap=not lazy)
             job.diff_base, job.full = plan.base, plan.full
-        through, choice = self._write_through(job, plan, lazy)
+        through, choice = self._write_through(job, flat, plan, lazy)
         allocated = self.pool.allocated_bytes
         t0 = time.perf_counter()
         job.captured_bytes = capture_to_slabs(
-            job.flat,
+            flat,
             self.pool,
             chunk_bytes=self.chunk_bytes,
             emit=job.batches.put,
@@ -319,7 +361,7 @@ class Capturer:
             self.diff.adopt(job.step, plan, job.pending)
 
     def _write_through(
-        self, job: Job, plan: DiffPlan | None, lazy: bool
+        self, job: Job, flat: FlatState, plan: DiffPlan | None, lazy: bool
     ) -> tuple[WriteThrough | None, bool | None]:
         """The hand-over of a capture (None: every blob is copied), and for an eager capture
         that could hand blobs over, whether the :class:`Chooser` had it do so (None: no
@@ -330,13 +372,13 @@ class Capturer:
         if not self.through or (lazy and not LAZY_THROUGH):
             return None, None
         skip = [*(job.plan.shares if job.plan is not None else ()), *(plan.changed if plan else ())]
-        blobs = candidates(job.flat, skip=skip)
+        blobs = candidates(flat, skip=skip)
         if not blobs:
             return None, None
         if not lazy and not self._chooser.use():
             return None, False
         through = WriteThrough(
-            job.flat,
+            flat,
             blobs,
             emit=job.batches.put,
             abort=job.pending.abort_requested,

@@ -78,6 +78,12 @@ class StagingPool:
     def allocated_bytes(self) -> int:
         return self._allocated
 
+    def room_bytes(self) -> int:
+        """The bytes a capture can take without allocating: the idle slabs' (a slab the
+        writer holds comes back only once its bytes are written)."""
+        with self._cond:
+            return sum(s.nbytes for s in self._free)
+
     def acquire(
         self,
         abort: Callable[[], BaseException | None] = lambda: None,

@@ -50,9 +50,9 @@ def _observe_captures(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | 
     captures: list[tuple[str, int | None]] = []
     capture = Capturer._capture
 
-    def observed(self: Capturer, job: Any, hooks: list[Any], *, lazy: bool) -> None:
+    def observed(self: Capturer, job: Any, hooks: list[Any], **kwargs: Any) -> None:
         captures.append((_name(), thread_nice()))
-        capture(self, job, hooks, lazy=lazy)
+        capture(self, job, hooks, **kwargs)
 
     monkeypatch.setattr(Capturer, "_capture", observed)
     return captures

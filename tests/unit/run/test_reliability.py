@@ -256,7 +256,7 @@ def test_ctrl_c_during_save_says_whether_the_version_commits(
         ckpt.wait()
         assert ckpt.steps() == [1]
 
-        def interrupted_copy(self: object, job: object, lazy: bool) -> None:
+        def interrupted_copy(self: object, *args: object) -> None:
             raise KeyboardInterrupt
 
         monkeypatch.setattr(Capturer, "_copy", interrupted_copy)
