@@ -226,18 +226,13 @@ def test_a_write_failing_midway_fails_the_version_and_leaves_nothing_behind(
     assert engine.list_steps(LocalStore(tmp_path)) == []  # no version visible
 
 
-def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(
-    tmp_path: Path, monkeypatch: Any
-) -> None:
-    from cryosnap._run import capturer
-
+def _recorded(monkeypatch: Any, capturer: Any) -> list[WriteThrough]:
+    """The hand-overs the captures make from now on, each starting to copy only once the
+    writer began its version (which hands the first blobs over): on a loaded machine a
+    capture may otherwise be done before the writer's thread wakes, and hand nothing over."""
     made: list[WriteThrough] = []
 
     class Recorded(WriteThrough):
-        """Its capture starts copying once the writer began the version (which hands the
-        first blobs over): a 4 MiB copy may otherwise be done before the writer's thread
-        wakes."""
-
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.started = threading.Event()
@@ -252,6 +247,15 @@ def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(
             return super().enter(blob)
 
     monkeypatch.setattr(capturer, "WriteThrough", Recorded)
+    return made
+
+
+def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from cryosnap._run import capturer
+
+    made = _recorded(monkeypatch, capturer)
     rng = np.random.default_rng(1)
     with cryosnap.Checkpointer(tmp_path, keep=2, chunk_bytes=CHUNK) as ckpt:
         ckpt._capturer.through = True  # as on a direct-I/O level (tmp may be a tmpfs)
@@ -298,14 +302,7 @@ def test_a_lazy_save_hands_blobs_over_and_the_optimizer_step_waits_until_they_ar
 
     from cryosnap._run import capturer
 
-    made: list[WriteThrough] = []
-
-    class Recorded(WriteThrough):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(capturer, "WriteThrough", Recorded)
+    made = _recorded(monkeypatch, capturer)
     model, opt, train = _trained(layers=2)
     # A slow writer: each step() below comes while the handed-over blobs are being written.
     store = FaultyStore(LocalStore(tmp_path), bytes_per_second=20e6)
