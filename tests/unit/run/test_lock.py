@@ -416,13 +416,22 @@ def test_paused_checkpointer_resumes_and_saves_nothing(
 # --- forks of the writer ---------------------------------------------------------------------
 
 _FORKING_WRITER = """
-import multiprocessing, sys, time
+import multiprocessing, os, sys, time
 from cryosnap._run.lock import acquire_run_lock
 from cryosnap.storage import LocalStore
 
+started, running = os.pipe()
+
+def work():
+    os.write(running, b"x")
+    time.sleep(120)
+
 lock = acquire_run_lock(LocalStore(sys.argv[1]))
-worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+worker = multiprocessing.get_context("fork").Process(target=work, daemon=True)
 worker.start()
+# start() returns once the fork is made; the child's at-fork hooks (which let go of the lock)
+# have run once it runs its target.
+os.read(started, 1)
 print("held", worker.pid, flush=True)
 sys.stdin.readline()
 """
