@@ -722,6 +722,33 @@ def part_sparse(
         del got, got_used
 
 
+def serial_load_seconds(
+    cryosnap: ModuleType, dev: Device, run_dir: Path, budget: Budget
+) -> list[float]:
+    """The same load with the device copies made once every blob verified (the restore before
+    it was pipelined), for the ratio in one run; [] on a tree without the pipelined path."""
+    try:
+        from cryosnap.engine import _read
+    except ImportError:
+        return []
+    if not hasattr(_read, "_pipelined"):
+        return []
+    real = _read._pipelined
+    _read._pipelined = lambda device: False
+    out: list[float] = []
+    try:
+        for _ in range(2):
+            if not budget.room_for(60):  # the peers' restores come first
+                break
+            seconds, _got = dev.wall_seconds(lambda: load_to(cryosnap, dev, run_dir, None))
+            out.append(seconds)
+            del _got
+            dev.free()
+    finally:
+        _read._pipelined = real
+    return out
+
+
 def part_restore(
     torch: ModuleType,
     cryosnap: ModuleType,
@@ -755,6 +782,13 @@ def part_restore(
     base = min(cryo_s)
     label = "cryosnap.load(map_location)" if used else "cryosnap.load() + .to(device)"
     log(f"{label}: best {base:.3f} s")
+    serial = serial_load_seconds(cryosnap, dev, run_dir, budget)
+    if serial:
+        res["cryosnap_load_serial_s"] = serial
+        log(
+            f"cryosnap.load(map_location), copies after every read (not pipelined): best "
+            f"{min(serial):.3f} s; pipelined {base:.3f} s ({min(serial) / base:.2f}x faster)"
+        )
 
     like = {k: torch.empty_like(v) for k, v in state.items()}
     into_s: list[float] = []

@@ -136,6 +136,39 @@ def test_into_cuda_tensors_are_filled_in_place(tmp_path: Path) -> None:
     assert into["step"] == 2
 
 
+def test_a_restore_to_cuda_copies_each_blob_while_the_others_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pipelined: the feed's thread copies each blob once it verified; the caller restores
+    # on a stream of its own, which the copies wait for and its later work waits on.
+    from cryosnap._state import DeviceFeed
+    from cryosnap.engine import _read
+
+    feeds: list[DeviceFeed] = []
+
+    class Counting(DeviceFeed):
+        def __init__(self, groups: Any, **kw: Any) -> None:
+            super().__init__(groups, **kw)
+            feeds.append(self)
+
+    monkeypatch.setattr(_read, "DeviceFeed", Counting)
+    state = _trained_state()
+    cryosnap.save(tmp_path / "run", state, step=1)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the caller's stream is busy as the restore starts
+        out = cryosnap.load(tmp_path / "run", map_location="cuda")
+        doubled = out["big"] * 2  # queued on the caller's stream: after the copies
+    stream.synchronize()
+    (feed,) = feeds
+    assert feed.late == 0
+    assert _same(state["big"], out["big"]) and _same(state["big"] * 2, doubled)
+    assert _same(state["param"], out["param"]) and type(out["param"]) is nn.Parameter
+    a, b = out["tied"]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert _same(state["tied"][1], b)
+
+
 def _timed(fn: Any) -> tuple[float, Any]:
     torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -4,7 +4,8 @@ runs on the caller's thread."""
 
 from __future__ import annotations
 
-from cryosnap._state.build import Place, Restorer
+from cryosnap._state.build import DeviceMove, Place, Restorer
+from cryosnap._state.device import DeviceFeed
 from cryosnap._state.files import File
 from cryosnap._state.flatten import (
     PACK_BYTES,
@@ -21,6 +22,8 @@ __all__ = [
     "PACK_BYTES",
     "PACK_LEAF_FRACTION",
     "Blob",
+    "DeviceFeed",
+    "DeviceMove",
     "File",
     "FlatState",
     "FlattenCache",

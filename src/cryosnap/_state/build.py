@@ -12,6 +12,7 @@ import struct
 import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -25,7 +26,7 @@ from cryosnap._format.skeleton import (
     dict_items,
     format_path,
 )
-from cryosnap._state.device import to_device
+from cryosnap._state.device import copy_to_device
 from cryosnap._state.files import loaded_file, saved_file_path
 from cryosnap._state.torch_import import import_torch
 from cryosnap.errors import CheckpointError, CheckpointFormatError
@@ -200,6 +201,7 @@ class Restorer:
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
+        self.moved = False  # whether install() put the leaves on a device
 
     # phase 1 -------------------------------------------------------------------------------
     def allocate(
@@ -523,11 +525,24 @@ class Restorer:
 
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
-        and before :meth:`build`: through the pinned slabs of :mod:`._devcopy`. Leaves that
+        and before :meth:`build`: through the pinned slabs of :mod:`.device`. Leaves that
         shared a storage share one storage there; Parameters stay Parameters. (The leaves are
         copied even when ``device`` is the CPU: callers skip that case.)"""
-        if self._tensors:
-            _moved(self._tensors, self._values, device)
+        move = self.device_move(device)
+        copy_to_device([pair for pairs in move.groups.values() for pair in pairs])
+        self.install(move)
+
+    def device_move(self, device: Any) -> DeviceMove:
+        """The move of :meth:`to_device` planned, after :meth:`allocate` (the blobs may still
+        be filling): every torch leaf's destination allocated on ``device``, and the copies
+        each blob's bytes need. Copy them (a :class:`cryosnap._state.device.DeviceFeed` can,
+        blob by blob as each verifies), then :meth:`install` the move before :meth:`build`."""
+        return _plan_move(self._tensors, self._values, device)
+
+    def install(self, move: DeviceMove) -> None:
+        """Put ``move``'s destinations (their copies done) in place of the host leaves."""
+        _install(move, self._tensors, self._values)
+        self.moved = True
 
     # phase 2 -------------------------------------------------------------------------------
     def build(self) -> Any:
@@ -584,21 +599,48 @@ def _copy_out(pack: memoryview, fills: list[tuple[int, int, Any]]) -> None:
         memmove(target.data_ptr(), base + at, nbytes)
 
 
-def _moved(
+@dataclass(slots=True)
+class DeviceMove:
+    """:meth:`Restorer.device_move`'s plan: per blob, the (host leaf, its destination) pairs
+    its bytes are copied by; the destinations of the plain leaves (by node id) and of the
+    shared storages (by blob)."""
+
+    groups: dict[int, list[tuple[Any, Any]]]
+    plain: dict[int, Any]
+    bases: dict[int, Any]
+
+
+def _plan_move(
     tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
     values: dict[int, Any],
     device: Any,
+) -> DeviceMove:
+    """:meth:`Restorer.device_move` of its ``tensors``, whose leaves ``values`` holds (by node
+    id; a shared storage's base by ``-blob - 1``)."""
+    empty = _torch().empty
+    move = DeviceMove({}, {}, {})
+    for node, b, geometry in tensors:
+        if geometry is None:
+            src = values[id(node)].detach()
+            dst = move.plain[id(node)] = empty(src.shape, dtype=src.dtype, device=device)
+        elif b not in move.bases:
+            src = values[-b - 1]
+            dst = move.bases[b] = empty(src.shape, dtype=src.dtype, device=device)
+        else:
+            continue
+        move.groups.setdefault(b, []).append((src, dst))
+    return move
+
+
+def _install(
+    move: DeviceMove,
+    tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
+    values: dict[int, Any],
 ) -> None:
-    """:meth:`Restorer.to_device` of its ``tensors``, whose leaves ``values`` holds (by node id;
-    a shared storage's base by ``-blob - 1``)."""
-    plain = [(node, b) for node, b, geometry in tensors if geometry is None]
-    bases = sorted({b for _node, b, geometry in tensors if geometry is not None})
-    sources = [values[id(node)].detach() for node, _b in plain]
-    sources += [values[-b - 1] for b in bases]
-    moved = to_device(sources, device)
-    for (node, _b), t in zip(plain, moved[: len(plain)], strict=True):
-        values[id(node)] = _as_leaf(t, node, "")
-    for b, base in zip(bases, moved[len(plain) :], strict=True):
+    for node, _b, geometry in tensors:
+        if geometry is None:
+            values[id(node)] = _as_leaf(move.plain[id(node)], node, "")
+    for b, base in move.bases.items():
         values[-b - 1] = base
     for node, b, geometry in tensors:
         if geometry is not None:

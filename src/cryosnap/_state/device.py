@@ -1,20 +1,32 @@
 """Device copies: host tensors -> tensors on a device, staged through a few pinned slabs.
 
 The host copy of the next piece overlaps the DMA of the previous ones; the results are ready
-for the caller on any stream. Runs on the caller's thread (the one restoring); no I/O, no
-threads of its own. torch is imported only when called. docs/design/capture.md has the why.
+for the caller on any stream. :func:`copy_to_device` runs on the caller's thread (the one
+restoring); a :class:`DeviceFeed` copies on a thread of its own while the caller's reads go on.
+No I/O. torch is imported only when called. docs/design/capture.md has the why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import queue
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap._validate import bad_value, wrong_type
 
-__all__ = ["SLABS", "SLAB_BYTES", "SMALL_BYTES", "copy_to_device", "target_device", "to_device"]
+__all__ = [
+    "SLABS",
+    "DeviceFeed",
+    "SLAB_BYTES",
+    "SMALL_BYTES",
+    "copy_to_device",
+    "target_device",
+    "to_device",
+]
 
 # Four slabs of 16 MiB keep a host-to-device DMA busy while the next piece is copied on the
 # host, and the first DMA starts soon. On an H200, 1 GiB from pageable memory (warm): 30-46
@@ -104,6 +116,93 @@ def to_device(
     return dsts
 
 
+class DeviceFeed:
+    """Copies groups of host tensors to their destinations on a thread of its own, each group
+    as soon as the caller says its bytes are ready (:meth:`ready`, from any thread), through
+    one copier's pinned slabs: a restore's host-to-device copies overlap its reads and
+    verification instead of following them.
+
+    ``groups``: key -> the (source, destination) pairs of that key (as for
+    :func:`copy_to_device`; checked here, before the thread starts). Made on the thread
+    whose current streams the destinations were allocated on: the copies wait for what
+    those streams queued. :meth:`close` (every group ready; those never said to be are
+    copied then, counted in ``late``) returns once every destination holds its bytes and is
+    safe to use on that thread's current streams, and raises what a copy raised;
+    :meth:`abort` stops the copies (the destinations are then garbage). Exactly one of them
+    is called, on the thread that made the feed.
+    """
+
+    _END = -1
+
+    def __init__(
+        self,
+        groups: Mapping[int, Sequence[tuple[Any, Any]]],
+        *,
+        slab_bytes: int = SLAB_BYTES,
+        slabs: int = SLABS,
+    ) -> None:
+        torch = self._torch = _torch()
+        with torch.no_grad():
+            jobs = {k: [_job(torch, s, d) for s, d in pairs] for k, pairs in groups.items()}
+        self._jobs = {k: js for k, js in jobs.items() if any(j.nbytes for j in js)}
+        every = [j for js in self._jobs.values() for j in js]
+        self._copier = _Copier(torch, every, slab_bytes=slab_bytes, slabs=slabs)
+        self._copier.open_streams()
+        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._said: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = False
+        self._error: BaseException | None = None
+        self.late = 0  # groups first copied by close(): never said to be ready before
+        self._thread = threading.Thread(target=self._work, name="cryosnap-device", daemon=True)
+        self._thread.start()
+
+    def ready(self, key: int) -> None:
+        """Group ``key``'s sources hold their final bytes: copy them (keys of no group, or
+        said twice, are ignored)."""
+        with self._lock:
+            if key not in self._jobs or key in self._said:
+                return
+            self._said.add(key)
+        self._queue.put(key)
+
+    def close(self) -> None:
+        for key in self._jobs:
+            if key not in self._said:
+                self.late += 1
+                self.ready(key)
+        self._end()
+        if self._error is not None:
+            raise self._error
+
+    def abort(self) -> None:
+        self._stop = True
+        with contextlib.suppress(Exception):
+            self._end()
+
+    def _end(self) -> None:
+        self._queue.put(self._END)
+        self._thread.join()
+        self._copier._finish()
+
+    def _work(self) -> None:
+        copier = self._copier
+        with self._torch.no_grad():
+            while (key := self._queue.get()) != self._END:
+                if self._stop or self._error is not None:
+                    continue  # drained to the end
+                try:
+                    for job in self._jobs[key]:
+                        copier.add(job)
+                except BaseException as exc:
+                    self._error = exc
+            if not self._stop and self._error is None:
+                try:
+                    copier.close()
+                except BaseException as exc:
+                    self._error = exc
+
+
 def _torch() -> Any:
     return import_torch()
 
@@ -191,25 +290,47 @@ class _Copier:
         self.fill = 0  # bytes of the current slab in use
         self.group: list[_Job] = []
         self.group_at = 0  # where the group starts in the current slab
+        self.temps: list[_Job] = []  # the jobs added whose destination has a stand-in
 
     def run(self) -> None:
         if not self.jobs:
             return
         try:
-            self._rotate()
             for job in self.jobs:
-                if job.nbytes <= self.small_bytes:
-                    self._add_small(job)
-                else:
-                    self._add_large(job)
-            self._flush_group()
-            # Every piece is issued: the contiguous stand-ins go to their destinations (on the
-            # streams of the pieces, so after them).
-            for job in self.jobs:
-                if job.temp is not None:
-                    self._copy_back(job)
+                self.add(job)
+            self.close()
         finally:
             self._finish()
+
+    def open_streams(self) -> None:
+        """Make the copy streams now, on this thread: each waits for what the destinations'
+        devices' current streams (this thread's) have queued. (Made later, on another
+        thread, they would wait on that thread's current streams instead.)"""
+        for job in self.jobs:
+            if job.out.is_cuda:
+                self._stream(job.out.device)
+
+    def add(self, job: _Job) -> None:
+        """Issue the copies of ``job`` (one of ``jobs``; any order)."""
+        if not job.nbytes:
+            return
+        if self.slab is None:
+            self._rotate()
+        if job.nbytes <= self.small_bytes:
+            self._add_small(job)
+        else:
+            self._add_large(job)
+        if job.temp is not None:
+            self.temps.append(job)
+
+    def close(self) -> None:
+        """Issue what is still pending once every job was added; :meth:`_finish` waits."""
+        self._flush_group()
+        # Every piece is issued: the contiguous stand-ins go to their destinations (on the
+        # streams of the pieces, so after them).
+        for job in self.temps:
+            self._copy_back(job)
+        self.temps = []
 
     def _add_small(self, job: _Job) -> None:
         if self.group and self.group[0].out.device != job.out.device:

@@ -33,7 +33,17 @@ from cryosnap._format.manifest import (
     ManifestRef,
 )
 from cryosnap._format.skeleton import blob_keys, blob_paths, format_path
-from cryosnap._state import Blob, FlatState, Place, Restorer, apply_into, check_into, direct_targets
+from cryosnap._state import (
+    Blob,
+    DeviceFeed,
+    DeviceMove,
+    FlatState,
+    Place,
+    Restorer,
+    apply_into,
+    check_into,
+    direct_targets,
+)
 from cryosnap._state.gc import paused_gc
 from cryosnap._units import human_bytes
 from cryosnap.engine._records import read_commit, read_manifest
@@ -211,11 +221,15 @@ def _read_verified(
     into: Any = None,
     progress: ProgressFactory | None = None,
     keys: Sequence[str | int] | None = None,
+    device: Any = None,
 ) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
     (reported to a line ``progress`` makes, if given). ``keys``: only these top-level keys
     (:mod:`._select`): the other keys' chunks are neither read nor verified, and the
-    restorer's skeleton holds these keys only.
+    restorer's skeleton holds these keys only. ``device`` (a ``torch.device`` other than the
+    CPU, without ``into``): each blob's torch leaves are copied there as soon as the blob
+    verified, while the reads go on (:func:`_pipelined`); the restorer's leaves are then
+    those copies (``restorer.moved``).
 
     With ``into`` on a store with a local path, the leaves :func:`direct_targets` picks are not
     allocated: their chunks are verified, and the returned :class:`Fetched` reads them into
@@ -270,6 +284,12 @@ def _read_verified(
             for blob, path in zip(part.blobs, restorer.blob_paths, strict=True):
                 blob.path = path
         _check_used_files(store, part, checked)
+        move: DeviceMove | None = None
+        feed: DeviceFeed | None = None
+        if device is not None and into is None and _pipelined(device):
+            # Not wrapped: running out of device memory is no damage of the version.
+            move = restorer.device_move(device)
+            feed = DeviceFeed(move.groups)
         # Still paused: the fetch makes a view or two per piece (tens of thousands for a state
         # of many small leaves, none in a cycle), and each collection they would set off walks
         # every object allocated above, holding the GIL the read threads hash under.
@@ -282,19 +302,44 @@ def _read_verified(
             mapped=mapped,
             placed=placed,
             cold=cold,
+            on_ready=feed.ready if feed is not None else None,
         )
         try:
-            if progress is None:
-                return part, restorer, fetch()
-            total = manifest.logical_bytes if keys is None else sum(sizes)
-            line = progress(f"cryosnap: restoring step {step}", total)
             try:
-                fetched = fetch(on_bytes=line.update)
-            finally:
-                line.close()
-        except MemoryError as exc:
-            raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
+                if progress is None:
+                    fetched = fetch()
+                else:
+                    total = manifest.logical_bytes if keys is None else sum(sizes)
+                    line = progress(f"cryosnap: restoring step {step}", total)
+                    try:
+                        fetched = fetch(on_bytes=line.update)
+                    finally:
+                        line.close()
+            except MemoryError as exc:
+                raise CheckpointFormatError(
+                    f"{where}: out of memory while reading its chunks"
+                ) from exc
+        except BaseException:
+            if feed is not None:
+                feed.abort()
+            raise
+        if feed is not None and move is not None:
+            feed.close()
+            log.debug(
+                "%s: %d of %d blobs copied to %s after the reads",
+                where,
+                feed.late,
+                len(move.groups),
+                device,
+            )
+            restorer.install(move)
     return part, restorer, fetched
+
+
+def _pipelined(device: Any) -> bool:
+    """Whether a restore to ``device`` copies each blob there as soon as it verified (a
+    device other than the CPU: its copies overlap the reads) rather than once all did."""
+    return bool(device.type != "cpu")
 
 
 # Per blob index, which chunks a caller does not need the bytes of (True: skip).
@@ -554,9 +599,16 @@ def _read_whole(
 ) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
-        store, step, rank=rank, allow_pickle=allow_pickle, into=into, progress=progress, keys=keys
+        store,
+        step,
+        rank=rank,
+        allow_pickle=allow_pickle,
+        into=into,
+        progress=progress,
+        keys=keys,
+        device=device,
     )
-    if device is not None and device.type != "cpu":
+    if device is not None and device.type != "cpu" and not restorer.moved:
         # Not wrapped: running out of device memory is no damage of the version.
         restorer.to_device(device)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,14 @@ import cryosnap._state.device as _devcopy
 from cryosnap import engine
 from cryosnap._state import Restorer, apply_into, check_into, flatten
 from cryosnap._state import into as state_into
-from cryosnap._state.device import _Copier, _job, copy_to_device, target_device, to_device
+from cryosnap._state.device import (
+    DeviceFeed,
+    _Copier,
+    _job,
+    copy_to_device,
+    target_device,
+    to_device,
+)
 from cryosnap.storage import open_store
 
 from ..support import TORCH_DTYPES, make_tensor, tensor_bytes
@@ -57,6 +65,66 @@ def test_small_tensors_are_packed_several_to_a_slab() -> None:
     assert all(torch.equal(s, d) for s, d in zip(sources, dsts, strict=True))
     # 640 bytes fill three 256-byte slabs (16 tensors to a slab); a fourth is not allocated.
     assert copier.turn == 2 and len(copier.slabs) == 3
+
+
+def _groups() -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    sources = {
+        0: [make_tensor(torch.float32, (3000,), seed=1)],  # larger than a slab: in pieces
+        1: [make_tensor(torch.int16, (5,), seed=i) for i in range(30)],  # packed in groups
+        2: [make_tensor(torch.float64, (4, 3), seed=2).t()],  # not contiguous: via a copy
+        3: [torch.empty(0)],  # nothing to copy: no group
+    }
+    return {k: [(s, torch.zeros_like(s)) for s in srcs] for k, srcs in sources.items()}
+
+
+def _copied(groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]) -> bool:
+    return all(tensor_bytes(s) == tensor_bytes(d) for pairs in groups.values() for s, d in pairs)
+
+
+def _feed_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cryosnap-device"]
+
+
+def test_a_feed_copies_each_group_it_is_told_is_ready_in_any_order() -> None:
+    groups = _groups()
+    feed = DeviceFeed(groups, slab_bytes=1024, slabs=2)
+    for key in (2, 1, 7, 1, 0, 3):  # a key of no group, one twice, an empty group
+        feed.ready(key)
+    feed.close()
+    assert _copied(groups) and feed.late == 0 and not _feed_threads()
+
+
+def test_a_feed_copies_the_groups_never_said_ready_when_closed() -> None:
+    groups = _groups()
+    feed = DeviceFeed(groups, slab_bytes=1024, slabs=2)
+    feed.ready(1)
+    feed.close()
+    assert _copied(groups) and feed.late == 2  # 0 and 2; 3 holds no bytes
+
+
+def test_an_aborted_feed_stops_and_a_failed_copy_is_raised_by_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    feed = DeviceFeed(_groups())
+    feed.ready(0)
+    feed.abort()
+    assert not _feed_threads()
+
+    def add(self: _Copier, job: Any) -> None:
+        raise RuntimeError("copy failed (injected)")
+
+    monkeypatch.setattr(_Copier, "add", add)
+    feed = DeviceFeed(_groups())
+    feed.ready(1)
+    with pytest.raises(RuntimeError, match="injected"):
+        feed.close()
+    assert not _feed_threads()
+
+
+def test_a_feed_checks_its_pairs_before_its_thread_starts() -> None:
+    with pytest.raises(ValueError, match="cannot fill"):
+        DeviceFeed({0: [(torch.ones(3), torch.ones(4))]})
+    assert not _feed_threads()
 
 
 def test_groups_break_where_the_destination_device_changes_and_without_foreach(

@@ -27,6 +27,7 @@ from cryosnap.engine.read._gather import Gatherer, unreadable
 from cryosnap.engine.read._mapped import Mapped, MappedWork
 from cryosnap.engine.read._plan import (
     _GAP_BYTES,
+    Gather,
     PieceLists,
     ReadPlan,
     Run,
@@ -63,13 +64,16 @@ def read_blobs(
     mapped: Mapped | None = None,
     placed: Sequence[bool] = (),
     cold: ColdFiles | None = None,
+    on_ready: Callable[[int], None] | None = None,
 ) -> Fetched:
     """Fill ``views`` from the data files and verify every chunk as it lands; raise on the first
     damage (in blob order). The views marked in ``direct`` are verified but left untouched:
     the returned :class:`Fetched` fills them. Those marked in ``placed`` are views of
     ``mapped``'s files (:meth:`Mapped.place`) and are only verified. ``cold``'s files are read
     with direct I/O; a direct blob with bytes there is read once into private memory (within
-    the staging budget) that :meth:`Fetched.fill` copies into place."""
+    the staging budget) that :meth:`Fetched.fill` copies into place. ``on_ready(blob)`` is
+    called (on a read thread) for each blob that is not direct as soon as every chunk of it
+    verified in its view, while the others are still read."""
     cb = part.manifest.chunk_bytes
     wrong = wrong_chunk_count(part.chunks(), cb)
     if wrong >= 0:
@@ -94,7 +98,14 @@ def read_blobs(
         cold_files=cold_files,
     )
     reader = PartReader(
-        store, part, views, plan, on_bytes=on_bytes, mapped=mapped, cold_files=cold_files
+        store,
+        part,
+        views,
+        plan,
+        on_bytes=on_bytes,
+        mapped=mapped,
+        cold_files=cold_files,
+        on_ready=on_ready,
     )
     reader.first_pass()
     return Fetched(reader, staged)
@@ -182,9 +193,16 @@ class PartReader:
         on_bytes: Callable[[int], None],
         mapped: Mapped | None,
         cold_files: frozenset[int] = frozenset(),
+        on_ready: Callable[[int], None] | None = None,
     ) -> None:
         self.store, self.part, self.views, self.plan = store, part, views, plan
         self.on_bytes = on_bytes
+        self.on_ready = on_ready
+        # With on_ready: the blobs each unit of work of the first pass verifies (by its
+        # number), and per blob how many units are still to finish.
+        self._units: dict[int, list[int]] = {}
+        self._left: list[int] = []
+        self._left_lock = threading.Lock()
         self.cold = cold_files
         self.pieces: PieceLists = plan.pieces.lists()
         # The address of each view's first byte, taken once: pieces are hashed and copied by
@@ -209,15 +227,58 @@ class PartReader:
         plan = self.plan
         tasks = plan.first.tasks(plan.pieces.offset)
         n = len(tasks)
-        gathers = [
-            functools.partial(self.gatherer.run, n + i, g) for i, g in enumerate(plan.gathers)
-        ]
+        gathers = [functools.partial(self._gather, n + i, g) for i, g in enumerate(plan.gathers)]
         hashed: list[Callable[[], object]] = []
+        batches: list[list[int]] = []
         if self.mapped is not None:
             at = n + len(gathers)
             batches = plan.first_mapped.lists()
-            hashed = [functools.partial(self.mapped.hash, at + i, b) for i, b in enumerate(batches)]
+            hashed = [functools.partial(self._hash, at + i, b) for i, b in enumerate(batches)]
+        if self.on_ready is not None:
+            self._count_units(tasks, batches)
         self._run_tasks(tasks, False, [*gathers, *hashed])
+
+    def _count_units(self, tasks: list[Task], batches: list[list[int]]) -> None:
+        """Note which blobs each unit of the first pass verifies (tasks, gathers and mapped
+        batches, numbered as they are run), and how many units each blob waits for."""
+        p_blob, p_direct = self.pieces.blob, self.pieces.direct
+        units: list[list[int]] = [
+            list(dict.fromkeys(p_blob[p] for _o, ps, _g in runs for p in ps if not p_direct[p]))
+            for _f, runs in tasks
+        ]
+        units += [[g.blob] for g in self.plan.gathers]
+        units += [list(dict.fromkeys(p_blob[p] for p in ps if not p_direct[p])) for ps in batches]
+        left = [0] * len(self.part.blobs)
+        for blobs in units:
+            for b in blobs:
+                left[b] += 1
+        self._left = left
+        self._units = {i: blobs for i, blobs in enumerate(units) if blobs}
+
+    def _finished(self, number: int) -> None:
+        """Unit ``number`` of the first pass ran to its end: each blob it verified that no
+        other unit still has to, and whose every chunk matched, is ready."""
+        blobs = self._units.get(number)
+        if blobs is None or self.on_ready is None or number in self.outcome.failed:
+            return
+        ready = []
+        with self._left_lock:
+            for b in blobs:
+                self._left[b] -= 1
+                if not self._left[b]:
+                    ready.append(b)
+        for b in ready:
+            if b not in self.outcome.bad_blobs:
+                self.on_ready(b)
+
+    def _gather(self, number: int, task: Gather) -> None:
+        self.gatherer.run(number, task)
+        self._finished(number)
+
+    def _hash(self, number: int, pids: list[int]) -> None:
+        assert self.mapped is not None
+        self.mapped.hash(number, pids)
+        self._finished(number)
 
     def second_pass(self) -> None:
         for blob, staged in self.staged.items():
@@ -355,7 +416,7 @@ class PartReader:
         except BaseException as exc:
             self._failed(number, key, runs, exc, ring)
             return _nothing
-        verify = functools.partial(self._verify, runs, layout, second, buf, ring)
+        verify = functools.partial(self._verify, number, runs, layout, second, buf, ring)
         if ring is not None:
             return verify
         verify()
@@ -363,6 +424,7 @@ class PartReader:
 
     def _verify(
         self,
+        number: int,
         runs: list[Run],
         layout: _Layout,
         second: bool,
@@ -377,6 +439,7 @@ class PartReader:
                 ring.put(buf)
         if not second:
             self.on_bytes(nbytes)
+            self._finished(number)
 
     def _failed(
         self,

@@ -30,14 +30,18 @@ class Outcome:
         self._lock = threading.Lock()
         self.failures: list[tuple[int, BaseException]] = []  # (task number, what it raised)
         self.bad: list[tuple[int, int]] = []  # (blob, chunk) that did not match its hash
+        self.failed: set[int] = set()  # the task numbers of failures
+        self.bad_blobs: set[int] = set()  # the blobs of bad
 
     def fail(self, number: int, exc: BaseException) -> None:
         with self._lock:
             self.failures.append((number, exc))
+            self.failed.add(number)
 
     def mismatch(self, blob: int, chunk: int) -> None:
         with self._lock:
             self.bad.append((blob, chunk))
+            self.bad_blobs.add(blob)
 
     def raise_first(self, part: ResolvedPart, url: str) -> None:
         if self.failures:
