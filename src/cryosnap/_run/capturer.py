@@ -29,6 +29,7 @@ from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.dtensor import fill_target
 from cryosnap._state.gc import paused_gc
+from cryosnap.errors import CheckpointError
 
 __all__ = ["END", "Capturer", "Job"]
 
@@ -295,8 +296,8 @@ class Capturer:
             else:
                 self._copy(job, lazy, source)
         except BaseException as exc:
-            error = exc
-            job.batches.put(exc)
+            error = capture_failed(job.step, exc)
+            job.batches.put(error)
         finally:
             if not lazy:
                 # Eager: the caller was blocked until here (set before END: the writer reads
@@ -432,3 +433,18 @@ def _step_guard(pending: PendingSave, needed: list[int]) -> Callable[..., None]:
         pending.add_stall(time.perf_counter() - t0)
 
     return hook
+
+
+def capture_failed(step: int, exc: BaseException) -> BaseException:
+    """What a save whose capture raised ``exc`` fails with: cryosnap's own errors (an abort, a
+    state that changed...) and what is no error of the capture (KeyboardInterrupt,
+    SystemExit) as they are; anything else (out of memory for the staging, a CUDA error, an
+    OSError) a :class:`CheckpointError` that names the step, with ``exc`` as its cause."""
+    if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+        return exc
+    error = CheckpointError(
+        f"step {step}: copying the state into staging failed ({type(exc).__name__}: "
+        f"{exc}); step {step} was not committed, the versions before it are intact"
+    )
+    error.__cause__ = exc
+    return error

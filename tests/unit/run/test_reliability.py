@@ -302,3 +302,34 @@ def test_close_returns_when_the_persistent_tier_never_answers(tmp_path: Path) ->
         assert engine.list_steps(LocalStore(tmp_path / "p")) == []
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize(
+    "raised", [OSError(12, "Cannot allocate memory"), MemoryError(), RuntimeError("CUDA error")]
+)
+def test_a_capture_that_fails_fails_its_save_as_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool, raised: Exception
+) -> None:
+    # What copying into staging raises (no memory for a slab, a CUDA error) is a
+    # CheckpointError naming the step, its cause kept; the run goes on from the next save.
+    from cryosnap._run import capturer
+
+    real = capturer.capture_to_slabs
+    calls = []
+
+    def capture(*args: object, **kwargs: object) -> int:
+        calls.append(1)
+        if len(calls) == 2:
+            raise raised
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(capturer, "capture_to_slabs", capture)
+    with cryosnap.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(1, _state(1), lazy=lazy).result()
+        with pytest.raises(CheckpointError, match="step 2: copying the state") as info:
+            ckpt.save(2, _state(2), lazy=lazy).result()
+        assert info.value.__cause__ is raised
+        ckpt.save(3, _state(3), lazy=lazy).result()
+        assert ckpt.steps() == [1, 3]
+    np.testing.assert_array_equal(cryosnap.load(tmp_path / "run", step=3)["w"], _state(3)["w"])
