@@ -787,7 +787,8 @@ def part_restore(
         res["cryosnap_load_serial_s"] = serial
         log(
             f"cryosnap.load(map_location), copies after every read (not pipelined): best "
-            f"{min(serial):.3f} s; pipelined {base:.3f} s ({min(serial) / base:.2f}x faster)"
+            f"{min(serial):.3f} s; pipelined {base:.3f} s "
+            f"(serial / pipelined: {min(serial) / base:.2f})"
         )
 
     like = {k: torch.empty_like(v) for k, v in state.items()}
