@@ -203,3 +203,18 @@ def test_a_state_without_tensors_makes_no_feed_thread(
     assert out["n"] == 1 and np.array_equal(out["arr"], np.arange(10))
     (feed,) = feeds
     assert not feed._jobs and feed.late == 0
+
+
+def test_a_selective_restore_to_the_device_hands_over_only_its_keys(
+    tmp_path: Path, feeds: list[_Recording]
+) -> None:
+    saved = _state(5)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(2, saved).result()
+        out = ckpt.restore(keys=["big", "small"], map_location="cpu")
+    assert set(out) == {"big", "small"}
+    assert_same({"big": saved["big"], "small": saved["small"]}, out)
+    (feed,) = feeds
+    assert feed.late == 0 and set(feed.seen) == set(feed._jobs)
+    moved = sum(s.numel() * s.element_size() for g in feed.groups.values() for s, _d in g)
+    assert moved == (MIB + 3) * 4 + 300 * 7 * 4  # the other keys' leaves were not copied
