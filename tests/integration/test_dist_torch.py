@@ -8,9 +8,11 @@ and the test checks it. A scenario that raises makes its process exit non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -31,7 +33,23 @@ SHORT = 1.0  # collectives that are meant to time out
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, below the kernel's ephemeral range: a port the kernel hands
+    out (``bind(0)``) may be handed out again to any connection (gloo's among them, in the
+    other tests' processes) before rank 0 listens on it (EADDRINUSE, seen in CI); one below
+    that range is only taken by whoever asks for it by number."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # not the tests' seeded one: xdist workers must not pick alike
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every pick taken: what the kernel hands out
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
