@@ -48,6 +48,10 @@ class _Recording(DeviceFeed):
         super().ready(key)
 
 
+def _feed_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cryosnap-device"]
+
+
 @pytest.fixture
 def feeds(monkeypatch: pytest.MonkeyPatch) -> list[_Recording]:
     monkeypatch.setattr(_read, "_pipelined", lambda device: True)
@@ -87,7 +91,7 @@ def _handed_over_final(feeds: list[_Recording]) -> _Recording:
     for key, clones in feed.seen.items():
         for clone, (_src, dst) in zip(clones, feed.groups[key], strict=True):
             assert torch.equal(clone.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8))
-    assert not [t for t in threading.enumerate() if t.name == "cryosnap-device"]
+    assert not _feed_threads()
     return feed
 
 
@@ -180,7 +184,7 @@ def test_damage_stops_the_feed_and_never_hands_over_the_damaged_blob(
         k for k, pairs in feed.groups.items() if any(s.numel() == MIB + 3 for s, _d in pairs)
     ]
     assert big_blobs and not set(big_blobs) & set(feed.seen)
-    assert not [t for t in threading.enumerate() if t.name == "cryosnap-device"]
+    assert not _feed_threads()
 
 
 def test_a_failed_copy_fails_the_restore_and_stops_the_feed(
@@ -200,7 +204,7 @@ def test_a_failed_copy_fails_the_restore_and_stops_the_feed(
     monkeypatch.setattr(_device._Copier, "add", add)
     with pytest.raises(RuntimeError, match="injected"):
         cryosnap.load(tmp_path, step=1, map_location="cpu")
-    assert not [t for t in threading.enumerate() if t.name == "cryosnap-device"]
+    assert not _feed_threads()
     # The run is as it was: the next restore reads it.
     monkeypatch.setattr(_device._Copier, "add", real)
     assert_same(saved, cryosnap.load(tmp_path, step=1, map_location="cpu"))
