@@ -459,7 +459,11 @@ class WriterThread:
             try:
                 info, part = self.version.write(job)
             except BaseException as exc:
-                log.error("checkpoint of step %d failed: %s", job.step, exc)
+                text = str(exc)
+                if text.startswith(f"step {job.step}:"):  # cryosnap's errors name it already
+                    log.error("checkpoint failed: %s", text)
+                else:
+                    log.error("checkpoint of step %d failed: %s", job.step, text)
                 self.version.note_disagreement(exc)
                 job.pending.fail(exc)
             finally:

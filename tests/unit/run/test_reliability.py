@@ -7,6 +7,7 @@ a retired version for a damaged one; a flush copied bit rot to the persistent ti
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Callable
@@ -333,3 +334,39 @@ def test_a_capture_that_fails_fails_its_save_as_a_checkpoint_error(
         ckpt.save(3, _state(3), lazy=lazy).result()
         assert ckpt.steps() == [1, 3]
     np.testing.assert_array_equal(cryosnap.load(tmp_path / "run", step=3)["w"], _state(3)["w"])
+
+
+def test_a_failed_version_is_logged_naming_its_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The writer's log line names the step once: an error that names it already ("step 2:
+    # copying the state ...") is not prefixed with it again; a store's error is.
+    from cryosnap._run import capturer
+
+    real = capturer.capture_to_slabs
+
+    def capture(*args: object, **kwargs: object) -> int:
+        if len(calls) == 1:
+            calls.append(1)
+            raise MemoryError()
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    calls: list[int] = []
+
+    def fault(op: str, key: str) -> None:
+        if op == "writer.commit" and "000000000003" in key:
+            raise StorageError("disk full (injected)")
+
+    monkeypatch.setattr(capturer, "capture_to_slabs", capture)
+    store = FaultyStore(LocalStore(tmp_path / "run"), fault=fault)
+    with caplog.at_level(logging.ERROR, logger="cryosnap"), cryosnap.Checkpointer(store) as ckpt:
+        ckpt.save(1, _state(1)).result()
+        with pytest.raises(CheckpointError, match="step 2: copying"):
+            ckpt.save(2, _state(2)).result()
+        with pytest.raises(StorageError, match="disk full"):
+            ckpt.save(3, _state(3)).result()
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert any(m.startswith("checkpoint failed: step 2: copying") for m in failed), failed
+    assert "checkpoint of step 3 failed: disk full (injected)" in failed, failed
+    assert not [m for m in failed if "failed: step 2:" in m and "of step 2" in m], failed
