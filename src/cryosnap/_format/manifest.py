@@ -9,6 +9,7 @@ Pure: (de)serialization and validation only; no I/O.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import json
 import re
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import xxhash
 
+from cryosnap._format import columns
 from cryosnap._format.chunks import (
     HASH_BYTES,
     HASH_NAME,
@@ -56,6 +58,7 @@ from cryosnap._format.skeleton import check_depth, decode_key, encode_key
 from cryosnap.errors import CheckpointFormatError
 
 __all__ = [
+    "COLUMNS_FORMAT_VERSION",
     "FILES_FORMAT_VERSION",
     "FORMAT_VERSION",
     "PACKED_FORMAT_VERSION",
@@ -94,6 +97,11 @@ PACKED_FORMAT_VERSION = 2
 # A rank's manifest holding cryosnap.File leaves (skeleton nodes "file", packed tensors or not)
 # says this, for the same reason: a cryosnap from before files refuses it by its version.
 FILES_FORMAT_VERSION = 3
+# A rank's manifest whose skeleton holds a dict node in columns (a state dict's tensors as one
+# list per field, docs/FORMAT.md) says this, packed tensors and files or not, so that a
+# cryosnap from before columns refuses it by its version. A skeleton without one keeps the
+# version it had (1, 2 or 3), readable by every cryosnap that read it before.
+COLUMNS_FORMAT_VERSION = 4
 # A blob's segment table of more rows than this is written packed (zlib-compressed
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
@@ -283,7 +291,9 @@ _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 # every other node (_state/reuse.py; a skeleton is never modified once made): only the
 # containers on the changed path are encoded again. The whole text of a state of 20,000
 # leaves took 45-85 ms of the writer's thread per version here.
-_tree_nodes: dict[int, tuple[Any, str, tuple[int, ...]]] = {}
+# The last field says whether the node's text holds columns (docs/FORMAT.md, "State dicts in
+# columns"): the manifest's format_version then says so.
+_tree_nodes: dict[int, tuple[Any, str, tuple[int, ...], bool]] = {}
 _tree_lock = threading.Lock()
 # Stands for a container's children while its other fields are encoded: a string no skeleton
 # holds (NUL characters), checked to occur once.
@@ -299,15 +309,17 @@ def forget_tree_text() -> None:
         _tree_nodes = {}
 
 
-def _tree_text(skeleton: Any) -> str:
-    """``skeleton`` as JSON text, the text of ``_dumps(skeleton)``, with the texts of the nodes
-    it shares with the last skeleton encoded taken as they were."""
+def _tree_text(skeleton: Any) -> tuple[str, bool]:
+    """``skeleton`` as JSON text, and whether it holds columns: the text of ``_dumps`` of the
+    skeleton with every dict node of tensor leaves that :func:`columns.encode` takes in
+    columns, with the texts of the nodes it shares with the last skeleton encoded taken as
+    they were."""
     global _tree_nodes
     with _tree_lock:
-        kept: dict[int, tuple[Any, str, tuple[int, ...]]] = {}
-        text = _node_text(skeleton, _tree_nodes, kept)
+        kept: dict[int, tuple[Any, str, tuple[int, ...], bool]] = {}
+        text, cols = _node_text(skeleton, _tree_nodes, kept)
         _tree_nodes = kept
-    return text
+    return text, cols
 
 
 def _is_container(node: Any) -> bool:
@@ -316,9 +328,9 @@ def _is_container(node: Any) -> bool:
 
 def _node_text(
     node: Any,
-    last: dict[int, tuple[Any, str, tuple[int, ...]]],
-    kept: dict[int, tuple[Any, str, tuple[int, ...]]],
-) -> str:
+    last: dict[int, tuple[Any, str, tuple[int, ...], bool]],
+    kept: dict[int, tuple[Any, str, tuple[int, ...], bool]],
+) -> tuple[str, bool]:
     hit = last.get(id(node))
     if hit is not None and hit[0] is node:
         stack = [id(node)]  # kept with the texts of its containers, for the next skeleton
@@ -326,27 +338,36 @@ def _node_text(
             entry = last[stack.pop()]
             kept[id(entry[0])] = entry
             stack.extend(entry[2])
-        return hit[1]
+        return hit[1], hit[3]
     if not _is_container(node):
-        return _dumps(node)
+        # A leaf, or a dict node read in columns (a manifest written again).
+        return _dumps(node), type(node) is dict and "cols" in node
     children = node["v"]
     if type(children) is dict:  # a stateful object's state
-        inner = _node_text(children, last, kept)
+        inner, cols = _node_text(children, last, kept)
     elif not any(_is_container(c) for c in children):
-        text = _dumps(node)  # leaves only (a state dict): one call
-        kept[id(node)] = (node, text, ())
-        return text
+        # Leaves only (a state dict): one call, in columns where they are all tensors.
+        table = columns.encode(children) if node.get("t") in ("dict", "odict") else None
+        if table is None:
+            text = _dumps(node)
+        else:
+            text = _dumps({**{k: v for k, v in node.items() if k != "v"}, "cols": table})
+        kept[id(node)] = (node, text, (), table is not None)
+        return text, table is not None
     else:
-        parts = [_node_text(c, last, kept) if _is_container(c) else _dumps(c) for c in children]
-        inner = f"[{','.join(parts)}]"
+        texts = [
+            _node_text(c, last, kept) if _is_container(c) else (_dumps(c), False) for c in children
+        ]
+        inner = f"[{','.join(t for t, _c in texts)}]"
+        cols = any(c for _t, c in texts)
     shell = _dumps({k: _CHILDREN if k == "v" else v for k, v in node.items()})
     if shell.count(_CHILDREN_TEXT) == 1:
         text = shell.replace(_CHILDREN_TEXT, inner)
     else:
-        text = _dumps(node)
+        text, cols = _dumps(node), False  # in no columns: as it is
     below = (children,) if type(children) is dict else children
-    kept[id(node)] = (node, text, tuple(id(c) for c in below if id(c) in kept))
-    return text
+    kept[id(node)] = (node, text, tuple(id(c) for c in below if id(c) in kept), cols)
+    return text, cols
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +402,20 @@ class Manifest:
         return t
 
     def to_json(self) -> bytes:
+        """The manifest as written (its ``format_version`` :data:`COLUMNS_FORMAT_VERSION`
+        where the skeleton's text holds columns: :meth:`encode` says so)."""
+        return self.encode()[1]
+
+    def encode(self) -> tuple[Manifest, bytes]:
+        """The manifest with the ``format_version`` it is written with, and its text."""
+        # The skeleton's text first: whether it holds columns decides the version.
+        tree, cols = _tree_text(self.skeleton)
+        manifest = self
+        if cols and self.format_version != COLUMNS_FORMAT_VERSION:
+            manifest = dataclasses.replace(self, format_version=COLUMNS_FORMAT_VERSION)
+        return manifest, manifest._text(tree)
+
+    def _text(self, tree: str) -> bytes:
         # The blobs as JSON text, each the text json.dumps gives its BlobEntry.to_json: a
         # blob of one segment row of plain ints (nearly every leaf of a state of many small
         # tensors) formatted directly, without a list per blob for the encoder to walk.
@@ -417,7 +452,6 @@ class Manifest:
         # is the same object.
         dumps = _dumps
         hashes_text = dumps(base64.b64encode(b"".join(hashes)).decode())
-        tree = _tree_text(self.skeleton)
         replicated = ""
         if self.replicated is not None:
             keys = True if self.replicated is True else [encode_key(k) for k in self.replicated]
@@ -431,7 +465,9 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         doc = _parse_json(
-            data, where, (FORMAT_VERSION, PACKED_FORMAT_VERSION, FILES_FORMAT_VERSION)
+            data,
+            where,
+            (FORMAT_VERSION, PACKED_FORMAT_VERSION, FILES_FORMAT_VERSION, COLUMNS_FORMAT_VERSION),
         )
         if doc.get("kind") != "cryosnap.manifest":
             raise _fail(where, "not a cryosnap manifest")
@@ -466,7 +502,7 @@ class Manifest:
         if not isinstance(doc.get("tree"), dict):
             raise _fail(where, "field 'tree' must be an object")
         # The skeleton is walked recursively on restore; the rest of the document is checked
-        # field by field above.
+        # field by field above. Its columns are parsed (checked) here, once.
         check_depth(doc["tree"], where)
         return cls(
             step=_int(doc, "step", where, hi=MAX_STEP),

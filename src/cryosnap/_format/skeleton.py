@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from cryosnap._format import columns
 from cryosnap._format.limits import MAX_DEPTH, MAX_ELEMENTS, MAX_NDIM
 from cryosnap.errors import CheckpointFormatError
 
@@ -21,7 +22,9 @@ __all__ = [
     "blob_paths",
     "check_depth",
     "decode_key",
+    "dict_columns",
     "dict_items",
+    "dict_keys",
     "encode_key",
     "format_path",
     "iter_leaves",
@@ -57,13 +60,42 @@ def decode_key(key: Json, where: str) -> str | int:
 
 
 def dict_items(node: Json, where: str) -> list[tuple[str | int, Json]]:
-    """The decoded ``(key, child)`` pairs of a dict node, validated."""
-    keys, vals = node.get("k"), node.get("v")
+    """The decoded ``(key, child)`` pairs of a dict node, validated; the leaves of a node in
+    columns as the nodes they stand for (:meth:`columns.Columns.nodes`)."""
+    keys = node.get("k")
+    cols = dict_columns(node, where)
+    vals = cols.nodes() if cols is not None else node.get("v")
     if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
         raise CheckpointFormatError(f"{where}: malformed dict node")
     if set(map(type, keys)) <= _PLAIN_KEYS:  # the common case, decoded as they are
         return list(zip(keys, vals, strict=True))
     return [(decode_key(k, where), v) for k, v in zip(keys, vals, strict=True)]
+
+
+def dict_keys(node: Json, where: str) -> list[str | int]:
+    """The decoded keys of a dict node (its children are not looked at)."""
+    keys = node.get("k")
+    if not isinstance(keys, list):
+        raise CheckpointFormatError(f"{where}: malformed dict node")
+    if set(map(type, keys)) <= _PLAIN_KEYS:
+        return keys
+    return [decode_key(k, where) for k in keys]
+
+
+def dict_columns(node: Json, where: str) -> columns.Columns | None:
+    """The columns of a dict node stored in columns (parsed once, kept in the node), or None
+    for a node of one child node per key."""
+    raw = node.get("cols")
+    if raw is None:
+        return None
+    keys = node.get("k")
+    if "v" in node or not isinstance(keys, list):
+        raise CheckpointFormatError(f"{where}: malformed dict node")
+    if type(raw) is not columns.Columns:
+        raw = node["cols"] = columns.parse(raw, len(keys), where)
+    elif raw.count != len(keys):
+        raise CheckpointFormatError(f"{where}: malformed dict node")
+    return raw
 
 
 _PLAIN_KEYS = frozenset((str, int))
@@ -110,7 +142,9 @@ def _nests(node: dict[str, Any]) -> bool:
 
 
 def check_depth(skeleton: Json, where: str) -> None:
-    """Refuse a skeleton nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
+    """Refuse a skeleton nested deeper than :data:`MAX_DEPTH` (walked without recursion), and
+    parse the columns of the dict nodes stored in columns (:func:`dict_columns`: malformed
+    columns are refused here, once)."""
     stack: list[tuple[Json, int]] = [(skeleton, 0)]
     while stack:
         node, depth = stack.pop()
@@ -119,6 +153,9 @@ def check_depth(skeleton: Json, where: str) -> None:
         if not isinstance(node, dict):
             continue  # malformed: the walk that meets it says so
         t = node.get("t")
+        if "cols" in node and t in ("dict", "odict"):
+            dict_columns(node, where)  # leaves only: nothing nests below
+            continue
         if isinstance(t, str) and t in _CONTAINERS:  # a list there is not hashable
             vals = node.get("v")
             if isinstance(vals, list):

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from cryosnap._format.columns import Columns
 from cryosnap._format.skeleton import dict_items, encode_key
 from cryosnap.engine._resolved import ResolvedPart
 from cryosnap.errors import CheckpointFormatError, KeyNotFoundError, StateMismatchError
@@ -84,7 +85,10 @@ def _blob_refs(node: Any, used: set[int], nblobs: int) -> None:
         if not isinstance(node, dict):
             continue  # malformed: the restorer's walk says where
         t, v = node.get("t"), node.get("v")
-        if t in ("dict", "odict", "list", "tuple") and isinstance(v, list):
+        cols = node.get("cols")
+        if isinstance(cols, Columns):  # parsed with the manifest
+            used.update(cols.b[cols.b < nblobs].tolist())
+        elif t in ("dict", "odict", "list", "tuple") and isinstance(v, list):
             stack.extend(v)
         elif t == "stateful":
             stack.append(v)
@@ -97,6 +101,9 @@ def _remap(node: Any, new: dict[int, int]) -> Any:
     if not isinstance(node, dict):
         return node
     t, v = node.get("t"), node.get("v")
+    cols = node.get("cols")
+    if isinstance(cols, Columns):
+        return {**node, "cols": cols.with_blobs([new.get(b, -1) for b in cols.b.tolist()])}
     if t in ("dict", "odict", "list", "tuple") and isinstance(v, list):
         return {**node, "v": [_remap(x, new) for x in v]}
     if t == "stateful":

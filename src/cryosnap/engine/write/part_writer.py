@@ -465,7 +465,7 @@ class PartWriter:
                 else FORMAT_VERSION
             ),
         )
-        return manifest, manifest.to_json()
+        return manifest.encode()  # its format_version as written (columns or not)
 
     def _write_manifest(self, manifest: Manifest, body: bytes) -> PartResult:
         base = self.base
