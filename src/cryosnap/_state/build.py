@@ -18,12 +18,14 @@ from typing import Any, Literal
 import numpy as np
 
 from cryosnap import _native
+from cryosnap._format.columns import Columns
 from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
     Json,
     _key_text,
     dict_items,
+    dict_keys,
     format_path,
 )
 from cryosnap._state.device import copy_to_device
@@ -161,6 +163,44 @@ def _as_leaf(t: Any, node: dict[str, Any], path: str) -> Any:
     return t
 
 
+class ColumnTargets:
+    """The leaves of ``into=`` that fill a dict node in columns (:func:`direct_targets`), every
+    non-empty one directly: ``leaves`` in the node's order, their ``nbytes`` and addresses
+    (``ptrs``), and the index of each in the spans (-1: empty)."""
+
+    __slots__ = ("cols", "cols_node", "index", "leaves", "nbytes", "ptrs")
+
+    def __init__(
+        self,
+        node: Json,
+        cols: Columns,
+        leaves: list[Any],
+        nbytes: np.ndarray[Any, np.dtype[np.int64]],
+        ptrs: np.ndarray[Any, np.dtype[np.int64]],
+        index: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> None:
+        self.cols_node, self.cols, self.leaves = node, cols, leaves
+        self.nbytes, self.ptrs, self.index = nbytes, ptrs, index
+
+    def spans(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        full = self.index >= 0
+        lo = self.ptrs[full]
+        return np.stack([lo, lo + self.nbytes[full], self.index[full]], axis=1)
+
+    def apart(self, shared: set[int]) -> bool:
+        """Whether none of its leaves is among the ``shared`` (overlapping) indices."""
+        return not np.isin(self.index, np.fromiter(shared, np.int64, len(shared))).any()
+
+    def leaf_targets(self, shared: set[int]) -> dict[int, Any]:
+        """Its leaves that overlap no other, by the id of the node each stands for."""
+        nodes = self.cols.nodes()
+        return {
+            id(nodes[i]): leaf
+            for i, (leaf, j) in enumerate(zip(self.leaves, self.index.tolist(), strict=True))
+            if j >= 0 and j not in shared
+        }
+
+
 class Restorer:
     """Rebuilds a tree from its skeleton, with leaves filled from blob bytes.
 
@@ -201,6 +241,11 @@ class Restorer:
         # Every torch leaf: its node, its blob and, for a view of a shared storage, its
         # (offset in elements, shape, stride) in that storage.
         self._tensors: list[tuple[dict[str, Any], int, _Geometry | None]] = []
+        # The packed leaves of dict nodes in columns filled into into='s tensors, per node:
+        # their packs, offsets there, bytes and into='s addresses (arrays); and how many
+        # leaves of each pack they are.
+        self._column_fills: list[tuple[Any, Any, Any, Any]] = []
+        self._column_packs: Counter[int] = Counter()
         self.moved = False  # whether install() put the leaves on a device
 
     # phase 1 -------------------------------------------------------------------------------
@@ -214,7 +259,7 @@ class Restorer:
         finally:
             self._place = None
         if self._packs:  # what a message about a damaged pack names
-            _name_packs(self.blob_paths, self._tensors, self._pack_fills)
+            _name_packs(self.blob_paths, self._tensors, self._pack_fills, self._column_packs)
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -246,6 +291,8 @@ class Restorer:
             raise CheckpointFormatError(f"leaf {where or '<root>'}: malformed node {node!r:.80}")
         t = node.get("t")
         if t in ("dict", "odict"):
+            if "cols" in node and self._alloc_columns(node, where):
+                return
             items = self._items[id(node)] = dict_items(node, where or "<root>")
             prefix = f"{where}/" if where else ""
             fast = self._plain_tensor
@@ -310,6 +357,86 @@ class Restorer:
             self._values[id(node)] = loaded_file(saved, buf)
         elif t not in ("none", "bool", "int", "float", "complex", "str", "npscalar", "size"):
             raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
+
+    def _alloc_columns(self, node: dict[str, Any], where: str) -> bool:
+        """A dict node in columns whose every leaf ``into=`` fills directly (its
+        :class:`ColumnTargets` among the targets), allocated in bulk: each packed leaf noted
+        for :meth:`fill_packs` (the pack claimed by its first leaf), each other leaf's blob
+        claimed by ``into=``'s tensor. False, nothing done, for any other node or anything a
+        check refuses: the walk leaf by leaf then takes it and names what is wrong."""
+        target = self._targets.get(id(node)) if self._targets else None
+        if not isinstance(target, ColumnTargets) or target.cols_node is not node:
+            return False
+        cols, nbytes = target.cols, target.nbytes
+        sizes = np.asarray(self.blob_sizes, np.int64)
+        b, at = cols.b, cols.at
+        if len(b) and int(b.max()) >= len(sizes):
+            return False
+        items = np.array([_itemsize(_torch_dtype(n, where)) for n in cols.dtypes], np.int64)
+        item = items[cols.dtype] if len(items) else np.ones(len(b), np.int64)
+        packed = at >= 0
+        full = nbytes > 0
+        if (packed & ~full).any():
+            return False  # an empty packed leaf: as _packed takes it
+        # Packed leaves: aligned, inside their pack, and each after the one before it in the
+        # same pack (as _packed checks them one by one).
+        pk = np.flatnonzero(packed & full)
+        pb, pat, pend = b[pk], at[pk], at[pk] + nbytes[pk]
+        if ((pat % item[pk]) != 0).any() or (pend > sizes[pb]).any():
+            return False
+        order = np.argsort(pb, kind="stable")
+        sb, sat, send = pb[order], pat[order], pend[order]
+        same = sb[1:] == sb[:-1]
+        if (same & (sat[1:] < send[:-1])).any():
+            return False
+        first = np.flatnonzero(np.r_[True, ~same]) if len(sb) else np.empty(0, np.int64)
+        last = np.r_[first[1:] - 1, len(sb) - 1] if len(sb) else first
+        firsts = list(
+            zip(sb[first].tolist(), sat[first].tolist(), send[last].tolist(), strict=True)
+        )
+        for blob, start, _end in firsts:
+            if self._dest[blob] is not None and (
+                blob not in self._packs or start < self._packs[blob]
+            ):
+                return False  # claimed by a leaf of its own, or overlapping an earlier leaf
+        # Leaves of a blob of their own (empty ones included): the whole blob, claimed once.
+        own = np.flatnonzero(~packed)
+        ob = b[own]
+        if (
+            (nbytes[own] != sizes[ob]).any()
+            or len(np.unique(ob)) != len(ob)
+            or np.isin(ob, pb).any()
+            or any(self._dest[x] is not None for x in ob.tolist())
+        ):
+            return False
+        # Every check made: nothing above changed the restorer.
+        keys = dict_keys(node, where or "<root>")
+        prefix = f"{where}/" if where else ""
+        counts = self._column_packs
+        for (blob, _start, end), i in zip(firsts, pk[order[first]].tolist(), strict=True):
+            if self._dest[blob] is None:
+                dest = self._placed(blob, _MAX_ALIGN)
+                if dest is None:
+                    dest = _byte_view(_torch().empty(self.blob_sizes[blob], dtype=_torch().uint8))
+                self._claim(blob, dest, prefix + _key_text(keys[i]))
+                self._pack_fills[blob] = []
+            if not self.blob_paths[blob]:
+                self.blob_paths[blob] = prefix + _key_text(keys[i])
+            self._packs[blob] = end
+        for blob, n in zip(*np.unique(pb, return_counts=True), strict=True):
+            counts[int(blob)] += int(n)
+        leaves = target.leaves
+        for i, blob in zip(own.tolist(), ob.tolist(), strict=True):
+            x = leaves[i]
+            view = _byte_view(x.detach()) if nbytes[i] else memoryview(bytearray())
+            self._claim(blob, view, prefix + _key_text(keys[i]))
+            self.direct[blob] = bool(nbytes[i])
+            if not self.blob_paths[blob]:
+                self.blob_paths[blob] = prefix + _key_text(keys[i])
+        if len(pk):
+            self._column_fills.append((pb, pat, nbytes[pk], target.ptrs[pk]))
+        self._values[id(node)] = leaves
+        return True
 
     def _placed(self, b: int, alignment: int) -> memoryview | None:
         """The memory ``place`` has for blob ``b`` at ``alignment`` (and ``placed[b]`` set),
@@ -522,6 +649,17 @@ class Restorer:
         ``into=``'s tensors (what :func:`direct_targets` picks), one ``memmove`` each."""
         for b, fills in self._pack_fills.items():
             _copy_out(self._dest[b], fills)
+        if self._column_fills:
+            memmove = _native.memmove_fn()
+            bases: dict[int, int] = {}
+            for packs, offsets, nbytes, ptrs in self._column_fills:
+                for b in set(packs.tolist()) - bases.keys():
+                    bases[b] = _native.address_of(self._dest[b])
+                base = np.array([bases[b] for b in packs.tolist()], np.int64)
+                for to, frm, n in zip(
+                    ptrs.tolist(), (base + offsets).tolist(), nbytes.tolist(), strict=True
+                ):
+                    memmove(to, frm, n)
 
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
@@ -550,6 +688,11 @@ class Restorer:
 
     def _build(self, node: dict[str, Any], path: tuple[str | int, ...]) -> Any:
         t = node["t"]
+        if t in ("dict", "odict") and "cols" in node and id(node) in self._values:
+            # In columns, allocated in bulk: its leaves, in order.
+            keys = dict_keys(node, format_path(path))
+            leaves = dict(zip(keys, self._values[id(node)], strict=True))
+            return OrderedDict(leaves) if t == "odict" else leaves
         if t in ("dict", "odict"):
             items = self._items.get(id(node))
             if items is None:
@@ -580,10 +723,12 @@ def _name_packs(
     paths: list[str],
     tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
     fills: dict[int, list[tuple[int, int, Any]]],
+    columns: Counter[int],
 ) -> None:
     """Add to the path of each pack's blob how many more tensors it holds."""
     packed = Counter(b for node, b, _g in tensors if "at" in node)
     packed.update({b: len(members) for b, members in fills.items()})
+    packed.update(columns)
     for b, count in packed.items():
         if count > 1:
             more = count - 1

@@ -8,19 +8,23 @@ runs on the caller's thread.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from cryosnap._format.columns import Columns
 from cryosnap._format.skeleton import (
     Json,
+    dict_columns,
     dict_items,
+    dict_keys,
     format_path,
 )
 from cryosnap._state import dtensor
-from cryosnap._state.build import _np_dtype, _torch
+from cryosnap._state.build import ColumnTargets, _itemsize, _np_dtype, _torch
 from cryosnap._state.device import copy_to_device
 from cryosnap._state.files import File, FileWrites, check_file_into
 from cryosnap._state.flatten import _DTYPE_NAMES, is_stateful
@@ -34,7 +38,7 @@ def check_into(skeleton: Json, into: Any) -> None:
     Nothing is filled here: :func:`apply_into` does that once every byte has been read and
     verified, so a mismatch or a corrupt chunk leaves ``into`` untouched.
     """
-    _check(skeleton, into, ())
+    _check(skeleton, into, (), None)
 
 
 def _mismatch(path: tuple[str | int, ...], what: str) -> StateMismatchError:
@@ -81,7 +85,10 @@ def _check_optimizer(inner: Json, into: Any, path: tuple[str | int, ...]) -> Non
         )
 
 
-def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
+def _check(node: Json, into: Any, path: tuple[str | int, ...], match: _Match | None) -> None:
+    """Check ``into`` against ``node`` at ``path``; with ``match``, note on the way which of
+    its leaves a restore may fill directly (:func:`direct_targets`): one walk for both, each
+    tensor's attributes read once."""
     t = node["t"]
     torch = loaded_torch()
     if t == "stateful" or _is_object(into):
@@ -93,21 +100,34 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
         if torch is not None and isinstance(into, torch.nn.Module):
             # Module.load_state_dict copies parameter by parameter and reports mismatches only
             # at the end: check keys and shapes up front so a mismatch changes nothing.
-            _check(inner, into.state_dict(), path)
+            _check(inner, into.state_dict(), path, None)  # load_state_dict fills it
         elif torch is not None and isinstance(into, torch.optim.Optimizer):
             _check_optimizer(inner, into, path)
         return
     if t in ("dict", "odict"):
         if not isinstance(into, dict):
             raise _mismatch(path, f"saved a dict, into= has {type(into).__name__}")
-        items = dict_items(node, format_path(path))
-        saved = [k for k, _v in items]
-        missing = [k for k in saved if k not in into]
+        where = format_path(path)
+        saved = dict_keys(node, where)
         known = set(saved)
-        extra = [k for k in into if k not in known]
-        if missing or extra:
-            raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
+        if into.keys() != known or len(known) != len(saved):
+            missing = [k for k in saved if k not in into]
+            extra = [k for k in into if k not in known]
+            if missing or extra:
+                raise _mismatch(path, f"keys missing from into=: {missing}, unexpected: {extra}")
+        cols = dict_columns(node, where) if "cols" in node else None
+        if (
+            cols is not None
+            and torch is not None
+            and _check_columns(node, cols, saved, into, match)
+        ):
+            return
+        items = dict_items(node, where)
+        if match is not None and torch is not None:
+            match.state_dict(items, into, path)
+            return
         plain = torch.Tensor if torch is not None else None
+        names = _DTYPE_NAMES
         for k, v in items:
             x = into[k]
             # A state dict's tensors, checked here without a call each (what the torch
@@ -115,11 +135,11 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
             if (
                 type(x) is plain
                 and v.get("t") == "torch"
-                and _DTYPE_NAMES.get(x.dtype) == v.get("dtype")
+                and names.get(x.dtype) == v.get("dtype")
                 and list(x.shape) == v.get("shape")
             ):
                 continue
-            _check(v, x, (*path, k))
+            _check(v, x, (*path, k), match)
         return
     if t in ("list", "tuple"):
         if not isinstance(into, (list, tuple)):
@@ -127,8 +147,78 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
         if len(into) != len(node["v"]):
             raise _mismatch(path, f"saved {len(node['v'])} items, into= has {len(into)}")
         for i, v in enumerate(node["v"]):
-            _check(v, into[i], (*path, i))
+            _check(v, into[i], (*path, i), match)
         return
+    _check_leaf(t, node, into, path)
+    if match is not None:
+        match.leaf(node, into)
+
+
+def _check_columns(
+    node: Json,
+    cols: Columns,
+    keys: list[str | int],
+    into: dict[Any, Any],
+    match: _Match | None,
+) -> bool:
+    """Check a dict node in columns against ``into``'s dict (its keys checked) in bulk, and
+    with ``match`` note its leaves as :class:`ColumnTargets`: True when every leaf of ``into``
+    is a plain CPU tensor of the saved dtype and shape (contiguous, with ``match``); False,
+    nothing noted, for anything else, which the walk leaf by leaf then checks and names."""
+    torch = _torch()
+    plains = (torch.Tensor, torch.nn.Parameter)
+    xs = [into[k] for k in keys]
+    if not set(map(type, xs)) <= set(plains):
+        return False
+    rows: list[tuple[Any, ...]]
+    try:
+        if match is None:
+            rows = [(type(x), x.dtype, x.shape) for x in xs]
+        else:
+            # Every attribute read once: a state dict's tensors are out of the CPU's caches by
+            # now (the read threads went through the data), so each pass over them costs.
+            rows = [
+                (
+                    type(x),
+                    x.dtype,
+                    x.shape,
+                    x.is_cpu,
+                    x.layout,
+                    x.is_contiguous(),
+                    x.is_inference() or x.is_neg(),
+                    x.data_ptr(),
+                )
+                for x in xs
+            ]
+    except RuntimeError:  # a layout without strides or memory (sparse...): leaf by leaf
+        return False
+    if not rows:
+        return match is None
+    _kinds, dtypes, shapes, *rest = zip(*rows, strict=True)
+    if not cols.same_shapes(shapes):  # type: ignore[arg-type]
+        return False
+    names = _DTYPE_NAMES
+    kinds_of = set(dtypes)
+    for d in kinds_of:
+        if d not in names:
+            names[d] = str(d).removeprefix("torch.")
+    if not cols.same_dtypes([names[d] for d in dtypes]):
+        return False
+    if match is None:
+        return True
+    on_cpu, layouts, contiguous, flagged, ptrs = rest
+    if not all(on_cpu) or set(layouts) != {torch.strided} or not all(contiguous) or any(flagged):
+        return False
+    # A conjugate view holds other values than its bytes: only complex tensors can be one.
+    if any("complex" in n for n in cols.dtypes) and any(x.is_conj() for x in xs):
+        return False
+    size = {names[d]: _itemsize(d) for d in kinds_of}
+    nbytes = cols.nbytes([size.get(n, 0) for n in cols.dtypes])  # every name used is there
+    return match.columns(node, cols, xs, nbytes, np.array(ptrs, np.int64))
+
+
+def _check_leaf(t: Any, node: Json, into: Any, path: tuple[str | int, ...]) -> None:
+    torch = loaded_torch()
     if t == "file" or isinstance(into, File):
         check_file_into(t, into, path)
         return
@@ -163,10 +253,11 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...]) -> None:
 
 
 def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int, Any]:
-    """The leaves of ``into`` (checked by :func:`check_into`) of at least ``min_bytes`` that a
-    restore may read straight into: ``id`` of the skeleton node -> ``into``'s tensor or array;
-    and, whatever their size, the packed leaves whose tensor the restore may fill from the
-    pack's memory with a plain copy of bytes (``Restorer.fill_packs``).
+    """Check ``into`` as :func:`check_into` does (raising what it raises) and return the leaves
+    of at least ``min_bytes`` that a restore may read straight into: ``id`` of the skeleton
+    node -> ``into``'s tensor or array; and, whatever their size, the packed leaves whose
+    tensor the restore may fill from the pack's memory with a plain copy of bytes
+    (``Restorer.fill_packs``). One walk does both: each tensor's attributes are read once.
 
     Those are the tensors and arrays :func:`apply_into` would fill by a plain copy (not those
     inside stateful objects, which ``load_state_dict`` fills), that are on the CPU, C-contiguous,
@@ -175,56 +266,90 @@ def direct_targets(skeleton: Json, into: Any, *, min_bytes: int = 0) -> dict[int
     no other leaf's that apply_into fills: where two overlap, the order of their copies decides
     what is left, so both keep the copy.
     """
-    found: list[tuple[int, Any]] = []
-    spans: list[tuple[int, int, int]] = []  # (first byte, end, index in found or -1)
-    try:
-        _targets(skeleton, into, found, spans, min_bytes)
-    except _Unknown:
+    match = _Match(min_bytes)
+    _check(skeleton, into, (), match)
+    if match.unknown:
         return {}  # a leaf whose memory cannot be told: every leaf keeps the copy
+    spans = np.array(match.spans, np.int64).reshape(-1, 3)
+    if match.cols:
+        spans = np.concatenate([spans, *(c.spans() for c in match.cols)])
     shared = _overlapping(spans)
-    if not shared:
-        return dict(found)
-    return {key: leaf for i, (key, leaf) in enumerate(found) if i not in shared}
+    found: dict[int, Any] = {
+        key: leaf for i, (key, leaf) in enumerate(match.found) if i not in shared
+    }
+    for c in match.cols:
+        if shared and not c.apart(shared):
+            # Some of its leaves overlap: those keep the copy, the others are noted leaf by
+            # leaf (the restorer then walks its nodes).
+            found.update(c.leaf_targets(shared))
+        else:
+            found[id(c.cols_node)] = c
+    return found
 
 
-def _overlapping(spans: list[tuple[int, int, int]]) -> set[int]:
-    """The indices (``spans``' third column, -1: none) of the spans that overlap another,
-    in bulk: sorted by first byte, a span overlaps one before it if it starts before the
-    furthest end so far, and the next one if that starts before its end."""
-    if len(spans) < 2:
-        return set()
-    table = np.array(spans, np.int64)  # addresses are below 2**63
-    table = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
-    lo, hi, which = table[:, 0], table[:, 1], table[:, 2]
-    hit = np.zeros(len(table), bool)
-    hit[1:] = lo[1:] < np.maximum.accumulate(hi)[:-1]
-    hit[:-1] |= lo[1:] < hi[:-1]
-    return set(which[hit & (which >= 0)].tolist())
+class _Match:
+    """What :func:`direct_targets` collects on :func:`_check`'s walk: the leaves found
+    (skeleton node id, into='s leaf), the host memory of every leaf apply_into fills (first
+    byte, end, index in ``found`` or -1), and whether a leaf's memory could not be told."""
 
+    __slots__ = ("cols", "found", "min_bytes", "next", "spans", "unknown")
 
-def _targets(
-    node: Json,
-    into: Any,
-    found: list[tuple[int, Any]],
-    spans: list[tuple[int, int, int]],
-    min_bytes: int,
-) -> None:
-    t = node["t"]
-    if _is_object(into):
-        return  # filled by its load_state_dict
-    if t in ("dict", "odict"):
-        torch = loaded_torch()
-        plain, strided = (torch.Tensor, torch.strided) if torch is not None else (None, None)
-        for k, v in dict_items(node, ""):
+    def __init__(self, min_bytes: int) -> None:
+        self.min_bytes = min_bytes
+        self.found: list[tuple[int, Any]] = []
+        self.spans: list[tuple[int, int, int]] = []
+        self.unknown = False
+        self.cols: list[ColumnTargets] = []
+        # Indices of the leaves of dict nodes in columns (as the spans' third column) start
+        # here, after every index ``found`` can reach.
+        self.next = 1 << 40
+
+    def columns(
+        self,
+        node: Json,
+        cols: Columns,
+        leaves: list[Any],
+        nbytes: np.ndarray[Any, np.dtype[np.int64]],
+        ptrs: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> bool:
+        """A dict node in columns whose leaves are plain contiguous CPU tensors of its dtypes
+        and shapes: noted as :class:`ColumnTargets` when every non-empty one may be filled
+        directly (packed, or of at least ``min_bytes``); False (nothing noted) otherwise."""
+        full = nbytes > 0
+        if not ((nbytes >= self.min_bytes) | (cols.at >= 0) | ~full).all():
+            return False
+        index = np.full(len(leaves), -1, np.int64)
+        index[full] = np.arange(self.next, self.next + int(full.sum()))
+        self.next += len(leaves)
+        self.cols.append(ColumnTargets(node, cols, leaves, nbytes, ptrs, index))
+        return True
+
+    def state_dict(
+        self, items: list[tuple[str | int, Json]], into: dict[Any, Any], path: tuple[str | int, ...]
+    ) -> None:
+        """The items of a dict node, their keys checked: a state dict's tensors (plain CPU
+        ``torch.Tensor`` of the node's dtype and shape) checked and noted inline, each
+        attribute read once, with no call per tensor; every other item through :func:`_check`."""
+        torch = _torch()
+        plain, strided = torch.Tensor, torch.strided
+        names, found, spans, min_bytes = _DTYPE_NAMES, self.found, self.spans, self.min_bytes
+        for k, v in items:
             x = into[k]
-            if type(x) is plain and x.is_cpu and x.layout == strided and x.is_contiguous():
-                # A state dict's tensors, without a call each (what _span and _direct find)
+            if (
+                type(x) is plain
+                and v.get("t") == "torch"
+                and names.get(x.dtype) == v.get("dtype")
+                and list(x.shape) == v.get("shape")
+                and x.is_cpu
+                and x.layout == strided
+                and x.is_contiguous()
+            ):
                 n = x.nbytes
                 if not n:
                     continue
                 lo = x.data_ptr()
-                # What _direct checks of a contiguous CPU torch.Tensor that check_into found
-                # a torch leaf of its dtype and shape.
+                # What _direct checks of a contiguous CPU torch.Tensor of the node's dtype and
+                # shape.
                 if (
                     (n >= min_bytes or "at" in v)
                     and "view" not in v
@@ -237,21 +362,39 @@ def _targets(
                 else:
                     spans.append((lo, lo + n, -1))
                 continue
-            _targets(v, x, found, spans, min_bytes)
-        return
-    if t in ("list", "tuple"):
-        for i, v in enumerate(node["v"]):
-            _targets(v, into[i], found, spans, min_bytes)
-        return
-    if not _fillable(into):
-        return
-    span = _span(into)
-    if span is None:
-        return  # on a GPU, or empty
-    direct = (span[1] - span[0] >= min_bytes or "at" in node) and _direct(node, into)
-    spans.append((*span, len(found) if direct else -1))
-    if direct:
-        found.append((id(node), into))
+            _check(v, x, (*path, k), self)
+
+    def leaf(self, node: dict[str, Any], into: Any) -> None:
+        """Any other leaf (checked, or about to be, by :func:`_check`)."""
+        if self.unknown or not _fillable(into):
+            return
+        try:
+            span = _span(into)
+        except _Unknown:
+            self.unknown = True
+            return
+        if span is None:
+            return  # on a GPU, or empty
+        direct = (span[1] - span[0] >= self.min_bytes or "at" in node) and _direct(node, into)
+        self.spans.append((*span, len(self.found) if direct else -1))
+        if direct:
+            self.found.append((id(node), into))
+
+
+def _overlapping(table: np.ndarray[Any, np.dtype[np.int64]]) -> set[int]:
+    """The indices (``table``'s third column, -1: none) of the spans (first byte, end,
+    index) that overlap another, in bulk: sorted by first byte, a span overlaps one before it
+    if it starts before the furthest end so far, and the next one if that starts before its
+    end."""
+    if len(table) < 2:
+        return set()
+    # addresses are below 2**63
+    table = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
+    lo, hi, which = table[:, 0], table[:, 1], table[:, 2]
+    hit = np.zeros(len(table), bool)
+    hit[1:] = lo[1:] < np.maximum.accumulate(hi)[:-1]
+    hit[:-1] |= lo[1:] < hi[:-1]
+    return set(which[hit & (which >= 0)].tolist())
 
 
 class _Unknown(Exception):
@@ -338,7 +481,7 @@ def apply_into(
         fill_direct()
     torch = loaded_torch()
     on_device = []
-    direct = []
+    direct = plan.direct
     with torch.no_grad() if torch is not None else contextlib.nullcontext():
         for dst, src in plan.fills:
             if dst is src:
@@ -375,10 +518,13 @@ def _load_states(loads: list[tuple[tuple[str | int, ...], Any, Any]]) -> None:
 class _Plan:
     """What :func:`apply_into` does, collected by one walk of ``into`` beside the loaded tree:
     the stateful objects to load (path, object, state), the leaves to fill (target, source),
-    the container slots to set (container, key, value), and the files staged."""
+    the tensors the reader filled directly, the container slots to set (container, key,
+    value), and the files staged."""
 
     loads: list[tuple[tuple[str | int, ...], Any, Any]] = field(default_factory=list)
     fills: list[tuple[Any, Any]] = field(default_factory=list)
+    # into='s tensors the reader filled itself (the leaves of dict nodes in columns).
+    direct: list[Any] = field(default_factory=list)
     sets: list[tuple[Any, Any, Any]] = field(default_factory=list)
     files: FileWrites = field(default_factory=FileWrites)
 
@@ -401,13 +547,25 @@ class _Plan:
             return into
         if t in ("dict", "odict"):
             torch = loaded_torch()
-            plain = torch.Tensor if torch is not None else None
-            for k, v in dict_items(node, format_path(path)):
+            plains = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+            where = format_path(path)
+            keys = dict_keys(node, where)
+            if "cols" in node and isinstance(loaded, dict):
+                # In columns: read straight into into='s tensors (ColumnTargets), every one.
+                xs, got = [into[k] for k in keys], [loaded[k] for k in keys]
+                if all(map(operator.is_, xs, got)) and set(map(type, xs)) <= set(plains):
+                    self.direct.extend(xs)
+                    return into
+            fills = self.fills
+            children: list[Json] | None = None  # the child nodes, once one is needed
+            for i, k in enumerate(keys):
                 x = into[k]
-                if type(x) is plain:  # a state dict's tensors: filled in place (as below)
-                    self.fills.append((x, loaded[k]))
+                if type(x) in plains:  # a state dict's tensors: filled in place (as below)
+                    fills.append((x, loaded[k]))
                     continue
-                new = self._walk(v, loaded[k], x, (*path, k))
+                if children is None:
+                    children = [v for _k, v in dict_items(node, where)]
+                new = self._walk(children[i], loaded[k], x, (*path, k))
                 if new is not x:
                     self.sets.append((into, k, new))
             return into

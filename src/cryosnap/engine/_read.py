@@ -245,9 +245,10 @@ def _read_verified(
             skeleton, index = renumbered(keys_skeleton(skeleton, keys, where), len(index))
         targets: dict[int, Any] = {}
         if into is not None:
-            _check_into(skeleton, into, where)
             if store.capabilities.local_path is not None:
-                targets = _direct_targets(skeleton, into, where)
+                targets = _direct_targets(skeleton, into, where)  # checked on the way
+            else:
+                _check_into(skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
         # Every size, offset and count the chain claims is checked before any allocation.
         checked = _check_chain_claims(store, chain, set(record.data_files))

@@ -198,7 +198,7 @@ def test_the_bulk_overlap_check_finds_every_pair(spans: list[tuple[int, int, boo
         for i, (lo, hi, w) in enumerate(rows)
         if w >= 0 and any(lo < b and a < hi for j, (a, b, _w) in enumerate(rows) if j != i)
     }
-    assert into_module._overlapping(rows) == want
+    assert into_module._overlapping(np.array(rows, np.int64).reshape(-1, 3)) == want
 
 
 def test_direct_targets_keep_the_copy_for_small_leaves() -> None:

@@ -19,6 +19,8 @@ import cryosnap
 from cryosnap import cli
 from cryosnap._format import columns
 from cryosnap._format.manifest import COLUMNS_FORMAT_VERSION, Manifest
+from cryosnap._state import Restorer, direct_targets
+from cryosnap._state.build import ColumnTargets
 from cryosnap.errors import CheckpointFormatError, IntegrityError, StateMismatchError
 from cryosnap.storage import LocalStore
 
@@ -338,3 +340,57 @@ def test_encode_refuses_what_columns_cannot_hold() -> None:
     assert parsed.nodes() == [dict(leaf, b=i, at=4 * i) for i in range(N)]
     assert parsed.nbytes([4]).tolist() == [8] * N
     assert np.array_equal(parsed.with_blobs([5] * N).b, [5] * N)
+
+
+def _parsed(run: Path, step: int = 1) -> Manifest:
+    body = (run / "versions" / f"{step:012d}" / "rank-00000.json").read_bytes()
+    return Manifest.from_json(body, "test")
+
+
+def test_into_a_state_dict_in_columns_is_checked_and_claimed_in_bulk(tmp_path: Path) -> None:
+    state = _model(seed=6)
+    cryosnap.save(str(tmp_path / "run"), state, step=1)
+    manifest = _parsed(tmp_path / "run")
+    into = _zeros_like(state)
+    targets = direct_targets(manifest.skeleton, into, min_bytes=256 << 10)
+    assert list(targets) == [id(manifest.skeleton)]  # the node, not 3*N leaves
+    (found,) = targets.values()
+    assert isinstance(found, ColumnTargets)
+    assert found.leaves == [into[k] for k in state]
+    restorer = Restorer(manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=False)
+    views = restorer.allocate(targets)
+    embed = manifest.skeleton["cols"]["b"][list(state).index("embed")]
+    assert restorer.direct[embed] and views[embed].nbytes == state["embed"].nbytes
+    assert sum(len(fills[0]) for fills in restorer._column_fills) == sum(
+        1 for v in state.values() if 0 < v.nbytes < 256 << 10
+    )
+    # What the restore makes of it: into='s own tensors, filled.
+    cryosnap.load(str(tmp_path / "run"), into=into)
+    assert_same(state, into)
+
+
+def test_overlapping_leaves_of_a_state_dict_in_columns_are_left_to_the_copy(
+    tmp_path: Path,
+) -> None:
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(N)}
+    cryosnap.save(str(tmp_path / "run"), state, step=1)
+    manifest = _parsed(tmp_path / "run")
+    into = {k: torch.zeros(4) for k in state}
+    base = torch.zeros(6)
+    into["t0"], into["t1"] = base[:4], base[2:]  # overlapping
+    targets = direct_targets(manifest.skeleton, into)
+    nodes = manifest.skeleton["cols"].nodes()
+    assert set(targets) == {id(n) for n in nodes[2:]}  # leaf by leaf, the two left out
+    cryosnap.load(str(tmp_path / "run"), into=into)
+    for k in list(state)[2:]:
+        assert torch.equal(into[k], state[k])
+    assert torch.equal(into["t1"], state["t1"])  # copied last
+
+
+def test_keys_of_a_state_in_columns_fill_into(tmp_path: Path) -> None:
+    state = {"model": _model(seed=7), "optim": {"lr": 0.1}}
+    cryosnap.save(str(tmp_path / "run"), state, step=1)
+    into = {"model": _zeros_like(state["model"]), "optim": {"lr": 0.0}}
+    out = cryosnap.load(str(tmp_path / "run"), keys=["model"], into=into)
+    assert_same(state["model"], into["model"])
+    assert into["optim"] == {"lr": 0.0} and list(out) == ["model"]
