@@ -177,10 +177,10 @@ class ColumnTargets:
         leaves: list[Any],
         nbytes: np.ndarray[Any, np.dtype[np.int64]],
         ptrs: np.ndarray[Any, np.dtype[np.int64]],
-        index: np.ndarray[Any, np.dtype[np.int64]],
     ) -> None:
         self.cols_node, self.cols, self.leaves = node, cols, leaves
-        self.nbytes, self.ptrs, self.index = nbytes, ptrs, index
+        self.nbytes, self.ptrs = nbytes, ptrs
+        self.index = np.full(len(leaves), -1, np.int64)  # numbered by direct_targets
 
     def spans(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         full = self.index >= 0

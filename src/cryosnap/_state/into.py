@@ -214,7 +214,7 @@ def _check_columns(
         return False
     size = {names[d]: _itemsize(d) for d in kinds_of}
     nbytes = cols.nbytes([size.get(n, 0) for n in cols.dtypes])  # every name used is there
-    return match.columns(node, cols, xs, nbytes, np.array(ptrs, np.int64))
+    return match.columns(ColumnTargets(node, cols, xs, nbytes, np.array(ptrs, np.int64)))
 
 
 def _check_leaf(t: Any, node: Json, into: Any, path: tuple[str | int, ...]) -> None:
@@ -304,24 +304,18 @@ class _Match:
         # here, after every index ``found`` can reach.
         self.next = 1 << 40
 
-    def columns(
-        self,
-        node: Json,
-        cols: Columns,
-        leaves: list[Any],
-        nbytes: np.ndarray[Any, np.dtype[np.int64]],
-        ptrs: np.ndarray[Any, np.dtype[np.int64]],
-    ) -> bool:
+    def columns(self, found: ColumnTargets) -> bool:
         """A dict node in columns whose leaves are plain contiguous CPU tensors of its dtypes
-        and shapes: noted as :class:`ColumnTargets` when every non-empty one may be filled
-        directly (packed, or of at least ``min_bytes``); False (nothing noted) otherwise."""
+        and shapes: noted (its leaves numbered in the spans) when every non-empty one may be
+        filled directly (packed, or of at least ``min_bytes``); False (nothing noted)
+        otherwise."""
+        nbytes = found.nbytes
         full = nbytes > 0
-        if not ((nbytes >= self.min_bytes) | (cols.at >= 0) | ~full).all():
+        if not ((nbytes >= self.min_bytes) | (found.cols.at >= 0) | ~full).all():
             return False
-        index = np.full(len(leaves), -1, np.int64)
-        index[full] = np.arange(self.next, self.next + int(full.sum()))
-        self.next += len(leaves)
-        self.cols.append(ColumnTargets(node, cols, leaves, nbytes, ptrs, index))
+        found.index[full] = np.arange(self.next, self.next + int(full.sum()))
+        self.next += len(nbytes)
+        self.cols.append(found)
         return True
 
     def state_dict(
