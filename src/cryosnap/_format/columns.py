@@ -19,6 +19,7 @@ Pure: no I/O, no torch. Runs on whichever thread calls it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -155,10 +156,12 @@ class Columns(dict[str, Any]):
             and list(itertools.chain.from_iterable(shapes)) == self["dims"]
         )
 
-    def same_dtypes(self, names: list[str]) -> bool:
-        """Whether ``names`` (one per leaf) are the leaves' dtype names."""
+    def same_dtypes(self, dtypes: Sequence[Hashable], names: dict[Any, str]) -> bool:
+        """Whether ``dtypes`` (one per leaf, each one of ``names``' keys) are the leaves'
+        dtypes, ``names`` giving each one's name."""
         index = {name: i for i, name in enumerate(self.dtypes)}
-        return bool([index.get(n, -1) for n in names] == self["dtype"])
+        code = {d: index.get(name, -1) for d, name in names.items()}
+        return bool(list(map(code.__getitem__, dtypes)) == self["dtype"])
 
     def nodes(self) -> list[dict[str, Any]]:
         """Each leaf as the ``torch`` node it stands for (made once, then the same objects:
