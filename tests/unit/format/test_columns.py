@@ -243,6 +243,7 @@ def test_malformed_columns_are_refused_naming_the_manifest(tmp_path: Path, edit:
     [
         lambda c: c.__setitem__("b", [10**6] * len(c["b"])),  # no such blob
         lambda c: c.__setitem__("at", [3] * len(c["at"])),  # misaligned, overlapping
+        lambda c: c.__setitem__("at", [0] * len(c["at"])),  # overlapping
         lambda c: c.__setitem__("at", [-1] * len(c["at"])),  # a pack claimed by all
         lambda c: c.__setitem__("at", [1 << 30] * len(c["at"])),  # past the pack
         lambda c: c.__setitem__("dims", [3] * len(c["dims"])),  # more bytes than saved
@@ -394,3 +395,22 @@ def test_keys_of_a_state_in_columns_fill_into(tmp_path: Path) -> None:
     out = cryosnap.load(str(tmp_path / "run"), keys=["model"], into=into)
     assert_same(state["model"], into["model"])
     assert into["optim"] == {"lr": 0.0} and list(out) == ["model"]
+
+
+def test_a_module_and_its_optimizer_restore_through_columns(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])  # 12 tensors
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    run = tmp_path / "run"
+    cryosnap.save(str(run), {"model": model, "opt": opt}, step=1)
+    assert "cols" in _manifest(run, 1)["tree"]["v"][0]["v"]  # the module's state dict
+    model2 = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    cryosnap.load(str(run), into={"model": model2, "opt": opt2})
+    assert_same(model.state_dict(), model2.state_dict())
+    assert_same(opt.state_dict(), opt2.state_dict())
+    wrong = torch.nn.Sequential(*[torch.nn.Linear(4, 5) for _ in range(6)])
+    with pytest.raises(StateMismatchError, match=r"model/0\.weight"):
+        cryosnap.load(str(run), into={"model": wrong, "opt": opt2})
