@@ -1,9 +1,10 @@
-"""What a columnar skeleton would save a restore into a dict of many small tensors: the JSON
-of 20,000 leaf nodes as the manifest writes them (one object per leaf) against one list per
-field, each parsed; the columns' checks in numpy; and the floor that stays, the torch
-attributes a restore reads of each tensor of ``into=`` (dtype, shape, address, size,
-contiguity, device, inference/conj/neg flags). Minimums of 7 runs. A measurement for
-docs/PERFORMANCE.md ("a restore's floor per tensor"), not a format cryosnap writes.
+"""What a columnar skeleton saves a restore into a dict of many small tensors: the JSON of
+20,000 leaf nodes written one object per leaf (as before format_version 4) against one list per
+field (a sketch of the columns docs/FORMAT.md now describes), each parsed; the columns' checks
+in numpy; and the floor that stays, the torch attributes a restore reads of each tensor of
+``into=`` (dtype, shape, address, size, contiguity, device, inference/conj/neg flags).
+Minimums of 7 runs. The measurement docs/PERFORMANCE.md ("a restore's floor per tensor")
+started the columns from.
 
 ``PYTHONPATH=src:bench python bench/bench_columnar.py [--tensors 20000]``
 """

@@ -1,5 +1,6 @@
 """CPU seconds of an eager Checkpointer save (the save() call's thread; the process until
-durable) and of restore(into=) (the calling thread; the process), for `cryosnap bench`'s
+durable), of restore(into=) (the calling thread; the process) and of a fresh restore (the
+process), for `cryosnap bench`'s
 many-small or dense state: figures a shared machine's load moves less than wall times.
 
 Run it per tree and workload, alternating: ``PYTHONPATH=<tree>/src python bench/bench_small.py
@@ -39,6 +40,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-small-", dir=os.environ.get("CRYOSNAP_BENCH_DIR"))
     figures: dict[str, list[float]] = {"save call": [], "save to durable": [], "into": []}
     figures["into (process)"] = []
+    figures["fresh (process)"] = []
     try:
         with cryosnap.Checkpointer(
             os.path.join(root, "run"), incremental=False, keep=1, chunk_bytes=1 << 20
@@ -60,6 +62,10 @@ def main() -> None:
                 ckpt.restore(into=into)
                 figures["into"].append(time.thread_time() - t0)
                 figures["into (process)"].append(time.process_time() - p0)
+                p0 = time.process_time()
+                fresh = ckpt.restore()
+                figures["fresh (process)"].append(time.process_time() - p0)
+                del fresh
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if any(not torch.equal(into[k], state[k]) for k in state):

@@ -103,13 +103,6 @@ class Columns(dict[str, Any]):
     _nodes: list[dict[str, Any]] | None
 
     @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        """Each leaf's shape."""
-        flat, ndim = self["dims"], self["ndim"]
-        ends = np.cumsum(self.ndim).tolist()
-        return [tuple(flat[e - k : e]) for e, k in zip(ends, ndim, strict=True)]
-
-    @property
     def dtype_names(self) -> list[str]:
         """Each leaf's dtype name."""
         return [self.dtypes[i] for i in self["dtype"]]
@@ -167,31 +160,39 @@ class Columns(dict[str, Any]):
         """Each leaf as the ``torch`` node it stands for (made once, then the same objects:
         walks that key things by node identity see one node per leaf)."""
         if self._nodes is None:
-            devices = self.devices
-            out = []
-            for name, shape, dev, b, at, flags in zip(
-                self.dtype_names,
-                self.shapes,
-                self.device.tolist(),
-                self.b.tolist(),
-                self.at.tolist(),
-                self.flags.tolist(),
-                strict=True,
-            ):
-                node: dict[str, Any] = {
+            dims = self["dims"]
+            ends = np.cumsum(self.ndim)
+            devices = [self.devices[i] for i in self["device"]]
+            out = [
+                {
                     "t": "torch",
                     "dtype": name,
-                    "shape": list(shape),
-                    "device": devices[dev],
+                    "shape": dims[start:end],
+                    "device": dev,
                     "b": b,
+                    "at": at,
                 }
-                if at >= 0:
-                    node["at"] = at
+                for name, start, end, dev, b, at in zip(
+                    self.dtype_names,
+                    (ends - self.ndim).tolist(),
+                    ends.tolist(),
+                    devices,
+                    self["b"],
+                    self["at"],
+                    strict=True,
+                )
+            ]
+            for i in np.flatnonzero(self.at < 0).tolist():
+                del out[i]["at"]  # a blob of its own
+            for i, flags in zip(
+                np.flatnonzero(self.flags).tolist(),
+                self.flags[self.flags != 0].tolist(),
+                strict=True,
+            ):
                 if flags & PARAM:
-                    node["param"] = True
+                    out[i]["param"] = True
                 if flags & GRAD:
-                    node["grad"] = True
-                out.append(node)
+                    out[i]["grad"] = True
             self._nodes = out
         return self._nodes
 

@@ -18,12 +18,14 @@ from typing import Any, Literal
 import numpy as np
 
 from cryosnap import _native
+from cryosnap._format import columns
 from cryosnap._format.columns import Columns
 from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
     Json,
     _key_text,
+    dict_columns,
     dict_items,
     dict_keys,
     format_path,
@@ -163,6 +165,30 @@ def _as_leaf(t: Any, node: dict[str, Any], path: str) -> Any:
     return t
 
 
+@dataclass(frozen=True, slots=True)
+class _ColumnPlan:
+    """What the leaves of a dict node in columns claim (:meth:`Restorer._column_plan`): the
+    packed leaves (indices), per pack the first claim ``(blob, first offset, end, leaf)`` in
+    blob order, and the leaves of a blob of their own (indices)."""
+
+    packed: np.ndarray[Any, Any]
+    packs: list[tuple[int, int, int, int]]
+    own: np.ndarray[Any, Any]
+
+
+class _LeafPaths:
+    """The path of each leaf of a dict node, as messages name it, made when asked for."""
+
+    __slots__ = ("_keys", "_prefix")
+
+    def __init__(self, node: dict[str, Any], where: str) -> None:
+        self._keys = dict_keys(node, where or "<root>")
+        self._prefix = f"{where}/" if where else ""
+
+    def __getitem__(self, i: int) -> str:
+        return self._prefix + _key_text(self._keys[i])
+
+
 class ColumnTargets:
     """The leaves of ``into=`` that fill a dict node in columns (:func:`direct_targets`), every
     non-empty one directly: ``leaves`` in the node's order, their ``nbytes`` and addresses
@@ -246,6 +272,8 @@ class Restorer:
         # leaves of each pack they are.
         self._column_fills: list[tuple[Any, Any, Any, Any]] = []
         self._column_packs: Counter[int] = Counter()
+        # The dict nodes in columns allocated fresh in bulk (their leaves a list by node id).
+        self._fresh: list[dict[str, Any]] = []
         self.moved = False  # whether install() put the leaves on a device
 
     # phase 1 -------------------------------------------------------------------------------
@@ -359,46 +387,61 @@ class Restorer:
             raise CheckpointFormatError(f"leaf {where or '<root>'}: unknown node type {t!r}")
 
     def _alloc_columns(self, node: dict[str, Any], where: str) -> bool:
-        """A dict node in columns whose every leaf ``into=`` fills directly (its
-        :class:`ColumnTargets` among the targets), allocated in bulk: each packed leaf noted
-        for :meth:`fill_packs` (the pack claimed by its first leaf), each other leaf's blob
-        claimed by ``into=``'s tensor. False, nothing done, for any other node or anything a
-        check refuses: the walk leaf by leaf then takes it and names what is wrong."""
+        """A dict node in columns allocated in bulk: into ``into=``'s own tensors where every
+        leaf is filled directly (its :class:`ColumnTargets` among the targets), or, with no
+        targets at all, fresh leaves (each packed one a tensor of its own over its bytes in
+        the pack, as :meth:`_packed` makes it). False, nothing done, for anything else or
+        anything a check refuses: the walk leaf by leaf then takes the node and names what
+        is wrong."""
         target = self._targets.get(id(node)) if self._targets else None
-        if not isinstance(target, ColumnTargets) or target.cols_node is not node:
+        if isinstance(target, ColumnTargets):
+            if target.cols_node is not node:
+                return False
+            return self._into_columns(node, where, target)
+        if self._targets:  # into='s leaves here are targets leaf by leaf, or none is
             return False
-        cols, nbytes = target.cols, target.nbytes
+        return self._fresh_columns(node, where)
+
+    def _column_plan(
+        self, cols: Columns, nbytes: np.ndarray[Any, Any], item: np.ndarray[Any, Any]
+    ) -> _ColumnPlan | None:
+        """What the leaves of ``cols`` (of ``nbytes`` each, elements of ``item`` bytes) claim,
+        every check of :meth:`_packed` and :meth:`_claim` made for all of them at once; None
+        if one fails. Changes nothing."""
         sizes = np.asarray(self.blob_sizes, np.int64)
         b, at = cols.b, cols.at
         if len(b) and int(b.max()) >= len(sizes):
-            return False
-        items = np.array([_itemsize(_torch_dtype(n, where)) for n in cols.dtypes], np.int64)
-        item = items[cols.dtype] if len(items) else np.ones(len(b), np.int64)
+            return None
         packed = at >= 0
-        full = nbytes > 0
-        if (packed & ~full).any():
-            return False  # an empty packed leaf: as _packed takes it
+        if (packed & (nbytes == 0)).any():
+            return None  # an empty packed leaf: as _packed takes it
         # Packed leaves: aligned, inside their pack, and each after the one before it in the
-        # same pack (as _packed checks them one by one).
-        pk = np.flatnonzero(packed & full)
+        # same pack.
+        pk = np.flatnonzero(packed)
         pb, pat, pend = b[pk], at[pk], at[pk] + nbytes[pk]
         if ((pat % item[pk]) != 0).any() or (pend > sizes[pb]).any():
-            return False
+            return None
         order = np.argsort(pb, kind="stable")
         sb, sat, send = pb[order], pat[order], pend[order]
         same = sb[1:] == sb[:-1]
         if (same & (sat[1:] < send[:-1])).any():
-            return False
+            return None
         first = np.flatnonzero(np.r_[True, ~same]) if len(sb) else np.empty(0, np.int64)
         last = np.r_[first[1:] - 1, len(sb) - 1] if len(sb) else first
-        firsts = list(
-            zip(sb[first].tolist(), sat[first].tolist(), send[last].tolist(), strict=True)
+        packs = list(
+            zip(
+                sb[first].tolist(),
+                sat[first].tolist(),
+                send[last].tolist(),
+                pk[order[first]].tolist(),
+                strict=True,
+            )
         )
-        for blob, start, _end in firsts:
+        for blob, start, _end, _i in packs:
             if self._dest[blob] is not None and (
                 blob not in self._packs or start < self._packs[blob]
             ):
-                return False  # claimed by a leaf of its own, or overlapping an earlier leaf
+                return None  # claimed by a leaf of its own, or overlapping an earlier leaf
         # Leaves of a blob of their own (empty ones included): the whole blob, claimed once.
         own = np.flatnonzero(~packed)
         ob = b[own]
@@ -408,35 +451,130 @@ class Restorer:
             or np.isin(ob, pb).any()
             or any(self._dest[x] is not None for x in ob.tolist())
         ):
-            return False
-        # Every check made: nothing above changed the restorer.
-        keys = dict_keys(node, where or "<root>")
-        prefix = f"{where}/" if where else ""
-        counts = self._column_packs
-        for (blob, _start, end), i in zip(firsts, pk[order[first]].tolist(), strict=True):
+            return None
+        return _ColumnPlan(pk, packs, own)
+
+    def _claim_packs(self, plan: _ColumnPlan, cols: Columns, paths: _LeafPaths) -> None:
+        """Claim the packs ``plan``'s packed leaves are the first of (named by the leaf
+        that claims each: ``paths``, by leaf), and note where each pack's leaves end."""
+        for blob, _start, end, i in plan.packs:
             if self._dest[blob] is None:
                 dest = self._placed(blob, _MAX_ALIGN)
                 if dest is None:
                     dest = _byte_view(_torch().empty(self.blob_sizes[blob], dtype=_torch().uint8))
-                self._claim(blob, dest, prefix + _key_text(keys[i]))
+                self._claim(blob, dest, paths[i])
                 self._pack_fills[blob] = []
             if not self.blob_paths[blob]:
-                self.blob_paths[blob] = prefix + _key_text(keys[i])
+                self.blob_paths[blob] = paths[i]
             self._packs[blob] = end
-        for blob, n in zip(*np.unique(pb, return_counts=True), strict=True):
-            counts[int(blob)] += int(n)
+        for blob, n in zip(*np.unique(cols.b[plan.packed], return_counts=True), strict=True):
+            self._column_packs[int(blob)] += int(n)
+
+    def _into_columns(self, node: dict[str, Any], where: str, target: ColumnTargets) -> bool:
+        """:meth:`_alloc_columns` into ``into=``'s tensors: each packed leaf noted for
+        :meth:`fill_packs`, each other leaf's blob claimed by its tensor."""
+        cols, nbytes = target.cols, target.nbytes
+        items = np.array([_itemsize(_torch_dtype(n, where)) for n in cols.dtypes], np.int64)
+        item = items[cols.dtype] if len(items) else np.ones(len(cols.b), np.int64)
+        plan = self._column_plan(cols, nbytes, item)
+        if plan is None:
+            return False
+        paths = _LeafPaths(node, where)
+        self._claim_packs(plan, cols, paths)
         leaves = target.leaves
-        for i, blob in zip(own.tolist(), ob.tolist(), strict=True):
+        for i, blob in zip(plan.own.tolist(), cols.b[plan.own].tolist(), strict=True):
             x = leaves[i]
             view = _byte_view(x.detach()) if nbytes[i] else memoryview(bytearray())
-            self._claim(blob, view, prefix + _key_text(keys[i]))
+            self._claim(blob, view, paths[i])
             self.direct[blob] = bool(nbytes[i])
             if not self.blob_paths[blob]:
-                self.blob_paths[blob] = prefix + _key_text(keys[i])
+                self.blob_paths[blob] = paths[i]
+        pk = plan.packed
         if len(pk):
-            self._column_fills.append((pb, pat, nbytes[pk], target.ptrs[pk]))
+            self._column_fills.append((cols.b[pk], cols.at[pk], nbytes[pk], target.ptrs[pk]))
         self._values[id(node)] = leaves
         return True
+
+    def _fresh_columns(self, node: dict[str, Any], where: str) -> bool:
+        """:meth:`_alloc_columns` of fresh leaves, where every leaf has at most two
+        dimensions of fewer than 2**31 elements (as :meth:`_plain_tensor` takes them)."""
+        cols = dict_columns(node, where or "<root>")
+        if (
+            cols is None
+            or not cols.count
+            or (cols.ndim > 2).any()
+            or (cols.dims >= _SMALL_DIM).any()
+        ):
+            return False
+        dtypes = []
+        for name in cols.dtypes:
+            dtype = _TORCH_DTYPES.get(name)
+            if dtype is None:
+                try:
+                    dtype = _torch_dtype(name, where)
+                except CheckpointFormatError:
+                    return False  # the walk leaf by leaf names the leaf
+            dtypes.append(dtype)
+        items = np.array([_itemsize(d) for d in dtypes], np.int64)
+        item = items[cols.dtype]
+        ends = np.cumsum(cols.ndim)
+        counts = np.ones(cols.count, np.int64)
+        if len(cols.dims):
+            has = cols.ndim > 0
+            counts[has] = np.multiply.reduceat(cols.dims, (ends - cols.ndim)[has])
+        nbytes = counts * item
+        plan = self._column_plan(cols, nbytes, item)
+        if plan is None:
+            return False
+        paths = _LeafPaths(node, where)
+        self._claim_packs(plan, cols, paths)
+        torch = _torch()
+        frombuffer, empty = torch.frombuffer, torch.empty
+        dims, leaves = cols["dims"], [None] * cols.count
+        kinds = [dtypes[i] for i in cols["dtype"]]
+        ndims, starts, stops = cols["ndim"], (ends - cols.ndim).tolist(), ends.tolist()
+        for i, blob, at, n in zip(
+            plan.packed.tolist(),
+            cols.b[plan.packed].tolist(),
+            cols.at[plan.packed].tolist(),
+            nbytes[plan.packed].tolist(),
+            strict=True,
+        ):
+            # A storage of its own over the pack's memory (which it keeps alive).
+            t = frombuffer(self._dest[blob][at : at + n], dtype=kinds[i])
+            leaves[i] = t if ndims[i] == 1 else t.view(dims[starts[i] : stops[i]])
+        for i, blob in zip(plan.own.tolist(), cols.b[plan.own].tolist(), strict=True):
+            shape = dims[starts[i] : stops[i]]
+            placed = self._placed(blob, int(item[i]))
+            if placed is not None:
+                t = frombuffer(placed, dtype=kinds[i]).view(shape)
+                self._claim(blob, placed, paths[i])
+            else:
+                t = empty(shape, dtype=kinds[i])
+                self._claim(blob, _byte_view(t) if nbytes[i] else memoryview(bytearray()), paths[i])
+            if not self.blob_paths[blob]:
+                self.blob_paths[blob] = paths[i]
+            leaves[i] = t
+        for i, flags in zip(
+            np.flatnonzero(cols.flags).tolist(), cols.flags[cols.flags != 0].tolist(), strict=True
+        ):
+            marks = {"param": bool(flags & columns.PARAM), "grad": bool(flags & columns.GRAD)}
+            leaves[i] = _as_leaf(leaves[i], marks, paths[i])
+        self._values[id(node)] = leaves
+        self._fresh.append(node)
+        return True
+
+    def _expand_columns(self) -> None:
+        """The fresh leaves of dict nodes in columns noted leaf by leaf, by the nodes the
+        columns stand for (what a move to a device walks); the nodes then build leaf by leaf."""
+        for node in self._fresh:
+            cols = dict_columns(node, "")
+            assert cols is not None
+            leaves = self._values.pop(id(node))
+            for child, leaf, blob in zip(cols.nodes(), leaves, cols.b.tolist(), strict=True):
+                self._values[id(child)] = leaf
+                self._tensors.append((child, blob, None))
+        self._fresh = []
 
     def _placed(self, b: int, alignment: int) -> memoryview | None:
         """The memory ``place`` has for blob ``b`` at ``alignment`` (and ``placed[b]`` set),
@@ -675,6 +813,7 @@ class Restorer:
         be filling): every torch leaf's destination allocated on ``device``, and the copies
         each blob's bytes need. Copy them (a :class:`cryosnap._state.device.DeviceFeed` can,
         blob by blob as each verifies), then :meth:`install` the move before :meth:`build`."""
+        self._expand_columns()
         return _plan_move(self._tensors, self._values, device)
 
     def install(self, move: DeviceMove) -> None:

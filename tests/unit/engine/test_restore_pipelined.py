@@ -8,6 +8,7 @@ bytes are final, the restore is bitwise, and damage or a failed copy stops the f
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
@@ -218,3 +219,25 @@ def test_a_state_without_tensors_makes_no_feed_thread(
     assert out["n"] == 1 and np.array_equal(out["arr"], np.arange(10))
     (feed,) = feeds
     assert not feed._jobs and feed.late == 0
+
+
+@pytest.mark.parametrize("store_kind", ["mapped", "read"])
+def test_a_state_dict_in_columns_is_moved_leaf_by_leaf(
+    tmp_path: Path, feeds: list[_Recording], store_kind: str
+) -> None:
+    """The fresh leaves a dict node in columns allocates in bulk are handed to the feed leaf
+    by leaf (each a copy of its own), Parameters staying Parameters."""
+    g = torch.Generator().manual_seed(3)
+    model: dict[str, Any] = {f"l{i}": torch.randn(i % 5 + 1, 3, generator=g) for i in range(40)}
+    model["l0"] = torch.nn.Parameter(model["l0"])
+    model["big"] = torch.randn(MIB // 2, generator=g)
+    saved = {"model": model, "step": 2}
+    cryosnap.save(tmp_path, saved, step=1, chunk_bytes=CHUNK)
+    doc = json.loads((tmp_path / "versions" / f"{1:012d}" / "rank-00000.json").read_bytes())
+    assert "cols" in doc["tree"]["v"][0]
+    store = LocalStore(tmp_path) if store_kind == "mapped" else FaultyStore(LocalStore(tmp_path))
+    out = cryosnap.load(store, step=1, map_location="cpu")
+    assert_same(saved, out)
+    feed = _handed_over_final(feeds)
+    moved = {dst.untyped_storage().data_ptr() for grp in feed.groups.values() for _s, dst in grp}
+    assert all(t.untyped_storage().data_ptr() in moved for t in out["model"].values())

@@ -414,3 +414,17 @@ def test_a_module_and_its_optimizer_restore_through_columns(tmp_path: Path) -> N
     wrong = torch.nn.Sequential(*[torch.nn.Linear(4, 5) for _ in range(6)])
     with pytest.raises(StateMismatchError, match=r"model/0\.weight"):
         cryosnap.load(str(run), into={"model": wrong, "opt": opt2})
+
+
+def test_a_fresh_restore_allocates_a_state_dict_in_columns_in_bulk(tmp_path: Path) -> None:
+    state = _model(seed=8)
+    cryosnap.save(str(tmp_path / "run"), state, step=1)
+    manifest = _parsed(tmp_path / "run")
+    restorer = Restorer(manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=False)
+    restorer.allocate()
+    assert restorer._fresh == [manifest.skeleton]  # not walked leaf by leaf
+    out = cryosnap.load(str(tmp_path / "run"))
+    assert_same(state, out)
+    packed = [k for k, v in state.items() if 0 < v.nbytes < 1 << 18]
+    ptrs = {out[k].untyped_storage().data_ptr() for k in packed}
+    assert len(ptrs) == len(packed)  # each packed leaf a storage of its own
