@@ -86,6 +86,31 @@ def packs_state() -> dict[str, Any]:
     }
 
 
+def columns_state() -> dict[str, Any]:
+    """A state dict of 10 tensors (written in columns: format_version 4) and an int."""
+    return {
+        "model": {
+            "embed.weight": torch.arange(12, dtype=torch.float32).reshape(4, 3) / 4,  # 48 B
+            "embed.scale": torch.tensor([0.5, -1.5], dtype=torch.bfloat16),
+            "block.0.weight": torch.nn.Parameter(torch.tensor([[1.0, -1.0], [2.0, -2.0]])),
+            "block.0.bias": torch.tensor([0.125, 0.25], dtype=torch.float16),
+            "block.0.mask": torch.tensor([True, False, False, True]),
+            "block.0.count": torch.tensor(11, dtype=torch.int64),  # 0-d
+            "block.0.empty": torch.zeros(0, 3),  # 0 bytes: a blob of its own
+            "block.1.table": torch.arange(1500, dtype=torch.int32),  # 6000 B: not packed
+            "block.1.z": torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
+            "head.weight": torch.full((2, 2), -0.75, dtype=torch.float64),
+        },
+        "step": 9,
+    }
+
+
+def make_columns(out: Path) -> None:
+    _refuse_existing(out, ("columns",))
+    cryosnap.save(out / "columns", columns_state(), step=9, chunk_bytes=CHUNK)
+    (out / "columns" / "writer.lock").unlink()
+
+
 def _refuse_existing(out: Path, names: tuple[str, ...]) -> None:
     for name in names:
         if (out / name).exists():
@@ -167,9 +192,12 @@ if __name__ == "__main__":
     # make_golden.py DIR: the runs of format 1 as first made; make_golden.py DIR packs: the
     # run added with packs of small tensors.
     # make_golden.py DIR files: the run added with cryosnap.File leaves.
+    # make_golden.py DIR columns: the run added with state dicts in columns.
     if sys.argv[2:] == ["packs"]:
         make_packs(Path(sys.argv[1]))
     elif sys.argv[2:] == ["files"]:
         make_files(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["columns"]:
+        make_columns(Path(sys.argv[1]))
     else:
         make(Path(sys.argv[1]))

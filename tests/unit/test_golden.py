@@ -165,10 +165,60 @@ def test_files_read_exactly(golden: Any) -> None:
     assert manifest.format_version == 3 and [b.nbytes for b in manifest.blobs] == [10_000, 0]
 
 
+def _columns_want() -> dict[str, torch.Tensor]:
+    return {
+        "embed.weight": torch.tensor([[0.0, 0.25, 0.5], [0.75, 1.0, 1.25], [1.5, 1.75, 2.0],
+                                      [2.25, 2.5, 2.75]]),
+        "embed.scale": torch.tensor([0.5, -1.5], dtype=torch.bfloat16),
+        "block.0.weight": torch.tensor([[1.0, -1.0], [2.0, -2.0]]),
+        "block.0.bias": torch.tensor([0.125, 0.25], dtype=torch.float16),
+        "block.0.mask": torch.tensor([True, False, False, True]),
+        "block.0.count": torch.tensor(11, dtype=torch.int64),
+        "block.0.empty": torch.zeros(0, 3),
+        "block.1.table": torch.arange(1500, dtype=torch.int32),
+        "block.1.z": torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
+        "head.weight": torch.tensor([[-0.75, -0.75], [-0.75, -0.75]], dtype=torch.float64),
+    }  # fmt: skip
+
+
+def _columns_match(model: dict[str, Any]) -> None:
+    want = _columns_want()
+    assert list(model) == list(want)
+    for key, expected in want.items():
+        got = model[key]
+        assert got.dtype == expected.dtype and got.shape == expected.shape, key
+        assert torch.equal(got, expected), key
+    weight = model["block.0.weight"]
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+
+
+def test_columns_read_exactly(golden: Any) -> None:
+    """A state dict in columns (tests/golden/columns, made when columns came): fresh, into=
+    (filled in place), keys=; its manifest says 4."""
+    run = golden("columns")
+    state = cryosnap.load(run)
+    assert list(state) == ["model", "step"] and state["step"] == 9
+    _columns_match(state["model"])
+    into = {
+        "model": {k: torch.zeros_like(v) for k, v in _columns_want().items()},
+        "step": 0,
+    }
+    into["model"]["block.0.weight"] = torch.nn.Parameter(torch.zeros(2, 2))
+    tensors = [id(v) for v in into["model"].values()]
+    cryosnap.load(run, into=into)
+    assert [id(v) for v in into["model"].values()] == tensors and into["step"] == 9
+    _columns_match(into["model"])
+    _columns_match(cryosnap.load(run, keys=["model"])["model"])
+    record = engine.read_commit(LocalStore(run), 9)
+    manifest, _ref = engine.read_manifest(LocalStore(run), record, 0)
+    assert manifest.format_version == 4 and "cols" in manifest.skeleton["v"][0]
+    assert [b.nbytes for b in manifest.blobs] == [0, 6000, 136]  # the pack: 9 leaves, gaps
+
+
 def test_golden_runs_are_format_1() -> None:
     for commit in GOLDEN.glob("*/versions/*/COMMIT.json"):
         assert b'"format_version":1' in commit.read_bytes(), commit
-    versions = {"packs": 2, "files": 3}
+    versions = {"packs": 2, "files": 3, "columns": 4}
     for manifest in GOLDEN.glob("*/versions/*/rank-*.json"):
         version = versions.get(manifest.parts[-4], 1)
         assert f'"format_version":{version}'.encode() in manifest.read_bytes()
