@@ -20,6 +20,7 @@ import numpy as np
 from cryosnap import _native
 from cryosnap._format import columns
 from cryosnap._format.columns import Columns
+from cryosnap._format.limits import MAX_BLOB_BYTES
 from cryosnap._format.skeleton import (
     MAX_ELEMENTS,
     MAX_NDIM,
@@ -522,6 +523,8 @@ class Restorer:
         if len(cols.dims):
             has = cols.ndim > 0
             counts[has] = np.multiply.reduceat(cols.dims, (ends - cols.ndim)[has])
+        if (counts > MAX_BLOB_BYTES // item).any():
+            return False  # more than any blob holds (and counts * item might wrap)
         nbytes = counts * item
         plan = self._column_plan(cols, nbytes, item)
         if plan is None:

@@ -428,3 +428,17 @@ def test_a_fresh_restore_allocates_a_state_dict_in_columns_in_bulk(tmp_path: Pat
     packed = [k for k, v in state.items() if 0 < v.nbytes < 1 << 18]
     ptrs = {out[k].untyped_storage().data_ptr() for k in packed}
     assert len(ptrs) == len(packed)  # each packed leaf a storage of its own
+
+
+def test_a_shape_whose_bytes_would_wrap_int64_is_refused(tmp_path: Path) -> None:
+    """1824726041 x 631832658 complex128 elements: 16 * that is 2**64 + 32, which int64 wraps
+    to 32 bytes, inside t0's place in the pack; the restore names the leaf instead."""
+    state = {f"t{i}": torch.ones(2, 2, dtype=torch.complex128) for i in range(N)}
+    cryosnap.save(str(tmp_path / "run"), state, step=1)
+
+    def edit(c: dict[str, Any]) -> None:
+        c["dims"] = [1824726041, 631832658, *c["dims"][2:]]
+
+    _rewrite(tmp_path / "run", edit)
+    with pytest.raises(CheckpointFormatError, match="t0"):
+        cryosnap.load(str(tmp_path / "run"), step=1)
