@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap._format.limits import MAX_ELEMENTS, MAX_NDIM
+from cryosnap._format.limits import MAX_BLOB_BYTES, MAX_ELEMENTS, MAX_NDIM
 from cryosnap.errors import CheckpointFormatError
 
 __all__ = ["MIN_LEAVES", "Columns", "encode", "parse"]
@@ -245,6 +245,7 @@ def parse(raw: Any, nkeys: int, where: str) -> Columns:
         or ((dims < 0) | (dims > MAX_ELEMENTS)).any()
         or (b < 0).any()
         or (at < -1).any()
+        or (at > MAX_BLOB_BYTES).any()  # an offset inside a blob: at + bytes stays in int64
         or ((flags < 0) | (flags > PARAM + GRAD)).any()
     ):
         raise CheckpointFormatError(f"{where}: malformed columns")

@@ -222,6 +222,7 @@ def _rewrite(run: Path, edit: Any) -> None:
         lambda c: c.__setitem__("b", [2**70] * len(c["b"])),
         lambda c: c.__setitem__("b", [[0]] * len(c["b"])),
         lambda c: c.__setitem__("at", [-2] * len(c["at"])),
+        lambda c: c.__setitem__("at", [2**63 - 8] * len(c["at"])),  # would wrap at + bytes
         lambda c: c.__setitem__("flags", [4] * len(c["flags"])),
         lambda c: c.__setitem__("devices", [0]),
         lambda c: c.__setitem__("extra", []),
@@ -246,6 +247,7 @@ def test_malformed_columns_are_refused_naming_the_manifest(tmp_path: Path, edit:
         lambda c: c.__setitem__("at", [0] * len(c["at"])),  # overlapping
         lambda c: c.__setitem__("at", [-1] * len(c["at"])),  # a pack claimed by all
         lambda c: c.__setitem__("at", [1 << 30] * len(c["at"])),  # past the pack
+        lambda c: c.__setitem__("at", [2**63 - 8] * len(c["at"])),  # far past, near int64's end
         lambda c: c.__setitem__("dims", [3] * len(c["dims"])),  # more bytes than saved
     ],
 )
