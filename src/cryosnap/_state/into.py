@@ -122,13 +122,9 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...], match: _Match | N
             and _check_columns(node, cols, saved, into, match)
         ):
             return
-        items = dict_items(node, where)
-        if match is not None and torch is not None:
-            match.state_dict(items, into, path)
-            return
         plain = torch.Tensor if torch is not None else None
         names = _DTYPE_NAMES
-        for k, v in items:
+        for k, v in dict_items(node, where):
             x = into[k]
             # A state dict's tensors, checked here without a call each (what the torch
             # branch below checks).
@@ -138,6 +134,8 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...], match: _Match | N
                 and names.get(x.dtype) == v.get("dtype")
                 and list(x.shape) == v.get("shape")
             ):
+                if match is not None:
+                    match.tensor(v, x)
                 continue
             _check(v, x, (*path, k), match)
         return
@@ -291,10 +289,13 @@ class _Match:
     (skeleton node id, into='s leaf), the host memory of every leaf apply_into fills (first
     byte, end, index in ``found`` or -1), and whether a leaf's memory could not be told."""
 
-    __slots__ = ("cols", "found", "min_bytes", "next", "spans", "unknown")
+    __slots__ = ("cols", "found", "min_bytes", "next", "spans", "strided", "unknown")
 
     def __init__(self, min_bytes: int) -> None:
         self.min_bytes = min_bytes
+        # into= holding a tensor means torch is imported before the walk.
+        torch = loaded_torch()
+        self.strided = torch.strided if torch is not None else None
         self.found: list[tuple[int, Any]] = []
         self.spans: list[tuple[int, int, int]] = []
         self.unknown = False
@@ -317,45 +318,28 @@ class _Match:
         self.cols.append(found)
         return True
 
-    def state_dict(
-        self, items: list[tuple[str | int, Json]], into: dict[Any, Any], path: tuple[str | int, ...]
-    ) -> None:
-        """The items of a dict node, their keys checked: a state dict's tensors (plain CPU
-        ``torch.Tensor`` of the node's dtype and shape) checked and noted inline, each
-        attribute read once, with no call per tensor; every other item through :func:`_check`."""
-        torch = _torch()
-        plain, strided = torch.Tensor, torch.strided
-        names, found, spans, min_bytes = _DTYPE_NAMES, self.found, self.spans, self.min_bytes
-        for k, v in items:
-            x = into[k]
-            if (
-                type(x) is plain
-                and v.get("t") == "torch"
-                and names.get(x.dtype) == v.get("dtype")
-                and list(x.shape) == v.get("shape")
-                and x.is_cpu
-                and x.layout == strided
-                and x.is_contiguous()
-            ):
-                n = x.nbytes
-                if not n:
-                    continue
-                lo = x.data_ptr()
-                # What _direct checks of a contiguous CPU torch.Tensor of the node's dtype and
-                # shape.
-                if (
-                    (n >= min_bytes or "at" in v)
-                    and "view" not in v
-                    and not x.is_inference()
-                    and not x.is_conj()
-                    and not x.is_neg()
-                ):
-                    spans.append((lo, lo + n, len(found)))
-                    found.append((id(v), x))
-                else:
-                    spans.append((lo, lo + n, -1))
-                continue
-            _check(v, x, (*path, k), self)
+    def tensor(self, node: dict[str, Any], x: Any) -> None:
+        """A plain ``torch.Tensor`` that :func:`_check` found of ``node``'s dtype and shape (a
+        state dict's common leaf): what :meth:`leaf` notes of it, its attributes read once."""
+        if not (x.is_cpu and x.layout == self.strided and x.is_contiguous()):
+            self.leaf(node, x)
+            return
+        n = x.nbytes
+        if not n:
+            return
+        lo = x.data_ptr()
+        # What _direct checks of a contiguous CPU torch.Tensor of the node's dtype and shape.
+        if (
+            (n >= self.min_bytes or "at" in node)
+            and "view" not in node
+            and not x.is_inference()
+            and not x.is_conj()
+            and not x.is_neg()
+        ):
+            self.spans.append((lo, lo + n, len(self.found)))
+            self.found.append((id(node), x))
+        else:
+            self.spans.append((lo, lo + n, -1))
 
     def leaf(self, node: dict[str, Any], into: Any) -> None:
         """Any other leaf (checked, or about to be, by :func:`_check`)."""
