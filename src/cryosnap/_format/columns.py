@@ -88,8 +88,8 @@ def encode(values: list[Any]) -> dict[str, Any] | None:
 class Columns(dict[str, Any]):
     """The validated columns of one dict node: the stored JSON (this dict itself) and, as
     int64 arrays, ``dtype`` (index into ``dtypes``), ``ndim``, ``dims``, ``device`` (index
-    into ``devices``), ``b``, ``at`` (-1: not packed), ``flags``; ``shapes``, each leaf's
-    shape as a tuple; ``dtype_names``, each leaf's dtype name."""
+    into ``devices``), ``b``, ``at`` (-1: not packed), ``flags``; ``dtype_names``, each
+    leaf's dtype name."""
 
     __slots__ = ("_nodes", "at", "b", "device", "dims", "dtype", "flags", "ndim")
 
@@ -120,17 +120,16 @@ class Columns(dict[str, Any]):
     def devices(self) -> list[str]:
         return self["devices"]  # type: ignore[no-any-return]
 
-    def nbytes(self, itemsize: list[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Each leaf's bytes: its elements times ``itemsize`` of its dtype (one per name of
-        ``dtypes``)."""
-        items = np.array(itemsize, np.int64)
+    def elements(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Each leaf's elements, the product of its dims (int64: the caller bounds what it
+        multiplies by; a product of dims a crafted manifest sets can wrap)."""
         counts = np.ones(self.count, np.int64)
         if len(self.dims):
             ends = np.cumsum(self.ndim)
             has = self.ndim > 0
             # Each leaf's product of its dims: reduceat over the starts of those that have any.
             counts[has] = np.multiply.reduceat(self.dims, (ends - self.ndim)[has])
-        return counts * items[self.dtype] if len(items) else counts
+        return counts
 
     def with_blobs(self, blobs: list[int]) -> Columns:
         """These columns with the blob references ``blobs`` instead (-1: a reference that
@@ -225,10 +224,6 @@ def parse(raw: Any, nkeys: int, where: str) -> Columns:
     """The columns of a dict node of ``nkeys`` keys as stored, every field checked at once;
     :class:`CheckpointFormatError` naming ``where`` for anything else. Blob references are
     checked against the manifest's blobs where they are used (a restore's allocation)."""
-    if isinstance(raw, Columns):
-        if raw.count != nkeys:
-            raise CheckpointFormatError(f"{where}: malformed columns ({raw.count} leaves)")
-        return raw
     if type(raw) is not dict or set(raw) != set(_FIELDS):
         raise CheckpointFormatError(f"{where}: malformed columns")
     dtypes, devices = _names(raw, "dtypes", where), _names(raw, "devices", where)

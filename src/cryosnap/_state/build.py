@@ -192,21 +192,23 @@ class _LeafPaths:
 
 class ColumnTargets:
     """The leaves of ``into=`` that fill a dict node in columns (:func:`direct_targets`), every
-    non-empty one directly: ``leaves`` in the node's order, their ``nbytes`` and addresses
-    (``ptrs``), and the index of each in the spans (-1: empty)."""
+    non-empty one directly: ``leaves`` in the node's order, the size of each one's element
+    (``item``), their ``nbytes`` and addresses (``ptrs``), and the index of each in the spans
+    (-1: empty)."""
 
-    __slots__ = ("cols", "cols_node", "index", "leaves", "nbytes", "ptrs")
+    __slots__ = ("cols", "cols_node", "index", "item", "leaves", "nbytes", "ptrs")
 
     def __init__(
         self,
         node: Json,
         cols: Columns,
         leaves: list[Any],
+        item: np.ndarray[Any, np.dtype[np.int64]],
         nbytes: np.ndarray[Any, np.dtype[np.int64]],
         ptrs: np.ndarray[Any, np.dtype[np.int64]],
     ) -> None:
         self.cols_node, self.cols, self.leaves = node, cols, leaves
-        self.nbytes, self.ptrs = nbytes, ptrs
+        self.item, self.nbytes, self.ptrs = item, nbytes, ptrs
         self.index = np.full(len(leaves), -1, np.int64)  # numbered by direct_targets
 
     def spans(self) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -475,9 +477,7 @@ class Restorer:
         """:meth:`_alloc_columns` into ``into=``'s tensors: each packed leaf noted for
         :meth:`fill_packs`, each other leaf's blob claimed by its tensor."""
         cols, nbytes = target.cols, target.nbytes
-        items = np.array([_itemsize(_torch_dtype(n, where)) for n in cols.dtypes], np.int64)
-        item = items[cols.dtype] if len(items) else np.ones(len(cols.b), np.int64)
-        plan = self._column_plan(cols, nbytes, item)
+        plan = self._column_plan(cols, nbytes, target.item)
         if plan is None:
             return False
         paths = _LeafPaths(node, where)
@@ -516,13 +516,8 @@ class Restorer:
                 except CheckpointFormatError:
                     return False  # the walk leaf by leaf names the leaf
             dtypes.append(dtype)
-        items = np.array([_itemsize(d) for d in dtypes], np.int64)
-        item = items[cols.dtype]
-        ends = np.cumsum(cols.ndim)
-        counts = np.ones(cols.count, np.int64)
-        if len(cols.dims):
-            has = cols.ndim > 0
-            counts[has] = np.multiply.reduceat(cols.dims, (ends - cols.ndim)[has])
+        item = np.array([_itemsize(d) for d in dtypes], np.int64)[cols.dtype]
+        counts = cols.elements()  # two dims below 2**31 each: no wrap
         if (counts > MAX_BLOB_BYTES // item).any():
             return False  # more than any blob holds (and counts * item might wrap)
         nbytes = counts * item
@@ -535,6 +530,7 @@ class Restorer:
         frombuffer, empty = torch.frombuffer, torch.empty
         dims, leaves = cols["dims"], [None] * cols.count
         kinds = [dtypes[i] for i in cols["dtype"]]
+        ends = np.cumsum(cols.ndim)
         ndims, starts, stops = cols["ndim"], (ends - cols.ndim).tolist(), ends.tolist()
         for i, blob, at, n in zip(
             plan.packed.tolist(),

@@ -209,9 +209,12 @@ def _check_columns(
     # A conjugate view holds other values than its bytes: only complex tensors can be one.
     if any("complex" in n for n in cols.dtypes) and any(x.is_conj() for x in xs):
         return False
+    # into='s own dtypes, which the columns name: their element sizes, and each leaf's bytes
+    # from its shape (into='s, as checked).
     size = {names[d]: _itemsize(d) for d in kinds_of}
-    nbytes = cols.nbytes([size.get(n, 0) for n in cols.dtypes])  # every name used is there
-    return match.columns(ColumnTargets(node, cols, xs, nbytes, np.array(ptrs, np.int64)))
+    item = np.array([size.get(n, 1) for n in cols.dtypes], np.int64)[cols.dtype]
+    found = ColumnTargets(node, cols, xs, item, cols.elements() * item, np.array(ptrs, np.int64))
+    return match.columns(found)
 
 
 def _check_leaf(t: Any, node: Json, into: Any, path: tuple[str | int, ...]) -> None:

@@ -341,7 +341,7 @@ def test_encode_refuses_what_columns_cannot_hold() -> None:
         assert columns.encode([*[dict(leaf, b=i) for i in range(N)], odd]) is None
     parsed = columns.parse(columns.encode([dict(leaf, b=i, at=4 * i) for i in range(N)]), N, "x")
     assert parsed.nodes() == [dict(leaf, b=i, at=4 * i) for i in range(N)]
-    assert parsed.nbytes([4]).tolist() == [8] * N
+    assert parsed.elements().tolist() == [2] * N
     assert np.array_equal(parsed.with_blobs([5] * N).b, [5] * N)
 
 
