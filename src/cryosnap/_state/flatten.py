@@ -32,7 +32,7 @@ from cryosnap._state.gc import paused_gc
 from cryosnap._state.reuse import (
     CONTIGUOUS,
     DATA,
-    STORAGE,
+    OFFSET,
     Entry,
     FlattenCache,
     PackBuffers,
@@ -41,6 +41,8 @@ from cryosnap._state.reuse import (
     metadata,
     patched,
     scan,
+    storage_of,
+    storages,
     unique,
 )
 from cryosnap._state.torch_import import loaded_torch
@@ -181,7 +183,7 @@ def _reused(
             if members is None:  # size: the tensor's index
                 t = tensors[size]
                 x = t if meta[size][CONTIGUOUS] else t.contiguous()
-                blobs.append(_alone(t, x, x.nbytes, path, meta[size][STORAGE], uint8))
+                blobs.append(_alone(t, x, x.nbytes, path, storage_of(meta[size]), uint8))
                 continue
             pack = entry.buffers.take(packs, size, torch)
             if copies is not None:
@@ -226,7 +228,7 @@ def _entry(
     meta = metadata(found.tensors)
     if any(t.is_complex() for t in found.tensors) or meta is None:
         return None
-    if unique([m[STORAGE] for m in meta]) is None:
+    if unique(storages(meta)) is None:
         return None
     members: list[list[tuple[int, int, int]]] = [[] for _ in flat.blobs]
     alone: list[int] = [-1] * len(flat.blobs)
@@ -252,7 +254,7 @@ def _entry(
     return Entry(
         key,
         found.shape,
-        [m[:STORAGE] for m in meta],
+        [m[:OFFSET] for m in meta],
         flat.skeleton,
         places,
         blobs,

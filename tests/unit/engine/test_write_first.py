@@ -1,6 +1,7 @@
-"""A version's first batch reaches the disk in two steps (PartWriter.add): its first
+"""A version's first batch reaches the disk in steps (PartWriter.add): its first
 ``_FIRST_BYTES`` hashed and queued alone, so the data file's first write does not wait for the
-whole batch's hashing; the part is the same, byte for byte, and the batch is released once."""
+whole batch's hashing, then the rest in groups of ``_NEXT_BYTES``, each written while the next
+is hashed; the part is the same, byte for byte, and the batch is released once."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from cryosnap._state import flatten
 from cryosnap.engine.write import _appender
 from cryosnap.engine.write import part_writer as part_writer_module
 from cryosnap.storage import LocalStore
+from cryosnap.storage._direct import BLOCK_BYTES
 
 CHUNK = 4096
 
@@ -73,6 +75,30 @@ def test_the_first_batch_is_queued_in_two_and_the_part_is_the_same(
     assert split.root == whole.root
     files = split.manifest.data_files
     assert [(tmp_path / "split" / f).read_bytes() for f in files] == [
+        (tmp_path / "whole" / f).read_bytes() for f in whole.manifest.data_files
+    ]
+
+
+def test_the_rest_of_the_first_batch_is_queued_in_groups(
+    tmp_path: Path, appends: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(part_writer_module, "_FIRST_BYTES", 3 * CHUNK)
+    monkeypatch.setattr(part_writer_module, "_NEXT_BYTES", 4 * CHUNK)
+    released: list[int] = []
+    groups, batches = _write(tmp_path / "groups", 1 << 20, appends, released)
+    assert batches == 1
+    # 14 chunks and 117 bytes: 3 chunks, then groups of 4 (with the alignment padding before a
+    # blob's first chunk), the last holding what is left.
+    assert appends[0] == 3 * CHUNK and len(appends) == 4
+    assert all(4 * CHUNK <= n < 4 * CHUNK + BLOCK_BYTES for n in appends[1:3])
+    assert released == [0]  # once, after every group's write
+    monkeypatch.setattr(part_writer_module, "_FIRST_BYTES", 1 << 30)
+    appends.clear()
+    released.clear()
+    whole, _ = _write(tmp_path / "whole", 1 << 20, appends, released)
+    assert len(appends) == 1
+    assert groups.manifest.blobs == whole.manifest.blobs and groups.root == whole.root
+    assert [(tmp_path / "groups" / f).read_bytes() for f in groups.manifest.data_files] == [
         (tmp_path / "whole" / f).read_bytes() for f in whole.manifest.data_files
     ]
 

@@ -54,8 +54,11 @@ __all__ = ["PartResult", "PartWriter"]
 # New bytes of a version are placed on scratch devices in groups of this size.
 _PLACE_BYTES = 4 << 20
 # The first bytes of a version's first batch that are hashed and queued for writing before the
-# rest of that batch is hashed (the disk waits for no more than their hashing).
+# rest of that batch is hashed (the disk waits for no more than their hashing); the rest is
+# hashed and queued in groups of _NEXT_BYTES, each written while the next is hashed (a first
+# batch can be the whole version: the packs of a state of many small tensors).
 _FIRST_BYTES = 8 << 20
+_NEXT_BYTES = 32 << 20
 
 _ZEROS = memoryview(bytes(BLOCK_BYTES))  # the longest padding before a run (run_pad)
 
@@ -234,11 +237,9 @@ class PartWriter:
             groups: list[Sequence[Item]] = [pieces]
             if not self._started:
                 # The version's first batch: its first few MiB hashed and queued alone, so the
-                # disk starts while the rest of the batch is hashed.
+                # disk starts while the rest of the batch is hashed, group by group.
                 self._started = True
-                split = _split_pieces(pieces, _FIRST_BYTES, self.chunk_bytes)
-                if len(split) > 1:
-                    groups = [split[0], [p for g in split[1:] for p in g]]
+                groups = _first_groups(pieces, self.chunk_bytes)
             self._add_groups(groups, release)
             return
         self._add_placed(pieces, release, self.placement)
@@ -549,6 +550,16 @@ def _release_after(count: int, release: Callable[[], None]) -> Callable[[], None
             release()
 
     return release_one
+
+
+def _first_groups(pieces: Sequence[Item], chunk_bytes: int) -> list[Sequence[Item]]:
+    """A version's first batch in the groups it is hashed and queued in: its first
+    _FIRST_BYTES, then groups of _NEXT_BYTES."""
+    split = _split_pieces(pieces, _FIRST_BYTES, chunk_bytes)
+    if len(split) == 1:
+        return [pieces]
+    rest = [p for g in split[1:] for p in g]
+    return [split[0], *_split_pieces(rest, _NEXT_BYTES, chunk_bytes)]
 
 
 def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[list[Item]]:
