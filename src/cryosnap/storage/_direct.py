@@ -43,6 +43,8 @@ BOUNCE_BYTES: Final = 8 << 20
 # Aligned runs shorter than this are copied to the bounce buffer: a syscall each costs more.
 DIRECT_MIN_BYTES: Final = 64 << 10
 O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
+# The most buffers one pwritev/preadv takes (Linux's UIO_MAXIOV).
+_IOV_MAX: Final = 1024
 # File systems that are the page cache: a direct write there is a copy into it all the same.
 _MEMORY_FS: Final = frozenset({"tmpfs", "ramfs"})
 
@@ -53,6 +55,9 @@ class Syscalls:
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         return os.pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
 
     def ftruncate(self, fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
@@ -71,11 +76,16 @@ class DirectFile:
 
     A buffer whose memory and file offset are aligned alike goes to the disk from where it
     lies (the staging slabs and the data file's layout make it so for large blobs); the rest
-    is gathered in a page-aligned bounce buffer written in large aligned pieces. ``finish``
-    writes the last partial block padded with zeros and truncates the file to its bytes.
-    A write the file system refuses midway (EINVAL) or a short one that leaves the offset
-    unaligned switches this file to buffered writes, from the same offset on: nothing written
-    is lost, and the file is fsynced once by its writer as every file is."""
+    is gathered in a page-aligned bounce buffer, written in whole blocks. The aligned pieces of
+    one :meth:`write` (the buffers' bodies and the bounce buffer's blocks between them) are
+    written together, up to IOV_MAX at a time, in one ``pwritev``: a version of many packs of
+    small tensors is a few large writes, not two synchronous ones per pack (a body, then the
+    block its tail shares with the next pack's head), which a network file system pays a
+    round trip each for. ``finish`` writes the last partial block padded with zeros and
+    truncates the file to its bytes. A write the file system refuses midway (EINVAL) or a
+    short one that leaves the offset unaligned switches this file to buffered writes, from the
+    same offset on: nothing written is lost, and the file is fsynced once by its writer as
+    every file is."""
 
     def __init__(self, fd: int, key: str, syscalls: Syscalls) -> None:
         self.key = key
@@ -83,13 +93,18 @@ class DirectFile:
         self._sys = syscalls
         self._bounce: mmap.mmap | None = None
         self._view = memoryview(b"")
-        self._base = 0  # the file offset of the bounce buffer's first byte (aligned)
-        self._fill = 0  # bytes in the bounce buffer
+        self._base = 0  # the file offset of the first byte not written yet (aligned, direct)
+        self._queued: list[memoryview] = []  # pieces to write back to back from _base
+        self._queued_bytes = 0
+        # The bounce buffer's bytes not queued yet, [_start, _fill), lie in the file right
+        # after the queued pieces; _start is on a block of the buffer.
+        self._start = 0
+        self._fill = 0
         self.direct = True
 
     @property
     def size(self) -> int:
-        return self._base + self._fill
+        return self._base + self._queued_bytes + self._fill - self._start
 
     def _room(self) -> memoryview:
         if self._bounce is None:
@@ -98,7 +113,8 @@ class DirectFile:
         return self._view
 
     def write(self, buffers: Sequence[memoryview]) -> int:
-        """Append ``buffers`` (flat byte views); the bytes taken."""
+        """Append ``buffers`` (flat byte views); the bytes taken. Every byte of them is written
+        (or copied to the bounce buffer) when this returns: the caller may reuse them."""
         total = 0
         for v in buffers:
             total += v.nbytes
@@ -106,67 +122,89 @@ class DirectFile:
                 self._put(v)
             else:
                 self._flush(pad=False)
-                self._write_at(v, self._base)
-                self._base += v.nbytes
+                self._queue(v)
+        self._submit()
         return total
+
+    def _queue(self, piece: memoryview) -> None:
+        self._queued.append(piece)
+        self._queued_bytes += piece.nbytes
+        if len(self._queued) >= _IOV_MAX:
+            self._submit()
+
+    def _queue_blocks(self) -> None:
+        """Queue the whole blocks the bounce buffer holds."""
+        whole = (self._fill - self._start) // BLOCK_BYTES * BLOCK_BYTES
+        if whole:
+            self._queue(self._view[self._start : self._start + whole])
+            self._start += whole
 
     def _put(self, v: memoryview) -> None:
         n, i = v.nbytes, 0
         address = _native.address_of(v) if n >= DIRECT_MIN_BYTES else 1
         while i < n and self.direct:
-            k = -self._fill % BLOCK_BYTES  # bytes to the next block boundary of the file
+            k = -(self._fill - self._start) % BLOCK_BYTES  # bytes to the file's next block
             body = (n - i - k) // BLOCK_BYTES * BLOCK_BYTES
             aligned = body >= DIRECT_MIN_BYTES and (address + i + k) % BLOCK_BYTES == 0
             if aligned and k == 0:
-                self._flush(pad=False)
-                self._write_at(v[i : i + body], self._base)
-                self._base += body
+                self._queue_blocks()
+                self._queue(v[i : i + body])
                 i += body
                 continue
             room = self._room()
+            if self._fill == BOUNCE_BYTES:  # full: every byte of it is in whole blocks
+                self._queue_blocks()
+                self._submit()
+                self._start = self._fill = 0
+                continue
             take = k if aligned else min(n - i, BOUNCE_BYTES - self._fill)
             room[self._fill : self._fill + take] = v[i : i + take]
             self._fill += take
             i += take
-            if self._fill == BOUNCE_BYTES:
-                self._flush(pad=False)
         if i < n:  # switched to buffered writes meanwhile
-            self.write([v[i:]])
+            self._flush(pad=False)
+            self._queue(v[i:])
 
     def _flush(self, *, pad: bool) -> None:
-        """Write the bounce buffer's whole blocks (``pad``: every byte, the last block padded
-        with zeros); what is left of a partial block stays, moved to the front."""
-        fill = self._fill
-        if not fill:
-            return
-        room = self._view
-        if pad or not self.direct:
-            whole = fill if not self.direct else -(-fill // BLOCK_BYTES) * BLOCK_BYTES
-            room[fill:whole] = bytes(whole - fill)
+        """Queue and write what the bounce buffer holds: its whole blocks (``pad``: every
+        byte, the last block padded with zeros; buffered: every byte); what is left of a
+        partial block stays."""
+        start, fill = self._start, self._fill
+        if fill > start and (pad or not self.direct):
+            end = (
+                fill if not self.direct else start + -(-(fill - start) // BLOCK_BYTES) * BLOCK_BYTES
+            )
+            self._view[fill:end] = bytes(end - fill)
+            self._queue(self._view[start:end])
+            self._start = end
         else:
-            whole = fill // BLOCK_BYTES * BLOCK_BYTES
-        if whole:
-            self._write_at(room[:whole], self._base)
-        done = min(whole, fill)
-        rest = fill - done
-        if rest:
-            room[:rest] = room[done:fill]
-        self._base += done
-        self._fill = rest
+            self._queue_blocks()
+        self._submit()
+        if self._start >= self._fill:  # nothing left: the buffer starts over
+            self._start = self._fill = 0
 
-    def _write_at(self, data: memoryview, offset: int) -> None:
-        while data.nbytes:
+    def _submit(self) -> None:
+        """Write the queued pieces at ``_base``, back to back."""
+        rest, offset = self._queued, self._base
+        if not rest:
+            return
+        self._queued = []
+        self._base += self._queued_bytes
+        self._queued_bytes = 0
+        while rest:
+            batch = rest[:_IOV_MAX]
             try:
-                n = self._sys.pwrite(self._fd, data, offset)
+                n = self._sys.pwritev(self._fd, batch, offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
                 self._fall_back(f"the file system refused a direct write ({exc.strerror})")
                 continue
             if n <= 0:
-                raise OSError(errno.EIO, f"a write of {data.nbytes} bytes wrote none")
-            data, offset = data[n:], offset + n
-            if data.nbytes and self.direct and n % BLOCK_BYTES:
+                raise OSError(errno.EIO, f"a write of {_nbytes(batch)} bytes wrote none")
+            offset += n
+            rest = rest[len(batch) :] if n == _nbytes(batch) else _drop(rest, n)
+            if rest and self.direct and n % BLOCK_BYTES:
                 self._fall_back(f"a short direct write ({n} bytes) left an unaligned offset")
 
     def _fall_back(self, why: str) -> None:
@@ -185,11 +223,25 @@ class DirectFile:
 
     def close(self) -> None:
         """Free the bounce buffer (the descriptor is the writer's)."""
+        self._queued = []
         self._view.release()
         self._view = memoryview(b"")
         if self._bounce is not None:
             self._bounce.close()
             self._bounce = None
+
+
+def _nbytes(views: Sequence[memoryview]) -> int:
+    return sum(v.nbytes for v in views)
+
+
+def _drop(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """``views`` without their first ``nbytes``."""
+    for i, v in enumerate(views):
+        if nbytes < v.nbytes:
+            return [v[nbytes:], *views[i + 1 :]]
+        nbytes -= v.nbytes
+    return []
 
 
 def probe_direct(root_fd: int, syscalls: Syscalls, fs_type: str, *, memory: bool) -> str | None:
@@ -233,7 +285,6 @@ DIRECT_READ_BYTES: Final = 8 << 20
 # blobs, the heads and tails of large ones, gaps): one direct read per this many bytes. Kept by
 # the thread (its fresh pages cost a fault each), also by a storage thread that lives long.
 READ_BOUNCE_BYTES: Final = 1 << 20
-_IOV_MAX: Final = 1024
 _bounces = threading.local()  # each read thread's aligned bounce buffer, reused
 
 

@@ -120,7 +120,8 @@ class _FaultyWriter:
 class FaultySyscalls(Syscalls):
     """The writes of a :class:`~cryosnap.storage.LocalStore`'s direct-I/O data files (and of
     its probe), failing where ``fault(nbytes, direct)`` says: it runs before each ``pwrite``
-    (``direct``: the descriptor has ``O_DIRECT``) and raises an ``OSError`` (``EINVAL``: the
+    and ``pwritev`` (``nbytes``: all the call's bytes; ``direct``: the descriptor has
+    ``O_DIRECT``) and raises an ``OSError`` (``EINVAL``: the
     device refuses direct I/O; ``ENOSPC``: the disk is full), returns a byte count below
     ``nbytes`` (a short write: that many bytes land), or None (the write as asked).
     ``writes`` lists ``(nbytes, direct)`` of every write that landed.
@@ -178,6 +179,22 @@ class FaultySyscalls(Syscalls):
                 finally:
                     fcntl.fcntl(fd, fcntl.F_SETFL, flags)
         return self._landed(super().pwrite(fd, data, offset), direct)
+
+    def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        direct = bool(flags & O_DIRECT)
+        nbytes = sum(b.nbytes for b in buffers)
+        n = self.fault(nbytes, direct)
+        if n is not None and n < nbytes:
+            buffers = _cut(buffers, n)
+            if direct and n % BLOCK_BYTES:
+                # The device wrote part of a block: land those bytes as it would have.
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
+                try:
+                    return self._landed(os.pwritev(fd, buffers, offset) if n > 0 else 0, direct)
+                finally:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return self._landed(super().pwritev(fd, buffers, offset), direct)
 
     def _landed(self, n: int, direct: bool) -> int:
         with self._lock:

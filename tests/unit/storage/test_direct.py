@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap.storage import LocalStore, check_direct_io, open_store
+from cryosnap.storage import _direct as direct_module
 from cryosnap.storage._direct import BLOCK_BYTES, BOUNCE_BYTES, DIRECT_MIN_BYTES
 from cryosnap.testing import FaultySyscalls
 
@@ -97,6 +98,58 @@ def test_aligned_memory_goes_to_the_disk_from_where_it_lies(direct_dir: Path) ->
     want = _write(store, "x.dat", [[view, view[:100]]])
     assert syscalls.writes[-2:] == [(4 << 20, True), (BLOCK_BYTES, True)]
     assert store.read("x.dat") == want
+
+
+def _packs(count: int, seed: int = 0) -> list[memoryview]:
+    """Views like a version's packs of small tensors: sizes no multiple of a block, each in
+    memory of its own at the offset its first byte has in the file (so that each body, past
+    the bytes that fill the block the last one's tail began, is aligned alike)."""
+    sizes = [DIRECT_MIN_BYTES * 3 + 4096 * (i % 5) + 17 * i + 5 for i in range(count)]
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at % BLOCK_BYTES)
+        at += n
+    return _pieces(sizes, offsets, seed)
+
+
+def test_the_pieces_of_one_write_go_to_the_disk_in_one_call(direct_dir: Path) -> None:
+    """Forty packs: their bodies from where they lie and the blocks their tails share with
+    the next heads from the bounce buffer, in one pwritev, not two writes per pack."""
+    syscalls = FaultySyscalls()
+    store = LocalStore(direct_dir, direct_io=True, syscalls=syscalls)
+    store.check_direct_io()
+    views = _packs(40)
+    before = len(syscalls.writes)
+    want = _write(store, "x.dat", [views])
+    calls = syscalls.writes[before:]
+    assert len(calls) == 2 and all(direct for _n, direct in calls)  # the write, the last block
+    # Only the tails and heads went through the bounce buffer: a block per pack at most.
+    assert calls[0][0] >= len(want) - 41 * BLOCK_BYTES
+    assert store.read("x.dat") == want
+
+
+def test_more_pieces_than_one_call_takes(direct_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct_module, "_IOV_MAX", 4)
+    syscalls = FaultySyscalls()
+    store = LocalStore(direct_dir, direct_io=True, syscalls=syscalls)
+    store.check_direct_io()
+    before = len(syscalls.writes)
+    want = _write(store, "x.dat", [_packs(12, 1), _packs(3, 2)])
+    assert len(syscalls.writes) - before >= 12 * 2 // 4
+    assert store.read("x.dat") == want
+
+
+@pytest.mark.parametrize("short", [BLOCK_BYTES * 50, BLOCK_BYTES * 50 + 123, 1])
+@pytest.mark.parametrize("nth", [2, 3])
+def test_a_short_write_of_many_pieces_loses_nothing(direct_dir: Path, short: int, nth: int) -> None:
+    """A short pwritev ending inside one of its pieces (on a block: the rest goes on directly;
+    off one: buffered from there)."""
+    syscalls = FaultySyscalls(_After(nth, short=short))
+    store = LocalStore(direct_dir, direct_io=True, syscalls=syscalls)
+    store.check_direct_io()
+    want = _write(store, "x.dat", [_packs(30, 3), _packs(5, 4)])
+    assert store.read("x.dat") == want
+    assert store.size("x.dat") == len(want)
 
 
 def test_a_direct_checkpoint_leaves_the_page_cache_cold(direct_dir: Path) -> None:
@@ -226,7 +279,8 @@ def test_a_short_direct_write_loses_nothing(direct_dir: Path, short: int) -> Non
 
 
 def test_a_full_disk_during_a_direct_write_is_a_storage_error(direct_dir: Path) -> None:
-    store = LocalStore(direct_dir, direct_io=True, syscalls=FaultySyscalls(_After(3, errno.ENOSPC)))
+    # The probe's write is the first direct one, the write below the second.
+    store = LocalStore(direct_dir, direct_io=True, syscalls=FaultySyscalls(_After(2, errno.ENOSPC)))
     store.check_direct_io()
     writer = store.open_writer("x.dat")
     with pytest.raises(cryosnap.StorageError, match=r"writing x\.dat in .* failed: disk full"):
