@@ -382,9 +382,10 @@ class Checkpointer:
             returned.set()
         return job.pending
 
-    def _save_durable(self, step: int, state: Any) -> SaveInfo:
-        """Save without staging: the writer reads the live memory while the caller waits."""
-        job = self._start(step, state, time.perf_counter())
+    def _save_durable(self, step: int, state: Any, *, reuse: bool = True) -> SaveInfo:
+        """Save without staging: the writer reads the live memory while the caller waits.
+        ``reuse``: keep the flatten for a next save (False: this Checkpointer saves once)."""
+        job = self._start(step, state, time.perf_counter(), reuse=reuse)
         self._capturer.direct(job)
         return job.pending.result()
 
@@ -396,6 +397,8 @@ class Checkpointer:
         metrics: dict[str, float] | None = None,
         replicated: object = None,
         returned: threading.Event | None = None,
+        *,
+        reuse: bool = True,
     ) -> Job:
         clock0 = self._options.clock()
         self._check_open()
@@ -408,6 +411,7 @@ class Checkpointer:
             metrics=metrics,
             replicated=replicated,
             returned=returned,
+            reuse=reuse,
         )
 
     # waiting and reading -----------------------------------------------------------------------
@@ -545,7 +549,7 @@ def save(
     """
     validate_step(step)
     with Checkpointer(path, chunk_bytes=chunk_bytes, allow_pickle=allow_pickle) as ckpt:
-        return ckpt._save_durable(step, state)
+        return ckpt._save_durable(step, state, reuse=False)
 
 
 def load(

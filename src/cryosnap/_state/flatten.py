@@ -667,6 +667,8 @@ class _Packer:
             return
         self.members = []
         pack = self.torch.empty(self.size, dtype=self.torch.uint8)
+        # Fresh memory: its pages mapped in one call, not faulted in one by one as it fills.
+        _native.populate(pack.data_ptr(), self.size)
         _fill_pack(pack, [(t.data_ptr(), n, at) for _node, t, n, at in members])
         index = len(self.blobs)
         for node, _t, _n, at in members:

@@ -192,7 +192,7 @@ def import_dcp(
             newest = ckpt.latest_step()
             step = 0 if newest is None else newest + 1
         text = encode(metadata, where, step=step, world_size=1)
-        info = ckpt._save_durable(step, part_state(0, tensors, planner.raw, text))
+        info = ckpt._save_durable(step, part_state(0, tensors, planner.raw, text), reuse=False)
     return ImportResult(
         source=str(src),
         path=ckpt.store.url,

@@ -3,6 +3,7 @@ the same as a fresh one, byte for byte, and any change of structure flattens afr
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from collections import OrderedDict
@@ -21,6 +22,9 @@ from cryosnap._format import manifest
 from cryosnap._state import FlatState, FlattenCache, flatten
 
 from ..support import assert_same
+
+# The module (cryosnap._state's `flatten` is its function).
+flatten_module = importlib.import_module("cryosnap._state.flatten")
 
 CHUNK = 4096
 
@@ -195,6 +199,29 @@ def test_a_checkpointer_restores_each_reused_version(tmp_path: Path) -> None:
         assert manifest._tree_nodes.get(id(model), (None,))[0] is model
     assert ckpt._saves.flattened._entry is None  # and let go of at close()
     assert manifest._tree_nodes.get(id(model), (None,))[0] is not model  # the texts too
+
+
+def test_a_one_shot_save_keeps_no_flatten_to_reuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cryosnap.save saves once: what a next save would reuse is not made (each tensor's
+    metadata read again); a Checkpointer's first save makes it."""
+    made: list[object] = []
+    real = flatten_module._entry
+
+    def spy(*args: Any) -> Any:
+        entry = real(*args)
+        made.append(entry)
+        return entry
+
+    monkeypatch.setattr(flatten_module, "_entry", spy)
+    state = _state()
+    cryosnap.save(tmp_path / "once", state)
+    assert made == []
+    assert_same(cryosnap.load(tmp_path / "once"), state)
+    with cryosnap.Checkpointer(tmp_path / "many", chunk_bytes=CHUNK) as ckpt:
+        ckpt.save(0, state).result()
+        assert len(made) == 1 and made[0] is not None
 
 
 _leaf = st.one_of(
