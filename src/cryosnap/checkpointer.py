@@ -360,7 +360,7 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         returned = threading.Event()
-        job = self._start(step, state, t0, _metrics(metrics), replicated, returned)
+        job = self._start(step, state, t0, _metrics(metrics), replicated, returned, lazy=lazy)
         try:
             if lazy:
                 self._capturer.lazy(job, t0)
@@ -399,6 +399,7 @@ class Checkpointer:
         returned: threading.Event | None = None,
         *,
         reuse: bool = True,
+        lazy: bool = False,
     ) -> Job:
         clock0 = self._options.clock()
         self._check_open()
@@ -412,6 +413,7 @@ class Checkpointer:
             replicated=replicated,
             returned=returned,
             reuse=reuse,
+            lazy=lazy,
         )
 
     # waiting and reading -----------------------------------------------------------------------

@@ -319,6 +319,8 @@ class Capturer:
 
     def _copy(self, job: Job, lazy: bool, flat: FlatState) -> None:
         """Capture ``flat`` (``job.flat``, or a snapshot of it) into staging."""
+        if flat.deferred is not None:  # a lazy save's packs: their copies are ours
+            flat.deferred.fill()
         plan: DiffPlan | None = None
         if self.diff is not None:
             # A lazy capture's optimizer guard orders the step after each blob's copies only,
@@ -397,6 +399,9 @@ class Capturer:
         for i, blob in enumerate(job.flat.blobs):
             if blob.origin:
                 by_origin.setdefault(blob.origin, []).append(i)
+        if job.flat.deferred is not None:  # packs the capture thread fills: theirs too
+            for origin, i in job.flat.deferred.origins.items():
+                by_origin.setdefault(origin, []).append(i)
         hooks: list[Any] = []
         for _path, obj in job.flat.stateful:
             if isinstance(obj, torch.optim.Optimizer):

@@ -12,6 +12,7 @@ import math
 import pickle
 import struct
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,38 @@ class FlatState:
     stateful: list[tuple[str, Any]] = field(default_factory=list)
     packed: bool = False  # whether any tensor of the skeleton is packed (has "at")
     files: bool = False  # whether the skeleton holds cryosnap.File leaves
+    # Packs not filled yet (flatten's ``defer_packs``): the capture fills them first.
+    deferred: DeferredPacks | None = None
+
+
+class DeferredPacks:
+    """The packs of a reused flatten, filled later on the thread that captures the state (a
+    lazy save's: the caller returns before these copies, as before any other): each pack with
+    its copies by address. ``keep`` holds the packed tensors' storages until then, so that a
+    tensor the program rebinds meanwhile (``p.data = ...``) leaves the memory the copies read
+    alive, as a blob of a tensor alone holds a view of it. ``origins``: the blob of each
+    packed tensor, by the address of its storage (an optimizer's step waits for those its
+    parameters are packed in, as for the blobs whose ``origin`` they are)."""
+
+    __slots__ = ("_fills", "_keep", "_lock", "origins")
+
+    def __init__(
+        self,
+        fills: list[tuple[Any, list[tuple[int, int, int]]]],
+        keep: list[Any],
+        origins: dict[int, int],
+    ) -> None:
+        self._fills = fills
+        self._keep = keep
+        self._lock = threading.Lock()
+        self.origins = origins
+
+    def fill(self) -> None:
+        """Fill every pack (once; later calls return at once)."""
+        with self._lock:
+            for pack, copies in self._fills:
+                _fill_pack(pack, copies)
+            self._fills, self._keep = [], []
 
 
 _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
@@ -123,6 +156,7 @@ def flatten(
     pack_bytes: int = 0,
     pack_apart: object = None,
     cache: FlattenCache | None = None,
+    defer_packs: bool = False,
 ) -> FlatState:
     """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf.
 
@@ -131,7 +165,9 @@ def flatten(
     ``pack_apart``: top-level keys (a list or tuple, as ``save(replicated=...)`` takes them)
     whose leaves never share a pack with the other keys' leaves.
     ``cache``: the last flatten made with it is reused when the state's structure did not
-    change (reuse.py); the result is the same as without it."""
+    change (reuse.py); the result is the same as without it. ``defer_packs``: a reused
+    flatten's packs are filled by ``result.deferred.fill()`` (a lazy capture's thread), not
+    here; nothing may read them before."""
     apart = frozenset(
         k
         for k in (pack_apart if isinstance(pack_apart, (list, tuple)) else ())
@@ -147,7 +183,7 @@ def flatten(
             matched = cache.match(key, found)
             if matched is not None:
                 cache.hit()
-                return _reused(*matched, found)
+                return _reused(*matched, found, defer=defer_packs)
         flattener = _Flattener(allow_pickle, pack, apart)
         flat = flattener.run(state)
         cache.keep(_entry(key, found, flattener, flat) if found is not None else None)
@@ -159,12 +195,14 @@ def _reused(
     meta: list[tuple[Any, ...]],
     copies: list[list[tuple[int, int, int]]] | None,
     found: Scan,
+    *,
+    defer: bool = False,
 ) -> FlatState:
     """The flat state of ``found`` laid out as ``entry`` says: its skeleton (the inline
     leaves that changed re-encoded), a blob per tensor alone, the packs filled anew.
     ``meta``: the tensors' (reuse.metadata); ``copies``: each pack's copies by address, if the
     tensors lie where the entry's last ones did (then kept for the next save, if they can be
-    made)."""
+    made). ``defer``: the packs filled by copies are left to ``deferred.fill()``."""
     skeleton = entry.skeleton
     encode = _Flattener(False).inline
     for (at, node), value in zip(entry.places, found.inline, strict=True):
@@ -178,6 +216,10 @@ def _reused(
         entry.last[:] = [(meta, copies)]
     blobs: list[Blob] = []
     packs = 0
+    later: list[tuple[Any, list[tuple[int, int, int]]]] | None = (
+        [] if defer and copies is not None else None
+    )
+    origins: dict[int, int] = {}
     with torch.no_grad():
         for path, size, members in entry.blobs:
             if members is None:  # size: the tensor's index
@@ -186,7 +228,11 @@ def _reused(
                 blobs.append(_alone(t, x, x.nbytes, path, storage_of(meta[size]), uint8))
                 continue
             pack = entry.buffers.take(packs, size, torch)
-            if copies is not None:
+            if later is not None and copies is not None:
+                later.append((pack, copies[packs]))
+                for i, _n, _at in members:
+                    origins[storage_of(meta[i])] = len(blobs)
+            elif copies is not None:
                 # The tensors (alive in ``found``) lie where the copies read.
                 _fill_pack(pack, copies[packs])
             else:
@@ -195,7 +241,16 @@ def _reused(
             packs += 1
             blobs.append(Blob(path, size, pack, 0, True))
     stateful = [(format_path(path), obj) for path, obj in found.stateful]
-    return FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
+    flat = FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
+    if later:
+        keep = [
+            tensors[i].untyped_storage()
+            for _path, _size, members in entry.blobs
+            if members is not None
+            for i, _n, _at in members
+        ]
+        flat.deferred = DeferredPacks(later, keep, origins)
+    return flat
 
 
 def _pack_copies(

@@ -1,0 +1,141 @@
+"""A lazy save of a state it saved before fills that state's packs of small tensors on its
+capture thread, not in ``save()``: the version holds the values the tensors had when ``save``
+was called, even when the program rebinds a packed tensor (``p.data = ...``) before the
+copies run, and the optimizer's step waits for them as for any other leaf."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cryosnap
+
+from ..support import assert_same
+
+flatten_module = importlib.import_module("cryosnap._state.flatten")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    return type(state)((k, v.clone()) for k, v in state.items())
+
+
+@pytest.fixture
+def held_fill(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[object]]:
+    """Deferred fills wait for the event; the list notes each DeferredPacks filled."""
+    go = threading.Event()
+    filled: list[object] = []
+    real = flatten_module.DeferredPacks.fill
+
+    def fill(self: Any) -> None:
+        assert go.wait(30)
+        real(self)
+        filled.append(self)
+
+    monkeypatch.setattr(flatten_module.DeferredPacks, "fill", fill)
+    return go, filled
+
+
+def test_a_lazy_save_leaves_the_packs_to_its_capture_thread(
+    tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
+) -> None:
+    go, filled = held_fill
+    model = _model()
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        go.set()
+        ckpt.save(0, model.state_dict(), lazy=True).result()  # a fresh flatten: filled at once
+        assert filled == []
+        go.clear()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        want = _clone(model.state_dict())
+        pending = ckpt.save(1, model.state_dict(), lazy=True)  # returns with the copies to do
+        assert not pending.captured()
+        go.set()
+        pending.wait_captured()
+        assert len(filled) == 1
+        pending.result()
+        assert_same(ckpt.restore(step=1), want)
+
+
+def test_a_tensor_rebound_before_the_copies_is_saved_as_it_was(
+    tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
+) -> None:
+    go, filled = held_fill
+    model = _model()
+    go.set()
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, model.state_dict(), lazy=True).result()
+        go.clear()
+        want = _clone(model.state_dict())
+        pending = ckpt.save(1, model.state_dict(), lazy=True)
+        # The program replaces every parameter's memory before the capture copied it: the old
+        # memory is freed but for what the save holds.
+        for p in model.parameters():
+            p.data = torch.full_like(p, 7.0)
+        gc.collect()
+        # Memory of the sizes just freed, written over (the allocator hands freed blocks out
+        # again): a copy from a freed address would read these.
+        junk = [torch.full_like(p, 3.0) for _ in range(200) for p in model.parameters()]
+        go.set()
+        pending.result()
+        assert len(filled) == 1
+        assert_same(ckpt.restore(step=1), want)
+        del junk
+
+
+def test_the_optimizer_step_waits_for_the_deferred_copies(
+    tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
+) -> None:
+    go, filled = held_fill
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    state = {"model": model, "opt": opt}
+    go.set()
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, state, lazy=True).result()
+        go.clear()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        want = _clone(model.state_dict())
+        pending = ckpt.save(1, state, lazy=True)
+        stepped = threading.Event()
+
+        def step() -> None:
+            opt.step()  # the pre-hook waits for the capture
+            stepped.set()
+
+        worker = threading.Thread(target=step)
+        worker.start()
+        assert not stepped.wait(0.3)  # held by the deferred copies
+        go.set()
+        worker.join(30)
+        assert stepped.is_set() and len(filled) == 1
+        pending.result()
+        assert_same(ckpt.restore(step=1)["model"], want)
+
+
+def test_an_eager_or_replicated_save_fills_its_packs_in_save(
+    tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
+) -> None:
+    go, filled = held_fill
+    go.set()
+    model = _model()
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        for step in range(3):
+            ckpt.save(step, model.state_dict()).result()
+        for step in range(3, 5):
+            ckpt.save(step, {"m": model.state_dict()}, lazy=True, replicated=["m"]).result()
+        assert ckpt._saves.flattened.reused >= 3
+    assert filled == []
