@@ -27,7 +27,7 @@ from cryosnap._run.snapshot import cuda_bytes, device_room, snapshot, would_allo
 from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
 from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
-from cryosnap._state.dtensor import fill_target
+from cryosnap._state.flatten import mutated_storages
 from cryosnap._state.gc import paused_gc
 from cryosnap.errors import CheckpointError
 
@@ -399,13 +399,16 @@ class Capturer:
         for i, blob in enumerate(job.flat.blobs):
             if blob.origin:
                 by_origin.setdefault(blob.origin, []).append(i)
-        if job.flat.deferred is not None:  # packs the capture thread fills: theirs too
-            for origin, i in job.flat.deferred.origins.items():
+        known: dict[int, set[int]] = {}
+        deferred = job.flat.deferred
+        if deferred is not None:  # packs the capture thread fills: theirs too
+            for origin, i in deferred.origins.items():
                 by_origin.setdefault(origin, []).append(i)
+            known = deferred.mutated
         hooks: list[Any] = []
         for _path, obj in job.flat.stateful:
             if isinstance(obj, torch.optim.Optimizer):
-                needed = _blobs_mutated_by(obj, by_origin, torch)
+                needed = _blobs_mutated_by(obj, by_origin, torch, known)
                 hooks.append(obj.register_step_pre_hook(_step_guard(job.pending, needed)))
         return hooks
 
@@ -414,16 +417,14 @@ def _is_cuda(source: Any) -> bool:
     return not isinstance(source, (bytes, np.ndarray)) and bool(source.is_cuda)
 
 
-def _blobs_mutated_by(opt: Any, by_origin: dict[int, list[int]], torch: Any) -> list[int]:
-    """The captured blobs whose storage ``opt.step()`` writes: its params and their state."""
-    ptrs = set()
-    for group in opt.param_groups:
-        for p in group["params"]:
-            # A DTensor's bytes are its local shard's (what flatten captured of it).
-            ptrs.add(fill_target(p).untyped_storage().data_ptr())
-            for v in opt.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor):
-                    ptrs.add(fill_target(v).untyped_storage().data_ptr())
+def _blobs_mutated_by(
+    opt: Any, by_origin: dict[int, list[int]], torch: Any, known: dict[int, set[int]]
+) -> list[int]:
+    """The captured blobs whose storage ``opt.step()`` writes: its params and their state
+    (``known``: storages by optimizer id, as the flatten found them)."""
+    ptrs = known.get(id(opt))
+    if ptrs is None:
+        ptrs = mutated_storages(opt, torch)
     return sorted({b for ptr in ptrs for b in by_origin.get(ptr, [])})
 
 

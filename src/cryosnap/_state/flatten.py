@@ -116,26 +116,30 @@ class FlatState:
 
 
 class DeferredPacks:
-    """The packs of a reused flatten, filled later on the thread that captures the state (a
-    lazy save's: the caller returns before these copies, as before any other): each pack with
-    its copies by address. ``keep`` holds the packed tensors' storages until then, so that a
-    tensor the program rebinds meanwhile (``p.data = ...``) leaves the memory the copies read
-    alive, as a blob of a tensor alone holds a view of it. ``origins``: the blob of each
-    packed tensor, by the address of its storage (an optimizer's step waits for those its
-    parameters are packed in, as for the blobs whose ``origin`` they are)."""
+    """The packs of a reused flatten that a lazy capture's thread fills (the caller returns
+    before these copies, as before any other): each pack with its copies by address. Only packs
+    whose every tensor an optimizer of the state mutates are deferred, as that optimizer's
+    ``step()`` waits for them (``origins``: the pack of each of their tensors, by the address
+    of its storage; ``mutated``: each optimizer's storages, by its id, for its hook); other
+    small tensors (a BatchNorm's running statistics, a plain dict of tensors) are copied in
+    ``save()``, as before. ``keep`` holds the deferred tensors' storages until filled, so that
+    a tensor the program rebinds meanwhile (``p.data = ...``) leaves the memory the copies read
+    alive, as a blob of a tensor alone holds a view of it."""
 
-    __slots__ = ("_fills", "_keep", "_lock", "origins")
+    __slots__ = ("_fills", "_keep", "_lock", "mutated", "origins")
 
     def __init__(
         self,
         fills: list[tuple[Any, list[tuple[int, int, int]]]],
         keep: list[Any],
         origins: dict[int, int],
+        mutated: dict[int, set[int]],
     ) -> None:
         self._fills = fills
         self._keep = keep
         self._lock = threading.Lock()
         self.origins = origins
+        self.mutated = mutated
 
     def fill(self) -> None:
         """Fill every pack (once; later calls return at once)."""
@@ -143,6 +147,31 @@ class DeferredPacks:
             for pack, copies in self._fills:
                 _fill_pack(pack, copies)
             self._fills, self._keep = [], []
+
+
+def mutated_storages(opt: Any, torch: Any) -> set[int]:
+    """The addresses of the storages ``opt.step()`` writes: its parameters' and their state's
+    (a DTensor's: its local shard's, what flatten captures of it). Each address from the
+    tensor's own and its storage offset (no storage object made: 24,000 tensors ~0.16 s ->
+    see docs/PERFORMANCE.md)."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    tensor = torch.Tensor
+    out = set()
+
+    def add(t: Any) -> None:
+        if type(t) not in plain:
+            t = dtensor.fill_target(t)
+        data = t.data_ptr()
+        out.add(data - t.storage_offset() * t.dtype.itemsize if data else 0)
+
+    for group in opt.param_groups:
+        for p in group["params"]:
+            add(p)
+            for v in opt.state.get(p, {}).values():
+                if isinstance(v, tensor):
+                    add(v)
+    out.discard(0)
+    return out
 
 
 _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
@@ -202,7 +231,8 @@ def _reused(
     leaves that changed re-encoded), a blob per tensor alone, the packs filled anew.
     ``meta``: the tensors' (reuse.metadata); ``copies``: each pack's copies by address, if the
     tensors lie where the entry's last ones did (then kept for the next save, if they can be
-    made). ``defer``: the packs filled by copies are left to ``deferred.fill()``."""
+    made). ``defer``: the packs an optimizer of the state mutates every tensor of, filled by
+    copies, are left to ``deferred.fill()`` (:class:`DeferredPacks`)."""
     skeleton = entry.skeleton
     encode = _Flattener(False).inline
     for (at, node), value in zip(entry.places, found.inline, strict=True):
@@ -216,10 +246,14 @@ def _reused(
         entry.last[:] = [(meta, copies)]
     blobs: list[Blob] = []
     packs = 0
-    later: list[tuple[Any, list[tuple[int, int, int]]]] | None = (
-        [] if defer and copies is not None else None
-    )
+    later: list[tuple[Any, list[tuple[int, int, int]]]] = []
     origins: dict[int, int] = {}
+    kept: list[int] = []  # the indices of the tensors of the deferred packs
+    mutated: dict[int, set[int]] = {}
+    if defer and copies is not None:
+        optimizers = [o for _p, o in found.stateful if isinstance(o, torch.optim.Optimizer)]
+        mutated = {id(o): mutated_storages(o, torch) for o in optimizers}
+    guarded: set[int] = set().union(*mutated.values()) if mutated else set()
     with torch.no_grad():
         for path, size, members in entry.blobs:
             if members is None:  # size: the tensor's index
@@ -228,10 +262,11 @@ def _reused(
                 blobs.append(_alone(t, x, x.nbytes, path, storage_of(meta[size]), uint8))
                 continue
             pack = entry.buffers.take(packs, size, torch)
-            if later is not None and copies is not None:
+            where = [storage_of(meta[i]) for i, _n, _at in members] if guarded else []
+            if copies is not None and where and guarded.issuperset(where):
                 later.append((pack, copies[packs]))
-                for i, _n, _at in members:
-                    origins[storage_of(meta[i])] = len(blobs)
+                origins.update(dict.fromkeys(where, len(blobs)))
+                kept += [i for i, _n, _at in members]
             elif copies is not None:
                 # The tensors (alive in ``found``) lie where the copies read.
                 _fill_pack(pack, copies[packs])
@@ -243,13 +278,8 @@ def _reused(
     stateful = [(format_path(path), obj) for path, obj in found.stateful]
     flat = FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
     if later:
-        keep = [
-            tensors[i].untyped_storage()
-            for _path, _size, members in entry.blobs
-            if members is not None
-            for i, _n, _at in members
-        ]
-        flat.deferred = DeferredPacks(later, keep, origins)
+        keep = [tensors[i].untyped_storage() for i in kept]
+        flat.deferred = DeferredPacks(later, keep, origins, mutated)
     return flat
 
 

@@ -1,7 +1,9 @@
-"""A lazy save of a state it saved before fills that state's packs of small tensors on its
-capture thread, not in ``save()``: the version holds the values the tensors had when ``save``
-was called, even when the program rebinds a packed tensor (``p.data = ...``) before the
-copies run, and the optimizer's step waits for them as for any other leaf."""
+"""A lazy save of a state it saved before fills the packs of small tensors that an optimizer
+of the state mutates on its capture thread, not in ``save()``: the version holds the values
+the tensors had when ``save`` was called, even when the program rebinds a packed tensor
+(``p.data = ...``) before the copies run, and the optimizer's step waits for them as for any
+other leaf. Packs holding anything else (running statistics, a plain dict) are filled in
+``save()``."""
 
 from __future__ import annotations
 
@@ -24,6 +26,15 @@ flatten_module = importlib.import_module("cryosnap._state.flatten")
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # Adam's state: two small tensors per parameter, and its step
+    return model, opt, {"model": model, "opt": opt}
 
 
 def _clone(state: dict[str, Any]) -> dict[str, Any]:
@@ -50,36 +61,36 @@ def test_a_lazy_save_leaves_the_packs_to_its_capture_thread(
     tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
 ) -> None:
     go, filled = held_fill
-    model = _model()
+    model, _opt, state = _trained()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
         go.set()
-        ckpt.save(0, model.state_dict(), lazy=True).result()  # a fresh flatten: filled at once
+        ckpt.save(0, state, lazy=True).result()  # a fresh flatten: filled at once
         assert filled == []
         go.clear()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
         want = _clone(model.state_dict())
-        pending = ckpt.save(1, model.state_dict(), lazy=True)  # returns with the copies to do
+        pending = ckpt.save(1, state, lazy=True)  # returns with the copies to do
         assert not pending.captured()
         go.set()
         pending.wait_captured()
         assert len(filled) == 1
         pending.result()
-        assert_same(ckpt.restore(step=1), want)
+        assert_same(ckpt.restore(step=1)["model"], want)
 
 
 def test_a_tensor_rebound_before_the_copies_is_saved_as_it_was(
     tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
 ) -> None:
     go, filled = held_fill
-    model = _model()
+    model, _opt, state = _trained()
     go.set()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
-        ckpt.save(0, model.state_dict(), lazy=True).result()
+        ckpt.save(0, state, lazy=True).result()
         go.clear()
         want = _clone(model.state_dict())
-        pending = ckpt.save(1, model.state_dict(), lazy=True)
+        pending = ckpt.save(1, state, lazy=True)
         # The program replaces every parameter's memory before the capture copied it: the old
         # memory is freed but for what the save holds.
         for p in model.parameters():
@@ -91,7 +102,7 @@ def test_a_tensor_rebound_before_the_copies_is_saved_as_it_was(
         go.set()
         pending.result()
         assert len(filled) == 1
-        assert_same(ckpt.restore(step=1), want)
+        assert_same(ckpt.restore(step=1)["model"], want)
         del junk
 
 
@@ -99,9 +110,7 @@ def test_the_optimizer_step_waits_for_the_deferred_copies(
     tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
 ) -> None:
     go, filled = held_fill
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    state = {"model": model, "opt": opt}
+    model, opt, state = _trained()
     go.set()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
         ckpt.save(0, state, lazy=True).result()
@@ -131,11 +140,51 @@ def test_an_eager_or_replicated_save_fills_its_packs_in_save(
 ) -> None:
     go, filled = held_fill
     go.set()
+    _model, _opt, state = _trained()
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        for step in range(3):
+            ckpt.save(step, state).result()
+        for step in range(3, 5):
+            ckpt.save(step, {"m": state}, lazy=True, replicated=["m"]).result()
+        assert ckpt._saves.flattened.reused >= 3
+    assert filled == []
+
+
+def _bn_state() -> tuple[torch.nn.Module, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.BatchNorm1d(4) for _ in range(12)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, {"model": model, "opt": opt}
+
+
+def test_running_statistics_are_copied_in_save(
+    tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
+) -> None:
+    """A pack holding what no optimizer mutates (a BatchNorm's running statistics, which the
+    next forward pass updates) is filled before ``save()`` returns; the others may wait."""
+    go, _filled = held_fill
+    go.set()
+    model, state = _bn_state()
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, state, lazy=True).result()
+        go.clear()
+        want = _clone(model.state_dict())
+        pending = ckpt.save(1, state, lazy=True)
+        model.train()(torch.randn(8, 4))  # the next forward pass: the running stats move
+        go.set()
+        pending.result()
+        assert_same(ckpt.restore(step=1)["model"], want)
+
+
+def test_a_plain_dict_of_tensors_is_copied_in_save(
+    tmp_path: Path, held_fill: tuple[threading.Event, list[object]]
+) -> None:
+    """No optimizer in the state guards them: copied in ``save()`` as before."""
+    go, filled = held_fill
+    go.set()
     model = _model()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
         for step in range(3):
-            ckpt.save(step, model.state_dict()).result()
-        for step in range(3, 5):
-            ckpt.save(step, {"m": model.state_dict()}, lazy=True, replicated=["m"]).result()
-        assert ckpt._saves.flattened.reused >= 3
+            ckpt.save(step, model.state_dict(), lazy=True).result()
+        assert ckpt._saves.flattened.reused == 2
     assert filled == []
