@@ -152,6 +152,22 @@ def test_a_short_write_of_many_pieces_loses_nothing(direct_dir: Path, short: int
     assert store.size("x.dat") == len(want)
 
 
+@pytest.mark.parametrize("nth", [2, 3])
+def test_a_refusal_midway_through_many_pieces_loses_nothing(
+    direct_dir: Path, nth: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EINVAL on a pwritev of many pieces: none of its bytes landed; they and the rest are
+    written buffered from that offset."""
+    syscalls = FaultySyscalls(_After(nth, errno.EINVAL, every=True))
+    store = LocalStore(direct_dir, direct_io=True, syscalls=syscalls)
+    store.check_direct_io()
+    with caplog.at_level(logging.WARNING, logger="cryosnap"):
+        want = _write(store, "x.dat", [_packs(30, 5), _packs(7, 6), _packs(2, 7)])
+    assert store.read("x.dat") == want
+    assert "refused a direct write" in caplog.text
+    assert not syscalls.writes[-1][1]
+
+
 def test_a_direct_checkpoint_leaves_the_page_cache_cold(direct_dir: Path) -> None:
     state = {"w": np.random.default_rng(0).random(4 << 20)}  # 32 MiB
     with cryosnap.Checkpointer(direct_dir / "run", direct_io=True, keep=2) as ckpt:
