@@ -395,20 +395,16 @@ class Capturer:
         torch = sys.modules.get("torch")
         if torch is None:
             return []
-        by_origin: dict[int, list[int]] = {}
-        for i, blob in enumerate(job.flat.blobs):
-            if blob.origin:
-                by_origin.setdefault(blob.origin, []).append(i)
-        known: dict[int, set[int]] = {}
+        origins = [(i, blob.origin) for i, blob in enumerate(job.flat.blobs) if blob.origin]
         deferred = job.flat.deferred
-        if deferred is not None:  # packs the capture thread fills: theirs too
-            for origin, i in deferred.origins.items():
-                by_origin.setdefault(origin, []).append(i)
-            known = deferred.mutated
+        # Packs the capture thread fills (their tensors' storages), and the storages each
+        # optimizer mutates as the flatten found them.
+        packs = deferred.packs if deferred is not None else {}
+        known = deferred.mutated if deferred is not None else {}
         hooks: list[Any] = []
         for _path, obj in job.flat.stateful:
             if isinstance(obj, torch.optim.Optimizer):
-                needed = _blobs_mutated_by(obj, by_origin, torch, known)
+                needed = _blobs_mutated_by(obj, origins, packs, torch, known)
                 hooks.append(obj.register_step_pre_hook(_step_guard(job.pending, needed)))
         return hooks
 
@@ -418,14 +414,22 @@ def _is_cuda(source: Any) -> bool:
 
 
 def _blobs_mutated_by(
-    opt: Any, by_origin: dict[int, list[int]], torch: Any, known: dict[int, set[int]]
+    opt: Any,
+    origins: list[tuple[int, int]],
+    packs: dict[int, list[int]],
+    torch: Any,
+    known: dict[int, set[int]],
 ) -> list[int]:
-    """The captured blobs whose storage ``opt.step()`` writes: its params and their state
-    (``known``: storages by optimizer id, as the flatten found them)."""
+    """The captured blobs whose storage ``opt.step()`` writes: its params and their state.
+    ``origins``: (blob, the storage it was read from); ``packs``: the storages of each
+    deferred pack's tensors, by blob; ``known``: storages by optimizer id, as the flatten
+    found them."""
     ptrs = known.get(id(opt))
     if ptrs is None:
         ptrs = mutated_storages(opt, torch)
-    return sorted({b for ptr in ptrs for b in by_origin.get(ptr, [])})
+    needed = [i for i, origin in origins if origin in ptrs]
+    needed += [i for i, stores in packs.items() if not ptrs.isdisjoint(stores)]
+    return sorted(needed)
 
 
 def _step_guard(pending: PendingSave, needed: list[int]) -> Callable[..., None]:

@@ -119,26 +119,26 @@ class DeferredPacks:
     """The packs of a reused flatten that a lazy capture's thread fills (the caller returns
     before these copies, as before any other): each pack with its copies by address. Only packs
     whose every tensor an optimizer of the state mutates are deferred, as that optimizer's
-    ``step()`` waits for them (``origins``: the pack of each of their tensors, by the address
-    of its storage; ``mutated``: each optimizer's storages, by its id, for its hook); other
+    ``step()`` waits for them (``packs``: the addresses of the storages of each one's tensors,
+    by blob index; ``mutated``: each optimizer's storages, by its id, for its hook); other
     small tensors (a BatchNorm's running statistics, a plain dict of tensors) are copied in
     ``save()``, as before. ``keep`` holds the deferred tensors' storages until filled, so that
     a tensor the program rebinds meanwhile (``p.data = ...``) leaves the memory the copies read
     alive, as a blob of a tensor alone holds a view of it."""
 
-    __slots__ = ("_fills", "_keep", "_lock", "mutated", "origins")
+    __slots__ = ("_fills", "_keep", "_lock", "mutated", "packs")
 
     def __init__(
         self,
         fills: list[tuple[Any, list[tuple[int, int, int]]]],
         keep: list[Any],
-        origins: dict[int, int],
+        packs: dict[int, list[int]],
         mutated: dict[int, set[int]],
     ) -> None:
         self._fills = fills
         self._keep = keep
         self._lock = threading.Lock()
-        self.origins = origins
+        self.packs = packs
         self.mutated = mutated
 
     def fill(self) -> None:
@@ -247,7 +247,7 @@ def _reused(
     blobs: list[Blob] = []
     packs = 0
     later: list[tuple[Any, list[tuple[int, int, int]]]] = []
-    origins: dict[int, int] = {}
+    deferred: dict[int, list[int]] = {}  # blob -> its tensors' storages
     kept: list[int] = []  # the indices of the tensors of the deferred packs
     mutated: dict[int, set[int]] = {}
     if defer and copies is not None:
@@ -265,7 +265,7 @@ def _reused(
             where = [storage_of(meta[i]) for i, _n, _at in members] if guarded else []
             if copies is not None and where and guarded.issuperset(where):
                 later.append((pack, copies[packs]))
-                origins.update(dict.fromkeys(where, len(blobs)))
+                deferred[len(blobs)] = where
                 kept += [i for i, _n, _at in members]
             elif copies is not None:
                 # The tensors (alive in ``found``) lie where the copies read.
@@ -279,7 +279,7 @@ def _reused(
     flat = FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
     if later:
         keep = [tensors[i].untyped_storage() for i in kept]
-        flat.deferred = DeferredPacks(later, keep, origins, mutated)
+        flat.deferred = DeferredPacks(later, keep, deferred, mutated)
     return flat
 
 
