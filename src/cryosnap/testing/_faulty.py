@@ -166,19 +166,7 @@ class FaultySyscalls(Syscalls):
         return n
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        direct = bool(flags & O_DIRECT)
-        n = self.fault(data.nbytes, direct)
-        if n is not None and n < data.nbytes:
-            data = data[:n]
-            if direct and n % BLOCK_BYTES:
-                # The device wrote part of a block: land those bytes as it would have.
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~O_DIRECT)
-                try:
-                    return self._landed(os.pwrite(fd, data, offset), direct)
-                finally:
-                    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-        return self._landed(super().pwrite(fd, data, offset), direct)
+        return self.pwritev(fd, [data], offset)
 
     def pwritev(self, fd: int, buffers: list[memoryview], offset: int) -> int:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)

@@ -41,6 +41,23 @@ def _clone(state: dict[str, Any]) -> dict[str, Any]:
     return type(state)((k, v.clone()) for k, v in state.items())
 
 
+def _second_save_held(
+    ckpt: cryosnap.Checkpointer,
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    go: threading.Event,
+    change: Any = lambda: None,
+) -> tuple[dict[str, Any], Any]:
+    """Step 0 saved (a fresh flatten: its packs filled at once), ``change()``, then step 1
+    saved lazily, its deferred copies held until ``go`` is set: the model's state as step 1
+    saw it, and step 1's pending save."""
+    go.set()
+    ckpt.save(0, state, lazy=True).result()
+    go.clear()
+    change()
+    return _clone(model.state_dict()), ckpt.save(1, state, lazy=True)
+
+
 @pytest.fixture
 def held_fill(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list[object]]:
     """Deferred fills wait for the event; the list notes each DeferredPacks filled."""
@@ -62,17 +79,16 @@ def test_a_lazy_save_leaves_the_packs_to_its_capture_thread(
 ) -> None:
     go, filled = held_fill
     model, _opt, state = _trained()
-    with cryosnap.Checkpointer(tmp_path) as ckpt:
-        go.set()
-        ckpt.save(0, state, lazy=True).result()  # a fresh flatten: filled at once
-        assert filled == []
-        go.clear()
+
+    def change() -> None:
+        assert filled == []  # step 0's packs were filled in save()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        want = _clone(model.state_dict())
-        pending = ckpt.save(1, state, lazy=True)  # returns with the copies to do
-        assert not pending.captured()
+
+    with cryosnap.Checkpointer(tmp_path) as ckpt:
+        want, pending = _second_save_held(ckpt, state, model, go, change)
+        assert not pending.captured()  # returned with the copies to do
         go.set()
         pending.wait_captured()
         assert len(filled) == 1
@@ -85,12 +101,8 @@ def test_a_tensor_rebound_before_the_copies_is_saved_as_it_was(
 ) -> None:
     go, filled = held_fill
     model, _opt, state = _trained()
-    go.set()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
-        ckpt.save(0, state, lazy=True).result()
-        go.clear()
-        want = _clone(model.state_dict())
-        pending = ckpt.save(1, state, lazy=True)
+        want, pending = _second_save_held(ckpt, state, model, go)
         # The program replaces every parameter's memory before the capture copied it: the old
         # memory is freed but for what the save holds.
         for p in model.parameters():
@@ -111,14 +123,10 @@ def test_the_optimizer_step_waits_for_the_deferred_copies(
 ) -> None:
     go, filled = held_fill
     model, opt, state = _trained()
-    go.set()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
-        ckpt.save(0, state, lazy=True).result()
-        go.clear()
+        want, pending = _second_save_held(ckpt, state, model, go)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
-        want = _clone(model.state_dict())
-        pending = ckpt.save(1, state, lazy=True)
         stepped = threading.Event()
 
         def step() -> None:
@@ -163,13 +171,9 @@ def test_running_statistics_are_copied_in_save(
     """A pack holding what no optimizer mutates (a BatchNorm's running statistics, which the
     next forward pass updates) is filled before ``save()`` returns; the others may wait."""
     go, _filled = held_fill
-    go.set()
     model, state = _bn_state()
     with cryosnap.Checkpointer(tmp_path) as ckpt:
-        ckpt.save(0, state, lazy=True).result()
-        go.clear()
-        want = _clone(model.state_dict())
-        pending = ckpt.save(1, state, lazy=True)
+        want, pending = _second_save_held(ckpt, state, model, go)
         model.train()(torch.randn(8, 4))  # the next forward pass: the running stats move
         go.set()
         pending.result()
