@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from cryosnap.bench._config import CHUNK_BYTES
 from cryosnap.bench._probes import fsync_path
-from cryosnap.bench._workloads import byte_view, state_nbytes
+from cryosnap.bench._workloads import build_state, byte_view, dense_shapes, state_nbytes
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,14 @@ class Peer:
     def close(self) -> None:
         """Once, after the last round (also after a failure or Ctrl-C)."""
         self.end()
+
+    def saved_state(self, state: StateDict) -> StateDict:
+        """The state this peer saves (and its restores are checked against): the run's."""
+        return state
+
+    def into_for(self, into: StateDict) -> StateDict:
+        """The tensors this peer restores into: the run's."""
+        return into
 
 
 class MemcpyLimit(Peer):
@@ -453,6 +461,40 @@ class CheckpointerPeer(Peer):
             ckpt.close()
 
 
+class DenseReferencePeer(CheckpointerPeer):
+    """The eager Checkpointer on the run's bytes as a dense state (``dense_shapes`` of its
+    size: 16 tensors), in the same rounds as the others: a many-small run's ratios per byte
+    against dense, measured interleaved rather than across two runs minutes apart."""
+
+    def __init__(self) -> None:
+        super().__init__(lazy=False, incremental=False)
+        self.key = "cryosnap_eager_dense"
+        self.label = "cryosnap Checkpointer eager, dense (same bytes)"
+        self.note = (
+            "the eager Checkpointer on the same bytes in 16 tensors, saved and restored in the "
+            "same rounds (its own state and into=): the reference of the per-byte ratios"
+        )
+        self._state: StateDict = {}
+        self._into: StateDict = {}
+        self.nbytes = 0
+
+    def setup(self, root: Path, state: StateDict) -> None:
+        self._state = build_state(dense_shapes(state_nbytes(state)))
+        self.nbytes = state_nbytes(self._state)
+        self._into = {k: t.clone().zero_() for k, t in self._state.items()}
+        super().setup(root, self._state)
+
+    def saved_state(self, state: StateDict) -> StateDict:
+        return self._state
+
+    def into_for(self, into: StateDict) -> StateDict:
+        return self._into
+
+    def close(self) -> None:
+        super().close()
+        self._state, self._into = {}, {}
+
+
 def make_peers(workload: str, into: StateDict) -> tuple[list[Peer], dict[str, str]]:
     """The limits and every peer that imports, and why each missing one is missing."""
     incremental = workload == "sparse"
@@ -478,6 +520,8 @@ def make_peers(workload: str, into: StateDict) -> tuple[list[Peer], dict[str, st
         CheckpointerPeer(lazy=False, incremental=incremental),
         CheckpointerPeer(lazy=True, incremental=incremental),
     ]
+    if workload == "many-small":
+        peers.append(DenseReferencePeer())
     return peers, missing
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cryosnap.bench import _probes
 from cryosnap.bench._clock import Clock, CtrlC
 from cryosnap.bench._config import SPARSE_FRACTION, BenchConfig, ProgressFn
-from cryosnap.bench._peers import Peer, make_peers
+from cryosnap.bench._peers import DenseReferencePeer, Peer, make_peers
 from cryosnap.bench._probes import (
     MemoryMeter,
     file_sizes,
@@ -121,10 +121,37 @@ def run_save_load(
     for fig in result.peers:
         if fig.error is not None:
             result.notes.append(f"{fig.label}: failed: {fig.error}")
+    result.notes += _per_byte(figures, peers, nbytes)
     result.notes += [f"{p.key}: {p.note}" for p in peers if p.note]
     result.notes += [f"{key}: not measured ({why})" for key, why in result.missing.items()]
     result.elapsed_seconds = clock.elapsed
     return result
+
+
+def _per_byte(figures: dict[str, PeerFigures], peers: list[Peer], nbytes: int) -> list[str]:
+    """The eager Checkpointer's figures per byte against the dense reference of the same
+    rounds (a many-small run: :class:`DenseReferencePeer`), as a note."""
+    ref = next((p for p in peers if isinstance(p, DenseReferencePeer)), None)
+    small, dense = figures.get("cryosnap_eager"), figures.get("cryosnap_eager_dense")
+    if ref is None or small is None or dense is None or not ref.nbytes:
+        return []
+    scale = ref.nbytes / nbytes
+    parts = []
+    for metric, what in (
+        ("stall_seconds", "stall"),
+        ("durable_seconds", "durable"),
+        ("restore_into_seconds", "restore into"),
+        ("restore_seconds", "fresh restore"),
+    ):
+        a, b = small.median(metric), dense.median(metric)
+        if a == a and b == b and b > 0:  # both measured (not NaN)
+            parts.append(f"{what} {a * scale / b:.2f}x")
+    if not parts:
+        return []
+    return [
+        "many small tensors per byte against the same bytes dense, in the same rounds (the "
+        "eager Checkpointer, medians): " + ", ".join(parts)
+    ]
 
 
 def _measure_peer(
@@ -142,6 +169,7 @@ def _measure_peer(
     """One repetition of one peer: save (timed), then its restores (timed); ``fig`` None: a
     warm-up round (nothing recorded). ``work`` is removed at the end, whatever happens."""
     work.mkdir()
+    state, into = peer.saved_state(state), peer.into_for(into)
     try:
         peer.begin(work, state)
         if sparse is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,10 +72,12 @@ def peers_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {p["key"]: p for p in doc["peers"]}
 
 
-def check_save_load(doc: dict[str, Any], stdout: str, *, incremental: bool) -> None:
+def check_save_load(
+    doc: dict[str, Any], stdout: str, *, incremental: bool, extra: frozenset[str] = frozenset()
+) -> None:
     peers = peers_of(doc)
     dense = {"cryosnap", "cryosnap_eager_buffered", "raw_direct"}
-    assert set(peers) == expected_peers() | (dense if not incremental else set())
+    assert set(peers) == expected_peers() | (dense if not incremental else set()) | extra
     state_bytes = doc["state"]["bytes"]
     for key, peer in peers.items():
         assert peer["error"] is None, (key, peer["error"])
@@ -127,7 +130,11 @@ def test_dense_json_table_cold_and_plot(capsys: pytest.CaptureFixture[str], tmp_
 def test_many_small(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     doc, stdout = bench(capsys, tmp_path, *TINY, "--workload", "many-small", "--tensors", "100")
     assert 80 <= doc["state"]["tensors"] <= 100
-    check_save_load(doc, stdout, incremental=False)
+    # The same bytes dense, saved and restored in the same rounds: the per-byte reference.
+    check_save_load(doc, stdout, incremental=False, extra=frozenset({"cryosnap_eager_dense"}))
+    (note,) = [n for n in doc["notes"] if n.startswith("many small tensors per byte")]
+    for what in ("stall", "durable", "restore into", "fresh restore"):
+        assert f"{what} " in note and re.search(rf"{what} \d+\.\d\dx", note), note
 
 
 def test_sparse_saves_incrementally(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
