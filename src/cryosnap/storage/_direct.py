@@ -222,13 +222,16 @@ class DirectFile:
         self.close()
 
     def close(self) -> None:
-        """Free the bounce buffer (the descriptor is the writer's)."""
+        """Free the bounce buffer (the descriptor is the writer's). A failed write's traceback
+        may still hold views of it (the pieces of the call that failed): then it is unmapped
+        when the last of them goes, and closing here must not raise over that failure."""
         self._queued = []
         self._view.release()
         self._view = memoryview(b"")
-        if self._bounce is not None:
-            self._bounce.close()
-            self._bounce = None
+        bounce, self._bounce = self._bounce, None
+        if bounce is not None:
+            with suppress(BufferError):
+                bounce.close()
 
 
 def _nbytes(views: Sequence[memoryview]) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -306,6 +307,23 @@ def test_a_full_disk_during_a_direct_write_is_a_storage_error(direct_dir: Path) 
     assert store.list() == [] and not list(direct_dir.iterdir())
 
 
+def test_a_full_disk_in_a_write_of_many_pieces_is_a_storage_error(direct_dir: Path) -> None:
+    """The failed pwritev held views of the bounce buffer (its blocks between the bodies): the
+    writer still aborts cleanly, the error is the full disk, nothing is left behind."""
+    store = LocalStore(direct_dir, direct_io=True, syscalls=FaultySyscalls(_After(2, errno.ENOSPC)))
+    store.check_direct_io()
+    writer = store.open_writer("x.dat")
+    with pytest.raises(cryosnap.StorageError, match=r"writing x\.dat in .* failed: disk full"):
+        try:
+            writer.write(_packs(40, 8))
+        except cryosnap.StorageError:
+            # As a save does: aborted while the failure is handled, its traceback (and the
+            # views of the bounce buffer in it) alive; the abort must not raise over it.
+            writer.abort()
+            raise
+    assert store.list() == [] and not list(direct_dir.iterdir())
+
+
 # -- faults midway, through a Checkpointer: never a torn version ----------------------------------
 
 
@@ -324,6 +342,26 @@ def test_a_checkpoint_whose_device_refuses_midway_commits_whole(direct_dir: Path
     for step in (1, 2):
         got = cryosnap.load(direct_dir, step=step)
         assert np.array_equal(got["w"], _ten_mib(step)["w"])
+    assert cryosnap.Run(direct_dir).verify().ok
+
+
+def test_a_full_disk_fails_a_version_of_many_small_tensors_only(direct_dir: Path) -> None:
+    """Packs of small tensors: each write mixes their bodies with bounce blocks."""
+    fault = _After(10**9, errno.ENOSPC)
+    store = LocalStore(direct_dir, direct_io=True, syscalls=FaultySyscalls(fault))
+    gen = torch.Generator().manual_seed(0)
+    # ~7 MiB in 300 tensors of 12-20 KiB: packed, no size a multiple of a block.
+    state = {f"t{i}": torch.randn(3000 + 7 * i, generator=gen) for i in range(300)}
+    with cryosnap.Checkpointer(store) as ckpt:
+        ckpt.save(0, state).result()
+        fault.at = fault.seen + 1
+        for t in state.values():
+            t.add_(1.0)  # every chunk new: the version writes
+        with pytest.raises(cryosnap.StorageError, match="disk full"):
+            ckpt.save(1, state).result()
+        ckpt.save(2, state).result()
+        assert ckpt.steps() == [0, 2]
+    assert not [p for p in direct_dir.rglob("*") if p.name.endswith(".partial")]
     assert cryosnap.Run(direct_dir).verify().ok
 
 
