@@ -27,7 +27,9 @@ __all__ = [
     "BLOCK_BYTES",
     "DirectFile",
     "DirectReader",
+    "IOV_MAX",
     "Syscalls",
+    "advance",
     "probe_direct",
     "takes_direct_reads",
 ]
@@ -43,8 +45,8 @@ BOUNCE_BYTES: Final = 8 << 20
 # Aligned runs shorter than this are copied to the bounce buffer: a syscall each costs more.
 DIRECT_MIN_BYTES: Final = 64 << 10
 O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
-# The most buffers one pwritev/preadv takes (Linux's UIO_MAXIOV).
-_IOV_MAX: Final = 1024
+# The most buffers one pwritev/preadv/writev takes (Linux's UIO_MAXIOV, or less if said so).
+IOV_MAX: Final = min(getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX"), 1024)
 # File systems that are the page cache: a direct write there is a copy into it all the same.
 _MEMORY_FS: Final = frozenset({"tmpfs", "ramfs"})
 
@@ -129,7 +131,7 @@ class DirectFile:
     def _queue(self, piece: memoryview) -> None:
         self._queued.append(piece)
         self._queued_bytes += piece.nbytes
-        if len(self._queued) >= _IOV_MAX:
+        if len(self._queued) >= IOV_MAX:
             self._submit()
 
     def _queue_blocks(self) -> None:
@@ -185,14 +187,16 @@ class DirectFile:
 
     def _submit(self) -> None:
         """Write the queued pieces at ``_base``, back to back."""
-        rest, offset = self._queued, self._base
-        if not rest:
+        views, offset = self._queued, self._base
+        if not views:
             return
         self._queued = []
         self._base += self._queued_bytes
         self._queued_bytes = 0
-        while rest:
-            batch = rest[:_IOV_MAX]
+        i = 0
+        while i < len(views):
+            batch = views[i : i + IOV_MAX]
+            want = sum(v.nbytes for v in batch)
             try:
                 n = self._sys.pwritev(self._fd, batch, offset)
             except OSError as exc:
@@ -201,10 +205,10 @@ class DirectFile:
                 self._fall_back(f"the file system refused a direct write ({exc.strerror})")
                 continue
             if n <= 0:
-                raise OSError(errno.EIO, f"a write of {_nbytes(batch)} bytes wrote none")
+                raise OSError(errno.EIO, f"a write of {want} bytes wrote none")
             offset += n
-            rest = rest[len(batch) :] if n == _nbytes(batch) else _drop(rest, n)
-            if rest and self.direct and n % BLOCK_BYTES:
+            i = i + len(batch) if n == want else advance(views, i, n)
+            if i < len(views) and self.direct and n % BLOCK_BYTES:
                 self._fall_back(f"a short direct write ({n} bytes) left an unaligned offset")
 
     def _fall_back(self, why: str) -> None:
@@ -234,17 +238,17 @@ class DirectFile:
                 bounce.close()
 
 
-def _nbytes(views: Sequence[memoryview]) -> int:
-    return sum(v.nbytes for v in views)
-
-
-def _drop(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """``views`` without their first ``nbytes``."""
-    for i, v in enumerate(views):
+def advance(views: list[memoryview], i: int, nbytes: int) -> int:
+    """After a vectored call from ``views[i]`` on moved ``nbytes`` (fewer than its views
+    hold): the index of the first view it did not finish, that view cut to its tail in
+    place."""
+    for j in range(i, len(views)):
+        v = views[j]
         if nbytes < v.nbytes:
-            return [v[nbytes:], *views[i + 1 :]]
+            views[j] = v[nbytes:]
+            return j
         nbytes -= v.nbytes
-    return []
+    return len(views)
 
 
 def probe_direct(root_fd: int, syscalls: Syscalls, fs_type: str, *, memory: bool) -> str | None:
@@ -425,19 +429,14 @@ class DirectReader:
         """Buffered reads of ``views`` back to back from ``offset``, many buffers a call."""
         i = 0
         while i < len(views):
-            batch = views[i : i + _IOV_MAX]
+            batch = views[i : i + IOV_MAX]
             n = self._sys.preadv(self._fd, batch, offset)
             if n <= 0:
                 raise TruncatedError(
                     f"{self.key} ends at byte {offset}, before the data it should hold"
                 )
             offset += n
-            for v in batch:
-                if n < v.nbytes:
-                    views[i] = v[n:]
-                    break
-                n -= v.nbytes
-                i += 1
+            i = advance(views, i, n)
 
     def _fall_back(self, why: str) -> None:
         _buffered(self._fd)  # the store that opened the file warns, once

@@ -26,10 +26,12 @@ from cryosnap.errors import (
     StorageError,
 )
 from cryosnap.storage._direct import (
+    IOV_MAX,
     O_DIRECT,
     DirectFile,
     DirectReader,
     Syscalls,
+    advance,
     probe_direct,
     takes_direct_reads,
 )
@@ -39,7 +41,6 @@ __all__ = ["LocalStore"]
 
 log = logging.getLogger("cryosnap")
 
-_IOV_MAX = min(getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX"), 1024)
 _PARTIAL = ".partial"
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
@@ -554,20 +555,11 @@ def _writev_all(fd: int, buffers: list[BytesLike]) -> int:
     total = 0
     i = 0
     while i < len(views):
-        batch = views[i : i + _IOV_MAX]
+        batch = views[i : i + IOV_MAX]
         n = os.writev(fd, batch)
         total += n
-        if n == sum(map(len, batch)):
-            i += len(batch)
-            continue
         # A partial write: drop what was written, keep the unwritten tail of a buffer.
-        for v in batch:
-            if n >= v.nbytes:
-                n -= v.nbytes
-                i += 1
-            else:
-                views[i] = v[n:]
-                break
+        i = i + len(batch) if n == sum(map(len, batch)) else advance(views, i, n)
     return total
 
 
@@ -610,15 +602,9 @@ def _preadv_all(fd: int, offset: int, buffers: list[memoryview], key: str) -> No
     views = [v for v in views if v.nbytes]
     i = 0
     while i < len(views):
-        batch = views[i : i + _IOV_MAX]
+        batch = views[i : i + IOV_MAX]
         n = os.preadv(fd, batch, offset)
         if n == 0:
             raise TruncatedError(f"{key} ends at byte {offset}, before the data it should hold")
         offset += n
-        for v in batch:
-            if n >= v.nbytes:
-                n -= v.nbytes
-                i += 1
-            else:
-                views[i] = v[n:]
-                break
+        i = advance(views, i, n)

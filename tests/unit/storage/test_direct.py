@@ -130,7 +130,7 @@ def test_the_pieces_of_one_write_go_to_the_disk_in_one_call(direct_dir: Path) ->
 
 
 def test_more_pieces_than_one_call_takes(direct_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(direct_module, "_IOV_MAX", 4)
+    monkeypatch.setattr(direct_module, "IOV_MAX", 4)
     syscalls = FaultySyscalls()
     store = LocalStore(direct_dir, direct_io=True, syscalls=syscalls)
     store.check_direct_io()
