@@ -60,9 +60,10 @@ class Saves:
         ``returned``: set by the caller once its ``save`` returns (:attr:`Job.returned`).
         ``reuse``: the flatten is kept for the next save to reuse (a one-shot save has none:
         what it would keep, each tensor's metadata read again, cost a state of 20,000 small
-        tensors ~0.1 s). ``lazy``: a lazy capture's, which fills the packs of a reused
-        flatten on its own thread (the copies of 20,000 small tensors, ~60 ms, are no longer
-        the caller's); not with replicated state, whose chunks the ranks compare first."""
+        tensors ~0.1 s). ``lazy``: a lazy capture's, which fills on its own thread the packs
+        of a reused flatten that an optimizer of the state updates every tensor of (their
+        copies are no longer the caller's: flatten's ``DeferredPacks``); not with replicated
+        state, whose chunks the ranks compare first."""
         self._run.capturer.remove_spent_hooks()
         validate_step(step)
         self.raise_undelivered()

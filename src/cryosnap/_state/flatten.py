@@ -42,6 +42,7 @@ from cryosnap._state.reuse import (
     metadata,
     patched,
     scan,
+    storage_address,
     storage_of,
     storages,
     unique,
@@ -161,8 +162,7 @@ def mutated_storages(opt: Any, torch: Any) -> set[int]:
     def add(t: Any) -> None:
         if type(t) not in plain:
             t = dtensor.fill_target(t)
-        data = t.data_ptr()
-        out.add(data - t.storage_offset() * t.dtype.itemsize if data else 0)
+        out.add(storage_address(t.data_ptr(), t.storage_offset(), t.dtype.itemsize))
 
     for group in opt.param_groups:
         for p in group["params"]:

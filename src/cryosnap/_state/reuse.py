@@ -30,6 +30,7 @@ __all__ = [
     "metadata",
     "patched",
     "scan",
+    "storage_address",
     "storage_of",
     "storages",
     "unique",
@@ -143,10 +144,15 @@ def metadata(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
         return None
 
 
+def storage_address(data: int, offset: int, itemsize: int) -> int:
+    """The address of the storage of a tensor at ``data`` (its data_ptr), ``offset`` elements
+    of ``itemsize`` bytes into it (0: none), without making a storage object."""
+    return data - offset * itemsize if data else 0
+
+
 def storage_of(m: tuple[Any, ...]) -> int:
     """The address of the storage of the tensor whose :func:`metadata` is ``m`` (0: none)."""
-    data = m[DATA]
-    return data - m[OFFSET] * m[1].itemsize if data else 0
+    return storage_address(m[DATA], m[OFFSET], m[1].itemsize)
 
 
 def storages(meta: list[tuple[Any, ...]]) -> list[int]:
