@@ -132,8 +132,10 @@ def _per_byte(figures: dict[str, PeerFigures], peers: list[Peer], nbytes: int) -
     """The eager Checkpointer's figures per byte against the dense reference of the same
     rounds (a many-small run: :class:`DenseReferencePeer`), as a note."""
     ref = next((p for p in peers if isinstance(p, DenseReferencePeer)), None)
-    small, dense = figures.get("cryosnap_eager"), figures.get("cryosnap_eager_dense")
-    if ref is None or small is None or dense is None or not ref.nbytes:
+    if ref is None or not ref.nbytes:
+        return []
+    small, dense = figures.get("cryosnap_eager"), figures.get(ref.key)
+    if small is None or dense is None:
         return []
     scale = ref.nbytes / nbytes
     parts = []
