@@ -178,6 +178,14 @@ _SCALARS = (int, float, bool, str, bytes, bytearray, complex, type(None))
 _DTYPE_NAMES: dict[Any, str] = {}  # torch dtype -> its name in a skeleton ("float32")
 
 
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's name in a skeleton ("float32"), made once per dtype (_DTYPE_NAMES)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def flatten(
     state: Any,
     *,
@@ -585,13 +593,9 @@ class _Flattener:
                 f"cannot checkpoint {format_path(path)}: {t.layout} / quantized / meta tensors "
                 "are not supported (dense strided tensors only)"
             )
-        dtype = t.dtype
-        name = _DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
         node: dict[str, Any] = {
             "t": "torch",
-            "dtype": name,
+            "dtype": dtype_name(t.dtype),
             "shape": list(t.shape),
             # is_cpu is a flag; t.device builds an object (and str() a string) per call.
             "device": "cpu" if t.is_cpu else str(t.device),

@@ -27,7 +27,7 @@ from cryosnap._state import dtensor
 from cryosnap._state.build import ColumnTargets, _itemsize, _np_dtype, _torch
 from cryosnap._state.device import copy_to_device
 from cryosnap._state.files import File, FileWrites, check_file_into
-from cryosnap._state.flatten import _DTYPE_NAMES, is_stateful
+from cryosnap._state.flatten import _DTYPE_NAMES, dtype_name, is_stateful
 from cryosnap._state.torch_import import loaded_torch
 from cryosnap.errors import StateMismatchError
 
@@ -194,12 +194,9 @@ def _check_columns(
     dtypes, shapes, *rest = zip(*rows, strict=True)
     if not cols.same_shapes(shapes):  # type: ignore[arg-type]
         return False
-    names = _DTYPE_NAMES
     kinds_of = set(dtypes)
-    for d in kinds_of:
-        if d not in names:
-            names[d] = str(d).removeprefix("torch.")
-    if not cols.same_dtypes(dtypes, {d: names[d] for d in kinds_of}):
+    names = {d: dtype_name(d) for d in kinds_of}
+    if not cols.same_dtypes(dtypes, names):
         return False
     if match is None:
         return True
@@ -228,9 +225,7 @@ def _check_leaf(t: Any, node: Json, into: Any, path: tuple[str | int, ...]) -> N
         into, layout = dtensor.check_into(node, into, path)
         if layout is not None:
             raise _mismatch(path, layout)
-        dtype = _DTYPE_NAMES.get(into.dtype)
-        if dtype is None:
-            dtype = _DTYPE_NAMES[into.dtype] = str(into.dtype).removeprefix("torch.")
+        dtype = dtype_name(into.dtype)
         if list(into.shape) != node["shape"] or dtype != node["dtype"]:
             raise _mismatch(
                 path,
@@ -429,8 +424,7 @@ def _direct(node: dict[str, Any], leaf: Any) -> bool:
         and not leaf.is_inference()
         and not leaf.is_conj()
         and not leaf.is_neg()
-        and (_DTYPE_NAMES.get(leaf.dtype) or str(leaf.dtype).removeprefix("torch."))
-        == node["dtype"]
+        and dtype_name(leaf.dtype) == node["dtype"]
         and list(leaf.shape) == node["shape"]
     )
 
