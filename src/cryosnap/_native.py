@@ -1,9 +1,11 @@
-"""Every raw-memory call: addresses, memmove/memset, madvise, libc mmap/munmap, the page-cache
-probe and the XXH3 binding that hashes with the GIL released.
+"""Every raw-memory call: addresses, memmove/memset, many copies handed to the kernel at once,
+madvise, libc mmap/munmap, the page-cache probe and the XXH3 binding that hashes with the GIL
+released.
 
 Each binding has a fallback, taken when it cannot load (no ctypes, no libc symbol, xxhash's
-private extension renamed): numpy copies by address, no advice, reads instead of mappings, the
-public ``xxhash`` API (the same digests, holding the GIL). Pure; runs on any thread.
+private extension renamed): numpy copies by address, one copy per piece, no advice, reads
+instead of mappings, the public ``xxhash`` API (the same digests, holding the GIL). Pure; runs
+on any thread.
 """
 
 from __future__ import annotations
@@ -14,18 +16,22 @@ import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import xxhash
 
 __all__ = [
+    "COPY_THREADS",
+    "IOV_MAX",
     "address_of",
     "cached_pages",
     "can_map",
+    "copy_pieces",
     "dontneed",
     "hash_chunks",
     "hash_each",
@@ -39,6 +45,15 @@ __all__ = [
 ]
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# The most buffers one vectored call takes (pwritev/preadv/process_vm_readv: Linux's
+# UIO_MAXIOV, or less if said so; EINVAL beyond).
+IOV_MAX: Final = min(getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX"), 1024)
+# copy_pieces splits its pieces between threads only from this many bytes: below, a thread's
+# start costs more than the copies it takes over.
+_PARALLEL_MIN_BYTES = 4 << 20
+# The threads its callers split many small copies between (one per core, up to 4: past that
+# the memory's bandwidth, not each core's latency, is the limit).
+COPY_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
 _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 # A call through ctypes costs about a microsecond more than xxhash's own: chunks smaller than
@@ -63,6 +78,7 @@ class Binding:
     get_errno: Callable[[], int] | None = None
     xxh3: _Fn | None = None
     mincore: _Fn | None = None
+    process_vm_readv: _Fn | None = None
 
 
 def _open_libc() -> Any:
@@ -126,6 +142,18 @@ def _bind_libc(libc: Any) -> dict[str, Any]:
         mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
         mincore.restype = ctypes.c_int
         out["mincore"] = mincore
+    vm_read = getattr(libc, "process_vm_readv", None) if sys.platform == "linux" else None
+    if vm_read is not None:
+        vm_read.argtypes = (
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        )
+        vm_read.restype = ctypes.c_ssize_t
+        out["process_vm_readv"] = vm_read
     return out
 
 
@@ -156,6 +184,7 @@ def _bind_xxh3(lib: Any) -> _Fn | None:
 
 _lib = bind()
 _populate_works = True  # False once the kernel refused MADV_POPULATE_WRITE (older than 5.14)
+_vm_read_works = True  # False once the kernel refused process_vm_readv (seccomp, no support)
 
 
 # -- addresses and copies
@@ -205,6 +234,129 @@ def memmove_fn() -> Callable[[int, int, int], object]:
     above costs a Python call per copy, ~15% of 20,000 copies of 13 KB), else :func:`memmove`."""
     native = _lib.memmove
     return native if native is not None else memmove
+
+
+def copy_pieces(
+    dests: np.ndarray[Any, Any],
+    sources: np.ndarray[Any, Any],
+    nbytes: np.ndarray[Any, Any],
+    *,
+    threads: int = 1,
+) -> None:
+    """Copy ``nbytes[i]`` bytes from address ``sources[i]`` to address ``dests[i]``, for each
+    ``i`` (three integer arrays of one length; no piece overlaps another's destination).
+
+    The pieces go to the kernel ``IOV_MAX`` at a time: ``process_vm_readv`` of this very
+    process copies a batch of scattered pieces in one call, the GIL released for all of them,
+    where a loop of ``memmove`` costs a Python-level call per piece (20,000 pieces of a state of
+    small tensors: ~20 calls instead of 20,000, and 1.35 us each of the loop's 65-80 ms).
+    ``threads`` > 1 splits the pieces into that many parts of about equal bytes, copied at
+    once: the copies of small pieces are bound by each core's latency, not the memory's
+    bandwidth (two threads copied 300 MB in 20,000 pieces in 33 against 57 ms here), and
+    without a call per piece the GIL no longer serializes them. A batch the kernel does not
+    copy whole (memory it cannot pin, a kernel or seccomp filter refusing the call) is copied
+    from where it stopped one ``memmove`` per piece, as it always is without the call."""
+    sizes = np.ascontiguousarray(nbytes, dtype=np.int64)
+    if not sizes.size:
+        return
+    to = np.ascontiguousarray(dests, dtype=np.int64)
+    frm = np.ascontiguousarray(sources, dtype=np.int64)
+    if not to.shape == frm.shape == sizes.shape:
+        raise ValueError(f"copy_pieces: {to.shape}, {frm.shape} and {sizes.shape} differ")
+    ends = np.cumsum(sizes)
+    total = int(ends[-1])
+    parts = max(1, min(threads, sizes.size))
+    if parts == 1 or total < _PARALLEL_MIN_BYTES or not _vm_read_ready():
+        _copy_part(to, frm, sizes, ends, 0, sizes.size)
+        return
+    # Cut where each part's bytes reach its share; a part may be empty (one large piece).
+    cuts = [0, *np.searchsorted(ends, [total * k // parts for k in range(1, parts)]).tolist()]
+    cuts.append(sizes.size)
+    errors: list[BaseException] = []
+
+    def run(lo: int, hi: int) -> None:
+        try:
+            _copy_part(to, frm, sizes, ends, lo, hi)
+        except BaseException as exc:  # raised on the caller's thread below
+            errors.append(exc)
+
+    others = [
+        threading.Thread(target=run, args=(cuts[k], cuts[k + 1]), name="cryosnap-copy")
+        for k in range(1, parts)
+    ]
+    for t in others:
+        t.start()
+    try:
+        _copy_part(to, frm, sizes, ends, cuts[0], cuts[1])
+    finally:
+        for t in others:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
+def _vm_read_ready() -> bool:
+    return _vm_read_works and _lib.process_vm_readv is not None
+
+
+def _copy_part(
+    to: np.ndarray[Any, Any],
+    frm: np.ndarray[Any, Any],
+    sizes: np.ndarray[Any, Any],
+    ends: np.ndarray[Any, Any],
+    lo: int,
+    hi: int,
+) -> None:
+    """:func:`copy_pieces` of the pieces ``lo:hi`` on this thread (``ends``: the cumulative
+    sizes of all of them)."""
+    global _vm_read_works
+    vm_read, get_errno = _lib.process_vm_readv, _lib.get_errno
+    if hi <= lo:
+        return
+    if vm_read is None or not _vm_read_works:
+        _copy_each(to, frm, sizes, lo, hi, 0)
+        return
+    # struct iovec {void *base; size_t len} twice: the destinations (this process's "local"
+    # side) and the sources (the "remote" side, this process too), piece i to piece i.
+    local = np.stack((to[lo:hi], sizes[lo:hi]), axis=1)
+    remote = np.stack((frm[lo:hi], sizes[lo:hi]), axis=1)
+    local_at, remote_at = local.ctypes.data, remote.ctypes.data
+    pid = os.getpid()
+    for i in range(lo, hi, IOV_MAX):
+        j = min(hi, i + IOV_MAX)
+        start = int(ends[i - 1]) if i else 0
+        want = int(ends[j - 1]) - start
+        skip = (i - lo) * 16
+        done = vm_read(pid, local_at + skip, j - i, remote_at + skip, j - i, 0)
+        if done == want:
+            continue
+        if done < 0:
+            if get_errno is not None and get_errno() in (errno.ENOSYS, errno.EPERM):
+                _vm_read_works = False  # refused for good: the loop from now on
+            done = 0
+        # The rest of the batch one by one, from the first byte the kernel did not copy.
+        k = int(np.searchsorted(ends[i:j], start + done, side="right")) + i
+        into = start + done - (int(ends[k - 1]) if k else 0)
+        _copy_each(to, frm, sizes, k, hi if not _vm_read_works else j, into)
+        if not _vm_read_works:
+            return
+
+
+def _copy_each(
+    to: np.ndarray[Any, Any],
+    frm: np.ndarray[Any, Any],
+    sizes: np.ndarray[Any, Any],
+    lo: int,
+    hi: int,
+    skip: int,
+) -> None:
+    """One memmove per piece ``lo:hi``; the first ``skip`` bytes of piece ``lo`` already
+    copied."""
+    memmove = memmove_fn()
+    for d, s, n in zip(to[lo:hi].tolist(), frm[lo:hi].tolist(), sizes[lo:hi].tolist(), strict=True):
+        if n > skip:
+            memmove(d + skip, s + skip, n - skip)
+        skip = 0
 
 
 def zero(address: int, nbytes: int) -> None:

@@ -3,8 +3,12 @@ ctypes symbol, xxhash's private extension renamed): the same digests, the same c
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,6 +37,7 @@ def test_the_native_binding_loads_here() -> None:
     lib = _native._lib
     assert lib.memmove is not None and lib.xxh3 is not None
     assert _native.can_map() == hasattr(__import__("mmap"), "MAP_PRIVATE")
+    assert (lib.process_vm_readv is not None) == sys.platform.startswith("linux")
 
 
 def test_a_renamed_xxhash_extension_falls_back_to_the_public_api(
@@ -112,6 +117,101 @@ def test_memmove_and_zero_copy_the_same_bytes(binding: str) -> None:
     assert np.array_equal(again, dest)
     _native.zero(dest.ctypes.data + 200, 50)
     assert not dest[200:250].any() and dest[100:200].tolist() == src[7:107].tolist()
+
+
+def _pieces(seed: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A source buffer and ``count`` pieces of it (empty ones, tiny ones, a few of a MiB)
+    scattered over a destination buffer: (source, destination offsets, source offsets,
+    sizes), the destinations apart with a gap of 1-9 bytes after each."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.choice([0, 1, 7, 256, 4096, 13_000], count).astype(np.int64)
+    sizes[rng.choice(count, 3, replace=False)] = (1 << 20) + 3
+    src_at = rng.integers(0, 4096, count).astype(np.int64)
+    source = rng.integers(0, 256, int((src_at + sizes).max()), dtype=np.uint8)
+    dest_at = np.concatenate([[0], np.cumsum(sizes + rng.integers(1, 10, count))[:-1]])
+    return source, dest_at, src_at, sizes
+
+
+def _expected(source: np.ndarray, dest_at: Any, src_at: Any, sizes: Any, n: int) -> np.ndarray:
+    out = np.zeros(n, np.uint8)
+    for d, s, k in zip(dest_at.tolist(), src_at.tolist(), sizes.tolist(), strict=True):
+        out[d : d + k] = source[s : s + k]
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_pieces_copies_every_piece_and_nothing_else(binding: str, threads: int) -> None:
+    # More pieces than one vectored call takes, in parts of about equal bytes.
+    source, dest_at, src_at, sizes = _pieces(threads, 2 * _native.IOV_MAX + 77)
+    n = int((dest_at + sizes).max()) + 64
+    dest = np.zeros(n, np.uint8)
+    _native.copy_pieces(
+        dest_at + dest.ctypes.data, src_at + source.ctypes.data, sizes, threads=threads
+    )
+    assert np.array_equal(dest, _expected(source, dest_at, src_at, sizes, n))
+    _native.copy_pieces(np.zeros(0), np.zeros(0), np.zeros(0), threads=threads)  # nothing
+    with pytest.raises(ValueError, match="differ"):
+        _native.copy_pieces(dest_at[:3], src_at[:2], sizes[:3])
+
+
+def _cut_short(real: Any, extra: int) -> Any:
+    """A process_vm_readv that copies only the first half of a batch's pieces, then ``extra``
+    bytes of the next one, and says so (a kernel stopping at memory it cannot pin)."""
+
+    def vm_read(pid: int, local: int, n: int, remote: int, m: int, flags: int) -> int:
+        half = n // 2
+        done = real(pid, local, half, remote, half, flags)
+        dest, size = _native._bytes_at(local, n * 16).view(np.int64).reshape(-1, 2)[half]
+        src = int(_native._bytes_at(remote, m * 16).view(np.int64).reshape(-1, 2)[half, 0])
+        more = min(extra, int(size))
+        _native.memmove(int(dest), src, more)
+        return int(done) + more
+
+    return vm_read
+
+
+@pytest.mark.skipif(_native._lib.process_vm_readv is None, reason="needs process_vm_readv")
+@pytest.mark.parametrize("extra", [0, 1, 5])
+def test_copy_pieces_goes_on_where_the_kernel_stopped(
+    monkeypatch: pytest.MonkeyPatch, extra: int
+) -> None:
+    lib = _native._lib
+    monkeypatch.setattr(
+        _native,
+        "_lib",
+        dataclasses.replace(lib, process_vm_readv=_cut_short(lib.process_vm_readv, extra)),
+    )
+    source, dest_at, src_at, sizes = _pieces(7, _native.IOV_MAX + 300)
+    n = int((dest_at + sizes).max())
+    dest = np.zeros(n, np.uint8)
+    _native.copy_pieces(dest_at + dest.ctypes.data, src_at + source.ctypes.data, sizes, threads=2)
+    assert np.array_equal(dest, _expected(source, dest_at, src_at, sizes, n))
+    assert _native._vm_read_works
+
+
+@pytest.mark.parametrize(("code", "for_good"), [(errno.EPERM, True), (errno.EFAULT, False)])
+def test_copy_pieces_without_the_kernel_call(
+    monkeypatch: pytest.MonkeyPatch, code: int, for_good: bool
+) -> None:
+    """Refused (seccomp: EPERM), the call is never made again; memory it cannot pin (EFAULT)
+    is copied one piece at a time, the call kept for the next."""
+    calls: list[int] = []
+
+    def refuses(*args: int) -> int:
+        calls.append(args[2])
+        return -1
+
+    lib = dataclasses.replace(_native._lib, process_vm_readv=refuses, get_errno=lambda: code)
+    monkeypatch.setattr(_native, "_lib", lib)
+    monkeypatch.setattr(_native, "_vm_read_works", True)  # restored after the test
+    source, dest_at, src_at, sizes = _pieces(11, 3 * _native.IOV_MAX)
+    n = int((dest_at + sizes).max())
+    for _ in range(2):
+        dest = np.zeros(n, np.uint8)
+        _native.copy_pieces(dest_at + dest.ctypes.data, src_at + source.ctypes.data, sizes)
+        assert np.array_equal(dest, _expected(source, dest_at, src_at, sizes, n))
+    assert len(calls) == (1 if for_good else 6)
+    assert _native._vm_read_works is not for_good
 
 
 def test_populate_keeps_the_memory_as_it_is(binding: str) -> None:

@@ -783,20 +783,33 @@ class Restorer:
 
     def fill_packs(self) -> None:
         """Copy the packed leaves ``allocate(targets)`` noted from their verified packs into
-        ``into=``'s tensors (what :func:`direct_targets` picks), one ``memmove`` each."""
+        ``into=``'s tensors (what :func:`direct_targets` picks): every piece in one
+        :func:`cryosnap._native.copy_pieces` (the kernel's copies, the pieces shared between
+        threads), not a ``memmove`` each on this thread."""
+        dests: list[Any] = []
+        sources: list[Any] = []
+        sizes: list[Any] = []
+        bases: dict[int, int] = {}
         for b, fills in self._pack_fills.items():
-            _copy_out(self._dest[b], fills)
-        if self._column_fills:
-            memmove = _native.memmove_fn()
-            bases: dict[int, int] = {}
-            for packs, offsets, nbytes, ptrs in self._column_fills:
-                for b in set(packs.tolist()) - bases.keys():
-                    bases[b] = _native.address_of(self._dest[b])
-                base = np.array([bases[b] for b in packs.tolist()], np.int64)
-                for to, frm, n in zip(
-                    ptrs.tolist(), (base + offsets).tolist(), nbytes.tolist(), strict=True
-                ):
-                    memmove(to, frm, n)
+            if fills:
+                base = bases[b] = _native.address_of(self._dest[b])
+                dests.append(np.array([t.data_ptr() for _at, _n, t in fills], np.int64))
+                sources.append(np.array([at for at, _n, _t in fills], np.int64) + base)
+                sizes.append(np.array([n for _at, n, _t in fills], np.int64))
+        for packs, offsets, nbytes, ptrs in self._column_fills:
+            for b in set(packs.tolist()) - bases.keys():
+                bases[b] = _native.address_of(self._dest[b])
+            starts = np.array([bases[b] for b in packs.tolist()], np.int64)
+            dests.append(ptrs)
+            sources.append(starts + offsets)
+            sizes.append(nbytes)
+        if sizes:
+            _native.copy_pieces(
+                np.concatenate(dests),
+                np.concatenate(sources),
+                np.concatenate(sizes),
+                threads=_native.COPY_THREADS,
+            )
 
     def to_device(self, device: Any) -> None:
         """Move every torch leaf to ``device`` (a ``torch.device``), once the blobs are filled
@@ -871,15 +884,6 @@ def _name_packs(
         if count > 1:
             more = count - 1
             paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
-
-
-def _copy_out(pack: memoryview, fills: list[tuple[int, int, Any]]) -> None:
-    """Copy each ``(offset, nbytes, tensor)`` of ``fills`` from ``pack`` into its tensor."""
-    if not fills:
-        return
-    memmove, base = _native.memmove_fn(), _native.address_of(pack)
-    for at, nbytes, target in fills:
-        memmove(target.data_ptr(), base + at, nbytes)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from contextlib import suppress
 from typing import Final
 
 from cryosnap import _native
+from cryosnap._native import IOV_MAX
 from cryosnap.errors import TruncatedError
 
 __all__ = [
@@ -45,8 +46,6 @@ BOUNCE_BYTES: Final = 8 << 20
 # Aligned runs shorter than this are copied to the bounce buffer: a syscall each costs more.
 DIRECT_MIN_BYTES: Final = 64 << 10
 O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
-# The most buffers one pwritev/preadv/writev takes (Linux's UIO_MAXIOV, or less if said so).
-IOV_MAX: Final = min(getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX"), 1024)
 # File systems that are the page cache: a direct write there is a copy into it all the same.
 _MEMORY_FS: Final = frozenset({"tmpfs", "ramfs"})
 
