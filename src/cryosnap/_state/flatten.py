@@ -14,6 +14,7 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from cryosnap._state.reuse import (
     CONTIGUOUS,
     DATA,
     OFFSET,
+    Copies,
     Entry,
     FlattenCache,
     PackBuffers,
@@ -131,7 +133,7 @@ class DeferredPacks:
 
     def __init__(
         self,
-        fills: list[tuple[Any, list[tuple[int, int, int]]]],
+        fills: list[tuple[Any, Copies]],
         keep: list[Any],
         packs: dict[int, list[int]],
         mutated: dict[int, set[int]],
@@ -145,8 +147,7 @@ class DeferredPacks:
     def fill(self) -> None:
         """Fill every pack (once; later calls return at once)."""
         with self._lock:
-            for pack, copies in self._fills:
-                _fill_pack(pack, copies)
+            fill_packs(self._fills)
             self._fills, self._keep = [], []
 
 
@@ -230,7 +231,7 @@ def flatten(
 def _reused(
     entry: Entry,
     meta: list[tuple[Any, ...]],
-    copies: list[list[tuple[int, int, int]]] | None,
+    copies: list[Copies] | None,
     found: Scan,
     *,
     defer: bool = False,
@@ -254,7 +255,8 @@ def _reused(
         entry.last[:] = [(meta, copies)]
     blobs: list[Blob] = []
     packs = 0
-    later: list[tuple[Any, list[tuple[int, int, int]]]] = []
+    later: list[tuple[Any, Copies]] = []
+    now: list[tuple[Any, Copies]] = []
     deferred: dict[int, list[int]] = {}  # blob -> its tensors' storages
     kept: list[int] = []  # the indices of the tensors of the deferred packs
     mutated: dict[int, set[int]] = {}
@@ -262,6 +264,7 @@ def _reused(
         optimizers = [o for _p, o in found.stateful if isinstance(o, torch.optim.Optimizer)]
         mutated = {id(o): mutated_storages(o, torch) for o in optimizers}
     guarded: set[int] = set().union(*mutated.values()) if mutated else set()
+    hold: list[Any] = []  # contiguous copies the fills read, alive until filled
     with torch.no_grad():
         for path, size, members in entry.blobs:
             if members is None:  # size: the tensor's index
@@ -277,12 +280,15 @@ def _reused(
                 kept += [i for i, _n, _at in members]
             elif copies is not None:
                 # The tensors (alive in ``found``) lie where the copies read.
-                _fill_pack(pack, copies[packs])
+                now.append((pack, copies[packs]))
             else:
                 fill = [(tensors[i].contiguous(), n, at) for i, n, at in members]
-                _fill_pack(pack, [(t.data_ptr(), n, at) for t, n, at in fill])
+                now.append((pack, copies_of([(t.data_ptr(), n, at) for t, n, at in fill])))
+                hold.append(fill)
             packs += 1
             blobs.append(Blob(path, size, pack, 0, True))
+        fill_packs(now)
+        del hold
     stateful = [(format_path(path), obj) for path, obj in found.stateful]
     flat = FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
     if later:
@@ -291,18 +297,16 @@ def _reused(
     return flat
 
 
-def _pack_copies(
-    entry: Entry, meta: list[tuple[Any, ...]]
-) -> list[list[tuple[int, int, int]]] | None:
-    """Each pack's copies ``(source address, nbytes, offset)`` for tensors of ``meta``; None if
-    a packed tensor is not contiguous (its bytes are then a fresh copy's, at a new address)."""
+def _pack_copies(entry: Entry, meta: list[tuple[Any, ...]]) -> list[Copies] | None:
+    """Each pack's :data:`Copies` for tensors of ``meta``; None if a packed tensor is not
+    contiguous (its bytes are then a fresh copy's, at a new address)."""
     out = []
     for _path, _size, members in entry.blobs:
         if members is None:
             continue
         if not all(meta[i][CONTIGUOUS] for i, _n, _at in members):
             return None
-        out.append([(meta[i][DATA], n, at) for i, n, at in members])
+        out.append(copies_of([(meta[i][DATA], n, at) for i, n, at in members]))
     return out
 
 
@@ -683,7 +687,7 @@ class _Flattener:
                     )
                 node["b"] = blob
                 node["view"] = {"offset": start - lo, "stride": list(t.stride())}
-        packer.close()
+        packer.finish()
         return packer.packs > 0
 
 
@@ -701,20 +705,37 @@ def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8:
     return Blob(path, n, flat, origin)
 
 
-def _fill_pack(pack: Any, copies: list[tuple[int, int, int]]) -> Any:
-    """Fill ``pack`` (a uint8 CPU tensor) with the ``copies`` ``(source address, nbytes,
-    offset)`` in offset order, zeros in the alignment gaps: every byte of a pack is defined."""
-    # One memmove per leaf, by address (what capture does for small pieces: torch's copy_
-    # and cat cost more per call and run on its intra-op threads).
-    base = pack.data_ptr()
-    memmove, zero = _native.memmove_fn(), _native.zero
-    end = 0
-    for source, n, at in copies:
-        if at > end:
-            zero(base + end, at - end)
-        memmove(base + at, source, n)
-        end = at + n
-    return pack
+def copies_of(rows: list[tuple[int, int, int]]) -> Copies:
+    """The :data:`Copies` of a pack from its ``(source address, nbytes, offset)`` rows."""
+    return np.array(rows, np.int64).reshape(-1, 3)
+
+
+def fill_packs(fills: Sequence[tuple[Any, Copies]]) -> None:
+    """Fill each pack (a uint8 CPU tensor) with its :data:`Copies` (in offset order), zeros in
+    the alignment gaps: every byte of a pack is defined. The copies of every pack go to the
+    kernel together (:func:`cryosnap._native.copy_pieces`, split between threads): no Python
+    call per leaf, nor torch's ``copy_``/``cat`` (which run on its intra-op threads: with the
+    writer busy on another core those wait for each other)."""
+    dests, sources, sizes = [], [], []
+    zero = _native.zero
+    for pack, rows in fills:
+        if not len(rows):
+            continue
+        base, at, n = pack.data_ptr(), rows[:, 2], rows[:, 1]
+        end = np.empty_like(at)
+        end[0], end[1:] = 0, (at + n)[:-1]
+        for lo, hi in zip(end[at > end].tolist(), at[at > end].tolist(), strict=True):
+            zero(base + lo, hi - lo)
+        dests.append(at + base)
+        sources.append(rows[:, 0])
+        sizes.append(n)
+    if sizes:
+        _native.copy_pieces(
+            np.concatenate(dests),
+            np.concatenate(sources),
+            np.concatenate(sizes),
+            threads=_native.COPY_THREADS,
+        )
 
 
 class _Packer:
@@ -736,6 +757,9 @@ class _Packer:
         self.kind = False  # whether the open pack holds leaves of keys in apart
         self.size = 0
         self.packs = 0  # packs closed
+        # The closed packs' copies, made together by finish(); the tensors they read.
+        self.fills: list[tuple[Any, Copies]] = []
+        self.hold: list[Any] = []
 
     def add(
         self, node: dict[str, Any], path: tuple[str | int, ...], t: Any, n: int, item: int
@@ -758,7 +782,8 @@ class _Packer:
         pack = self.torch.empty(self.size, dtype=self.torch.uint8)
         # Fresh memory: its pages mapped in one call, not faulted in one by one as it fills.
         _native.populate(pack.data_ptr(), self.size)
-        _fill_pack(pack, [(t.data_ptr(), n, at) for _node, t, n, at in members])
+        self.fills.append((pack, copies_of([(t.data_ptr(), n, at) for _, t, n, at in members])))
+        self.hold += [t for _node, t, _n, _at in members]
         index = len(self.blobs)
         for node, _t, _n, at in members:
             node["b"] = index
@@ -766,3 +791,9 @@ class _Packer:
         # A private copy: nothing the program does from now on can change it (origin 0).
         self.blobs.append(Blob(self.path, self.size, pack, 0, True))
         self.packs += 1
+
+    def finish(self) -> None:
+        """Close the open pack and fill every pack."""
+        self.close()
+        fill_packs(self.fills)
+        self.fills, self.hold = [], []

@@ -13,7 +13,9 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+import numpy as np
 
 from cryosnap._format.skeleton import MAX_DEPTH, Json
 from cryosnap._state.torch_import import loaded_torch
@@ -21,6 +23,7 @@ from cryosnap._state.torch_import import loaded_torch
 __all__ = [
     "CONTIGUOUS",
     "DATA",
+    "Copies",
     "OFFSET",
     "Entry",
     "FlattenCache",
@@ -35,6 +38,10 @@ __all__ = [
     "storages",
     "unique",
 ]
+
+# A pack's copies: one row (source address, nbytes, offset in the pack) per tensor, in
+# offset order.
+Copies: TypeAlias = "np.ndarray[Any, np.dtype[np.int64]]"
 
 # Leaves a skeleton holds inline, without a blob (torch.Size too).
 _INLINE = frozenset((int, float, bool, str, complex, type(None)))
@@ -218,12 +225,10 @@ class Entry:
     packed: bool
     buffers: PackBuffers
     # The metadata of the last tensors reused (:func:`metadata`) and, where every packed
-    # tensor is contiguous, each pack's copies from their addresses ``(source, nbytes,
-    # offset)``: while a save's tensors lie where the last one's did, one list comparison
-    # stands for the fingerprint, the storages and the addresses (training steps in place).
-    last: list[tuple[list[tuple[Any, ...]], list[list[tuple[int, int, int]]] | None]] = field(
-        default_factory=list
-    )
+    # tensor is contiguous, each pack's :data:`Copies`: while a save's tensors lie where the
+    # last one's did, one list comparison stands for the fingerprint, the storages and the
+    # addresses (training steps in place).
+    last: list[tuple[list[tuple[Any, ...]], list[Copies] | None]] = field(default_factory=list)
 
 
 class FlattenCache:
@@ -237,7 +242,7 @@ class FlattenCache:
 
     def match(
         self, key: tuple[Any, ...], found: Scan
-    ) -> tuple[Entry, list[tuple[Any, ...]], list[list[tuple[int, int, int]]] | None] | None:
+    ) -> tuple[Entry, list[tuple[Any, ...]], list[Copies] | None] | None:
         """The entry ``found`` (made with ``key``) may reuse, its tensors' metadata, and the
         entry's pack copies if they hold for these tensors (:attr:`Entry.last`); or None
         (the structure changed, or two tensors share a storage now)."""

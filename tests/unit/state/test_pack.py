@@ -135,6 +135,48 @@ def test_a_pack_is_a_private_copy() -> None:
     assert flat.blobs[0].origin == 0  # lazy capture has nothing to wait for
 
 
+def test_a_pack_is_every_leaf_back_to_back_and_zeros_between() -> None:
+    """A pack's bytes: each leaf at its aligned offset, zeros in the alignment gaps before it
+    (every byte of a version is defined), whatever the pack's memory held before: the first
+    flatten's fresh packs and a reused flatten's packs, filled by copies made together."""
+    g = torch.Generator().manual_seed(4)
+    state = {
+        f"k{i}": t
+        for i in range(300)
+        for t in (
+            torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g),
+            torch.randn(5, generator=g).double(),
+        )
+    }
+    state = {f"k{i}": v for i, v in enumerate(state.values())}
+    state.update(
+        {f"u{i}": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g) for i in range(300)}
+    )
+    state.update({f"d{i}": torch.randn(3, generator=g).double() for i in range(300)})
+
+    def expected(flat: Any) -> dict[int, bytes]:
+        out: dict[int, bytearray] = {}
+        leaves = [(n["b"], n["at"], k) for k, n in zip(state, flat.skeleton["v"], strict=True)]
+        for b, at, k in leaves:
+            data = state[k].numpy().tobytes()
+            buf = out.setdefault(b, bytearray(flat.blobs[b].nbytes))
+            buf[at : at + len(data)] = data
+        return {b: bytes(v) for b, v in out.items()}
+
+    cache = cryosnap._state.FlattenCache()
+    first = flatten(state, pack_bytes=CHUNK, cache=cache)
+    packed = expected(first)
+    assert len(packed) > 2 and all(len(v) <= CHUNK for v in packed.values())
+    assert {b: first.blobs[b].host_view().tobytes() for b in packed} == packed
+    for blob in first.blobs:  # the memory the next flatten reuses, dirtied
+        blob.host_view()[:] = b"\xab" * blob.nbytes
+    for t in state.values():
+        t.add_(1)
+    again = flatten(state, pack_bytes=CHUNK, cache=cache)
+    assert cache.reused == 1
+    assert {b: again.blobs[b].host_view().tobytes() for b in packed} == expected(again)
+
+
 def test_lazy_save_keeps_the_values_of_the_save_call(tmp_path: Path) -> None:
     state = _small_state()
     expected = {k: v.clone() for k, v in state["model"]["layer5"].items()}
