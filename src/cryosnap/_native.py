@@ -280,16 +280,19 @@ def copy_pieces(
         except BaseException as exc:  # raised on the caller's thread below
             errors.append(exc)
 
-    others = [
-        threading.Thread(target=run, args=(cuts[k], cuts[k + 1]), name="cryosnap-copy")
-        for k in range(1, parts)
-    ]
-    for t in others:
-        t.start()
+    started: list[threading.Thread] = []
     try:
+        for k in range(1, parts):
+            t = threading.Thread(target=run, args=(cuts[k], cuts[k + 1]), name="cryosnap-copy")
+            try:
+                t.start()
+            except RuntimeError:  # no new thread (at interpreter shutdown: a save in atexit)
+                _copy_part(to, frm, sizes, ends, cuts[k], cuts[k + 1])
+            else:
+                started.append(t)
         _copy_part(to, frm, sizes, ends, cuts[0], cuts[1])
     finally:
-        for t in others:
+        for t in started:
             t.join()
     if errors:
         raise errors[0]

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,21 @@ def test_copy_pieces_copies_every_piece_and_nothing_else(binding: str, threads: 
     _native.copy_pieces(np.zeros(0), np.zeros(0), np.zeros(0), threads=threads)  # nothing
     with pytest.raises(ValueError, match="differ"):
         _native.copy_pieces(dest_at[:3], src_at[:2], sizes[:3])
+
+
+def test_copy_pieces_where_no_thread_can_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At interpreter shutdown (a save from an atexit handler) no thread starts: the caller
+    copies every part itself."""
+
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    source, dest_at, src_at, sizes = _pieces(5, 500)
+    n = int((dest_at + sizes).max())
+    dest = np.zeros(n, np.uint8)
+    _native.copy_pieces(dest_at + dest.ctypes.data, src_at + source.ctypes.data, sizes, threads=3)
+    assert np.array_equal(dest, _expected(source, dest_at, src_at, sizes, n))
 
 
 def _cut_short(real: Any, extra: int) -> Any:
