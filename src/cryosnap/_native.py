@@ -51,9 +51,14 @@ IOV_MAX: Final = min(getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX"), 1024)
 # copy_pieces splits its pieces between threads only from this many bytes: below, a thread's
 # start costs more than the copies it takes over.
 _PARALLEL_MIN_BYTES = 4 << 20
-# The threads its callers split many small copies between (one per core, up to 4: past that
-# the memory's bandwidth, not each core's latency, is the limit).
-COPY_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
+# The threads its callers split many small copies between (one per core this process may run
+# on, up to 4: past that the memory's bandwidth, not each core's latency, is the limit).
+COPY_THREADS: Final = max(
+    1,
+    min(
+        4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ),
+)
 _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 # A call through ctypes costs about a microsecond more than xxhash's own: chunks smaller than
