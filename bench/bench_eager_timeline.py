@@ -1,8 +1,9 @@
 """Where an eager Checkpointer version's time to durable goes: the stall (the capture's copy),
 when the data file's first write starts, how long the writes take, and the time to durable,
 medians over ``--versions`` versions after an untimed one (286 MiB of fp32 in 16 tensors by
-default, or ``--workload many-small``'s 20,000; every byte changed, ``incremental=False``, keep=1). The writes are timed around the
-appender's calls (``engine/write/_appender.py``) on its I/O thread.
+default, or ``--workload many-small``'s 20,000; every byte changed, ``incremental=False``,
+keep=1). The writes are timed around the appender's calls (``engine/write/_appender.py``)
+on its I/O thread.
 
 Run it per tree, alternating (the disk moves from one minute to the next):
 ``PYTHONPATH=<tree>/src:bench python bench/bench_eager_timeline.py`` (docs/PERFORMANCE.md,
