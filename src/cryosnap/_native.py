@@ -251,16 +251,16 @@ def copy_pieces(
     """Copy ``nbytes[i]`` bytes from address ``sources[i]`` to address ``dests[i]``, for each
     ``i`` (three integer arrays of one length; no piece overlaps another's destination).
 
-    The pieces go to the kernel ``IOV_MAX`` at a time: ``process_vm_readv`` of this very
-    process copies a batch of scattered pieces in one call, the GIL released for all of them,
-    where a loop of ``memmove`` costs a Python-level call per piece (20,000 pieces of a state of
-    small tensors: ~20 calls instead of 20,000, and 1.35 us each of the loop's 65-80 ms).
     ``threads`` > 1 splits the pieces into that many parts of about equal bytes, copied at
-    once: the copies of small pieces are bound by each core's latency, not the memory's
-    bandwidth (two threads copied 300 MB in 20,000 pieces in 33 against 57 ms here), and
-    without a call per piece the GIL no longer serializes them. A batch the kernel does not
-    copy whole (memory it cannot pin, a kernel or seccomp filter refusing the call) is copied
-    from where it stopped one ``memmove`` per piece, as it always is without the call."""
+    once, each part's pieces handed to the kernel ``IOV_MAX`` at a time (``process_vm_readv``
+    of this very process copies a batch of scattered pieces in one call, the GIL released for
+    all of them). A loop of ``memmove`` makes a Python-level call per piece, holding the GIL
+    between them, so threads running such loops wait for each other; the kernel's batches do
+    not. On one thread the loop stays: the kernel copies 4 KiB pages one by one and was slower
+    there (300 MB in 20,000 pieces: 87-97 against 64-68 ms for the loop; split between two
+    threads 46-55 ms; bench/bench_copy_pieces.py). A batch the kernel does not copy whole
+    (memory it cannot pin, a kernel or seccomp filter refusing the call) is copied from where
+    it stopped one ``memmove`` per piece, as it always is without the call."""
     sizes = np.ascontiguousarray(nbytes, dtype=np.int64)
     if not sizes.size:
         return
@@ -272,7 +272,7 @@ def copy_pieces(
     total = int(ends[-1])
     parts = max(1, min(threads, sizes.size))
     if parts == 1 or total < _PARALLEL_MIN_BYTES or not _vm_read_ready():
-        _copy_part(to, frm, sizes, ends, 0, sizes.size)
+        _copy_each(to, frm, sizes, 0, sizes.size, 0)
         return
     # Cut where each part's bytes reach its share; a part may be empty (one large piece).
     cuts = [0, *np.searchsorted(ends, [total * k // parts for k in range(1, parts)]).tolist()]
