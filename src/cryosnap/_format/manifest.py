@@ -61,6 +61,7 @@ __all__ = [
     "COLUMNS_FORMAT_VERSION",
     "FILES_FORMAT_VERSION",
     "FORMAT_VERSION",
+    "NUMPY_PACKED_FORMAT_VERSION",
     "PACKED_FORMAT_VERSION",
     "MAX_STEP",
     "BaseRef",
@@ -102,6 +103,10 @@ FILES_FORMAT_VERSION = 3
 # cryosnap from before columns refuses it by its version. A skeleton without one keeps the
 # version it had (1, 2 or 3), readable by every cryosnap that read it before.
 COLUMNS_FORMAT_VERSION = 4
+# A rank's manifest whose skeleton holds packed numpy arrays ("numpy" nodes with "at") says
+# this, whatever else it holds (packs, files, columns), so that a cryosnap from before numpy
+# packs refuses it by its version instead of taking the array's pack for damage.
+NUMPY_PACKED_FORMAT_VERSION = 5
 # A blob's segment table of more rows than this is written packed (zlib-compressed
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
@@ -387,7 +392,9 @@ class Manifest:
     # The top-level keys saved as replicated (identical on every rank; True: the whole state),
     # or None. Written only when set: older manifests stay valid, format_version stays 1.
     replicated: Replicated = None
-    # PACKED_FORMAT_VERSION when the skeleton holds packed tensors, FORMAT_VERSION otherwise.
+    # NUMPY_PACKED_FORMAT_VERSION when the skeleton holds packed numpy arrays, FILES_ with
+    # files, PACKED_ with packed tensors, FORMAT_VERSION otherwise (COLUMNS_ is chosen by
+    # encode() where the skeleton's text holds columns and nothing asks for more).
     format_version: int = FORMAT_VERSION
     # What from_json already has of every blob at once (:class:`BlobTables`), so readers need
     # not gather it blob by blob again; None: :meth:`tables` builds it.
@@ -411,7 +418,7 @@ class Manifest:
         # The skeleton's text first: whether it holds columns decides the version.
         tree, cols = _tree_text(self.skeleton)
         manifest = self
-        if cols and self.format_version != COLUMNS_FORMAT_VERSION:
+        if cols and self.format_version < COLUMNS_FORMAT_VERSION:
             manifest = dataclasses.replace(self, format_version=COLUMNS_FORMAT_VERSION)
         return manifest, manifest._text(tree)
 
@@ -467,7 +474,13 @@ class Manifest:
         doc = _parse_json(
             data,
             where,
-            (FORMAT_VERSION, PACKED_FORMAT_VERSION, FILES_FORMAT_VERSION, COLUMNS_FORMAT_VERSION),
+            (
+                FORMAT_VERSION,
+                PACKED_FORMAT_VERSION,
+                FILES_FORMAT_VERSION,
+                COLUMNS_FORMAT_VERSION,
+                NUMPY_PACKED_FORMAT_VERSION,
+            ),
         )
         if doc.get("kind") != "cryosnap.manifest":
             raise _fail(where, "not a cryosnap manifest")

@@ -191,6 +191,10 @@ def describe_leaves(manifest: Manifest) -> list[LeafInfo]:
                     nbytes = own
         elif t in ("numpy", "npscalar"):
             dtype = _dtype_name(node.get("dtype"))
+            if "at" in node:  # packed with other arrays: its own elements only
+                own = _own_bytes(node)
+                if own is not None:
+                    nbytes = own
             if t == "npscalar":
                 shape = []
                 hex_value = node.get("hex")
@@ -223,9 +227,14 @@ def _leaf_nodes(manifest: Manifest) -> dict[str, Any]:
 
 
 def _own_bytes(node: dict[str, Any]) -> int | None:
-    """The bytes of a torch leaf's own elements (a view or a packed tensor takes fewer than
-    its blob), or None where its dtype or shape is unknown."""
-    shape, item = node.get("shape"), _torch_itemsize(str(node.get("dtype")))
+    """The bytes of a torch or numpy leaf's own elements (a view or a packed leaf takes fewer
+    than its blob), or None where its dtype or shape is unknown."""
+    shape = node.get("shape")
+    if node.get("t") == "numpy":
+        dtype = _numpy_dtype(node.get("dtype"))
+        item = dtype.itemsize if dtype is not None else None
+    else:
+        item = _torch_itemsize(str(node.get("dtype")))
     if not isinstance(shape, list) or item is None:
         return None
     return int(np.prod(shape, dtype=np.int64)) * item

@@ -275,6 +275,7 @@ class Restorer:
         # leaves of each pack they are.
         self._column_fills: list[tuple[Any, Any, Any, Any]] = []
         self._column_packs: Counter[int] = Counter()
+        self._array_packs: Counter[int] = Counter()  # packed numpy leaves of each pack
         # The dict nodes in columns allocated fresh in bulk (their leaves a list by node id).
         self._fresh: list[dict[str, Any]] = []
         self.moved = False  # whether install() put the leaves on a device
@@ -290,7 +291,12 @@ class Restorer:
         finally:
             self._place = None
         if self._packs:  # what a message about a damaged pack names
-            _name_packs(self.blob_paths, self._tensors, self._pack_fills, self._column_packs)
+            _name_packs(
+                self.blob_paths,
+                self._tensors,
+                self._pack_fills,
+                self._column_packs + self._array_packs,
+            )
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
             if dest is None:
@@ -346,6 +352,9 @@ class Restorer:
             dtype, shape = _np_dtype(node.get("dtype"), p), _shape(node, p)
             order: Literal["C", "F"] = "F" if node.get("order") == "F" else "C"
             b = self._blob(node, p)
+            if "at" in node:
+                self._values[id(node)] = self._packed_array(node, b, dtype, shape, order, p)
+                return
             _expect_bytes(shape, dtype.itemsize, self.blob_sizes[b], p)
             target = self._targets.get(id(node))
             if target is not None:  # into='s own C-contiguous array (direct_targets)
@@ -753,24 +762,11 @@ class Restorer:
         (claimed by the first of its leaves: mapped, or allocated once for all of them); for
         one of the targets, that target, the leaf noted for :meth:`fill_packs`."""
         torch = _torch()
+        at, need = node["at"], math.prod(shape) * item
+        dest = self._pack_slot(
+            node, b, item, need, path, lambda n: _byte_view(torch.empty(n, dtype=torch.uint8))
+        )
         target = self._targets.get(id(node))
-        at = node["at"]
-        need = math.prod(shape) * item
-        if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
-            raise CheckpointFormatError(f"leaf {path}: malformed pack offset {at!r:.40}")
-        dest = self._dest[b]
-        if dest is None:
-            dest = self._placed(b, _MAX_ALIGN)
-            if dest is None:
-                dest = _byte_view(torch.empty(self.blob_sizes[b], dtype=torch.uint8))
-            self._claim(b, dest, path)
-            self._pack_fills[b] = []
-        elif b not in self._packs:
-            raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
-        elif at < self._packs[b]:
-            # Leaves over the same bytes would change each other: never as saved.
-            raise CheckpointFormatError(f"leaf {path}: overlaps the tensor packed before it")
-        self._packs[b] = at + need
         if target is not None:
             if need:
                 self._pack_fills[b].append((at, need, target))
@@ -780,6 +776,64 @@ class Restorer:
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
         # independent of its neighbours as when it was saved.
         return torch.frombuffer(dest[at : at + need], dtype=dtype).view(shape)
+
+    def _packed_array(
+        self,
+        node: dict[str, Any],
+        b: int,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        order: Literal["C", "F"],
+        path: str,
+    ) -> Any:
+        """The array of a packed numpy leaf, as :meth:`_packed` makes a packed tensor's: over
+        its bytes in the pack's memory (a numpy buffer where nothing else claimed it), or
+        ``into=``'s own array, filled by :meth:`fill_packs`."""
+        need = math.prod(shape) * dtype.itemsize
+        dest = self._pack_slot(
+            node, b, dtype.itemsize, need, path, lambda n: np.empty(n, np.uint8).data
+        )
+        self._array_packs[b] += 1
+        at: int = node["at"]  # checked by _pack_slot
+        target = self._targets.get(id(node))
+        if target is not None:
+            if need:
+                self._pack_fills[b].append((at, need, target))
+            return target
+        if not need:
+            return np.empty(shape, dtype=dtype, order=order)
+        flat = np.frombuffer(dest[at : at + need], dtype=dtype)
+        return flat.reshape(shape[::-1]).T if order == "F" else flat.reshape(shape)
+
+    def _pack_slot(
+        self,
+        node: dict[str, Any],
+        b: int,
+        item: int,
+        need: int,
+        path: str,
+        fresh: Callable[[int], memoryview],
+    ) -> memoryview:
+        """The memory of pack ``b`` that the packed leaf ``node`` (of ``need`` bytes, elements
+        of ``item``) lies in: claimed by the pack's first leaf (mapped where it lies, else
+        ``fresh(nbytes)``), its offset checked against the pack and the leaf before it."""
+        at = node.get("at")
+        if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
+            raise CheckpointFormatError(f"leaf {path}: malformed pack offset {at!r:.40}")
+        dest = self._dest[b]
+        if dest is None:
+            dest = self._placed(b, _MAX_ALIGN)
+            if dest is None:
+                dest = fresh(self.blob_sizes[b])
+            self._claim(b, dest, path)
+            self._pack_fills[b] = []
+        elif b not in self._packs:
+            raise CheckpointFormatError(f"leaf {path}: blob {b} is claimed twice")
+        elif at < self._packs[b]:
+            # Leaves over the same bytes would change each other: never as saved.
+            raise CheckpointFormatError(f"leaf {path}: overlaps the leaf packed before it")
+        self._packs[b] = at + need
+        return dest  # type: ignore[no-any-return]
 
     def fill_packs(self) -> None:
         """Copy the packed leaves ``allocate(targets)`` noted from their verified packs into
@@ -793,7 +847,7 @@ class Restorer:
         for b, fills in self._pack_fills.items():
             if fills:
                 base = bases[b] = _native.address_of(self._dest[b])
-                dests.append(np.array([t.data_ptr() for _at, _n, t in fills], np.int64))
+                dests.append(np.array([_address(t) for _at, _n, t in fills], np.int64))
                 sources.append(np.array([at for at, _n, _t in fills], np.int64) + base)
                 sizes.append(np.array([n for _at, n, _t in fills], np.int64))
         for packs, offsets, nbytes, ptrs in self._column_fills:
@@ -868,6 +922,11 @@ class Restorer:
         if t == "pickle":
             return pickle.loads(self._values[id(node)])
         return _scalar(node, format_path(path))
+
+
+def _address(x: Any) -> int:
+    """The address of the first byte of ``x``: a torch tensor's or a numpy array's."""
+    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
 
 
 def _name_packs(

@@ -114,6 +114,7 @@ class FlatState:
     stateful: list[tuple[str, Any]] = field(default_factory=list)
     packed: bool = False  # whether any tensor of the skeleton is packed (has "at")
     files: bool = False  # whether the skeleton holds cryosnap.File leaves
+    numpy_packed: bool = False  # whether any numpy array of the skeleton is packed
     # Packs not filled yet (flatten's ``defer_packs``): the capture fills them first.
     deferred: DeferredPacks | None = None
 
@@ -381,13 +382,24 @@ class _Flattener:
         self._active: set[int] = set()
         self._depth = 0
         self.files = False
+        # Small numpy arrays are packed as they are met (their bytes are copied into the pack
+        # at the end of the walk), in packs of their own: numpy memory, no torch needed.
+        self._arrays = _Packer(self.blobs, pack_bytes, None, apart)
 
     def run(self, state: Any) -> FlatState:
         skeleton = self.visit(state, ())
+        self._arrays.finish()
         packed = self._assign_tensor_blobs()
         logical = sum(b.nbytes for b in self.blobs)
         return FlatState(
-            skeleton, self.blobs, self.leaves, logical, self.stateful, packed, self.files
+            skeleton,
+            self.blobs,
+            self.leaves,
+            logical,
+            self.stateful,
+            packed,
+            self.files,
+            numpy_packed=self._arrays.packs > 0,
         )
 
     def pickled(self, obj: Any, path: tuple[str | int, ...]) -> Json:
@@ -552,6 +564,10 @@ class _Flattener:
         else:
             flat = np.ascontiguousarray(arr).reshape(-1)
         raw = flat.view(np.uint8) if flat.size else np.empty(0, np.uint8)
+        if 0 < raw.nbytes <= self.pack_bytes // PACK_LEAF_FRACTION and "order" not in node:
+            # Small: packed ("b" and "at" set when its pack closes), as small CPU tensors are.
+            self._arrays.add(node, path, flat, raw.nbytes, arr.dtype.itemsize)
+            return node
         node["b"] = self.add_blob(path, raw, raw.nbytes)
         return node
 
@@ -709,6 +725,11 @@ def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8:
     return Blob(path, n, flat, origin)
 
 
+def _address(x: Any) -> int:
+    """The address of the first byte of ``x``: a torch tensor's or a numpy array's."""
+    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
+
+
 def copies_of(rows: list[tuple[int, int, int]]) -> Copies:
     """The :data:`Copies` of a pack from its ``(source address, nbytes, offset)`` rows."""
     return np.array(rows, np.int64).reshape(-1, 3)
@@ -725,7 +746,7 @@ def fill_packs(fills: Sequence[tuple[Any, Copies]]) -> None:
         return
     rows = np.concatenate([r for _p, r in fills])
     counts = np.array([len(r) for _p, r in fills], np.int64)
-    bases = np.repeat(np.array([p.data_ptr() for p, _r in fills], np.int64), counts)
+    bases = np.repeat(np.array([_address(p) for p, _r in fills], np.int64), counts)
     at, n = rows[:, 2], rows[:, 1]
     # Where the bytes before each copy end in its pack (0 for a pack's first): a gap if less.
     end = np.empty_like(at)
@@ -747,6 +768,8 @@ class _Packer:
     def __init__(
         self, blobs: list[Blob], pack_bytes: int, torch: Any, apart: frozenset[Any]
     ) -> None:
+        """``torch``: the module its packs are tensors of; None: numpy arrays (the packs of
+        numpy arrays, which need no torch)."""
         self.blobs = blobs
         self.pack_bytes = pack_bytes
         self.torch = torch
@@ -779,10 +802,13 @@ class _Packer:
         if not members:
             return
         self.members = []
-        pack = self.torch.empty(self.size, dtype=self.torch.uint8)
+        if self.torch is None:
+            pack = np.empty(self.size, np.uint8)
+        else:
+            pack = self.torch.empty(self.size, dtype=self.torch.uint8)
         # Fresh memory: its pages mapped in one call, not faulted in one by one as it fills.
-        _native.populate(pack.data_ptr(), self.size)
-        self.fills.append((pack, copies_of([(t.data_ptr(), n, at) for _, t, n, at in members])))
+        _native.populate(_address(pack), self.size)
+        self.fills.append((pack, copies_of([(_address(t), n, at) for _, t, n, at in members])))
         self.hold += [t for _node, t, _n, _at in members]
         index = len(self.blobs)
         for node, _t, _n, at in members:

@@ -87,7 +87,8 @@ class PartReader:
     def read(self, wanted: list[tuple[str, str]]) -> dict[tuple[str, str], memoryview]:
         """The bytes of each ``(kind, leaf name)`` asked for (kind ``tensors`` or ``bytes``),
         every chunk verified; a leaf the part lacks is a :class:`DcpFormatError`."""
-        blobs = [self._blob(kind, name) for kind, name in wanted]
+        spans = [self._blob(kind, name) for kind, name in wanted]
+        blobs = [b for b, _lo, _hi in spans]
         unique = sorted(set(blobs))
         sub = dataclasses.replace(
             self._part, blobs=[self._part.blobs[b] for b in unique], _by_path={}
@@ -95,9 +96,11 @@ class PartReader:
         buffers = [np.empty(self._part.blobs[b].nbytes, dtype=np.uint8) for b in unique]
         read_blobs(self.store, sub, [buf.data for buf in buffers], direct=[False] * len(unique))
         by_blob = dict(zip(unique, buffers, strict=True))
-        return {key: by_blob[b].data for key, b in zip(wanted, blobs, strict=True)}
+        return {key: by_blob[b].data[lo:hi] for key, (b, lo, hi) in zip(wanted, spans, strict=True)}
 
-    def _blob(self, kind: str, name: str) -> int:
+    def _blob(self, kind: str, name: str) -> tuple[int, int, int]:
+        """The blob that holds item ``name`` and the range of its bytes there (a small item
+        is packed with others: its ``at`` and its length)."""
         node = self._nodes[kind].get(name)
         if node is None:
             raise DcpFormatError(f"{self.where}: has no {kind} item {name!r}")
@@ -107,7 +110,13 @@ class PartReader:
             raise DcpFormatError(f"{self.where}: {kind} item {name!r} is malformed")
         if kind == TENSORS and (node.get("dtype") != "|u1" or len(node.get("shape", ())) != 1):
             raise DcpFormatError(f"{self.where}: tensor item {name!r} is not stored as bytes")
-        return int(b)
+        size = self._part.blobs[b].nbytes
+        if "at" not in node:
+            return b, 0, size
+        at, n = node.get("at"), node["shape"][0]
+        if type(at) is not int or type(n) is not int or not 0 <= at <= at + n <= size:
+            raise DcpFormatError(f"{self.where}: {kind} item {name!r} is malformed")
+        return b, at, at + n
 
 
 def _children(node: dict[str | int, Any], kind: str, where: str) -> dict[str | int, Any]:

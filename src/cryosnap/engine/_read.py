@@ -27,6 +27,7 @@ from cryosnap._format.chunks import merkle_root, value_runs
 from cryosnap._format.manifest import (
     COLUMNS_FORMAT_VERSION,
     FILES_FORMAT_VERSION,
+    NUMPY_PACKED_FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
     STORED,
     CommitRecord,
@@ -393,10 +394,18 @@ def read_flat(
         manifest.leaves,
         manifest.logical_bytes,
         # Version 3 (files) says nothing of packs: taken as packed, it is written 3 again;
-        # version 4 (columns) nothing of either: its columns write it 4 again.
+        # version 4 (columns) nothing of either: its columns write it 4 again; version 5
+        # (numpy packs) is written 5 again.
         packed=manifest.format_version
-        in (PACKED_FORMAT_VERSION, FILES_FORMAT_VERSION, COLUMNS_FORMAT_VERSION),
-        files=manifest.format_version in (FILES_FORMAT_VERSION, COLUMNS_FORMAT_VERSION),
+        in (
+            PACKED_FORMAT_VERSION,
+            FILES_FORMAT_VERSION,
+            COLUMNS_FORMAT_VERSION,
+            NUMPY_PACKED_FORMAT_VERSION,
+        ),
+        files=manifest.format_version
+        in (FILES_FORMAT_VERSION, COLUMNS_FORMAT_VERSION, NUMPY_PACKED_FORMAT_VERSION),
+        numpy_packed=manifest.format_version == NUMPY_PACKED_FORMAT_VERSION,
     )
     skipped = skip(flat, manifest) if skip is not None else {}
     wanted, views = _wanted(part, [b.data for b in buffers], skipped, manifest.chunk_bytes)

@@ -345,11 +345,11 @@ def test_unsafe_manifest_key_is_refused(run: Run) -> None:
 
 
 @pytest.mark.parametrize("doc", ["manifest", "commit"])
-@pytest.mark.parametrize("version", [0, 5, "1", None, True])
+@pytest.mark.parametrize("version", [0, 6, "1", None, True])
 def test_unknown_format_version(run: Run, doc: str, version: Any) -> None:
-    # (A manifest may say 2, 3 or 4: it holds packed tensors, files or columns. A commit
-    # record may not.)
-    if doc == "commit" and version == 5:
+    # (A manifest may say 2, 3, 4 or 5: it holds packed tensors, files, columns or packed
+    # arrays. A commit record may not.)
+    if doc == "commit" and version == 6:
         version = 2
     change = {"format_version": version}
     _rewrite(run, **{doc: change})

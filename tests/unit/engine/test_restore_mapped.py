@@ -94,9 +94,12 @@ def test_fresh_leaves_are_views_of_the_mapped_file_and_round_trip(tmp_path: Path
 
 
 def test_misaligned_blobs_are_allocated_not_placed(tmp_path: Path) -> None:
-    # 3 bytes, then 800 (too small to be aligned by the writer): misaligned for float64.
-    # (numpy arrays: small tensors would share one pack, aligned.)
-    state = {"a": np.ones(3, dtype=bool), "b": np.arange(100, dtype=np.float64)}
+    # 9 bytes, then 800 (too small to be aligned by the writer): misaligned for float64. (In
+    # Fortran order: small arrays in C order would share a pack, aligned.)
+    state = {
+        "a": np.asfortranarray(np.ones((3, 3), dtype=bool)),
+        "b": np.asfortranarray(np.arange(100, dtype=np.float64).reshape(10, 10)),
+    }
     cryosnap.save(tmp_path, state, step=STEP, chunk_bytes=CHUNK)
     manifest = Manifest.from_json(LocalStore(tmp_path).read(manifest_key(STEP, 0)), "test")
     paths, placed, _dest = _placed(tmp_path)
@@ -110,7 +113,7 @@ def test_the_writer_aligns_blobs_of_a_page_or_more(tmp_path: Path) -> None:
     """Blobs of 4 KiB or more start at a multiple of 64 bytes in their data file; the zero
     bytes before them are not counted as written."""
     sizes = [3, 5000, 7, 4096, 100, 70_000, 1]
-    state = {f"t{i}": np.full(n, i, dtype=np.uint8) for i, n in enumerate(sizes)}  # not packed
+    state = {f"t{i}": bytes([i]) * n for i, n in enumerate(sizes)}  # bytes: never packed
     info = cryosnap.save(tmp_path, state, step=STEP, chunk_bytes=CHUNK)
     assert info.written_bytes == sum(sizes)
     manifest = Manifest.from_json(LocalStore(tmp_path).read(manifest_key(STEP, 0)), "test")
@@ -123,7 +126,7 @@ def test_the_writer_aligns_blobs_of_a_page_or_more(tmp_path: Path) -> None:
         ends.append(int(rows[-1][2]) + int(rows[-1][3]))
     assert _data_file(tmp_path).stat().st_size == max(ends) > sum(sizes)
     out = cryosnap.load(tmp_path)
-    assert all(np.array_equal(out[k], state[k]) for k in state)
+    assert out == state
 
 
 def test_writes_to_restored_leaves_never_reach_the_file(tmp_path: Path) -> None:

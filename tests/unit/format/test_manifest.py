@@ -217,7 +217,7 @@ def _saved_manifest(state: Any, chunk_bytes: int) -> bytes:
 def test_manifest_with_blobs_round_trip(
     sizes: list[int], chunk_bytes: int, step: int, created: float
 ) -> None:
-    state = {f"b{i}": np.zeros(n, np.uint8) for i, n in enumerate(sizes)}
+    state = {f"b{i}": bytes(n) for i, n in enumerate(sizes)}  # bytes: a blob each
     body = _saved_manifest(state, chunk_bytes)
     manifest = Manifest.from_json(body, WHERE)
     assert [b.nbytes for b in manifest.blobs] == sizes
@@ -268,7 +268,7 @@ MANIFEST_CASES = [
     ("tree", _MISSING, "'tree'"),
     ("kind", "cryosnap.commit", "not a cryosnap manifest"),
     ("hash", "sha256", "hash algorithm"),
-    ("format_version", 5, "format_version"),
+    ("format_version", 6, "format_version"),
     ("format_version", True, "format_version"),
     ("format_version", _MISSING, "format_version"),
 ]
@@ -605,9 +605,9 @@ def _outcome(body: bytes) -> Any:
 @pytest.fixture(scope="module")
 def many_blobs_doc() -> dict[str, Any]:
     """A manifest of many one-segment blobs, an empty one and a packed multi-segment one."""
-    # numpy arrays: small tensors would be packed several to a blob
+    # bytes: small tensors and arrays would be packed several to a blob
     state: dict[str, Any] = {
-        f"t{i}": np.full((i % 7 * 300 + 1,), float(i), np.float32) for i in range(40)
+        f"t{i}": np.full((i % 7 * 300 + 1,), float(i), np.float32).tobytes() for i in range(40)
     }
     state["empty"] = torch.zeros(0)
     state["big"] = torch.arange(200_000, dtype=torch.float32)

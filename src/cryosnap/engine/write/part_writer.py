@@ -25,6 +25,7 @@ from cryosnap._format.chunks import (
 from cryosnap._format.manifest import (
     FILES_FORMAT_VERSION,
     FORMAT_VERSION,
+    NUMPY_PACKED_FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
     BaseRef,
     Lineage,
@@ -459,7 +460,9 @@ class PartWriter:
             base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
             replicated=self.replicated,
             format_version=(
-                FILES_FORMAT_VERSION
+                NUMPY_PACKED_FORMAT_VERSION
+                if flat.numpy_packed
+                else FILES_FORMAT_VERSION
                 if flat.files
                 else PACKED_FORMAT_VERSION
                 if flat.packed
