@@ -188,6 +188,21 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+_DESCRS: dict[Any, str] = {}  # numpy dtype -> its descr, where that is a string ("<f4")
+
+
+def _descr(dtype: np.dtype[Any]) -> Any:
+    """A numpy dtype's descr in a skeleton; a string one (any but a record's) made once per
+    dtype (_DESCRS): 1.1 us a call, 20,000 small arrays a save."""
+    descr = _DESCRS.get(dtype)
+    if descr is None:
+        made: Any = np.lib.format.dtype_to_descr(dtype)
+        if not isinstance(made, str):
+            return made  # a record's list: a fresh one per node
+        descr = _DESCRS[dtype] = made
+    return descr
+
+
 def flatten(
     state: Any,
     *,
@@ -555,7 +570,7 @@ class _Flattener:
             )
         node: dict[str, Any] = {
             "t": "numpy",
-            "dtype": np.lib.format.dtype_to_descr(arr.dtype),
+            "dtype": _descr(arr.dtype),
             "shape": list(arr.shape),
         }
         if arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous:
