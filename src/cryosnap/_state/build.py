@@ -775,15 +775,13 @@ class Restorer:
         (claimed by the first of its leaves: mapped, or allocated once for all of them); for
         one of the targets, that target, the leaf noted for :meth:`fill_packs`."""
         torch = _torch()
-        at, need = node["at"], math.prod(shape) * item
-        dest = self._pack_slot(
+        need = math.prod(shape) * item
+        dest, target = self._pack_slot(
             node, b, item, need, path, lambda n: _byte_view(torch.empty(n, dtype=torch.uint8))
         )
-        target = self._targets.get(id(node))
         if target is not None:
-            if need:
-                self._pack_fills[b].append((at, need, target))
             return target
+        at: int = node["at"]  # checked by _pack_slot
         if not need:
             return torch.empty(shape, dtype=dtype)
         # A storage of its own over the pack's memory (which it keeps alive): the leaf is as
@@ -803,16 +801,13 @@ class Restorer:
         its bytes in the pack's memory (a numpy buffer where nothing else claimed it), or
         ``into=``'s own array, filled by :meth:`fill_packs`."""
         need = math.prod(shape) * dtype.itemsize
-        dest = self._pack_slot(
+        dest, target = self._pack_slot(
             node, b, dtype.itemsize, need, path, lambda n: np.empty(n, np.uint8).data
         )
         self._array_packs[b] += 1
-        at: int = node["at"]  # checked by _pack_slot
-        target = self._targets.get(id(node))
         if target is not None:
-            if need:
-                self._pack_fills[b].append((at, need, target))
             return target
+        at: int = node["at"]  # checked by _pack_slot
         if not need:
             return np.empty(shape, dtype=dtype, order=order)
         flat = np.frombuffer(dest[at : at + need], dtype=dtype)
@@ -826,10 +821,11 @@ class Restorer:
         need: int,
         path: str,
         fresh: Callable[[int], memoryview],
-    ) -> memoryview:
+    ) -> tuple[memoryview, Any]:
         """The memory of pack ``b`` that the packed leaf ``node`` (of ``need`` bytes, elements
         of ``item``) lies in: claimed by the pack's first leaf (mapped where it lies, else
-        ``fresh(nbytes)``), its offset checked against the pack and the leaf before it."""
+        ``fresh(nbytes)``), its offset checked against the pack and the leaf before it; and
+        ``into=``'s leaf for it (None: not a target), its fill noted for :meth:`fill_packs`."""
         at = node.get("at")
         if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
             raise CheckpointFormatError(f"leaf {path}: malformed pack offset {at!r:.40}")
@@ -846,7 +842,10 @@ class Restorer:
             # Leaves over the same bytes would change each other: never as saved.
             raise CheckpointFormatError(f"leaf {path}: overlaps the leaf packed before it")
         self._packs[b] = at + need
-        return dest  # type: ignore[no-any-return]
+        target = self._targets.get(id(node))
+        if target is not None and need:
+            self._pack_fills[b].append((at, need, target))
+        return dest, target
 
     def fill_packs(self) -> None:
         """Copy the packed leaves ``allocate(targets)`` noted from their verified packs into
