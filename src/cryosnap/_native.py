@@ -35,6 +35,7 @@ __all__ = [
     "dontneed",
     "hash_chunks",
     "hash_each",
+    "leaf_address",
     "map_private",
     "map_shared_read",
     "memmove",
@@ -205,6 +206,11 @@ def address_of(buf: memoryview | np.ndarray[Any, Any]) -> int:
     if buf.readonly or addressof is None:
         return int(np.frombuffer(buf, np.uint8).__array_interface__["data"][0])
     return addressof(buf)
+
+
+def leaf_address(leaf: Any) -> int:
+    """The address of the first byte of a numpy array or of a tensor (its ``data_ptr()``)."""
+    return int(leaf.ctypes.data) if isinstance(leaf, np.ndarray) else int(leaf.data_ptr())
 
 
 class _At:

@@ -859,7 +859,7 @@ class Restorer:
         for b, fills in self._pack_fills.items():
             if fills:
                 base = bases[b] = _native.address_of(self._dest[b])
-                dests.append(np.array([_address(t) for _at, _n, t in fills], np.int64))
+                dests.append(np.array([_native.leaf_address(t) for _at, _n, t in fills], np.int64))
                 sources.append(np.array([at for at, _n, _t in fills], np.int64) + base)
                 sizes.append(np.array([n for _at, n, _t in fills], np.int64))
         for packs, offsets, nbytes, ptrs in self._column_fills:
@@ -934,11 +934,6 @@ class Restorer:
         if t == "pickle":
             return pickle.loads(self._values[id(node)])
         return _scalar(node, format_path(path))
-
-
-def _address(x: Any) -> int:
-    """The address of the first byte of ``x``: a torch tensor's or a numpy array's."""
-    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
 
 
 def _name_packs(

@@ -740,11 +740,6 @@ def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8:
     return Blob(path, n, flat, origin)
 
 
-def _address(x: Any) -> int:
-    """The address of the first byte of ``x``: a torch tensor's or a numpy array's."""
-    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
-
-
 def copies_of(rows: list[tuple[int, int, int]]) -> Copies:
     """The :data:`Copies` of a pack from its ``(source address, nbytes, offset)`` rows."""
     return np.array(rows, np.int64).reshape(-1, 3)
@@ -761,7 +756,7 @@ def fill_packs(fills: Sequence[tuple[Any, Copies]]) -> None:
         return
     rows = np.concatenate([r for _p, r in fills])
     counts = np.array([len(r) for _p, r in fills], np.int64)
-    bases = np.repeat(np.array([_address(p) for p, _r in fills], np.int64), counts)
+    bases = np.repeat(np.array([_native.leaf_address(p) for p, _r in fills], np.int64), counts)
     at, n = rows[:, 2], rows[:, 1]
     # Where the bytes before each copy end in its pack (0 for a pack's first): a gap if less.
     end = np.empty_like(at)
@@ -822,8 +817,9 @@ class _Packer:
         else:
             pack = self.torch.empty(self.size, dtype=self.torch.uint8)
         # Fresh memory: its pages mapped in one call, not faulted in one by one as it fills.
-        _native.populate(_address(pack), self.size)
-        self.fills.append((pack, copies_of([(_address(t), n, at) for _, t, n, at in members])))
+        _native.populate(_native.leaf_address(pack), self.size)
+        address = _native.leaf_address
+        self.fills.append((pack, copies_of([(address(t), n, at) for _, t, n, at in members])))
         self.hold += [t for _node, t, _n, _at in members]
         index = len(self.blobs)
         for node, _t, _n, at in members:
