@@ -24,7 +24,7 @@ from cryosnap._format.skeleton import (
     format_path,
 )
 from cryosnap._state import dtensor
-from cryosnap._state.build import ColumnTargets, _itemsize, _np_dtype, _torch
+from cryosnap._state.build import _NP_DTYPES, ColumnTargets, _itemsize, _np_dtype, _torch
 from cryosnap._state.device import copy_to_device
 from cryosnap._state.files import File, FileWrites, check_file_into
 from cryosnap._state.flatten import _DTYPE_NAMES, dtype_name, is_stateful
@@ -123,20 +123,32 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...], match: _Match | N
         ):
             return
         plain = torch.Tensor if torch is not None else None
-        names = _DTYPE_NAMES
+        names, descrs = _DTYPE_NAMES, _NP_DTYPES
         for k, v in dict_items(node, where):
             x = into[k]
-            # A state dict's tensors, checked here without a call each (what the torch
-            # branch below checks).
-            if (
-                type(x) is plain
-                and v.get("t") == "torch"
-                and names.get(x.dtype) == v.get("dtype")
-                and list(x.shape) == v.get("shape")
-            ):
-                if match is not None:
-                    match.tensor(v, x)
-                continue
+            # A state dict's tensors and a dict's arrays, checked here without a call each
+            # (what _check_leaf checks of them; a descr not parsed yet takes the long way).
+            kind = type(x)
+            if kind is plain:
+                if (
+                    v.get("t") == "torch"
+                    and names.get(x.dtype) == v.get("dtype")
+                    and list(x.shape) == v.get("shape")
+                ):
+                    if match is not None:
+                        match.tensor(v, x)
+                    continue
+            elif kind is np.ndarray and v.get("t") == "numpy":
+                want = descrs.get(v["dtype"]) if type(v.get("dtype")) is str else None
+                if (
+                    want is not None
+                    and want == x.dtype
+                    and list(x.shape) == v.get("shape")
+                    and x.flags.writeable
+                ):
+                    if match is not None:
+                        match.array(v, x)
+                    continue
             _check(v, x, (*path, k), match)
         return
     if t in ("list", "tuple"):
@@ -338,6 +350,21 @@ class _Match:
             self.found.append((id(node), x))
         else:
             self.spans.append((lo, lo + n, -1))
+
+    def array(self, node: dict[str, Any], x: np.ndarray[Any, Any]) -> None:
+        """A plain writable numpy array that :func:`_check` found of ``node``'s dtype and
+        shape: what :meth:`leaf` notes of it, without its general walk."""
+        if self.unknown or not x.size:
+            return
+        if not x.flags.c_contiguous:
+            self.leaf(node, x)
+            return
+        lo, n = x.ctypes.data, x.nbytes
+        # What _direct checks of such an array.
+        direct = (n >= self.min_bytes or "at" in node) and node.get("order") != "F"
+        self.spans.append((lo, lo + n, len(self.found) if direct else -1))
+        if direct:
+            self.found.append((id(node), x))
 
     def leaf(self, node: dict[str, Any], into: Any) -> None:
         """Any other leaf (checked, or about to be, by :func:`_check`)."""

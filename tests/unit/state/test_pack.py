@@ -574,3 +574,43 @@ def test_cli_inspect_and_diff_of_packed_arrays(
     assert cli.main(["diff", str(tmp_path), "1", "2", "--json"]) == 0
     changed = {r["path"] for r in json.loads(capsys.readouterr().out)["leaves"]}
     assert changed == {"z"}
+
+
+@pytest.mark.parametrize("parsed", [False, True])
+def test_into_a_dict_of_arrays_is_checked_leaf_by_leaf(
+    tmp_path: Path, parsed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dict of arrays is checked without a call per array once its descrs are parsed (and
+    the long way before): the same mismatches refused, naming the leaf, nothing filled;
+    a strided or read-only target never filled in place."""
+    import cryosnap._state.build as build
+
+    if not parsed:
+        monkeypatch.setattr(build, "_NP_DTYPES", {})  # no descr parsed in this process yet
+    state = {f"a{i}": np.full(4, i, np.float32) for i in range(20)}
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    if parsed:
+        cryosnap.load(tmp_path)
+    wrong = [
+        ("a3", np.zeros(4, np.float64), "a3"),
+        ("a5", np.zeros(5, np.float32), "a5"),
+        ("a7", np.zeros(4, np.float32).astype(">f4"), "a7"),
+    ]
+    for key, target, where in wrong:
+        into = {k: np.zeros_like(v) for k, v in state.items()}
+        into[key] = target
+        with pytest.raises(cryosnap.errors.StateMismatchError, match=where):
+            cryosnap.load(tmp_path, into=into)
+        assert not any(v.any() for v in into.values())  # nothing filled
+    frozen = np.zeros(4, np.float32)
+    frozen.flags.writeable = False
+    into = {k: np.zeros_like(v) for k, v in state.items()}
+    into["a2"] = frozen
+    with pytest.raises(cryosnap.errors.StateMismatchError, match=r"a2.*read-only"):
+        cryosnap.load(tmp_path, into=into)
+    into = {k: np.zeros_like(v) for k, v in state.items()}
+    base = np.zeros(8, np.float32)
+    into["a9"] = base[::2]  # strided: filled by a copy, its base's other elements untouched
+    out = cryosnap.load(tmp_path, into=into)
+    assert all(np.array_equal(out[k], state[k]) for k in state)
+    assert np.array_equal(base[::2], state["a9"]) and not base[1::2].any()
