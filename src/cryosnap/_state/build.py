@@ -827,6 +827,8 @@ class Restorer:
         ``fresh(nbytes)``), its offset checked against the pack and the leaf before it; and
         ``into=``'s leaf for it (None: not a target), its fill noted for :meth:`fill_packs`."""
         at = node.get("at")
+        if item <= 0:  # never written: a packed leaf has bytes
+            raise CheckpointFormatError(f"leaf {path}: packed with elements of {item} bytes")
         if type(at) is not int or not 0 <= at <= self.blob_sizes[b] - need or at % item:
             raise CheckpointFormatError(f"leaf {path}: malformed pack offset {at!r:.40}")
         dest = self._dest[b]

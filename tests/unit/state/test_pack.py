@@ -536,6 +536,7 @@ def test_damage_in_a_pack_of_arrays_names_a_leaf(tmp_path: Path, reading: str) -
         (lambda leaf: leaf.update(at=None), "malformed pack offset"),
         (lambda leaf: leaf.update(at=8), "overlaps the leaf packed before it"),
         (lambda leaf: leaf.pop("at"), "holds 20 bytes|claimed twice|bytes"),
+        (lambda leaf: leaf.update(dtype="|V0"), "packed with elements of 0 bytes"),
     ],
 )
 def test_malformed_offsets_of_packed_arrays_are_refused(
