@@ -11,7 +11,7 @@ import pickle
 import struct
 import sys
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -288,7 +288,9 @@ class Restorer:
         # leaves of each pack they are.
         self._column_fills: list[tuple[Any, Any, Any, Any]] = []
         self._column_packs: Counter[int] = Counter()
-        self._array_packs: Counter[int] = Counter()  # packed numpy leaves of each pack
+        # The packs of numpy leaves, and how many of each pack's leaves get an array over it
+        # (not into='s: those are among _pack_fills).
+        self._array_packs: Counter[int] = Counter()
         # The dict nodes in columns allocated fresh in bulk (their leaves a list by node id).
         self._fresh: list[dict[str, Any]] = []
         self.moved = False  # whether install() put the leaves on a device
@@ -309,6 +311,7 @@ class Restorer:
                 self._tensors,
                 self._pack_fills,
                 self._column_packs + self._array_packs,
+                arrays=self._array_packs.keys(),
             )
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
@@ -804,9 +807,10 @@ class Restorer:
         dest, target = self._pack_slot(
             node, b, dtype.itemsize, need, path, lambda n: np.empty(n, np.uint8).data
         )
-        self._array_packs[b] += 1
         if target is not None:
+            self._array_packs[b] += 0  # (a key all the same: a pack of arrays)
             return target
+        self._array_packs[b] += 1
         at: int = node["at"]  # checked by _pack_slot
         if not need:
             return np.empty(shape, dtype=dtype, order=order)
@@ -943,15 +947,17 @@ def _name_packs(
     tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
     fills: dict[int, list[tuple[int, int, Any]]],
     columns: Counter[int],
+    arrays: Collection[int] = (),
 ) -> None:
-    """Add to the path of each pack's blob how many more tensors it holds."""
+    """Add to the path of each pack's blob how many more tensors (the packs in ``arrays``:
+    numpy arrays) it holds."""
     packed = Counter(b for node, b, _g in tensors if "at" in node)
     packed.update({b: len(members) for b, members in fills.items()})
     packed.update(columns)
     for b, count in packed.items():
         if count > 1:
-            more = count - 1
-            paths[b] += f" (packed with {more} more tensor{'s' * (more > 1)})"
+            more, kind = count - 1, "array" if b in arrays else "tensor"
+            paths[b] += f" (packed with {more} more {kind}{'s' * (more > 1)})"
 
 
 @dataclass(slots=True)

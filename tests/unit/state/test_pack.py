@@ -523,7 +523,7 @@ def test_damage_in_a_pack_of_arrays_names_a_leaf(tmp_path: Path, reading: str) -
     raw = bytearray(data.read_bytes())
     raw[10] ^= 0xFF  # inside the only pack
     data.write_bytes(bytes(raw))
-    with pytest.raises(IntegrityError, match=r"a0 \(packed with 29 more tensors\)"):
+    with pytest.raises(IntegrityError, match=r"a0 \(packed with 29 more arrays\)"):
         cryosnap.load(tmp_path, step=1)
 
 
