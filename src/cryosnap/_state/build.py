@@ -11,7 +11,7 @@ import pickle
 import struct
 import sys
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -288,8 +288,7 @@ class Restorer:
         # leaves of each pack they are.
         self._column_fills: list[tuple[Any, Any, Any, Any]] = []
         self._column_packs: Counter[int] = Counter()
-        # The packs of numpy leaves, and how many of each pack's leaves get an array over it
-        # (not into='s: those are among _pack_fills).
+        # The packs of numpy leaves, and how many leaves each holds.
         self._array_packs: Counter[int] = Counter()
         # The dict nodes in columns allocated fresh in bulk (their leaves a list by node id).
         self._fresh: list[dict[str, Any]] = []
@@ -310,8 +309,8 @@ class Restorer:
                 self.blob_paths,
                 self._tensors,
                 self._pack_fills,
-                self._column_packs + self._array_packs,
-                arrays=self._array_packs.keys(),
+                self._column_packs,
+                self._array_packs,
             )
         views: list[memoryview] = []
         for i, dest in enumerate(self._dest):
@@ -807,10 +806,9 @@ class Restorer:
         dest, target = self._pack_slot(
             node, b, dtype.itemsize, need, path, lambda n: np.empty(n, np.uint8).data
         )
-        if target is not None:
-            self._array_packs[b] += 0  # (a key all the same: a pack of arrays)
-            return target
         self._array_packs[b] += 1
+        if target is not None:
+            return target
         at: int = node["at"]  # checked by _pack_slot
         if not need:
             return np.empty(shape, dtype=dtype, order=order)
@@ -947,13 +945,14 @@ def _name_packs(
     tensors: list[tuple[dict[str, Any], int, _Geometry | None]],
     fills: dict[int, list[tuple[int, int, Any]]],
     columns: Counter[int],
-    arrays: Collection[int] = (),
+    arrays: Counter[int],
 ) -> None:
-    """Add to the path of each pack's blob how many more tensors (the packs in ``arrays``:
-    numpy arrays) it holds."""
+    """Add to the path of each pack's blob how many more tensors (in a pack of ``arrays``,
+    counted there whole: numpy arrays) it holds."""
     packed = Counter(b for node, b, _g in tensors if "at" in node)
-    packed.update({b: len(members) for b, members in fills.items()})
+    packed.update({b: len(members) for b, members in fills.items() if b not in arrays})
     packed.update(columns)
+    packed.update(arrays)
     for b, count in packed.items():
         if count > 1:
             more, kind = count - 1, "array" if b in arrays else "tensor"
