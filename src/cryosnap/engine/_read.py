@@ -25,7 +25,6 @@ import numpy as np
 from cryosnap import _native
 from cryosnap._format.chunks import merkle_root, value_runs
 from cryosnap._format.manifest import (
-    COLUMNS_FORMAT_VERSION,
     FILES_FORMAT_VERSION,
     NUMPY_PACKED_FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
@@ -393,19 +392,12 @@ def read_flat(
         blobs,
         manifest.leaves,
         manifest.logical_bytes,
-        # Version 3 (files) says nothing of packs: taken as packed, it is written 3 again;
-        # version 4 (columns) nothing of either: its columns write it 4 again; version 5
-        # (numpy packs) is written 5 again.
-        packed=manifest.format_version
-        in (
-            PACKED_FORMAT_VERSION,
-            FILES_FORMAT_VERSION,
-            COLUMNS_FORMAT_VERSION,
-            NUMPY_PACKED_FORMAT_VERSION,
-        ),
-        files=manifest.format_version
-        in (FILES_FORMAT_VERSION, COLUMNS_FORMAT_VERSION, NUMPY_PACKED_FORMAT_VERSION),
-        numpy_packed=manifest.format_version == NUMPY_PACKED_FORMAT_VERSION,
+        # Each version may hold what the ones before it may: 3 (files) says nothing of packs,
+        # so taken as packed it is written 3 again; 4 (columns) nothing of either: its
+        # columns write it 4 again; 5 (numpy packs) is written 5 again.
+        packed=manifest.format_version >= PACKED_FORMAT_VERSION,
+        files=manifest.format_version >= FILES_FORMAT_VERSION,
+        numpy_packed=manifest.format_version >= NUMPY_PACKED_FORMAT_VERSION,
     )
     skipped = skip(flat, manifest) if skip is not None else {}
     wanted, views = _wanted(part, [b.data for b in buffers], skipped, manifest.chunk_bytes)
