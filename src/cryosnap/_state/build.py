@@ -863,9 +863,11 @@ class Restorer:
         for b, fills in self._pack_fills.items():
             if fills:
                 base = bases[b] = _native.address_of(self._dest[b])
-                dests.append(np.array([_native.leaf_address(t) for _at, _n, t in fills], np.int64))
-                sources.append(np.array([at for at, _n, _t in fills], np.int64) + base)
-                sizes.append(np.array([n for _at, n, _t in fills], np.int64))
+                address = _native.leaf_address
+                rows = np.array([(address(t), at, n) for at, n, t in fills], np.int64)
+                dests.append(rows[:, 0])
+                sources.append(rows[:, 1] + base)
+                sizes.append(rows[:, 2])
         for packs, offsets, nbytes, ptrs in self._column_fills:
             for b in set(packs.tolist()) - bases.keys():
                 bases[b] = _native.address_of(self._dest[b])
