@@ -22,6 +22,10 @@ Writes, under the given folder (each must not exist yet):
 - ``files`` (added with ``cryosnap.File`` leaves, by ``make_golden.py tests/golden files``):
   ``cryosnap.save`` at step 4 of a 10,000-byte file (three chunks), an empty file and an int;
   the files themselves are written in a temporary folder and left out.
+- ``arrays`` (added with packed numpy arrays, by ``make_golden.py tests/golden arrays``):
+  ``cryosnap.save`` at step 11 of small numpy arrays of several dtypes and byte orders
+  (packed several to a blob of arrays, with alignment gaps), arrays that stay alone (Fortran
+  order, empty, too large to pack) and a small torch tensor (packs hold one kind each).
 
 tests/unit/test_golden.py holds the expected values written out by hand from the states below.
 """
@@ -103,6 +107,33 @@ def columns_state() -> dict[str, Any]:
         },
         "step": 9,
     }
+
+
+def arrays_state() -> dict[str, Any]:
+    """Small numpy arrays (packed: format_version 5), arrays that stay alone and a tensor."""
+    record = np.dtype([("id", "<i4"), ("w", "<f8")])
+    return {
+        "fields": {
+            "rho": np.arange(6, dtype=np.float32).reshape(2, 3) / 4,  # 24 B
+            "flag": np.array([True, False, True]),  # 3 B
+            "count": np.array(11, dtype=np.int64),  # 0-d
+            "be": np.array([1, -2, 300], dtype=">i2"),  # big-endian
+            "z": np.array([1 + 2j, -0.5j], dtype=np.complex128),  # 32 B
+            "rec": np.array([(1, 0.5), (-2, 2.25)], dtype=record),
+            "when": np.array(["2026-12-06", "1970-01-01"], dtype="datetime64[D]"),
+            "fortran": np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),  # alone
+            "empty": np.zeros((0, 4), np.float32),  # alone: no bytes
+            "big": np.arange(1500, dtype=np.float64) / 8,  # 12000 B: alone
+        },
+        "t": torch.tensor([0.5, -1.0]),  # a pack of tensors, apart from the arrays'
+        "step": 11,
+    }
+
+
+def make_arrays(out: Path) -> None:
+    _refuse_existing(out, ("arrays",))
+    cryosnap.save(out / "arrays", arrays_state(), step=11, chunk_bytes=CHUNK)
+    (out / "arrays" / "writer.lock").unlink()
 
 
 def make_columns(out: Path) -> None:
@@ -193,11 +224,14 @@ if __name__ == "__main__":
     # run added with packs of small tensors.
     # make_golden.py DIR files: the run added with cryosnap.File leaves.
     # make_golden.py DIR columns: the run added with state dicts in columns.
+    # make_golden.py DIR arrays: the run added with packed numpy arrays.
     if sys.argv[2:] == ["packs"]:
         make_packs(Path(sys.argv[1]))
     elif sys.argv[2:] == ["files"]:
         make_files(Path(sys.argv[1]))
     elif sys.argv[2:] == ["columns"]:
         make_columns(Path(sys.argv[1]))
+    elif sys.argv[2:] == ["arrays"]:
+        make_arrays(Path(sys.argv[1]))
     else:
         make(Path(sys.argv[1]))

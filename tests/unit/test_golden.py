@@ -215,10 +215,66 @@ def test_columns_read_exactly(golden: Any) -> None:
     assert [b.nbytes for b in manifest.blobs] == [0, 6000, 136]  # the pack: 9 leaves, gaps
 
 
+_RECORD = np.dtype([("id", "<i4"), ("w", "<f8")])
+
+
+def _arrays_want() -> dict[str, np.ndarray]:
+    return {
+        "rho": np.array([[0.0, 0.25, 0.5], [0.75, 1.0, 1.25]], np.float32),
+        "flag": np.array([True, False, True]),
+        "count": np.array(11, np.int64),
+        "be": np.array([1, -2, 300], ">i2"),
+        "z": np.array([1 + 2j, -0.5j], np.complex128),
+        "rec": np.array([(1, 0.5), (-2, 2.25)], _RECORD),
+        "when": np.array(["2026-12-06", "1970-01-01"], "datetime64[D]"),
+        "fortran": np.array([[0, 1, 2], [3, 4, 5]], np.int16, order="F"),
+        "empty": np.zeros((0, 4), np.float32),
+        "big": np.array([i / 8 for i in range(1500)], np.float64),
+    }
+
+
+def _arrays_match(fields: dict[str, Any]) -> None:
+    want = _arrays_want()
+    assert list(fields) == list(want)
+    for key, expected in want.items():
+        _array(fields[key], expected)
+    assert fields["fortran"].flags.f_contiguous and not fields["fortran"].flags.c_contiguous
+
+
+def test_arrays_read_exactly(golden: Any) -> None:
+    """Packed numpy arrays (tests/golden/arrays, made when they came): fresh, into= (filled
+    in place), keys=; its manifest says 5, the small C-order arrays share one pack, the
+    Fortran-order, empty and large ones and the tensor's pack stay apart."""
+    run = golden("arrays")
+    state = cryosnap.load(run)
+    assert list(state) == ["fields", "t", "step"] and state["step"] == 11
+    _arrays_match(state["fields"])
+    assert type(state["t"]) is torch.Tensor and state["t"].tolist() == [0.5, -1.0]
+    into = {"fields": {k: np.zeros_like(v) for k, v in _arrays_want().items()}, "t": None}
+    into["step"] = 0
+    arrays = [id(v) for v in into["fields"].values()]
+    cryosnap.load(run, into=into)
+    assert [id(v) for v in into["fields"].values()] == arrays and into["step"] == 11
+    _arrays_match(into["fields"])
+    _arrays_match(cryosnap.load(run, keys=["fields"])["fields"])
+    record = engine.read_commit(LocalStore(run), 11)
+    manifest, _ref = engine.read_manifest(LocalStore(run), record, 0)
+    assert manifest.format_version == 5
+    nodes = dict(zip(manifest.skeleton["v"][0]["k"], manifest.skeleton["v"][0]["v"], strict=True))
+    packed = ["rho", "flag", "count", "be", "z", "rec", "when"]
+    assert [k for k, n in nodes.items() if "at" in n] == packed
+    # Each at a multiple of its element size, in one pack of arrays of 128 bytes.
+    assert [nodes[k]["at"] for k in packed] == [0, 24, 32, 40, 48, 84, 112]
+    assert {nodes[k]["b"] for k in packed} == {3}
+    assert nodes["be"]["dtype"] == ">i2" and nodes["fortran"]["order"] == "F"
+    # fortran, empty and big alone, the pack of arrays, the tensor's pack.
+    assert [b.nbytes for b in manifest.blobs] == [12, 0, 12000, 128, 8]
+
+
 def test_golden_runs_are_format_1() -> None:
     for commit in GOLDEN.glob("*/versions/*/COMMIT.json"):
         assert b'"format_version":1' in commit.read_bytes(), commit
-    versions = {"packs": 2, "files": 3, "columns": 4}
+    versions = {"packs": 2, "files": 3, "columns": 4, "arrays": 5}
     for manifest in GOLDEN.glob("*/versions/*/rank-*.json"):
         version = versions.get(manifest.parts[-4], 1)
         assert f'"format_version":{version}'.encode() in manifest.read_bytes()
