@@ -102,6 +102,29 @@ def test_address_of_views_and_arrays(binding: str) -> None:
     assert _native.address_of(np.empty(0, np.uint8)) == 0
 
 
+def _leaf_arrays() -> list[np.ndarray]:
+    base = np.arange(240, dtype=np.float32)
+    read_only = base.copy()
+    read_only.flags.writeable = False
+    return [
+        base,  # writable, C order
+        base[7:],  # a view inside another array
+        read_only,
+        np.asfortranarray(base.reshape(12, 20)),
+        base.reshape(12, 20)[:, 3:],  # not contiguous
+        base[::-2],  # negative strides
+        np.array(["2026-12-06", "1970-01-01"], "datetime64[D]"),  # buffers refuse its dtype
+        np.zeros(3, [("id", "<i4"), ("w", ">f8")]),
+        np.array(5, np.int16),  # 0-d
+        np.empty((0, 4), np.float32),
+    ]
+
+
+def test_leaf_address_is_the_first_element_of_any_array(binding: str) -> None:
+    for arr in _leaf_arrays():
+        assert _native.leaf_address(arr) == arr.ctypes.data, (arr.dtype, arr.strides)
+
+
 def test_memmove_and_zero_copy_the_same_bytes(binding: str) -> None:
     rng = np.random.default_rng(3)
     src = rng.integers(0, 256, 10_000, dtype=np.uint8)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap import _native
 from cryosnap._format.columns import Columns
 from cryosnap._format.skeleton import (
     Json,
@@ -359,7 +360,7 @@ class _Match:
         if not x.flags.c_contiguous:
             self.leaf(node, x)
             return
-        lo, n = x.ctypes.data, x.nbytes
+        lo, n = _native.leaf_address(x), x.nbytes
         # What _direct checks of such an array.
         direct = (n >= self.min_bytes or "at" in node) and node.get("order") != "F"
         self.spans.append((lo, lo + n, len(self.found) if direct else -1))
