@@ -77,7 +77,8 @@ class Binding:
 
     memmove: _Fn | None = None
     memset: _Fn | None = None
-    addressof: Callable[[memoryview], int] | None = None
+    # The first byte of a writable C-contiguous buffer: a memoryview or a numpy array.
+    addressof: Callable[[memoryview | np.ndarray[Any, Any]], int] | None = None
     madvise: _Fn | None = None
     mmap: _Fn | None = None
     munmap: _Fn | None = None
