@@ -505,13 +505,20 @@ class _Flattener:
                 keys.append(k)
             kind = "odict" if isinstance(obj, OrderedDict) else "dict"
             torch = loaded_torch()
-            plain = torch.Tensor if torch is not None and self._depth <= MAX_DEPTH else None
+            shallow = self._depth <= MAX_DEPTH
+            plain = torch.Tensor if torch is not None and shallow else None
+            array = np.ndarray if shallow else None
             vals: list[Json] = []
             for k in keys:
                 v = obj[k]
-                if type(v) is plain:  # a state dict's tensors: visit() without its checks
+                tv = type(v)
+                # A state dict's tensors and a dict's arrays: visit() without its checks.
+                if tv is plain:
                     self.leaves += 1
                     vals.append(self.tensor(v, (*path, k)))
+                elif tv is array:
+                    self.leaves += 1
+                    vals.append(self.ndarray(v, (*path, k)))
                 else:
                     vals.append(self.visit(v, (*path, k)))
             return {"t": kind, "k": [encode_key(k) for k in keys], "v": vals}
@@ -561,29 +568,31 @@ class _Flattener:
         return {"t": kind, "b": self.add_blob(path, data, len(data))}
 
     def ndarray(self, arr: np.ndarray, path: tuple[str | int, ...]) -> Json:
-        if arr.dtype.hasobject:
+        dtype = arr.dtype
+        if dtype.hasobject:
             if self.allow_pickle:
                 return self.pickled(arr, path)
             raise TypeError(
-                f"cannot checkpoint {format_path(path)}: numpy array of dtype {arr.dtype} holds "
+                f"cannot checkpoint {format_path(path)}: numpy array of dtype {dtype} holds "
                 "Python objects (pass allow_pickle=True to pickle it)"
             )
-        node: dict[str, Any] = {
-            "t": "numpy",
-            "dtype": _descr(arr.dtype),
-            "shape": list(arr.shape),
-        }
-        if arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous:
+        node: dict[str, Any] = {"t": "numpy", "dtype": _descr(dtype), "shape": list(arr.shape)}
+        flags = arr.flags
+        if flags.c_contiguous:
+            flat = arr  # its bytes lie in C order where it is
+        elif arr.ndim > 1 and flags.f_contiguous:
             node["order"] = "F"
-            flat = arr.T.reshape(-1)
+            flat = arr.T
         else:
-            flat = np.ascontiguousarray(arr).reshape(-1)
-        raw = flat.view(np.uint8) if flat.size else np.empty(0, np.uint8)
-        if 0 < raw.nbytes <= self.pack_bytes // PACK_LEAF_FRACTION and "order" not in node:
-            # Small: packed ("b" and "at" set when its pack closes), as small CPU tensors are.
-            self._arrays.add(node, path, flat, raw.nbytes, arr.dtype.itemsize)
+            flat = np.ascontiguousarray(arr)
+        n = arr.nbytes
+        if 0 < n <= self.pack_bytes // PACK_LEAF_FRACTION and "order" not in node:
+            # Small: packed ("b" and "at" set when its pack closes), as small CPU tensors are
+            # (the pack copies its n bytes from where they lie).
+            self._arrays.add(node, path, flat, n, dtype.itemsize)
             return node
-        node["b"] = self.add_blob(path, raw, raw.nbytes)
+        raw = flat.reshape(-1).view(np.uint8) if n else np.empty(0, np.uint8)
+        node["b"] = self.add_blob(path, raw, n)
         return node
 
     def npscalar(self, obj: np.generic, path: tuple[str | int, ...]) -> Json:
