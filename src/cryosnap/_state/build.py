@@ -347,10 +347,10 @@ class Restorer:
                 return
             items = self._items[id(node)] = dict_items(node, where or "<root>")
             prefix = f"{where}/" if where else ""
-            fast = self._plain_tensor
+            fast, array = self._plain_tensor, self._packed_plain_array
             for k, v in items:
                 path = prefix + (k if type(k) is str else _key_text(k))
-                if not fast(v, path):
+                if not fast(v, path) and not array(v):
                     self._alloc(v, path)
         elif t in ("list", "tuple"):
             vals = node.get("v")
@@ -691,6 +691,51 @@ class Restorer:
             self.blob_paths[b] = path
         self._tensors.append((node, b, None))
         self._values[id(node)] = _as_leaf(t, node, path) if "param" in node or "grad" in node else t
+        return True
+
+    def _packed_plain_array(self, node: Any) -> bool:
+        """Allocate ``node`` if it is a dict of small arrays' common leaf (a packed C-order
+        array of a descr parsed before and up to two dimensions, in a pack an earlier leaf
+        claimed) with every check :meth:`_alloc` and :meth:`_packed_array` make, inline; False
+        (nothing done) for anything else, which :meth:`_alloc` then takes, errors included."""
+        if type(node) is not dict or node.get("t") != "numpy" or "order" in node:
+            return False
+        descr, shape, b, at = node.get("dtype"), node.get("shape"), node.get("b"), node.get("at")
+        dtype = _NP_DTYPES.get(descr) if type(descr) is str else None
+        if dtype is None or type(shape) is not list or type(b) is not int or type(at) is not int:
+            return False
+        if not 0 <= b < len(self._dest) or at < self._packs.get(b, _NO_PACK):
+            return False  # not packed here yet (the first leaf), or malformed
+        n = len(shape)
+        if n == 1:
+            d0 = shape[0]
+            if type(d0) is not int or not 0 <= d0 < _SMALL_DIM:
+                return False
+            count = d0
+        elif n == 2:
+            d0, d1 = shape
+            if type(d0) is not int or type(d1) is not int:
+                return False
+            if not (0 <= d0 < _SMALL_DIM and 0 <= d1 < _SMALL_DIM):
+                return False
+            count = d0 * d1
+        elif n == 0:
+            count = 1
+        else:
+            return False
+        item = dtype.itemsize
+        nbytes = count * item
+        if not nbytes or at % item or at + nbytes > self.blob_sizes[b]:
+            return False
+        self._packs[b] = at + nbytes
+        self._array_packs[b] += 1
+        target = self._targets.get(id(node)) if self._targets else None
+        if target is not None:  # filled by fill_packs, no array made for it
+            self._pack_fills[b].append((at, nbytes, target))
+            self._values[id(node)] = target
+            return True
+        flat = np.frombuffer(self._dest[b][at : at + nbytes], dtype=dtype)
+        self._values[id(node)] = flat if n == 1 else flat.reshape(shape)
         return True
 
     def _alloc_tensor(self, node: dict[str, Any], path: str) -> None:

@@ -562,7 +562,9 @@ class _Plan:
             children: list[Json] | None = None  # the child nodes, once one is needed
             for i, k in enumerate(keys):
                 x = into[k]
-                if type(x) in plains:  # a state dict's tensors: filled in place (as below)
+                kind = type(x)
+                if kind in plains or kind is np.ndarray:
+                    # A state dict's tensors, a dict's arrays: filled in place (as below).
                     fills.append((x, loaded[k]))
                     continue
                 if children is None:

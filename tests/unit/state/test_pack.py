@@ -549,6 +549,40 @@ def test_malformed_offsets_of_packed_arrays_are_refused(
         cryosnap.load(tmp_path, step=1)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda leaf: leaf.update(at=13), "malformed pack offset"),  # inside, misaligned
+        (lambda leaf: leaf.update(shape=[2, 2]), "overlaps the leaf packed before it"),
+        (lambda leaf: leaf.update(shape=[40]), "malformed pack offset"),  # past the pack
+        (lambda leaf: leaf.update(b=0), "claimed twice"),  # the array alone
+        (lambda leaf: leaf.update(b=-1), "invalid blob reference"),
+        (lambda leaf: leaf.update(dtype="<f8"), "malformed pack offset"),  # 12 % 8
+        (lambda leaf: leaf.update(order="F"), "."),  # taken the long way: read as saved
+    ],
+)
+def test_the_middle_leaf_of_a_pack_of_arrays_is_checked_as_the_first(
+    tmp_path: Path, edit: Any, message: str, reading: str
+) -> None:
+    """A pack's later leaves take a shorter path than its first (no call per check): each
+    edit of the middle one is refused as the first leaf's would be."""
+    state = {
+        "alone": np.ones(2000, np.float32),  # blob 0: not packed
+        "a": np.ones(3, np.float32),  # 12 bytes at 0
+        "w": np.full(2, 2.0, np.float32),  # at 12
+        "z": np.full(2, 3.0, np.float32),  # at 20
+    }
+    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    cryosnap.load(tmp_path, step=1)  # every descr parsed before
+    _rewrite(tmp_path, lambda tree: edit(tree["v"][2]))
+    if message == ".":
+        got = cryosnap.load(tmp_path, step=1)
+        assert got["w"].tolist() == [2.0, 2.0] and got["z"].tolist() == [3.0, 3.0]
+        return
+    with pytest.raises(CheckpointFormatError, match=message):
+        cryosnap.load(tmp_path, step=1)
+
+
 def test_a_cryosnap_from_before_packed_arrays_refuses_them(tmp_path: Path) -> None:
     """It reads format versions 1 to 4: version 5 is refused by its number, asking for an
     upgrade, not taken for damage."""
