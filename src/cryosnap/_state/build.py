@@ -91,6 +91,19 @@ def _np_dtype(descr: Any, path: str) -> np.dtype[Any]:
     return dtype
 
 
+def _small_elements(shape: list[Any]) -> int:
+    """The elements of ``shape`` (a list) if it has one or two dimensions, each an int below
+    _SMALL_DIM (a state dict's common leaf, well inside every limit); -1 for anything else."""
+    if len(shape) == 1:
+        d0 = shape[0]
+        return d0 if type(d0) is int and 0 <= d0 < _SMALL_DIM else -1
+    if len(shape) == 2:
+        d0, d1 = shape
+        if type(d0) is int and type(d1) is int and 0 <= d0 < _SMALL_DIM and 0 <= d1 < _SMALL_DIM:
+            return d0 * d1
+    return -1
+
+
 def _shape(node: dict[str, Any], path: str) -> tuple[int, ...]:
     shape = node.get("shape")
     # The common case (vectors, matrices) in a few operations: well inside every limit.
@@ -635,19 +648,8 @@ class Restorer:
         elif type(at) is not int or at < self._packs.get(b, _NO_PACK):
             return False  # not packed here yet (the first leaf), or malformed
         n = len(shape)
-        if n == 1:
-            d0 = shape[0]
-            if type(d0) is not int or not 0 <= d0 < _SMALL_DIM:
-                return False
-            count = d0
-        elif n == 2:
-            d0, d1 = shape
-            if type(d0) is not int or type(d1) is not int:
-                return False
-            if not (0 <= d0 < _SMALL_DIM and 0 <= d1 < _SMALL_DIM):
-                return False
-            count = d0 * d1
-        else:
+        count = _small_elements(shape) if n else -1
+        if count < 0:
             return False
         item = _ITEMSIZE.get(dtype)
         target = self._targets.get(id(node)) if self._targets else None
@@ -707,21 +709,8 @@ class Restorer:
         if not 0 <= b < len(self._dest) or at < self._packs.get(b, _NO_PACK):
             return False  # not packed here yet (the first leaf), or malformed
         n = len(shape)
-        if n == 1:
-            d0 = shape[0]
-            if type(d0) is not int or not 0 <= d0 < _SMALL_DIM:
-                return False
-            count = d0
-        elif n == 2:
-            d0, d1 = shape
-            if type(d0) is not int or type(d1) is not int:
-                return False
-            if not (0 <= d0 < _SMALL_DIM and 0 <= d1 < _SMALL_DIM):
-                return False
-            count = d0 * d1
-        elif n == 0:
-            count = 1
-        else:
+        count = _small_elements(shape) if n else 1  # 0-d: one element
+        if count < 0:
             return False
         item = dtype.itemsize
         nbytes = count * item
