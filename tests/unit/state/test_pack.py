@@ -246,6 +246,65 @@ def test_round_trip_of_packed_leaves(
     shutil.rmtree(run)
 
 
+_ARRAY_DTYPES = ["<f4", ">f8", "<i2", ">u4", "|b1", "<c8", "<M8[s]", "|u1", "|V3"]
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(_ARRAY_DTYPES),
+            st.lists(st.integers(0, 5), min_size=0, max_size=3),
+            st.sampled_from(["C", "F", "strided", "read-only"]),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+    st.sampled_from([CHUNK, 1 << 16]),
+)
+def test_round_trip_of_dicts_of_arrays_fresh_and_into(
+    tmp_path_factory: pytest.TempPathFactory,
+    specs: list[tuple[str, list[int], str]],
+    chunk: int,
+) -> None:
+    """Dicts of arrays of any dtype, byte order, shape and layout (packed or not, each
+    pack's later leaves taken the short way) come back byte for byte, fresh and into a dict
+    of arrays of their dtypes and shapes, filled in place."""
+    rng = np.random.default_rng(len(specs))
+    state: dict[str, Any] = {}
+    for i, (descr, shape, layout) in enumerate(specs):
+        dtype = np.dtype(descr)
+        raw = rng.integers(0, 256, (int(np.prod(shape)) * 2 + 1) * dtype.itemsize, np.uint8)
+        whole = raw[: int(np.prod(shape)) * 2 * dtype.itemsize].view(dtype)
+        if layout == "strided":
+            a = whole[::2].reshape(shape)  # every other element: not contiguous
+        else:
+            a = whole[: int(np.prod(shape))].reshape(shape, order="F" if layout == "F" else "C")
+        if layout == "read-only":
+            a.flags.writeable = False
+        state.setdefault(f"d{i % 2}", {})[f"a{i}"] = a
+    run = tmp_path_factory.mktemp("run")
+    cryosnap.save(run, state, step=1, chunk_bytes=chunk)
+
+    def same(got: dict[str, Any]) -> None:
+        for key, arrays in state.items():
+            assert list(got[key]) == list(arrays)
+            for name, a in arrays.items():
+                b = got[key][name]
+                assert (b.dtype, b.shape) == (a.dtype, a.shape), name
+                assert b.tobytes() == a.tobytes(), name
+
+    same(cryosnap.load(run))
+    into = {k: {n: np.zeros(a.shape, a.dtype) for n, a in v.items()} for k, v in state.items()}
+    ids = {k: [id(a) for a in v.values()] for k, v in into.items()}
+    cryosnap.load(run, into=into)
+    assert {k: [id(a) for a in v.values()] for k, v in into.items()} == ids
+    same(into)
+    shutil.rmtree(run)
+
+
 def test_damage_in_a_pack_names_a_leaf_and_is_refused(tmp_path: Path, reading: str) -> None:
     state = _small_state()
     cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
