@@ -107,6 +107,9 @@ COLUMNS_FORMAT_VERSION = 4
 # this, whatever else it holds (packs, files, columns), so that a cryosnap from before numpy
 # packs refuses it by its version instead of taking the array's pack for damage.
 NUMPY_PACKED_FORMAT_VERSION = 5
+# The manifest versions this cryosnap reads: every one up to the newest (each may hold what
+# the ones before it may).
+_MANIFEST_VERSIONS = tuple(range(FORMAT_VERSION, NUMPY_PACKED_FORMAT_VERSION + 1))
 # A blob's segment table of more rows than this is written packed (zlib-compressed
 # little-endian int64 rows, base64): JSON rows cost far more to parse than to read.
 PACK_ROWS = 64
@@ -471,17 +474,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        doc = _parse_json(
-            data,
-            where,
-            (
-                FORMAT_VERSION,
-                PACKED_FORMAT_VERSION,
-                FILES_FORMAT_VERSION,
-                COLUMNS_FORMAT_VERSION,
-                NUMPY_PACKED_FORMAT_VERSION,
-            ),
-        )
+        doc = _parse_json(data, where, _MANIFEST_VERSIONS)
         if doc.get("kind") != "cryosnap.manifest":
             raise _fail(where, "not a cryosnap manifest")
         if doc.get("hash") != HASH_NAME:
