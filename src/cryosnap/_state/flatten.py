@@ -755,8 +755,9 @@ def copies_of(rows: list[tuple[int, int, int]]) -> Copies:
 
 
 def fill_packs(fills: Sequence[tuple[Any, Copies]]) -> None:
-    """Fill each pack (a uint8 CPU tensor) with its :data:`Copies` (in offset order), zeros in
-    the alignment gaps: every byte of a pack is defined. The copies of every pack go to the
+    """Fill each pack (a uint8 CPU tensor, or a uint8 array for numpy leaves) with its
+    :data:`Copies` (in offset order), zeros in the alignment gaps: every byte of a pack is
+    defined. The copies of every pack go to the
     kernel together (:func:`cryosnap._native.copy_pieces`, split between threads): no Python
     call per leaf, nor torch's ``copy_``/``cat`` (which run on its intra-op threads: with the
     writer busy on another core those wait for each other)."""
