@@ -20,6 +20,7 @@ __all__ = [
     "parse_manifest_key",
     "step_of_commit_key",
     "step_of_data_key",
+    "supersedes",
     "validate_key",
     "version_prefix",
     "visible_versions",
@@ -162,6 +163,15 @@ def visible_versions(
         if step <= bounds[_generation(lineage)]:
             out[step] = lineage  # ascending generations: the newest one at a step wins
     return out
+
+
+def supersedes(lineage: Lineage | None, step: int, old: Lineage | None) -> bool:
+    """Whether a version of ``step`` saved in ``lineage`` supersedes one of ``old`` at that step
+    (or, for a base, whether a version saved in ``lineage`` may not build on version ``step`` of
+    lineage ``old``: it is one the new generation abandoned)."""
+    if lineage is None:
+        return False
+    return _generation(old) < lineage.generation and step > lineage.fork
 
 
 def max_generation(records: Iterable[tuple[int, Lineage | None]]) -> int:

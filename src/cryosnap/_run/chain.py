@@ -11,6 +11,7 @@ import logging
 from collections.abc import Collection
 
 from cryosnap import engine
+from cryosnap._format.keys import Lineage, supersedes
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import Store
 
@@ -30,6 +31,9 @@ class ChainIndex:
         self.chunk_bytes = chunk_bytes
         self.rank = rank
         self._base: Base | None = None
+        # The lineage of the version the base belongs to: a version saved after a rewind
+        # never builds on one its lineage supersedes (docs/FORMAT.md, "Superseding").
+        self._base_lineage: Lineage | None = None
         self.index: dict[bytes, tuple[str, int]] = {}
         self._loaded = False
         self._reset = False  # set from another thread: the next version must be full
@@ -46,24 +50,33 @@ class ChainIndex:
         self._reset = True
 
     def base_for_next(
-        self, store: Store, *, full: bool = False, exact: int | None = None
+        self,
+        store: Store,
+        *,
+        full: bool = False,
+        exact: int | None = None,
+        step: int | None = None,
+        lineage: Lineage | None = None,
     ) -> engine.ResolvedPart | None:
         """The resolved base of the next version, or None when it must be full.
 
         ``full``: the capture asks for a full version. ``exact``: the capture left out chunks
         it found unchanged since version ``exact``, so the base must be that version, whatever
         the chain's depth; when it is not (that version failed, or the chain was reset) the
-        version cannot be written: :class:`~cryosnap.CheckpointError`.
+        version cannot be written: :class:`~cryosnap.CheckpointError`. ``step``, ``lineage``:
+        the next version's; a base at or after ``step``, or one ``lineage`` supersedes (the
+        chain was left on a trajectory a rewind abandoned: a flush that was behind, a level
+        the rewind did not restart), is dropped for the newest version it may build on.
         """
         if self._reset:
             self._reset = False
             self.forget()
         restart, self._restart = self._restart, None
-        if restart is not None:
+        if restart is not None or (step is not None and not self._fits(step, lineage)):
             self.forget()
             self._loaded = False
         if not self._loaded:
-            self._load(store, restart)
+            self._load(store, restart, step, lineage)
         base = self._base if self.incremental else None
         if full:
             return None
@@ -84,13 +97,34 @@ class ChainIndex:
             base = self._base = base.resolved()
         return base
 
-    def _load(self, store: Store, step: int | None = None) -> None:
-        # First save of this session: continue the run's chain from its newest version (or
-        # from ``step``, the version a restore rewound the run to, when this level has it).
+    def _fits(self, step: int, lineage: Lineage | None) -> bool:
+        """Whether the current base may be the base of version ``step`` of ``lineage``."""
+        base = self._base
+        if base is None:
+            return True
+        at = base.manifest.step
+        return at < step and not supersedes(lineage, at, self._base_lineage)
+
+    def _load(
+        self,
+        store: Store,
+        restart: int | None = None,
+        step: int | None = None,
+        lineage: Lineage | None = None,
+    ) -> None:
+        # First save of this session (or after a rewind): continue the run's chain from its
+        # newest version that version ``step`` of ``lineage`` may build on (before it, not
+        # superseded by it), or from ``restart``, the version a restore rewound the run to,
+        # when this level has it.
         self._loaded = True
-        latest = engine.list_steps(store)
-        if step is not None:
-            latest = [step] if step in latest else []
+        versions = engine.list_versions(store)
+        latest = [
+            s
+            for s, lin in versions.items()
+            if step is None or (s < step and not supersedes(lineage, s, lin))
+        ]
+        if restart is not None:
+            latest = [restart] if restart in latest else []
         if not latest or not self.incremental:
             return
         try:
@@ -100,10 +134,12 @@ class ChainIndex:
             return
         if base.manifest.chunk_bytes == self.chunk_bytes:
             self._base, self.index = base, base.locations()
+            self._base_lineage = versions[latest[-1]]
 
-    def advance(self, part: engine.PartResult) -> None:
-        """``part`` is committed: it is the next base, its new chunks join the index."""
-        self._base = part
+    def advance(self, part: engine.PartResult, lineage: Lineage | None = None) -> None:
+        """``part`` (of ``lineage``) is committed: it is the next base, its new chunks join
+        the index."""
+        self._base, self._base_lineage = part, lineage
         if part.incremental:
             self.index.update(part.new_index)
         else:
@@ -120,4 +156,4 @@ class ChainIndex:
 
     def forget(self) -> None:
         """The next version is full: what the base points to may be gone."""
-        self._base, self.index = None, {}
+        self._base, self._base_lineage, self.index = None, None, {}

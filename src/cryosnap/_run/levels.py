@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from cryosnap import engine
+from cryosnap._format.keys import supersedes
 from cryosnap._format.manifest import Lineage, visible_versions
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.flush import (
@@ -57,13 +58,6 @@ class Level:
 
 def _ignore_reached(step: int, level: str, seconds: float) -> None:
     return None
-
-
-def supersedes(lineage: Lineage | None, step: int, old: Lineage | None) -> bool:
-    """Whether a version of ``step`` saved in ``lineage`` supersedes one of ``old``."""
-    if lineage is None:
-        return False
-    return (0 if old is None else old.generation) < lineage.generation and step > lineage.fork
 
 
 class Handoff:

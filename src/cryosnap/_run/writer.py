@@ -168,7 +168,9 @@ class VersionWriter:
             elif isinstance(item, Batch):
                 held = item
             try:
-                base = self.chain.base_for_next(store, full=job.full, exact=job.diff_base)
+                base = self.chain.base_for_next(
+                    store, full=job.full, exact=job.diff_base, step=job.step, lineage=job.lineage
+                )
             except CheckpointError as exc:
                 raise CheckpointError(f"step {job.step}: {exc}") from exc
             writer = self._part_writer(job, plan, base)
@@ -489,7 +491,7 @@ class WriterThread:
         try:
             # Retention before the version is reported, so that a caller sees the run as
             # ``keep`` says; SaveInfo.seconds was taken before, it does not count it.
-            chain.advance(part)
+            chain.advance(part, job.lineage)
             # The commit records of dropped versions go now, their files once the version
             # is reported (below): still before this writer's next write.
             self.levels.retire(self.index, protect={job.step}, later=later)
@@ -597,7 +599,7 @@ class Rewriter:
             job.batches.put(batch)
         job.batches.put(END)
         _, part = self.writer.write(job)
-        self.chain.advance(part)
+        self.chain.advance(part, job.lineage)
         return part.written_bytes
 
     def agree(self, step: int, retry: bool) -> bool:
