@@ -39,21 +39,57 @@ def node_name() -> str:
 
 
 def partner_map(nodes: Sequence[str]) -> list[int]:
-    """Per rank, its partner: the next rank (wrapping around) on another node. A world whose
-    ranks all run on one node has no partners: :class:`ValueError`."""
-    n = len(nodes)
-    out: list[int] = []
-    for r in range(n):
-        for k in range(1, n):
-            q = (r + k) % n
-            if nodes[q] != nodes[r]:
-                out.append(q)
-                break
-        else:
-            raise ValueError(
-                f"partner=True needs ranks on at least two nodes, but all {n} run on "
-                f"{nodes[r]!r} (node identity: the host name, or ${NODE_ENV})"
-            )
+    """Per rank of a job whose rank ``r`` runs on ``nodes[r]``, its partner: the rank of another
+    node holding its copies. Every rank computes the same map from the gathered names, and no
+    rank holds more copies than the layout forces (each is scratch space, and bytes received
+    at every save). A world whose ranks all run on one node has no partners: :class:`ValueError`.
+
+    Where no node holds more than half the ranks, every rank holds exactly one copy
+    (:func:`_ring`); otherwise the big node's ranks are dealt out over all the others, and
+    theirs over its ranks (:func:`_dealt`)."""
+    by_node = _ranks_by_node(nodes)
+    if len(by_node) < 2:
+        raise ValueError(
+            f"partner=True needs ranks on at least two nodes, but all {len(nodes)} run on "
+            f"{nodes[0]!r} (node identity: the host name, or ${NODE_ENV})"
+        )
+    biggest = max(by_node, key=len)
+    if 2 * len(biggest) <= len(nodes):
+        return _ring(by_node)
+    return _dealt(biggest, [r for ranks in by_node if ranks is not biggest for r in ranks])
+
+
+def _ranks_by_node(nodes: Sequence[str]) -> list[list[int]]:
+    """The ranks of each node, in rank order; the nodes in the order of their first rank."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    return list(by_node.values())
+
+
+def _ring(by_node: Sequence[Sequence[int]]) -> list[int]:
+    """The ranks listed node after node, each one's partner ``m`` places on (wrapping around),
+    ``m`` the most ranks of one node: with equal nodes a ring over the nodes, node i's j-th
+    rank copied to node i+1's j-th. A permutation, so each rank holds one copy; never on the
+    source's node while no node has more than half the ranks (a node's ``g <= m <= n - m``
+    ranks cannot lie ``m`` places apart, either way round)."""
+    order = [r for ranks in by_node for r in ranks]
+    m = max(len(ranks) for ranks in by_node)
+    out = [0] * len(order)
+    for i, rank in enumerate(order):
+        out[rank] = order[(i + m) % len(order)]
+    return out
+
+
+def _dealt(big: Sequence[int], others: Sequence[int]) -> list[int]:
+    """A node with more ranks (``big``) than all the others together: its parts must go to
+    the ``others``, round-robin, so each holds ``len(big) / len(others)`` copies, rounded up
+    or down; theirs go one each to ``big``'s first ranks (the rest of ``big`` holds none)."""
+    out = [0] * (len(big) + len(others))
+    for j, rank in enumerate(big):
+        out[rank] = others[j % len(others)]
+    for j, rank in enumerate(others):
+        out[rank] = big[j]
     return out
 
 

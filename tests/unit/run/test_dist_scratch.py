@@ -130,8 +130,8 @@ def test_partner_copy_restores_after_a_node_scratch_is_wiped(tmp_path: Path) -> 
                 ckpt.save(step, state_of(c.rank, step), replicated=["model"]).result()
 
     run_ranks(4, save)
-    # Each rank's partner is the next rank on the other node: 0 -> 1, 1 -> 2, 2 -> 3, 3 -> 0.
-    for owner, holder in {0: 1, 1: 2, 2: 3, 3: 0}.items():
+    # Node n0's ranks are copied to n1's and back, in turn: 0 <-> 1, 2 <-> 3 (partner_map).
+    for owner, holder in {0: 1, 1: 0, 2: 3, 3: 2}.items():
         copy = node_dir(holder) / "partner" / f"rank-{owner:05d}"
         assert same(cryosnap.load(copy, step=3), state_of(owner, 3))
     # Node 0 loses its scratch, and the persistent level its newest version (not flushed
