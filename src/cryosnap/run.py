@@ -1,11 +1,12 @@
 """``cryosnap.Run``: a handle on a run for reading it (list, describe, verify, diff, load) and
 for removing versions, and ``cryosnap.flush``: the API the command line is built on.
 
-Reading takes no lock and writes nothing; opening a Run only lists the run. ``remove`` and
-``gc`` take the run's write lock, as a writer does, and delete with the reference counting of
-retention (:mod:`cryosnap.engine`'s ``plan_retire``/``apply_retire``); so does ``flush``, which
-finishes a dead writer's flushes (``_run/scavenge.py``). The caller's thread; no collectives
-but ``flush``'s, one process per rank of the run.
+Reading takes no lock and writes nothing; opening a Run only lists the run. Given the run's
+scratch, ``verify`` checks every level: the persistent one and each rank's scratch part.
+``remove`` and ``gc`` take the run's write lock, as a writer does, and delete with the
+reference counting of retention (:mod:`cryosnap.engine`'s ``plan_retire``/``apply_retire``);
+so does ``flush``, which finishes a dead writer's flushes (``_run/scavenge.py``). The
+caller's thread; no collectives but ``flush``'s, one process per rank of the run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from typing import Any
 
 from cryosnap import engine
 from cryosnap._format.manifest import MAX_STEP, Replicated, commit_key
-from cryosnap._run.inspect import LeafInfo, VersionDiff, describe_leaves, diff_versions
+from cryosnap._run.inspect import (
+    LeafInfo,
+    VersionDiff,
+    describe_leaves,
+    diff_versions,
+    scratch_parts,
+)
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
@@ -42,6 +49,7 @@ __all__ = [
     "FlushFailure",
     "FlushReport",
     "FlushedVersion",
+    "LevelCheck",
     "Removal",
     "Run",
     "VerifyReport",
@@ -112,13 +120,17 @@ class Damage:
 @dataclass(frozen=True, slots=True)
 class VersionCheck:
     """The outcome of verifying every rank of one version (the figures are None when its
-    commit record cannot be read)."""
+    commit record cannot be read). ``level``: the level this copy of the version is on
+    (``persistent``, ``scratch``, ``scratch rank-00001``), None when the Run was given no
+    scratch (then the run is one store, whichever level it is); a scratch rank part holds
+    that rank's part alone (``world_size`` 1), and its damage names that rank."""
 
     step: int
     damage: tuple[Damage, ...]
     world_size: int | None = None
     leaves: int | None = None
     logical_bytes: int | None = None
+    level: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -126,10 +138,13 @@ class VersionCheck:
 
     @property
     def errors(self) -> tuple[str, ...]:
-        return tuple(d.error for d in self.damage)
+        """One line per damage, starting with the level when it is known."""
+        prefix = "" if self.level is None else f"{self.level}: "
+        return tuple(prefix + d.error for d in self.damage)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {} if self.level is None else {"level": self.level}
+        return doc | {
             "step": self.step,
             "ok": self.ok,
             "world_size": self.world_size,
@@ -140,10 +155,15 @@ class VersionCheck:
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyReport:
-    """The outcome of :meth:`Run.verify`: one check per version, ascending."""
+class LevelCheck:
+    """The versions of one level as :meth:`Run.verify` checked them (a Run given scratch):
+    ``name`` as :attr:`VersionCheck.level` says it, ``url`` where the level (its first
+    device) is, ``rank`` the rank whose scratch part it is (None: the whole level)."""
 
+    name: str
+    url: str
     versions: tuple[VersionCheck, ...]
+    rank: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -152,6 +172,39 @@ class VerifyReport:
     @property
     def damaged(self) -> tuple[VersionCheck, ...]:
         return tuple(c for c in self.versions if not c.ok)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "level": self.name,
+            "url": self.url,
+            "rank": self.rank,
+            "ok": self.ok,
+            "steps": [c.step for c in self.versions],
+            "damaged": [c.step for c in self.damaged],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The outcome of :meth:`Run.verify`: one check per version, ascending; given the run's
+    scratch, per level (persistent first, then each scratch part by rank), ``levels`` the
+    levels checked (those that hold no version included)."""
+
+    versions: tuple[VersionCheck, ...]
+    levels: tuple[LevelCheck, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.versions)
+
+    @property
+    def damaged(self) -> tuple[VersionCheck, ...]:
+        return tuple(c for c in self.versions if not c.ok)
+
+    @property
+    def damaged_levels(self) -> tuple[str, ...]:
+        """The names of the levels that hold damage (empty without scratch: see ``ok``)."""
+        return tuple(level.name for level in self.levels if not level.ok)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +228,11 @@ class Run:
     Reading takes no lock and creates nothing, so it works beside a running Checkpointer.
     ``storage_options`` go to fsspec. A path that holds no run raises
     :class:`~cryosnap.CheckpointNotFoundError` naming it.
+
+    ``scratch``: the run's scratch level as the Checkpointer was given it (a directory, or
+    its devices in order); :meth:`verify` then checks it too, every rank's part found on this
+    node (``<scratch>/rank-<r>`` in a distributed run), and names the level of each damage.
+    ``path`` is then the persistent level. The other methods read the persistent level only.
     """
 
     def __init__(
@@ -182,7 +240,10 @@ class Run:
         path: str | os.PathLike[str] | Store,
         *,
         storage_options: dict[str, Any] | None = None,
+        scratch: ScratchLike = None,
     ) -> None:
+        # Checked as the Checkpointer checks its scratch= (no I/O); found when verified.
+        self._scratch = RunOptions(path=path, scratch=scratch).scratch_tiers
         self._store = open_store(path, **(storage_options or {}))
         _check_is_run(self._store)
 
@@ -252,14 +313,29 @@ class Run:
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Read and hash every chunk of every rank of ``step`` (default: of every version);
-        damage is reported, not raised. A missing ``step`` raises CheckpointNotFoundError."""
-        if step is not None:
-            return VerifyReport((_verify_version(self._store, validate_step(step)),))
-        checks = []
-        for s in self.steps():
-            with contextlib.suppress(CheckpointNotFoundError):  # removed while verifying
-                checks.append(_verify_version(self._store, s))
-        return VerifyReport(tuple(checks))
+        damage is reported, not raised. A missing ``step`` raises CheckpointNotFoundError.
+
+        Given ``scratch``, every level is checked, each copy of a version on its own (a
+        restore that reads scratch never reads the persistent copy): ``step`` is checked on
+        the levels that hold it, and is missing only when none does.
+        """
+        step = None if step is None else validate_step(step)
+        if not self._scratch:
+            if step is not None:
+                return VerifyReport((_verify_version(self._store, step),))
+            return VerifyReport(_verify_steps(self._store, self.steps()))
+        levels = [_verify_level("persistent", self._store, self.steps(), step)]
+        for part in scratch_parts(self._scratch):
+            steps = _scratch_steps(part.store, self._store)
+            levels.append(_verify_level(part.level, part.store, steps, step, rank=part.rank))
+        if len(levels) == 1:  # no part on this node: said, not damage (node-local scratch)
+            levels.append(LevelCheck("scratch", open_store(self._scratch[0].path).url, ()))
+        if step is not None and not any(level.versions for level in levels):
+            raise CheckpointNotFoundError(
+                f"step {step} not found in {self.url} nor on its scratch "
+                f"({', '.join(level.url for level in levels[1:])})"
+            )
+        return VerifyReport(tuple(c for level in levels for c in level.versions), tuple(levels))
 
     def diff(self, a: int, b: int, *, rank: int = 0) -> VersionDiff:
         """Which leaves of rank ``rank``'s part changed from step ``a`` to step ``b``, and
@@ -425,6 +501,37 @@ def _size(store: Store, key: str) -> int:
 
 
 _DAMAGE = (IntegrityError, CheckpointFormatError)
+
+
+def _verify_steps(store: Store, steps: Sequence[int]) -> tuple[VersionCheck, ...]:
+    checks = []
+    for s in steps:
+        with contextlib.suppress(CheckpointNotFoundError):  # removed while verifying
+            checks.append(_verify_version(store, s))
+    return tuple(checks)
+
+
+def _verify_level(
+    name: str, store: Store, steps: Sequence[int], step: int | None, *, rank: int | None = None
+) -> LevelCheck:
+    """The versions ``steps`` of one level (only ``step`` if given), named ``name``; a
+    scratch part of rank ``rank`` is a run of one rank, whose damage is that rank's."""
+    checks = _verify_steps(store, [s for s in steps if step is None or s == step])
+    named = tuple(replace(c, level=name, damage=_of_rank(c.damage, rank)) for c in checks)
+    return LevelCheck(name, store.url, named, rank)
+
+
+def _of_rank(damage: tuple[Damage, ...], rank: int | None) -> tuple[Damage, ...]:
+    if rank is None:
+        return damage
+    return tuple(d if d.rank is None else replace(d, rank=rank) for d in damage)
+
+
+def _scratch_steps(part: Store, persistent: Store) -> list[int]:
+    """The versions on a scratch part that are versions of the run: a record superseded by
+    a rewind saved later (on either level) is not one (as the flush sees them)."""
+    both = engine.list_versions(part, persistent)
+    return [s for s, lineage in engine.list_versions(part).items() if both.get(s, -1) == lineage]
 
 
 def _verify_version(store: Store, step: int) -> VersionCheck:

@@ -1,14 +1,20 @@
 """What a version holds and what changed between two, from their manifests: the leaves of one
 rank's part (:func:`describe_leaves`) and the leaf-by-leaf difference of two versions
-(:func:`diff_versions`).
+(:func:`diff_versions`); and the parts of a run's scratch level a reader finds on this node
+(:func:`scratch_parts`), so that ``Run.verify`` can check every level.
 
 Reads manifests (resolved through their chains) and no data, except the packs of small tensors
-whose chunks differ, read through the engine's verified reader. Imports neither torch (element
-sizes of the common dtypes are known here) nor typer. The caller's thread; no collectives.
+whose chunks differ, read through the engine's verified reader; writes nothing. Imports neither
+torch (element sizes of the common dtypes are known here) nor typer. The caller's thread; no
+collectives.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +25,19 @@ from cryosnap._format.chunks import chunk_count
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import iter_leaves
 from cryosnap.engine import ResolvedPart
-from cryosnap.errors import CheckpointFormatError
-from cryosnap.storage import Store
+from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from cryosnap.storage import Store, join_location, open_store
+from cryosnap.storage.tiers import LAYOUT_KEY, StripedStore, Tier
 
-__all__ = ["LeafChange", "LeafInfo", "VersionDiff", "describe_leaves", "diff_versions"]
+__all__ = [
+    "LeafChange",
+    "LeafInfo",
+    "ScratchPart",
+    "VersionDiff",
+    "describe_leaves",
+    "diff_versions",
+    "scratch_parts",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,3 +410,108 @@ def _leaf_change(
         return None
     sizes = np.minimum(cb, x.nbytes - differ.astype(np.int64) * cb)
     return LeafChange(path, "changed", int(sizes.sum()), int(differ.size), len(x.hashes))
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts of a scratch level
+
+# ``<scratch>/rank-<r>``: where rank r of a distributed run keeps its part (_run/open.py).
+_RANK_DIR = re.compile(r"rank-(\d{5,})")
+
+
+@dataclass(frozen=True, slots=True)
+class ScratchPart:
+    """A part of a run's scratch level as a reader finds it: the whole scratch of a world of
+    one (``rank`` None), or rank ``rank``'s ``<scratch>/rank-<r>`` of a distributed run; each
+    is a run of its own. ``store``: its devices seen as one, for reading."""
+
+    rank: int | None
+    store: Store
+
+    @property
+    def level(self) -> str:
+        """The part's name in reports: ``scratch`` or ``scratch rank-00001``."""
+        return "scratch" if self.rank is None else f"scratch rank-{self.rank:05d}"
+
+
+def scratch_parts(tiers: Sequence[Tier]) -> list[ScratchPart]:
+    """The parts of the scratch level whose devices are ``tiers`` (as the Checkpointer was
+    given them, fastest first) that this node holds: the level's own run, and the
+    ``rank-<r>`` directories below it. Empty when it is empty (a wiped node-local disk); a
+    local directory that does not exist, or one that holds something else, is a
+    :class:`~cryosnap.CheckpointNotFoundError`. Reads listings and the devices'
+    layout (``scratch-devices.json``), writes nothing."""
+    locations = [t.path for t in tiers]
+    first = open_store(locations[0])
+    root = first.capabilities.local_path
+    if root is not None and not root.is_dir():
+        raise CheckpointNotFoundError(f"no scratch at {first.url}")
+    parts = [ScratchPart(None, _part_store(locations, None))] if _holds_part(first) else []
+    for name, rank in _rank_dirs(first):
+        parts.append(ScratchPart(rank, _part_store(locations, name)))
+    if not parts and first.list(""):
+        raise CheckpointNotFoundError(
+            f"{first.url} is not a run's scratch: it holds no versions/, {LAYOUT_KEY} or "
+            "rank-<r>/ (give the scratch tier as the Checkpointer was given it, first device "
+            "first)"
+        )
+    return parts
+
+
+def _holds_part(store: Store) -> bool:
+    return bool(store.list("versions")) or store.exists(LAYOUT_KEY)
+
+
+def _rank_dirs(store: Store) -> list[tuple[str, int]]:
+    """The ``rank-<r>`` directories just below ``store``, by rank."""
+    root = store.capabilities.local_path
+    if root is not None:
+        names = {p.name for p in root.iterdir() if p.is_dir()}
+    else:
+        names = {key.split("/", 1)[0] for key in store.list("") if "/" in key}
+    found = [(n, m) for n in names if (m := _RANK_DIR.fullmatch(n)) is not None]
+    return sorted(((n, int(m.group(1))) for n, m in found), key=lambda x: x[1])
+
+
+def _part_store(locations: Sequence[Any], sub: str | None) -> Store:
+    """The devices of one part (``sub`` below each location) as one store. One location
+    given: the devices its layout records (a striped level found from its first device)."""
+    stores = [open_store(_below(loc, sub)) for loc in locations]
+    recorded = _layout(stores[0])
+    if recorded is None:
+        if len(stores) > 1 and _holds_part(stores[0]):
+            raise CheckpointFormatError(
+                f"{stores[0].url} holds versions but no {LAYOUT_KEY}: it is not the first "
+                "device of a scratch level (give the devices in the writer's order)"
+            )
+        return stores[0]
+    if len(stores) == len(recorded) == 1:
+        return stores[0]  # one device, nothing striped (wherever it was written)
+    if len(stores) == 1 and recorded[0] == stores[0].url:
+        stores += [open_store(url) for url in recorded[1:]]
+    # The layout on the first device is there and (StripedStore checks) the same list: the
+    # store only reads it, and a different list is a CheckpointError naming both.
+    return StripedStore(stores, [None] * len(stores))
+
+
+def _below(location: Any, sub: str | None) -> Any:
+    if sub is None:
+        return location
+    if isinstance(location, Store):
+        raise CheckpointError(
+            f"scratch={location!r}: a distributed run's scratch is a path or URL (each rank's "
+            "part is <scratch>/rank-<r>), not a Store"
+        )
+    return join_location(os.fspath(location), sub)
+
+
+def _layout(store: Store) -> list[str] | None:
+    """The devices the scratch part on ``store`` was written with (None: no layout)."""
+    try:
+        doc = json.loads(store.read(LAYOUT_KEY))
+    except (CheckpointNotFoundError, ValueError):
+        return None
+    devices = doc.get("devices") if isinstance(doc, dict) else None
+    if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+        return None
+    return devices or None

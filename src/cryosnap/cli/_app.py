@@ -106,10 +106,20 @@ def _add_read_commands(app: typer.Typer) -> None:
                 "--step", min=0, max=MAX_STEP, help="The version (default: every version)."
             ),
         ] = None,
+        scratch: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--scratch",
+                metavar="DIR",
+                help="The run's scratch tier, as given to the Checkpointer (repeat per device): "
+                "verify every level, each rank's scratch part found under DIR included, and "
+                "name the damaged level. PATH is then the persistent tier.",
+            ),
+        ] = None,
         json_output: Annotated[bool, JSON_OPT] = False,
     ) -> None:
         """Read every chunk of every rank and check its hash; exit 1 if anything is damaged."""
-        code = cmd_verify(path, step=step, as_json=json_output)
+        code = cmd_verify(path, step=step, as_json=json_output, scratch=scratch)
         if code:
             raise typer.Exit(code)
 
