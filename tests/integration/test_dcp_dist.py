@@ -66,6 +66,8 @@ def test_a_writer_per_save_at_two_ranks_and_across_a_restart(tmp_path: Path) -> 
         assert got["steps"] == [0, 1, 2] and got["free"] == [[0], [0, 1], [0, 1, 2]]
         assert got["loaded"] == got["saved"]
         assert all(s > 0 for s in got["stalls"])
+    for got in (*first, *again):  # durable no sooner than the save stopped blocking (#55)
+        assert got["ordered"] == [True] * 3
     for got in again:
         assert got["steps"] == [3, 4, 5] and got["free"][-1] == [0, 1, 2, 3, 4, 5]
         assert got["resumed"] == first[0]["saved"] and got["loaded"] == got["saved"]
@@ -217,7 +219,7 @@ def _per_save(out: Path, run: Path) -> dict[str, Any]:
 
     model, opt = _model(0, sharded=True)
     resumed = run.exists()
-    got: dict[str, Any] = {"written": [], "stalls": [], "steps": [], "free": []}
+    got: dict[str, Any] = {"written": [], "stalls": [], "ordered": [], "steps": [], "free": []}
     if resumed:
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
@@ -237,6 +239,7 @@ def _per_save(out: Path, run: Path) -> dict[str, Any]:
         assert info is not None
         got["written"].append(info.written_bytes)
         got["stalls"].append(info.stall_seconds)
+        got["ordered"].append(info.seconds >= info.stall_seconds)
         got["steps"].append(writer.last_step)
         dist.barrier()  # every rank's save returned: no lock is held now
         if _rank() == 0:  # the run opens for writing (and closes) between saves

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from cryosnap._run.staging import StagingPool
 from cryosnap.dcp._schema import DcpError
 
-__all__ = ["Staging"]
+__all__ = ["Staged", "Staging"]
 
 _SLAB_BYTES = 64 << 20
 _ALIGN = 64  # every staged tensor starts on this boundary: any dtype can view it
@@ -33,6 +33,15 @@ class _Place:
     slab: int
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """The staged copies a save claimed: when the first began (``time.perf_counter()``, on
+    the caller's thread, in ``dcp.async_save``) and how long copying them took in all."""
+
+    started: float
+    seconds: float
 
 
 class Staging:
@@ -48,7 +57,7 @@ class Staging:
         # holds any more (its async save failed before setting up the writer) goes back.
         self._staged: dict[int, list[weakref.ref[Any]]] = {}
         self._claimed: dict[int, int] = {}  # generation -> the save that claimed it
-        self._seconds: dict[int, float] = {}  # generation -> how long staging it took
+        self._times: dict[int, tuple[float, float]] = {}  # generation -> (start, seconds)
         self._next = 0
 
     @property
@@ -80,7 +89,7 @@ class Staging:
         with self._cond:
             self._generations[self._next] = slabs
             self._staged[self._next] = [weakref.ref(t) for t in staged if t.numel()]
-            self._seconds[self._next] = time.perf_counter() - t0
+            self._times[self._next] = (t0, time.perf_counter() - t0)
             self._next += 1
         return _rebuild(state_dict, iter(staged))
 
@@ -134,17 +143,21 @@ class Staging:
 
     # -- DCP's save thread
 
-    def claim(self, save: int) -> float | None:
+    def claim(self, save: int) -> Staged | None:
         """Save ``save`` (a number per save) writes every copy staged so far; copies an
-        earlier save claimed and never released (it failed before writing) go back. How long
-        staging the claimed copies took (None: none, a ``dcp.save`` without staging)."""
+        earlier save claimed and never released (it failed before writing) go back. When
+        staging the claimed copies began and how long it took (None: none, a ``dcp.save``
+        without staging)."""
         with self._cond:
             stale = [g for g, s in self._claimed.items() if s != save]
             for g in stale:
                 self._drop(g)
             claimed = [g for g in self._generations if self._claimed.setdefault(g, save) == save]
             self._cond.notify_all()
-            return sum(self._seconds[g] for g in claimed) if claimed else None
+            if not claimed:
+                return None
+            times = [self._times[g] for g in claimed]
+            return Staged(started=min(t for t, _ in times), seconds=sum(s for _, s in times))
 
     def release(self, save: int) -> None:
         """The copies ``save`` claimed are written (or failed): their slabs go back."""
@@ -156,7 +169,7 @@ class Staging:
     def _drop(self, generation: int) -> None:
         self._claimed.pop(generation, None)
         self._staged.pop(generation, None)
-        self._seconds.pop(generation, None)
+        self._times.pop(generation, None)
         assert self._pool is not None
         for slab in self._generations.pop(generation, []):
             self._pool.release(slab)

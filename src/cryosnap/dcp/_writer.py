@@ -15,6 +15,7 @@ import io
 import os
 import threading
 import time
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +35,7 @@ from cryosnap.checkpointer import Checkpointer, PathLike, SaveInfo
 from cryosnap.dcp import _session
 from cryosnap.dcp._parts import part_state
 from cryosnap.dcp._schema import DcpError, ItemKey, encode, item_key, leaf_name
-from cryosnap.dcp._staging import Staging
+from cryosnap.dcp._staging import Staged, Staging
 from cryosnap.errors import CheckpointError
 from cryosnap.run import Run
 
@@ -132,7 +133,7 @@ class StorageWriter(_DcpStorageWriter):
         self._info: SaveInfo | None = None
         self._saves = 0
         self._began = 0.0
-        self._staged_seconds: float | None = None
+        self._staged: Staged | None = None
         self._committed: tuple[Metadata, dict[ItemKey, int], str] | None = None
 
     # -- the writer's own API
@@ -144,6 +145,17 @@ class StorageWriter(_DcpStorageWriter):
         return Run(self._path, storage_options=self._run_options.storage_options)
 
     @property
+    def checkpointer(self) -> Run:
+        """Deprecated: :attr:`run` (this name is removed in the next release)."""
+        warnings.warn(
+            "StorageWriter.checkpointer is deprecated, use StorageWriter.run (a read-only "
+            "cryosnap.Run); removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.run
+
+    @property
     def last_step(self) -> int | None:
         """The step of the newest version this writer saved (None: none yet)."""
         return self._last
@@ -151,9 +163,10 @@ class StorageWriter(_DcpStorageWriter):
     @property
     def last_info(self) -> SaveInfo | None:
         """This rank's :class:`~cryosnap.SaveInfo` of the newest version this writer saved:
-        ``written_bytes`` is what it wrote (only changed chunks in an incremental version);
-        ``stall_seconds`` the staging copy's time for ``dcp.async_save``, the time from DCP
-        setting the writer up to the commit for ``dcp.save`` (the caller waits for all of it)."""
+        ``written_bytes`` is what it wrote (only changed chunks in an incremental version).
+        Both times run from one start: for ``dcp.async_save`` the staging copy's, ``seconds``
+        until durable and ``stall_seconds`` the copy's time; for ``dcp.save`` DCP setting the
+        writer up, and ``stall_seconds`` is ``seconds`` (the caller waits until durable)."""
         return self._info
 
     def close(self) -> None:
@@ -225,7 +238,7 @@ class StorageWriter(_DcpStorageWriter):
             self._committed = None
             self._saves += 1
             self._began = time.perf_counter()
-            self._staged_seconds = self._staging.claim(self._saves)
+            self._staged = self._staging.claim(self._saves)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -297,12 +310,10 @@ class StorageWriter(_DcpStorageWriter):
             for fqn, offsets in ks:
                 where[(fqn, None if offsets is None else tuple(offsets))] = r
         text, metadata = self._metadata_text(coord, planner, where, step)
+        called = time.perf_counter()
         info = ckpt._save_durable(step, part_state(coord.rank, tensors, raw, text))
-        stall = self._staged_seconds
-        if stall is None:  # dcp.save: the caller waited from the set-up to the commit
-            stall = time.perf_counter() - self._began
         with self._lock:
-            self._info = dataclasses.replace(info, stall_seconds=stall)
+            self._info = _from_start(info, called, began=self._began, staged=self._staged)
             self._last = step
         if metadata is not None and text is not None:
             self._committed = (metadata, where, text)
@@ -330,6 +341,21 @@ class StorageWriter(_DcpStorageWriter):
         if error:
             raise DcpError(error if coord.rank == 0 else f"rank 0: {error}")
         return text, metadata
+
+
+def _from_start(info: SaveInfo, called: float, *, began: float, staged: Staged | None) -> SaveInfo:
+    """``info`` with both times from the DCP save's start: the staging copy's
+    (``dcp.async_save``), else DCP's set-up (``began``). The Checkpointer times ``seconds``
+    from ``_save_durable``'s call (``called``), after the run's open, the key exchange and
+    the metadata: reported as it is, a sync save was durable before it began blocking."""
+    # ``called`` is read a few instructions before the Checkpointer's own start: the version
+    # was durable at ``called + info.seconds`` or a microsecond later.
+    if staged is None:  # dcp.save: the caller waited from the set-up until durable
+        seconds = called - began + info.seconds
+        return dataclasses.replace(info, seconds=seconds, stall_seconds=seconds)
+    # dcp.async_save: the copy ended before this save was set up, so seconds > the copy's.
+    seconds = called - staged.started + info.seconds
+    return dataclasses.replace(info, seconds=seconds, stall_seconds=staged.seconds)
 
 
 def _key_of(result: WriteResult) -> ItemKey:

@@ -290,6 +290,43 @@ def test_async_save_stages_into_the_reused_pool(tmp_path: Path) -> None:
     assert torch.equal(got["w"], sd["w"])
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["one-level", "scratch"])
+def test_a_version_is_not_durable_before_its_save_stopped_blocking(
+    tmp_path: Path, scratch: bool
+) -> None:
+    """seconds (to durable) and stall_seconds (the caller blocked) run from one start: DCP's
+    set-up for dcp.save, the staging copy for dcp.async_save (issue 55)."""
+    options: dict[str, Any] = {"chunk_bytes": CHUNK}
+    if scratch:
+        options["scratch"] = tmp_path / "scratch"
+    sd = state()
+    infos = []
+    for change in range(2):  # a full version, then an incremental one
+        sd["w"][change, :8] += 1.0
+        writer = cryosnap.dcp.StorageWriter(tmp_path / "run", **options)
+        save(sd, writer)
+        infos.append(writer.last_info)
+    for change in range(2):
+        sd["w"][change + 2, :8] += 1.0
+        writer = cryosnap.dcp.StorageWriter(tmp_path / "run", **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.async_save(sd, storage_writer=writer).result()  # durable once it returns
+        infos.append(writer.last_info)
+    assert all(info is not None for info in infos)
+    assert [info.seconds >= info.stall_seconds > 0 for info in infos if info] == [True] * 4
+    assert [len(info.tiers) for info in infos if info] == [1 + scratch] * 4
+
+
+def test_the_old_name_checkpointer_warns_and_gives_the_run(tmp_path: Path) -> None:
+    with cryosnap.dcp.StorageWriter(tmp_path) as writer:
+        save(state(), writer)
+        with pytest.warns(DeprecationWarning, match=r"checkpointer is deprecated, use .*\.run"):
+            old = writer.checkpointer
+        assert isinstance(old, cryosnap.Run) and old.url == writer.run.url
+        assert old.steps() == writer.run.steps() == [0]
+
+
 def test_a_state_larger_than_the_staging_budget_is_refused(tmp_path: Path) -> None:
     big = {
         "a": torch.zeros(40 << 20, dtype=torch.uint8),
