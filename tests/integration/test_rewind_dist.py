@@ -56,10 +56,15 @@ def expected(program: list[dict[str, Any]]) -> list[dict[str, Any]]:
     trajectory, out = 0, []
     for session in program:
         back = session["back"]
+        if session.get("damage") and versions:
+            # The newest version is damaged everywhere: a restore falls back to the one
+            # before, and the program saves on from there.
+            del versions[max(versions)]
+            back = 0
         if back is not None and versions:
             steps = sorted(versions)
             fork = steps[max(0, len(steps) - 1 - back)]
-            if fork != steps[-1] and not session.get("same"):
+            if (fork != steps[-1] or session.get("damage")) and not session.get("same"):
                 trajectory = session["id"]
             start = fork
         else:
@@ -167,6 +172,33 @@ def test_the_issue_55_reproduction(tmp_path: Path, redundancy: str) -> None:
     check(program, results)
 
 
+@pytest.mark.parametrize("redundancy", ["none", "partner"])
+def test_a_fallback_past_damage_on_every_level(tmp_path: Path, redundancy: str) -> None:
+    """Step 3's data is damaged on every level (scratch, partner copies, persistent): the
+    restore falls back to step 2 and the program saves 3 and 4 again."""
+    program: list[dict[str, Any]] = [
+        {"id": 1, "back": None, "saves": 3, "lose": "none"},
+        {"id": 2, "back": None, "saves": 2, "lose": "none", "damage": True},
+    ]
+    results = launch(tmp_path / "case", program, redundancy)
+    for got in results:
+        assert got[-1]["restored"] == 2
+        assert got[-1]["steps"] == [1, 2, 3, 4] and got[-1]["from_persistent"] == [4, 2]
+    check(program, results)
+
+
+@pytest.mark.parametrize("redundancy", ["none", "partner", "xor"])
+def test_a_restart_that_finds_scratch_ahead_of_persistent(tmp_path: Path, redundancy: str) -> None:
+    """Step 3 reached scratch but not the persistent level (its record there is gone: a
+    flush that never finished); the next job rewinds to 1: the open hands step 3 over, the
+    rewind supersedes it, and every level stays readable."""
+    program: list[dict[str, Any]] = [
+        {"id": 1, "back": None, "saves": 3, "lose": "none"},
+        {"id": 2, "back": 2, "saves": 3, "lose": "none", "unflushed": True},
+    ]
+    check(program, launch(tmp_path / "case", program, redundancy))
+
+
 def test_the_model() -> None:
     program: list[dict[str, Any]] = [
         {"id": 1, "back": None, "saves": 3, "lose": "none"},
@@ -206,13 +238,19 @@ def _open(out: Path, comm: Any, mode: str) -> Any:
     )
 
 
-def _session(out: Path, comm: Any, mode: str, session: dict[str, Any], trajectory: int) -> int:
+def _session(
+    out: Path, comm: Any, mode: str, session: dict[str, Any], trajectory: int, seen: dict[str, Any]
+) -> int:
     """One session of the program; returns the trajectory it saved in."""
     rank = comm.Get_rank()
     with _open(out, comm, mode) as ckpt:
         steps = ckpt.steps()
         start = steps[-1] if steps else 0
-        if session["back"] is not None and steps:
+        if session.get("damage") and steps:
+            got = ckpt.restore()  # falls back past the damaged newest version
+            seen["restored"] = got["step"]
+            trajectory, start = session["id"], got["step"]
+        elif session["back"] is not None and steps:
             fork = steps[max(0, len(steps) - 1 - session["back"])]
             got = ckpt.restore(step=fork)
             assert got["step"] == fork
@@ -272,6 +310,30 @@ def _lose(out: Path, comm: Any, mode: str, lose: str) -> None:
     comm.Barrier()
 
 
+def _break(out: Path, comm: Any, session: dict[str, Any]) -> None:
+    """Before a session, on rank 0 (the files are all on this machine): the newest version's
+    data damaged on every level, or its commit record gone from the persistent level."""
+    from cryosnap import engine
+    from cryosnap._format.manifest import commit_key
+    from cryosnap.storage import LocalStore
+
+    comm.Barrier()
+    persistent = LocalStore(out / "persistent")
+    versions = engine.list_versions(persistent)
+    if comm.Get_rank() == 0 and versions:
+        newest = max(versions)
+        if session.get("damage"):
+            for path in out.rglob(f"data/{newest:012d}-*.dat"):
+                with open(path, "r+b") as f:
+                    f.seek(8)
+                    byte = f.read(1)
+                    f.seek(8)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+        if session.get("unflushed"):
+            (out / "persistent" / commit_key(newest, versions[newest])).unlink()
+    comm.Barrier()
+
+
 def main(out: Path) -> None:
     import warnings
 
@@ -283,8 +345,10 @@ def main(out: Path) -> None:
     mode, trajectory, seen = job["mode"], 0, []
     for session in job["sessions"]:
         _lose(out, comm, mode, session["lose"])
-        trajectory = _session(out, comm, mode, session, trajectory)
-        seen.append(_check(out, comm, mode))
+        _break(out, comm, session)
+        now: dict[str, Any] = {}
+        trajectory = _session(out, comm, mode, session, trajectory, now)
+        seen.append({**now, **_check(out, comm, mode)})
     (out / f"rank-{comm.Get_rank()}.json").write_text(json.dumps(seen))
 
 
