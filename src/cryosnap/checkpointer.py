@@ -8,6 +8,7 @@ Runs on the caller's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -385,9 +386,12 @@ class Checkpointer:
     def _save_durable(self, step: int, state: Any, *, reuse: bool = True) -> SaveInfo:
         """Save without staging: the writer reads the live memory while the caller waits.
         ``reuse``: keep the flatten for a next save (False: this Checkpointer saves once)."""
-        job = self._start(step, state, time.perf_counter(), reuse=reuse)
+        t0 = time.perf_counter()
+        job = self._start(step, state, t0, reuse=reuse)
         self._capturer.direct(job)
-        return job.pending.result()
+        info = job.pending.result()
+        # The caller was blocked from entry until durable: all of it is the stall.
+        return dataclasses.replace(info, stall_seconds=time.perf_counter() - t0)
 
     def _start(
         self,
