@@ -254,37 +254,8 @@ def _read_verified(
         checked = _check_chain_claims(store, chain, set(record.data_files))
         sizes = [manifest.blobs[i].nbytes for i in index]
         restorer = Restorer(skeleton, sizes, allow_pickle=allow_pickle)
-        n = len(manifest.blobs)
-        mapped: Mapped | None = None
-        cold: ColdFiles | None = None
-        placed: Sequence[bool] = ()
-        if getattr(store, "map_file", None) is None:
-            views = _allocate(restorer, where, targets)
-            fresh = [v for v, direct in zip(views, restorer.direct, strict=True) if not direct]
-            # The leaves are allocated before the chain is applied so that the kernel maps
-            # their fresh pages (a cost as large as reading the data from the page cache) on
-            # another core while this one resolves the chain.
-            with _prefaulted(fresh if manifest.base is not None else ()):
-                paths = spread_paths(restorer.blob_paths, index, n)
-                part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=paths)
-            part = part if keys is None else cut_part(part, index)
-        else:
-            # Resolved first: where each blob lies decides which leaves are built over the
-            # mapped data files (no allocation, no copy). The leaf paths come from the
-            # allocation's walk (resolving names none).
-            part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=[""] * n)
-            part = part if keys is None else cut_part(part, index)
-            # Cold data files (out of the page cache) are not mapped: read with direct I/O,
-            # their large blobs into fresh aligned leaves (faulting the file in page by page
-            # through a mapping is slower than the disk).
-            cold = ColdFiles(store, part)
-            mapped = Mapped(store, part, skip=cold.files)
-            views = _allocate(restorer, where, targets, placer(mapped.place, cold))
-            # Only the leaves over the mapped files are verified where they lie; the fresh
-            # ones are read into.
-            placed = [p and i not in cold.fresh for i, p in enumerate(restorer.placed)]
-            for blob, path in zip(part.blobs, restorer.blob_paths, strict=True):
-                blob.path = path
+        laid = _lay_out(store, manifest, ref, chain, restorer, targets, where, keys, index)
+        part, views, mapped, cold, placed = laid
         _check_used_files(store, part, checked)
         move: DeviceMove | None = None
         feed: DeviceFeed | None = None
@@ -306,25 +277,10 @@ def _read_verified(
             cold=cold,
             on_ready=feed.ready if feed is not None else None,
         )
-        try:
-            try:
-                if progress is None:
-                    fetched = fetch()
-                else:
-                    total = manifest.logical_bytes if keys is None else sum(sizes)
-                    line = progress(f"cryosnap: restoring step {step}", total)
-                    try:
-                        fetched = fetch(on_bytes=line.update)
-                    finally:
-                        line.close()
-            except MemoryError as exc:
-                raise CheckpointFormatError(
-                    f"{where}: out of memory while reading its chunks"
-                ) from exc
-        except BaseException:
-            if feed is not None:
-                feed.abort()
-            raise
+        total = manifest.logical_bytes if keys is None else sum(sizes)
+        fetched = _fetch_reported(
+            fetch, feed, progress, f"cryosnap: restoring step {step}", total, where
+        )
         if feed is not None and move is not None:
             feed.close()
             log.debug(
@@ -336,6 +292,81 @@ def _read_verified(
             )
             restorer.install(move)
     return part, restorer, fetched
+
+
+_Laid = tuple[ResolvedPart, list[Any], "Mapped | None", "ColdFiles | None", Sequence[bool]]
+
+
+def _lay_out(
+    store: Store,
+    manifest: Manifest,
+    ref: ManifestRef,
+    chain: list[tuple[Manifest, str, str]],
+    restorer: Restorer,
+    targets: dict[int, Any],
+    where: str,
+    keys: Sequence[str | int] | None,
+    index: list[int],
+) -> _Laid:
+    """Resolve the part and give each leaf its memory: fresh allocations on a store that
+    cannot map its files; over the mapped data files where it can (cold files read with
+    direct I/O into fresh aligned leaves). The part, the leaves' views, the mapping, the
+    cold files and which leaves lie over the mapping."""
+    n = len(manifest.blobs)
+    if getattr(store, "map_file", None) is None:
+        views = _allocate(restorer, where, targets)
+        fresh = [v for v, direct in zip(views, restorer.direct, strict=True) if not direct]
+        # The leaves are allocated before the chain is applied so that the kernel maps
+        # their fresh pages (a cost as large as reading the data from the page cache) on
+        # another core while this one resolves the chain.
+        with _prefaulted(fresh if manifest.base is not None else ()):
+            paths = spread_paths(restorer.blob_paths, index, n)
+            part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=paths)
+        return (part if keys is None else cut_part(part, index)), views, None, None, ()
+    # Resolved first: where each blob lies decides which leaves are built over the
+    # mapped data files (no allocation, no copy). The leaf paths come from the
+    # allocation's walk (resolving names none).
+    part = resolve(store, manifest, ref.key, ref.xxh3, chain=chain, paths=[""] * n)
+    part = part if keys is None else cut_part(part, index)
+    # Cold data files (out of the page cache) are not mapped: read with direct I/O,
+    # their large blobs into fresh aligned leaves (faulting the file in page by page
+    # through a mapping is slower than the disk).
+    cold = ColdFiles(store, part)
+    mapped = Mapped(store, part, skip=cold.files)
+    views = _allocate(restorer, where, targets, placer(mapped.place, cold))
+    # Only the leaves over the mapped files are verified where they lie; the fresh
+    # ones are read into.
+    placed = [p and i not in cold.fresh for i, p in enumerate(restorer.placed)]
+    for blob, path in zip(part.blobs, restorer.blob_paths, strict=True):
+        blob.path = path
+    return part, views, mapped, cold, placed
+
+
+def _fetch_reported(
+    fetch: Callable[..., Fetched],
+    feed: DeviceFeed | None,
+    progress: ProgressFactory | None,
+    title: str,
+    total: int,
+    where: str,
+) -> Fetched:
+    """Run ``fetch``, its bytes reported to a line ``progress`` makes (if given); a pipelined
+    copy to a device (``feed``) is stopped when it fails; out of memory is named."""
+    try:
+        try:
+            if progress is None:
+                return fetch()
+            line = progress(title, total)
+            try:
+                return fetch(on_bytes=line.update)
+            finally:
+                line.close()
+        except MemoryError as exc:
+            raise CheckpointFormatError(f"{where}: out of memory while reading its chunks") from exc
+    except BaseException:
+        if feed is not None:
+            feed.abort()
+        raise
 
 
 def _pipelined(device: Any) -> bool:
