@@ -16,6 +16,7 @@ from typing import Any
 
 from cryosnap import engine
 from cryosnap._format.manifest import Lineage, max_generation, version_prefix, visible_versions
+from cryosnap._run import ddp
 from cryosnap._run.levels import Levels
 from cryosnap._state.device import target_device
 from cryosnap.dist import Coordinator
@@ -218,7 +219,7 @@ def _reader(*, rank: int, into: Any, ask: Ask) -> Callable[[Store, int], Any]:
     """``read(store, step)``: one rank's part of a version from one store, as asked."""
 
     def read(store: Store, step: int) -> Any:
-        return engine.read_part(
+        state = engine.read_part(
             store,
             step,
             rank=rank,
@@ -229,6 +230,9 @@ def _reader(*, rank: int, into: Any, ask: Ask) -> Callable[[Store, int], Any]:
             keys=ask.keys,
             progress=Progress,
         )
+        if into is not None:
+            ddp.arm(into)  # exact DDP resume without prepare_ddp_resume (_run/ddp.py)
+        return state
 
     return read
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from cryosnap._run import ddp as _ddp
 from cryosnap._validate import integer, non_negative_int, positive_int, wrong_type
 from cryosnap.errors import StateMismatchError
 
@@ -612,38 +613,18 @@ def prepare_ddp_resume(model: Any, *inputs: Any, **kwargs: Any) -> None:
     buckets before the first real step; then it puts back what that touched: every random
     number generator (:class:`RNGState`), the module's buffers (BatchNorm statistics) and the
     gradients. Collective: every rank calls it, after the restore, before training.
+
+    A restore whose ``into=`` holds the model (``ddp.module`` or ``ddp``) does the same by
+    itself, on the batch of the first training step (cryosnap._run.ddp): this call is for a
+    model restored otherwise, or to warm up at a moment of your choosing.
     """
     _require_torch("prepare_ddp_resume")
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
         wrong_type(model, "model", "a torch.nn.parallel.DistributedDataParallel")
+    _ddp.disarm(model.module)
     if getattr(model, "_has_rebuilt_buckets", False):
         return  # this process trained a step already: its buckets are the rebuilt ones
-    generators = RNGState().state_dict()
-    buffers = [b.detach().clone() for b in model.module.buffers()]
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    try:
-        outputs = [t for t in _tensors(model(*inputs, **kwargs)) if t.requires_grad]
-        if not outputs:
-            raise ValueError("prepare_ddp_resume: the model's output holds no tensor with grad")
-        (sum(t.sum() for t in outputs) * 0.0).backward()
-    finally:
-        RNGState().load_state_dict(generators)
-        with torch.no_grad():
-            for buffer, saved in zip(model.module.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
-        for p, grad in zip(params, grads, strict=True):
-            p.grad = grad
-
-
-def _tensors(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
+    if not _ddp.warm_up(model, inputs, kwargs):
+        raise ValueError("prepare_ddp_resume: the model's output holds no tensor with grad")
