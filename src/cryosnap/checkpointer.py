@@ -18,8 +18,10 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar, overload
 
 from cryosnap import _validate, engine
 from cryosnap._run.capturer import Job
-from cryosnap._run.open import newest_record, open_run
+from cryosnap._run.levels import Levels
+from cryosnap._run.open import OpenRun, newest_record, open_run
 from cryosnap._run.options import PathLike, RunOptions
+from cryosnap._run.policy_room import PolicyRoom
 from cryosnap._run.restore import Ask, device_for, restore_one, restore_run, rewound_lineage
 from cryosnap._run.results import PendingSave, SaveInfo, Status
 from cryosnap._run.saves import Saves
@@ -58,21 +60,91 @@ class _Option(Generic[T]):
     @overload
     def __get__(self, obj: None, owner: type) -> _Option[T]: ...
     @overload
-    def __get__(self, obj: Checkpointer, owner: type) -> T: ...
-    def __get__(self, obj: Checkpointer | None, owner: type) -> _Option[T] | T:
+    def __get__(self, obj: _Opened, owner: type) -> T: ...
+    def __get__(self, obj: _Opened | None, owner: type) -> _Option[T] | T:
         if obj is None:
             return self
         value: T = getattr(obj.options, self._name)
         return value
 
-    def __set__(self, obj: Checkpointer, value: object) -> NoReturn:
+    def __set__(self, obj: _Opened, value: object) -> NoReturn:
         raise AttributeError(
             f"Checkpointer.{self._attribute} is read-only: it is an argument of the "
             "Checkpointer, given when the run is opened (ckpt.options)"
         )
 
 
-class Checkpointer:
+class _Opened:
+    """What a :class:`Checkpointer` was opened with, read-only, and its save policy and
+    preemption: the facade's accessors, apart from its lifecycle (save, restore, close)."""
+
+    _options: RunOptions
+    _run: OpenRun
+    _levels: Levels
+    _policies: PolicyRoom
+
+    # what it was opened with -------------------------------------------------------------------
+    @property
+    def options(self) -> RunOptions:
+        """The validated arguments this Checkpointer was opened with (read-only)."""
+        return self._options
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id recorded with each version this Checkpointer saves (None: none)."""
+        return self._options.run_id
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The run's participants (this one's view)."""
+        return self._run.coordinator
+
+    @property
+    def store(self) -> Store:
+        """Where versions are written first (the scratch level, else the persistent one)."""
+        return self._levels.first.store
+
+    @property
+    def persistent(self) -> Store:
+        return self._run.persistent
+
+    @property
+    def scratch(self) -> StripedStore | None:
+        """The scratch devices as one striped store (None: no scratch level)."""
+        return self._run.scratch
+
+    # Read-only: the options they were opened with (assigning one raises AttributeError).
+    keep = _Option[RetentionPolicy | None]("retention")
+    keep_scratch = _Option[int]("scratch_keep")
+    incremental = _Option[bool]("incremental")
+    full_every = _Option[int]("full_every")
+    chunk_bytes = _Option[int]("chunk_bytes")
+    max_inflight = _Option[int]("max_inflight")
+    allow_pickle = _Option[bool]("allow_pickle")
+
+    # policies and preemption ----------------------------------------------------------------
+    @property
+    def policy(self) -> SavePolicy | None:
+        """The save policy :meth:`should_save` asks (None: saves only when called)."""
+        return self._policies.policy
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption signal arrived (``handle_signals``); settable by the program."""
+        return self._policies.preempted
+
+    @preempted.setter
+    def preempted(self, value: bool) -> None:
+        self._policies.preempted = bool(value)
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: asks the save policy (call once per iteration); always
+        true once the run is preempted. Every participant gets the same answer: rank 0's
+        policy, or yes when any participant is preempted."""
+        return self._policies.should_save(validate_step(step))
+
+
+class Checkpointer(_Opened):
     """A managed run: versions by step, saved in the background, restored on demand.
 
     Parameters
@@ -274,66 +346,6 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r})"
-
-    # what it was opened with -------------------------------------------------------------------
-    @property
-    def options(self) -> RunOptions:
-        """The validated arguments this Checkpointer was opened with (read-only)."""
-        return self._options
-
-    @property
-    def run_id(self) -> str | None:
-        """The run id recorded with each version this Checkpointer saves (None: none)."""
-        return self._options.run_id
-
-    @property
-    def coordinator(self) -> Coordinator:
-        """The run's participants (this one's view)."""
-        return self._run.coordinator
-
-    @property
-    def store(self) -> Store:
-        """Where versions are written first (the scratch level, else the persistent one)."""
-        return self._levels.first.store
-
-    @property
-    def persistent(self) -> Store:
-        return self._run.persistent
-
-    @property
-    def scratch(self) -> StripedStore | None:
-        """The scratch devices as one striped store (None: no scratch level)."""
-        return self._run.scratch
-
-    # Read-only: the options they were opened with (assigning one raises AttributeError).
-    keep = _Option[RetentionPolicy | None]("retention")
-    keep_scratch = _Option[int]("scratch_keep")
-    incremental = _Option[bool]("incremental")
-    full_every = _Option[int]("full_every")
-    chunk_bytes = _Option[int]("chunk_bytes")
-    max_inflight = _Option[int]("max_inflight")
-    allow_pickle = _Option[bool]("allow_pickle")
-
-    # policies and preemption ----------------------------------------------------------------
-    @property
-    def policy(self) -> SavePolicy | None:
-        """The save policy :meth:`should_save` asks (None: saves only when called)."""
-        return self._policies.policy
-
-    @property
-    def preempted(self) -> bool:
-        """Whether a preemption signal arrived (``handle_signals``); settable by the program."""
-        return self._policies.preempted
-
-    @preempted.setter
-    def preempted(self, value: bool) -> None:
-        self._policies.preempted = bool(value)
-
-    def should_save(self, step: int) -> bool:
-        """Whether to save at ``step``: asks the save policy (call once per iteration); always
-        true once the run is preempted. Every participant gets the same answer: rank 0's
-        policy, or yes when any participant is preempted."""
-        return self._policies.should_save(validate_step(step))
 
     # saving --------------------------------------------------------------------------------------
     def save(

@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cryosnap import engine
-from cryosnap._format.manifest import MAX_STEP, Replicated, commit_key
+from cryosnap._format.keys import commit_key
+from cryosnap._format.limits import MAX_STEP
+from cryosnap._format.manifest import Replicated
 from cryosnap._run.inspect import (
     LeafInfo,
     VersionDiff,
@@ -44,12 +46,12 @@ from cryosnap.errors import (
 from cryosnap.storage import Store, open_store
 
 __all__ = [
-    "MAX_STEP",
     "Damage",
     "FlushFailure",
     "FlushReport",
     "FlushedVersion",
     "LevelCheck",
+    "MAX_STEP",
     "Removal",
     "Run",
     "VerifyReport",

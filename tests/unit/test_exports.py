@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import pkgutil
 import subprocess
 import sys
 import types
@@ -26,7 +28,20 @@ PUBLIC = [
 ]
 
 
-@pytest.mark.parametrize("name", PUBLIC)
+def _public_modules() -> list[str]:
+    """Every module of the package whose dotted name has no segment starting with ``_``."""
+    return sorted(
+        m.name
+        for m in pkgutil.walk_packages(cryosnap.__path__, "cryosnap.")
+        if not any(seg.startswith("_") for seg in m.name.split("."))
+    )
+
+
+def test_the_listed_namespaces_are_public_modules() -> None:
+    assert set(PUBLIC) - {"cryosnap"} <= set(_public_modules())
+
+
+@pytest.mark.parametrize("name", ["cryosnap", *_public_modules()])
 def test_all_is_sorted_and_every_name_resolves(name: str) -> None:
     module = importlib.import_module(name)
     exported = list(module.__all__)
@@ -34,6 +49,15 @@ def test_all_is_sorted_and_every_name_resolves(name: str) -> None:
     assert len(set(exported)) == len(exported), f"{name}.__all__ lists a name twice"
     for item in exported:
         assert getattr(module, item) is not None, f"{name}.{item}"
+    # Complete: every public class and function the module defines is exported.
+    defined = {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_")
+        and (inspect.isclass(v) or inspect.isfunction(v))
+        and getattr(v, "__module__", None) == name
+    }
+    assert defined <= set(exported), f"{name}.__all__ lacks {sorted(defined - set(exported))}"
 
 
 def test_the_root_exports_every_public_name_it_defines() -> None:

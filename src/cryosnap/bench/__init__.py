@@ -24,12 +24,12 @@ from cryosnap.bench._runner import run
 from cryosnap.errors import BenchError, MissingDependencyError
 
 __all__ = [
-    "WORKLOADS",
     "BenchConfig",
     "BenchError",
     "BenchResult",
     "BenchStep",
     "MissingDependencyError",
+    "WORKLOADS",
     "check_plot_available",
     "current_rss_bytes",
     "drop_page_cache",

@@ -4,3 +4,5 @@
 each, on ``._base.RunSaver``). Each submodule imports its framework itself; importing
 ``cryosnap`` imports none of them. docs/INTEGRATIONS.md shows how to use them.
 """
+
+__all__: list[str] = []  # the submodules are the API: import cryosnap.integrations.torch, ...

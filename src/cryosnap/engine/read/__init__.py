@@ -13,9 +13,9 @@ from cryosnap.engine.read._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
 from cryosnap.engine.read._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, plan_reads
 
 __all__ = [
-    "IO_BATCH_BYTES",
     "ColdFiles",
     "Fetched",
+    "IO_BATCH_BYTES",
     "Mapped",
     "ReadLimits",
     "ReadPlan",
