@@ -53,8 +53,12 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── LockLostError                                    this writer no longer holds the run's
     │                                                    write lock (taken over while paused);
     │                                                    it stops instead of saving or deleting
+    ├── LockFileError                                    the run's write lock is a symbolic
+    │                                                    link, not a regular file, or
+    │                                                    hard-linked: never written through
     ├── RunLockedError                                   another writer holds the run's write
-    │                                                    lock (a Checkpointer is open on it)
+    │                                                    lock (a Checkpointer is open on it), or
+    │                                                    took it while this one was opening
     └── StorageError (+ OSError)                         the storage backend failed (full disk,
         │                                                permissions, unreachable endpoint)
         ├── StorageTimeoutError (+ TimeoutError)         one storage call did not return within
@@ -87,6 +91,7 @@ __all__ = [
     "InexactResumeError",
     "IntegrityError",
     "KeyNotFoundError",
+    "LockFileError",
     "LockLostError",
     "MissingDependencyError",
     "PartNotFoundError",
@@ -232,6 +237,11 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 class LockLostError(CheckpointError):
     """This writer's hold on the run's write lock was lost (another writer took it over, or the
     lock file was replaced); nothing more is committed or deleted by it."""
+
+
+class LockFileError(CheckpointError):
+    """The run's write lock is not a file cryosnap writes through (a symbolic link, not a
+    regular file, or hard-linked elsewhere); ``path`` names it."""
 
 
 class RunLockedError(CheckpointError):

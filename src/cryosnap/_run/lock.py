@@ -27,6 +27,7 @@ from typing import Any
 from cryosnap.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    LockFileError,
     LockLostError,
     RunLockedError,
     StorageError,
@@ -435,9 +436,10 @@ def _open_lock_file(path: Path) -> int:
         fd = os.open(path, flags, 0o644)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise CheckpointError(
+            raise LockFileError(
                 f"the write lock {path} is a symbolic link; cryosnap never follows links "
-                "inside a run (remove it if the run is yours)"
+                "inside a run (remove it if the run is yours)",
+                path=str(path),
             ) from None
         raise StorageError(f"cannot create the write lock {path}: {exc.strerror}") from exc
     try:
@@ -450,15 +452,17 @@ def _open_lock_file(path: Path) -> int:
 
 def _refuse_foreign(path: Path, st: os.stat_result) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise CheckpointError(
+        raise LockFileError(
             f"the write lock {path} is a symbolic link; cryosnap never follows links inside "
-            "a run (remove it if the run is yours)"
+            "a run (remove it if the run is yours)",
+            path=str(path),
         )
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         what = "not a regular file" if not stat.S_ISREG(st.st_mode) else "hard-linked elsewhere"
-        raise CheckpointError(
+        raise LockFileError(
             f"the write lock {path} is {what}; cryosnap never writes through it "
-            "(remove it if the run is yours)"
+            "(remove it if the run is yours)",
+            path=str(path),
         )
 
 
@@ -525,9 +529,10 @@ def _take_object(lock: RunLock, start: float) -> None:
         # Paused while opening: a rival may have judged our claim stale and gone ahead.
         with contextlib.suppress(CheckpointError):
             lock._delete_own()
-        raise CheckpointError(
+        raise RunLockedError(
             f"opening {store.url} for writing took longer than {lock._lease:.1f} s; "
-            "another writer may have opened it meanwhile"
+            "another writer may have opened it meanwhile",
+            path=store.url,
         )
     check = _read_settled(store)
     if not isinstance(check, dict) or check.get("token") != lock.token:
@@ -607,4 +612,6 @@ def _acquire_conditional(lock: RunLock, s3: _ConditionalLock) -> None:
                 f"{lock.store.url} was locked by {_describe(check)} at the same time"
             )
         return
-    raise CheckpointError(f"{lock.store.url}: the write lock keeps changing; try again")
+    raise RunLockedError(
+        f"{lock.store.url}: the write lock keeps changing; try again", path=lock.store.url
+    )

@@ -81,13 +81,14 @@ def test_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path: Path)
     run = tmp_path / "run"
     run.mkdir()
     (run / LOCK_KEY).symlink_to(outside)
-    with pytest.raises(CheckpointError, match=r"writer\.lock is a symbolic link"):
+    with pytest.raises(cryosnap.LockFileError, match=r"writer\.lock is a symbolic link") as err:
         acquire_run_lock(LocalStore(run))
+    assert err.value.path == str(run / LOCK_KEY)
     assert outside.read_text() == "do not truncate me"
     # A dangling link is not followed either: its target is never created.
     (run / LOCK_KEY).unlink()
     (run / LOCK_KEY).symlink_to(tmp_path / "created-outside")
-    with pytest.raises(CheckpointError, match="symbolic link"):
+    with pytest.raises(cryosnap.LockFileError, match="symbolic link"):
         cryosnap.Checkpointer(run)
     assert not (tmp_path / "created-outside").exists()
 
@@ -98,12 +99,12 @@ def test_hard_linked_or_fifo_lock_file_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     os.link(outside, run / LOCK_KEY)
-    with pytest.raises(CheckpointError, match="hard-linked elsewhere"):
+    with pytest.raises(cryosnap.LockFileError, match="hard-linked elsewhere"):
         acquire_run_lock(LocalStore(run))
     assert outside.read_text() == "keep"
     (run / LOCK_KEY).unlink()
     os.mkfifo(run / LOCK_KEY)
-    with pytest.raises(CheckpointError, match="not a regular file"):
+    with pytest.raises(cryosnap.LockFileError, match="not a regular file"):
         acquire_run_lock(LocalStore(run))
 
 
