@@ -24,6 +24,7 @@ from cryosnap import engine
 from cryosnap._format.chunks import chunk_count
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import iter_leaves
+from cryosnap._state.torch_import import import_torch
 from cryosnap.engine import ResolvedPart
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from cryosnap.storage import Store, join_location, open_store
@@ -101,7 +102,7 @@ def _torch_itemsize(name: str) -> int | None:
     if name.startswith("float8"):
         return 1
     try:
-        import torch
+        torch = import_torch()  # under the one import lock (another thread may be importing)
     except ImportError:
         return None
     dtype = getattr(torch, name, None)
