@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap.storage import LocalStore
+from cryosnap.storage import LocalStore, TimeoutStore
 from cryosnap.storage.tiers import Tier
 
 from .campaign_support import (
@@ -63,8 +63,6 @@ OPS = [
 CORE_OPS = {"write", "open_writer", "writer.write", "writer.commit", "exists", "list", "delete"}
 # Stalls are bounded by the library's TimeoutStore (a Store passed to the Checkpointer is used
 # as it is: the campaign wraps its stores itself, as the documentation says to).
-TimeoutStore = getattr(cryosnap.storage, "TimeoutStore", None)
-HAS_TIMEOUT = TimeoutStore is not None
 STALL_TIMEOUT = 1.0
 LAYOUTS = {
     # name: (scratch tier?, tier the fault goes to, keep)
@@ -96,7 +94,7 @@ class Case:
 
 def _store(path: Path, fault: Any, stall: bool) -> tuple[CampaignStore, Any]:
     campaign = CampaignStore(LocalStore(path), fault)
-    if stall and TimeoutStore is not None:
+    if stall:
         return campaign, TimeoutStore(campaign, STALL_TIMEOUT)
     return campaign, campaign
 
@@ -235,7 +233,6 @@ def summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
         "never_injected": sorted(tried - fired_ops),
         "garbage_bytes_after_resume": sum(c["garbage_bytes"] for c in cases),
         "ops_not_wrapped": unwrapped_ops(),
-        "stall_cases": HAS_TIMEOUT,
     }
 
 
@@ -267,11 +264,6 @@ def test_fault_campaign_fast(tmp_path: Path, op: str) -> None:
 def test_stall_campaign_fast(tmp_path: Path, op: str) -> None:
     """Without scratch: the 1st and 2nd manifest/commit write, data commit, retention delete
     stall past the storage timeout, then complete late (after close)."""
-    if not HAS_TIMEOUT:
-        pytest.skip(
-            "cryosnap.storage has no TimeoutStore: stalled storage calls cannot be bounded, "
-            "the stall cases of the campaign are left out"
-        )
     _campaign(tmp_path, "plain", op, ["stall"], [1, 2])
 
 
@@ -308,8 +300,8 @@ def test_fault_campaign(tmp_path: Path, layout: str, op: str) -> None:
     if layout == "plain":
         nths = nths[1:] or [1]  # the fast campaign did the first
     _campaign(tmp_path / "fail", layout, op, ["before", "after"], nths)
-    if HAS_TIMEOUT:  # a stall costs its timeout: once per operation and layout
-        _campaign(tmp_path / "stall", layout, op, ["stall"], nths[:1])
+    # A stall costs its timeout: once per operation and layout.
+    _campaign(tmp_path / "stall", layout, op, ["stall"], nths[:1])
 
 
 # ---------------------------------------------------------------------------------------------

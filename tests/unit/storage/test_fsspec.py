@@ -11,43 +11,13 @@ import fsspec
 import pytest
 
 from cryosnap.errors import StorageError
-from cryosnap.storage import FsspecStore, LocalStore, Store, open_store, unwrap
+from cryosnap.storage import FsspecStore, LocalStore, open_store, unwrap
 from cryosnap.storage._fsspec import _s3_defaults
-from cryosnap.testing.store import INVALID_KEYS, StoreTests
-
-_INVALID_KEY_BUG = (
-    "BUG: storage/_fsspec.py read/read_into/exists/size call self._path(key) inside "
-    "self._errors(), which turns validate_key's ValueError into StorageError (an OSError); "
-    "compute the path before entering _errors (as write/delete/list do) or re-raise ValueError"
-)
-_WRITER_BUG = (
-    "BUG: storage/_fsspec.py open_writer opens the final path with autocommit (fs.open(path, "
-    "'wb')): on memory:// and file:// the key exists and lists before commit(), and opening it "
-    "clobbers an existing key that abort() then deletes; open with autocommit=False and call "
-    "f.commit() in commit() / f.discard() in abort()"
-)
-
-_ABORT_BUG = (
-    "BUG: storage/_fsspec.py _FsspecWriter.abort calls f.discard(), which fsspec's "
-    "LocalFileOpener (file://) refuses with RuntimeError('Cannot discard if set to autocommit') "
-    "because open_writer opened the file with autocommit; abort() raises, and in "
-    "engine.write_part that masks the original error (same fix as the writer bug)"
-)
+from cryosnap.testing.store import StoreTests
 
 
 class FsspecStoreTests(StoreTests):
-    @pytest.mark.parametrize("key", INVALID_KEYS)
-    def test_invalid_key_is_refused_by_reads(self, store: Store, key: str) -> None:
-        super().test_invalid_key_is_refused_by_reads(store, key)
-
-    def test_writer_is_invisible_until_commit(self, store: Store) -> None:
-        super().test_writer_is_invisible_until_commit(store)
-
-    def test_writer_abort_keeps_an_existing_key(self, store: Store) -> None:
-        super().test_writer_abort_keeps_an_existing_key(store)
-
-    def test_list_of_a_file_key_is_empty(self, store: Store) -> None:
-        super().test_list_of_a_file_key_is_empty(store)
+    """The conformance suite, as every store runs it (the fixture names the backend)."""
 
 
 class TestMemoryStore(FsspecStoreTests):
@@ -78,22 +48,6 @@ class TestFileUrlStore(FsspecStoreTests):
     @pytest.fixture
     def store(self, tmp_path: Path) -> FsspecStore:
         return FsspecStore(f"file://{tmp_path}/run")
-
-    # abort() raises on this backend; every test that aborts a writer shows it.
-    def test_writer_abort_leaves_nothing(self, store: Store) -> None:
-        super().test_writer_abort_leaves_nothing(store)
-
-    def test_writer_abort_without_writing(self, store: Store) -> None:
-        super().test_writer_abort_without_writing(store)
-
-    def test_writer_closed_after_abort(self, store: Store) -> None:
-        super().test_writer_closed_after_abort(store)
-
-    def test_two_writers(self, store: Store) -> None:
-        super().test_two_writers(store)
-
-    def test_matches_a_dict_model(self, store: Store) -> None:
-        super().test_matches_a_dict_model(store)
 
 
 def test_backend_failures_become_storage_errors() -> None:
