@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 import cryosnap._run.replicated as _replicated
-from cryosnap._format.manifest import Lineage
+from cryosnap._format.keys import Lineage
 from cryosnap._run.capturer import Job
 from cryosnap._run.levels import Levels
 from cryosnap._run.open import OpenRun
@@ -68,14 +68,22 @@ class Saves:
         validate_step(step)
         self.raise_undelivered()
         self._refuse(step, lineage)
-        flat = flatten(
-            state,
-            allow_pickle=self._options.allow_pickle,
-            pack_bytes=self._options.chunk_bytes,
-            pack_apart=replicated,
-            cache=self.flattened if reuse else None,
-            defer_packs=lazy and not replicated,
-        )
+        options = self._options
+        if reuse:
+            flat = self.flattened.flatten(
+                state,
+                allow_pickle=options.allow_pickle,
+                pack_bytes=options.chunk_bytes,
+                pack_apart=replicated,
+                defer_packs=lazy and not replicated,
+            )
+        else:
+            flat = flatten(
+                state,
+                allow_pickle=options.allow_pickle,
+                pack_bytes=options.chunk_bytes,
+                pack_apart=replicated,
+            )
         keys = _replicated.replicated_keys(replicated, flat)
         self._writer.inflight.acquire()
         # Forget finished versions, but keep failed ones the caller has not received yet.

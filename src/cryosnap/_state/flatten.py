@@ -31,24 +31,7 @@ from cryosnap._format.skeleton import (
 from cryosnap._state import dtensor
 from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
-from cryosnap._state.reuse import (
-    CONTIGUOUS,
-    DATA,
-    OFFSET,
-    Copies,
-    Entry,
-    FlattenCache,
-    PackBuffers,
-    Scan,
-    inline_places,
-    metadata,
-    patched,
-    scan,
-    storage_address,
-    storage_of,
-    storages,
-    unique,
-)
+from cryosnap._state.tensor_meta import Copies, storage_address
 from cryosnap._state.torch_import import loaded_torch
 
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
@@ -203,186 +186,37 @@ def _descr(dtype: np.dtype[Any]) -> Any:
     return descr
 
 
+def pack_options(pack_bytes: int, pack_apart: object) -> tuple[int, frozenset[str | int]]:
+    """The pack size (``pack_bytes`` capped at :data:`PACK_BYTES`, 0 for none) and the keys
+    packed apart that :func:`flatten` takes (those of a list or tuple of str or int)."""
+    apart = frozenset(
+        k
+        for k in (pack_apart if isinstance(pack_apart, (list, tuple)) else ())
+        if type(k) in (str, int)
+    )
+    return min(max(pack_bytes, 0), PACK_BYTES), apart
+
+
 def flatten(
     state: Any,
     *,
     allow_pickle: bool = False,
     pack_bytes: int = 0,
     pack_apart: object = None,
-    cache: FlattenCache | None = None,
-    defer_packs: bool = False,
 ) -> FlatState:
     """Split ``state`` into a JSON skeleton and blobs; ``TypeError`` names any unsupported leaf.
 
     ``pack_bytes`` > 0 packs small CPU tensors into shared blobs of at most that many bytes
     (capped at :data:`PACK_BYTES`; see the module docstring); 0 stores every tensor alone.
     ``pack_apart``: top-level keys (a list or tuple, as ``save(replicated=...)`` takes them)
-    whose leaves never share a pack with the other keys' leaves.
-    ``cache``: the last flatten made with it is reused when the state's structure did not
-    change (reuse.py); the result is the same as without it. ``defer_packs``: a reused
-    flatten's packs are filled by ``result.deferred.fill()`` (a lazy capture's thread), not
-    here; nothing may read them before."""
-    apart = frozenset(
-        k
-        for k in (pack_apart if isinstance(pack_apart, (list, tuple)) else ())
-        if type(k) in (str, int)
-    )
-    pack = min(max(pack_bytes, 0), PACK_BYTES)
+    whose leaves never share a pack with the other keys' leaves. A flatten that reuses the
+    last one of a state of the same structure: :meth:`FlattenCache.flatten` (reuse.py)."""
+    pack, apart = pack_options(pack_bytes, pack_apart)
     with paused_gc():
-        if cache is None:
-            return _Flattener(allow_pickle, pack, apart).run(state)
-        key = (allow_pickle, pack, apart)
-        found = scan(state) if loaded_torch() is not None else None
-        if found is not None:
-            matched = cache.match(key, found)
-            if matched is not None:
-                cache.hit()
-                flat = _reused(*matched, found, defer=defer_packs)
-                # Freed before the collector resumes: its first pass would walk each of their
-                # objects (20,000 tensors' metadata: ~6 ms of a save).
-                del matched, found
-                return flat
-        flattener = _Flattener(allow_pickle, pack, apart)
-        flat = flattener.run(state)
-        cache.keep(_entry(key, found, flattener, flat) if found is not None else None)
-        return flat
+        return Flattener(allow_pickle, pack, apart).run(state)
 
 
-def _reused(
-    entry: Entry,
-    meta: list[tuple[Any, ...]],
-    copies: list[Copies] | None,
-    found: Scan,
-    *,
-    defer: bool = False,
-) -> FlatState:
-    """The flat state of ``found`` laid out as ``entry`` says: its skeleton (the inline
-    leaves that changed re-encoded), a blob per tensor alone, the packs filled anew.
-    ``meta``: the tensors' (reuse.metadata); ``copies``: each pack's copies by address, if the
-    tensors lie where the entry's last ones did (then kept for the next save, if they can be
-    made). ``defer``: the packs an optimizer of the state mutates every tensor of, filled by
-    copies, are left to ``deferred.fill()`` (:class:`DeferredPacks`)."""
-    skeleton = entry.skeleton
-    encode = _Flattener(False).inline
-    for (at, node), value in zip(entry.places, found.inline, strict=True):
-        fresh = encode(value)
-        if fresh != node:
-            skeleton = patched(skeleton, at, fresh)
-    torch = sys.modules["torch"]
-    tensors, uint8 = found.tensors, torch.uint8
-    if copies is None:
-        copies = _pack_copies(entry, meta)
-        entry.last[:] = [(meta, copies)]
-    blobs: list[Blob] = []
-    packs = 0
-    later: list[tuple[Any, Copies]] = []
-    now: list[tuple[Any, Copies]] = []
-    deferred: dict[int, list[int]] = {}  # blob -> its tensors' storages
-    kept: list[int] = []  # the indices of the tensors of the deferred packs
-    mutated: dict[int, set[int]] = {}
-    if defer and copies is not None:
-        optimizers = [o for _p, o in found.stateful if isinstance(o, torch.optim.Optimizer)]
-        mutated = {id(o): mutated_storages(o, torch) for o in optimizers}
-    guarded: set[int] = set().union(*mutated.values()) if mutated else set()
-    hold: list[Any] = []  # contiguous copies the fills read, alive until filled
-    with torch.no_grad():
-        for path, size, members in entry.blobs:
-            if members is None:  # size: the tensor's index
-                t = tensors[size]
-                x = t if meta[size][CONTIGUOUS] else t.contiguous()
-                blobs.append(_alone(t, x, x.nbytes, path, storage_of(meta[size]), uint8))
-                continue
-            pack = entry.buffers.take(packs, size, torch)
-            where = [storage_of(meta[i]) for i, _n, _at in members] if guarded else []
-            if copies is not None and where and guarded.issuperset(where):
-                later.append((pack, copies[packs]))
-                deferred[len(blobs)] = where
-                kept += [i for i, _n, _at in members]
-            elif copies is not None:
-                # The tensors (alive in ``found``) lie where the copies read.
-                now.append((pack, copies[packs]))
-            else:
-                fill = [(tensors[i].contiguous(), n, at) for i, n, at in members]
-                now.append((pack, copies_of([(t.data_ptr(), n, at) for t, n, at in fill])))
-                hold.append(fill)
-            packs += 1
-            blobs.append(Blob(path, size, pack, 0, True))
-        fill_packs(now)
-        del hold
-    stateful = [(format_path(path), obj) for path, obj in found.stateful]
-    flat = FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
-    if later:
-        keep = [tensors[i].untyped_storage() for i in kept]
-        flat.deferred = DeferredPacks(later, keep, deferred, mutated)
-    return flat
-
-
-def _pack_copies(entry: Entry, meta: list[tuple[Any, ...]]) -> list[Copies] | None:
-    """Each pack's :data:`Copies` for tensors of ``meta``; None if a packed tensor is not
-    contiguous (its bytes are then a fresh copy's, at a new address)."""
-    out = []
-    for _path, _size, members in entry.blobs:
-        if members is None:
-            continue
-        if not all(meta[i][CONTIGUOUS] for i, _n, _at in members):
-            return None
-        out.append(copies_of([(meta[i][DATA], n, at) for i, n, at in members]))
-    return out
-
-
-def _entry(
-    key: tuple[Any, ...], found: Scan, flattener: _Flattener, flat: FlatState
-) -> Entry | None:
-    """What the next flatten of a state of this structure may reuse, or None where reuse
-    does not cover it: every blob a tensor alone or a pack (no shared storage, no array,
-    bytes or file), no complex tensor (lazy conjugation is no part of the fingerprint), the
-    scan's tensors those the flatten met."""
-    tensors = flattener.tensors
-    if flat.files or len(tensors) != len(found.tensors):
-        return None
-    if [t.data_ptr() for _n, t, _p in tensors] != [t.data_ptr() for t in found.tensors]:
-        return None
-    meta = metadata(found.tensors)
-    if any(t.is_complex() for t in found.tensors) or meta is None:
-        return None
-    if unique(storages(meta)) is None:
-        return None
-    members: list[list[tuple[int, int, int]]] = [[] for _ in flat.blobs]
-    alone: list[int] = [-1] * len(flat.blobs)
-    for i, (node, t, _path) in enumerate(tensors):
-        b = node["b"]
-        if "view" in node:
-            return None
-        if "at" in node:
-            members[b].append((i, t.nbytes, node["at"]))
-        else:
-            alone[b] = i
-    blobs: list[tuple[tuple[str | int, ...], int, list[tuple[int, int, int]] | None]] = []
-    for b, blob in enumerate(flat.blobs):
-        if members[b]:
-            blobs.append((blob.key, blob.nbytes, members[b]))
-        elif alone[b] >= 0:
-            blobs.append((blob.key, alone[b], None))
-        else:
-            return None  # bytes, an array, a pickle: not a tensor's
-    places = inline_places(flat.skeleton)
-    if len(places) != len(found.inline):
-        return None
-    return Entry(
-        key,
-        found.shape,
-        [m[:OFFSET] for m in meta],
-        flat.skeleton,
-        places,
-        blobs,
-        flat.leaves,
-        flat.logical_bytes,
-        flat.packed,
-        PackBuffers(sum(1 for _path, _size, members in blobs if members is not None)),
-    )
-
-
-class _Flattener:
+class Flattener:
     def __init__(
         self, allow_pickle: bool, pack_bytes: int = 0, apart: frozenset[Any] = frozenset()
     ) -> None:
@@ -703,7 +537,7 @@ class _Flattener:
                     packer.add(node, path, x, n, x.element_size())
                     continue
                 node["b"] = len(blobs)
-                blobs.append(_alone(t, x, n, path, ptrs[i], uint8))
+                blobs.append(alone_blob(t, x, n, path, ptrs[i], uint8))
                 continue
             # Shared storage: one blob covering every byte the group uses, aligned so each
             # member's offset stays a multiple of its element size.
@@ -735,7 +569,7 @@ class _Flattener:
         return packer.packs > 0
 
 
-def _alone(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8: Any) -> Blob:
+def alone_blob(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8: Any) -> Blob:
     """The blob of tensor ``t`` stored alone: ``x`` is ``t`` contiguous (and resolved), of
     ``n`` bytes; ``ptr`` the data_ptr of ``t``'s storage."""
     if n == x.element_size() and x.dim() and x.stride()[-1] != 1:

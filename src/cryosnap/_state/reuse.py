@@ -1,7 +1,8 @@
-"""Reusing the last flatten of a state whose structure did not change (:class:`FlattenCache`):
-one scan (a state dict's tensors as one list), each tensor's metadata read once (its
-fingerprint and addresses), then the last skeleton and blob layout, with no node built per
-leaf (flatten.py uses them).
+"""Reusing the last flatten of a state whose structure did not change: a layer in front of
+the flattener (:meth:`FlattenCache.flatten`). One scan (a state dict's tensors as one list),
+each tensor's metadata read once (its fingerprint and addresses), then, when they match, the
+last skeleton and blob layout with no node built per leaf; otherwise one call of the
+flattener, which it remembers for the next save.
 
 Pure; the caller's thread (one cache per Checkpointer, behind a lock).
 docs/design/state-trees.md ("Reusing the last flatten") has the why.
@@ -13,35 +14,42 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
-import numpy as np
-
-from cryosnap._format.skeleton import MAX_DEPTH, Json
+from cryosnap._format.skeleton import MAX_DEPTH, Json, format_path
+from cryosnap._state.flatten import (
+    Blob,
+    DeferredPacks,
+    FlatState,
+    Flattener,
+    alone_blob,
+    copies_of,
+    fill_packs,
+    mutated_storages,
+    pack_options,
+)
+from cryosnap._state.gc import paused_gc
+from cryosnap._state.tensor_meta import (
+    CONTIGUOUS,
+    DATA,
+    OFFSET,
+    Copies,
+    metadata,
+    storage_of,
+    storages,
+    unique,
+)
 from cryosnap._state.torch_import import loaded_torch
 
 __all__ = [
-    "CONTIGUOUS",
-    "DATA",
-    "Copies",
-    "OFFSET",
     "Entry",
     "FlattenCache",
     "PackBuffers",
     "Scan",
     "inline_places",
-    "metadata",
     "patched",
     "scan",
-    "storage_address",
-    "storage_of",
-    "storages",
-    "unique",
 ]
-
-# A pack's copies: one row (source address, nbytes, offset in the pack) per tensor, in
-# offset order.
-Copies: TypeAlias = "np.ndarray[Any, np.dtype[np.int64]]"
 
 # Leaves a skeleton holds inline, without a blob (torch.Size too).
 _INLINE = frozenset((int, float, bool, str, complex, type(None)))
@@ -118,58 +126,6 @@ def _walk(
         _walk(obj.state_dict(), path, found, depth + 1, plain, size)
     else:
         raise _Other
-
-
-# Where a tensor's metadata (:func:`metadata`) holds its contiguity, then its storage offset
-# (elements) and its address; the fields before OFFSET are its fingerprint.
-CONTIGUOUS, OFFSET, DATA = 5, 7, 8
-
-
-def metadata(tensors: list[Any]) -> list[tuple[Any, ...]] | None:
-    """Each tensor's fingerprint, what decides its skeleton node and blob (type, Parameter or
-    not; dtype, shape, device, requires_grad, contiguity, layout), then its storage offset and
-    its data_ptr, in one pass (each tensor read once: 20,000 small ones cost 46 ms this way and
-    68 ms in three passes here, their metadata out of the CPU's caches; the offset, an int,
-    instead of the storage's address saves making a storage object per tensor, ~4 ms of 26
-    warm); None if one has no storage. :func:`storages` gives the storages' addresses."""
-    try:
-        return [
-            (
-                type(t),
-                t.dtype,
-                t.shape,
-                t.device,
-                t.requires_grad,
-                t.is_contiguous(),
-                t.layout,
-                t.storage_offset(),
-                t.data_ptr(),
-            )
-            for t in tensors
-        ]
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def storage_address(data: int, offset: int, itemsize: int) -> int:
-    """The address of the storage of a tensor at ``data`` (its data_ptr), ``offset`` elements
-    of ``itemsize`` bytes into it (0: none), without making a storage object."""
-    return data - offset * itemsize if data else 0
-
-
-def storage_of(m: tuple[Any, ...]) -> int:
-    """The address of the storage of the tensor whose :func:`metadata` is ``m`` (0: none)."""
-    return storage_address(m[DATA], m[OFFSET], m[1].itemsize)
-
-
-def storages(meta: list[tuple[Any, ...]]) -> list[int]:
-    """The addresses of the tensors' storages, by their :func:`metadata`."""
-    return [storage_of(m) for m in meta]
-
-
-def unique(ptrs: list[int]) -> list[int] | None:
-    """``ptrs`` if no two are the same and none is 0 (storages of their own), else None."""
-    return ptrs if len(set(ptrs)) == len(ptrs) and 0 not in ptrs else None
 
 
 class PackBuffers:
@@ -267,6 +223,38 @@ class FlattenCache:
             return None
         return entry, meta, None
 
+    def flatten(
+        self,
+        state: Any,
+        *,
+        allow_pickle: bool = False,
+        pack_bytes: int = 0,
+        pack_apart: object = None,
+        defer_packs: bool = False,
+    ) -> FlatState:
+        """:func:`~cryosnap._state.flatten.flatten` of ``state``, reusing the last flatten made
+        here when the state's structure did not change (the same result), and remembering
+        this one for the next. ``defer_packs``: a reused flatten's packs are filled by
+        ``result.deferred.fill()`` (a lazy capture's thread), not here; nothing may read them
+        before."""
+        pack, apart = pack_options(pack_bytes, pack_apart)
+        key = (allow_pickle, pack, apart)
+        with paused_gc():
+            found = scan(state) if loaded_torch() is not None else None
+            if found is not None:
+                matched = self.match(key, found)
+                if matched is not None:
+                    self.hit()
+                    flat = _reused(*matched, found, defer=defer_packs)
+                    # Freed before the collector resumes: its first pass would walk each of
+                    # their objects (20,000 tensors' metadata: ~6 ms of a save).
+                    del matched, found
+                    return flat
+            flattener = Flattener(allow_pickle, pack, apart)
+            flat = flattener.run(state)
+            self.keep(_entry(key, found, flattener, flat) if found is not None else None)
+            return flat
+
     def hit(self) -> None:
         with self._lock:
             self.reused += 1
@@ -310,3 +298,137 @@ def patched(skeleton: Json, at: list[int | None], node: Json) -> Json:
         values[head] = patched(values[head], rest, node)
         top["v"] = values
     return top
+
+
+def _reused(
+    entry: Entry,
+    meta: list[tuple[Any, ...]],
+    copies: list[Copies] | None,
+    found: Scan,
+    *,
+    defer: bool = False,
+) -> FlatState:
+    """The flat state of ``found`` laid out as ``entry`` says: its skeleton (the inline
+    leaves that changed re-encoded), a blob per tensor alone, the packs filled anew.
+    ``meta``: the tensors' (reuse.metadata); ``copies``: each pack's copies by address, if the
+    tensors lie where the entry's last ones did (then kept for the next save, if they can be
+    made). ``defer``: the packs an optimizer of the state mutates every tensor of, filled by
+    copies, are left to ``deferred.fill()`` (:class:`DeferredPacks`)."""
+    skeleton = entry.skeleton
+    encode = Flattener(False).inline
+    for (at, node), value in zip(entry.places, found.inline, strict=True):
+        fresh = encode(value)
+        if fresh != node:
+            skeleton = patched(skeleton, at, fresh)
+    torch = sys.modules["torch"]
+    tensors, uint8 = found.tensors, torch.uint8
+    if copies is None:
+        copies = _pack_copies(entry, meta)
+        entry.last[:] = [(meta, copies)]
+    blobs: list[Blob] = []
+    packs = 0
+    later: list[tuple[Any, Copies]] = []
+    now: list[tuple[Any, Copies]] = []
+    deferred: dict[int, list[int]] = {}  # blob -> its tensors' storages
+    kept: list[int] = []  # the indices of the tensors of the deferred packs
+    mutated: dict[int, set[int]] = {}
+    if defer and copies is not None:
+        optimizers = [o for _p, o in found.stateful if isinstance(o, torch.optim.Optimizer)]
+        mutated = {id(o): mutated_storages(o, torch) for o in optimizers}
+    guarded: set[int] = set().union(*mutated.values()) if mutated else set()
+    hold: list[Any] = []  # contiguous copies the fills read, alive until filled
+    with torch.no_grad():
+        for path, size, members in entry.blobs:
+            if members is None:  # size: the tensor's index
+                t = tensors[size]
+                x = t if meta[size][CONTIGUOUS] else t.contiguous()
+                blobs.append(alone_blob(t, x, x.nbytes, path, storage_of(meta[size]), uint8))
+                continue
+            pack = entry.buffers.take(packs, size, torch)
+            where = [storage_of(meta[i]) for i, _n, _at in members] if guarded else []
+            if copies is not None and where and guarded.issuperset(where):
+                later.append((pack, copies[packs]))
+                deferred[len(blobs)] = where
+                kept += [i for i, _n, _at in members]
+            elif copies is not None:
+                # The tensors (alive in ``found``) lie where the copies read.
+                now.append((pack, copies[packs]))
+            else:
+                fill = [(tensors[i].contiguous(), n, at) for i, n, at in members]
+                now.append((pack, copies_of([(t.data_ptr(), n, at) for t, n, at in fill])))
+                hold.append(fill)
+            packs += 1
+            blobs.append(Blob(path, size, pack, 0, True))
+        fill_packs(now)
+        del hold
+    stateful = [(format_path(path), obj) for path, obj in found.stateful]
+    flat = FlatState(skeleton, blobs, entry.leaves, entry.logical_bytes, stateful, entry.packed)
+    if later:
+        keep = [tensors[i].untyped_storage() for i in kept]
+        flat.deferred = DeferredPacks(later, keep, deferred, mutated)
+    return flat
+
+
+def _pack_copies(entry: Entry, meta: list[tuple[Any, ...]]) -> list[Copies] | None:
+    """Each pack's :data:`Copies` for tensors of ``meta``; None if a packed tensor is not
+    contiguous (its bytes are then a fresh copy's, at a new address)."""
+    out = []
+    for _path, _size, members in entry.blobs:
+        if members is None:
+            continue
+        if not all(meta[i][CONTIGUOUS] for i, _n, _at in members):
+            return None
+        out.append(copies_of([(meta[i][DATA], n, at) for i, n, at in members]))
+    return out
+
+
+def _entry(
+    key: tuple[Any, ...], found: Scan, flattener: Flattener, flat: FlatState
+) -> Entry | None:
+    """What the next flatten of a state of this structure may reuse, or None where reuse
+    does not cover it: every blob a tensor alone or a pack (no shared storage, no array,
+    bytes or file), no complex tensor (lazy conjugation is no part of the fingerprint), the
+    scan's tensors those the flatten met."""
+    tensors = flattener.tensors
+    if flat.files or len(tensors) != len(found.tensors):
+        return None
+    if [t.data_ptr() for _n, t, _p in tensors] != [t.data_ptr() for t in found.tensors]:
+        return None
+    meta = metadata(found.tensors)
+    if any(t.is_complex() for t in found.tensors) or meta is None:
+        return None
+    if unique(storages(meta)) is None:
+        return None
+    members: list[list[tuple[int, int, int]]] = [[] for _ in flat.blobs]
+    alone: list[int] = [-1] * len(flat.blobs)
+    for i, (node, t, _path) in enumerate(tensors):
+        b = node["b"]
+        if "view" in node:
+            return None
+        if "at" in node:
+            members[b].append((i, t.nbytes, node["at"]))
+        else:
+            alone[b] = i
+    blobs: list[tuple[tuple[str | int, ...], int, list[tuple[int, int, int]] | None]] = []
+    for b, blob in enumerate(flat.blobs):
+        if members[b]:
+            blobs.append((blob.key, blob.nbytes, members[b]))
+        elif alone[b] >= 0:
+            blobs.append((blob.key, alone[b], None))
+        else:
+            return None  # bytes, an array, a pickle: not a tensor's
+    places = inline_places(flat.skeleton)
+    if len(places) != len(found.inline):
+        return None
+    return Entry(
+        key,
+        found.shape,
+        [m[:OFFSET] for m in meta],
+        flat.skeleton,
+        places,
+        blobs,
+        flat.leaves,
+        flat.logical_bytes,
+        flat.packed,
+        PackBuffers(sum(1 for _path, _size, members in blobs if members is not None)),
+    )

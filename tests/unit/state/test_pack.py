@@ -164,7 +164,7 @@ def test_a_pack_is_every_leaf_back_to_back_and_zeros_between() -> None:
         return {b: bytes(v) for b, v in out.items()}
 
     cache = cryosnap._state.FlattenCache()
-    first = flatten(state, pack_bytes=CHUNK, cache=cache)
+    first = cache.flatten(state, pack_bytes=CHUNK)
     packed = expected(first)
     assert len(packed) > 2 and all(len(v) <= CHUNK for v in packed.values())
     assert {b: first.blobs[b].host_view().tobytes() for b in packed} == packed
@@ -172,7 +172,7 @@ def test_a_pack_is_every_leaf_back_to_back_and_zeros_between() -> None:
         blob.host_view()[:] = b"\xab" * blob.nbytes
     for t in state.values():
         t.add_(1)
-    again = flatten(state, pack_bytes=CHUNK, cache=cache)
+    again = cache.flatten(state, pack_bytes=CHUNK)
     assert cache.reused == 1
     assert {b: again.blobs[b].host_view().tobytes() for b in packed} == expected(again)
 

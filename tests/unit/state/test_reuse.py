@@ -23,14 +23,16 @@ from cryosnap._state import FlatState, FlattenCache, flatten
 
 from ..support import assert_same
 
-# The module (cryosnap._state's `flatten` is its function).
-flatten_module = importlib.import_module("cryosnap._state.flatten")
+# The module whose _entry a test spies on.
+reuse_module = importlib.import_module("cryosnap._state.reuse")
 
 CHUNK = 4096
 
 
 def _flat(state: Any, cache: FlattenCache | None = None, **kw: Any) -> FlatState:
-    return flatten(state, pack_bytes=CHUNK, cache=cache, **kw)
+    if cache is None:
+        return flatten(state, pack_bytes=CHUNK, **kw)
+    return cache.flatten(state, pack_bytes=CHUNK, **kw)
 
 
 def _assert_same(a: FlatState, b: FlatState) -> None:
@@ -207,14 +209,14 @@ def test_a_one_shot_save_keeps_no_flatten_to_reuse(
     """cryosnap.save saves once: what a next save would reuse is not made (each tensor's
     metadata read again); a Checkpointer's first save makes it."""
     made: list[object] = []
-    real = flatten_module._entry
+    real = reuse_module._entry
 
     def spy(*args: Any) -> Any:
         entry = real(*args)
         made.append(entry)
         return entry
 
-    monkeypatch.setattr(flatten_module, "_entry", spy)
+    monkeypatch.setattr(reuse_module, "_entry", spy)
     state = _state()
     cryosnap.save(tmp_path / "once", state)
     assert made == []
