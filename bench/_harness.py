@@ -1,22 +1,31 @@
 """Shared helpers for the benchmark scripts in bench/: timing, tables, the script's surroundings.
 
-The measuring helpers (fsync, page cache, peak RSS, medians) live in :mod:`cryosnap.bench`,
-which ``cryosnap bench`` runs; they are re-exported here for the scripts that are not (yet) part
-of it. cryosnap is taken from the interpreter, or else from the checkout's ``src/``.
+The measuring helpers (fsync, page cache, peak RSS, medians, the machine) live in
+:mod:`cryosnap.bench`, which ``cryosnap bench`` runs; they are re-exported here for the scripts
+that are not part of it. Here: a timed call, bytes and tables as text, PASS / FAIL lines, the
+run's scratch folder, the load average, the environment line and JSON of a run, and the
+environment of a rank launched as torchrun would. cryosnap is taken from the interpreter, or
+else from the checkout's ``src/``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import gc
+import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def import_cryosnap() -> ModuleType:
@@ -42,24 +51,35 @@ from cryosnap.bench import (  # noqa: E402  (after the src/ fallback above)
     tree_bytes,
     warm_page_cache,
 )
+from cryosnap.bench._probes import machine_info  # noqa: E402
 
 __all__ = [
     "Check",
+    "command_line",
     "current_rss_bytes",
+    "environment",
     "format_bytes",
+    "format_ms",
+    "format_s",
     "format_table",
+    "free_port",
     "fsync_path",
     "import_cryosnap",
     "iter_files",
+    "load_average",
     "median",
     "peak_rss_bytes",
+    "print_load",
     "reset_peak_rss",
     "rmtree",
+    "scratch_dir",
     "settle_disk",
     "timed",
+    "torchrun_env",
     "tree_bytes",
     "warm_page_cache",
     "warn_if_busy",
+    "write_json",
 ]
 
 
@@ -87,16 +107,28 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
+def format_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def format_s(seconds: float) -> str:
+    return f"{seconds:.3f} s"
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], left: Collection[int] = (0,)
+) -> str:
+    """A plain-text table: the columns numbered in ``left`` (the first one; a negative number
+    counts from the end) left-aligned, the others right-aligned."""
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
             widths[i] = max(widths[i], len(cell))
+    lefts = {i % len(widths) for i in left} if widths else set()
 
     def line(cells: Sequence[str]) -> str:
         parts = [
-            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
+            cell.ljust(widths[i]) if i in lefts else cell.rjust(widths[i])
             for i, cell in enumerate(cells)
         ]
         return "  ".join(parts).rstrip()
@@ -110,6 +142,68 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, base: str | Path | None = None) -> Iterator[Path]:
+    """A fresh folder inside ``base`` (made if missing; default: the temp dir), removed with
+    everything in it at the end, on an error or Ctrl-C too. ``base`` itself is never removed."""
+    if base is not None:
+        Path(base).mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    try:
+        yield path
+    finally:
+        rmtree(path)
+
+
+def command_line() -> str:
+    return " ".join([sys.executable, *sys.argv])
+
+
+def load_average() -> float:
+    """The 1-minute load average now."""
+    return os.getloadavg()[0]
+
+
+def print_load(before: float, after: float | None = None) -> None:
+    """The load average before and after (now, unless given), and a warning when it was high."""
+    after = load_average() if after is None else after
+    print(f"load average (1 min): {before:.2f} before, {after:.2f} after")
+    warn_if_busy(before, after)
+
+
+def _checkout_head() -> str | None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(
+            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+        return done.stdout.strip() or None
+    return None
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """When, how and on what a script ran: the date (UTC), the command, the load average, the
+    machine and the packages (``cryosnap bench``'s ``machine_info``: the cryosnap used, which
+    may be a copy, and where it lies), and this checkout's commit; ``extra`` added."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "load_average": round(load_average(), 2),
+        **machine_info(),
+        "checkout_head": _checkout_head(),
+        **extra,
+    }
+
+
+def write_json(path: Path | None, document: object) -> None:
+    """``document`` as indented JSON into ``path`` (nothing when None)."""
+    if path is not None:
+        path.write_text(json.dumps(document, indent=2, default=str) + "\n")
 
 
 def warn_if_busy(*load_averages: float) -> None:
@@ -132,7 +226,7 @@ class Check:
 
     def line(self) -> str:
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
-        return f"[{verdict}] {self.name}: {self.detail}"
+        return f"[{verdict}] {self.name}" + (f": {self.detail}" if self.detail else "")
 
 
 def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:

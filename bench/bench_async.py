@@ -19,14 +19,11 @@ staging).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -198,22 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child_peak_memory is not None:
         child_peak_memory(args.child_peak_memory, args.size_scale, args.staging_mib * _MIB, saves=4)
         return 0
-    cryosnap = h.import_cryosnap()
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "cryosnap": str(Path(cryosnap.__file__ or "?").parent),
-    }
+    env = h.environment()
     print(f"environment: {json.dumps(env)}")
-    root = Path(tempfile.mkdtemp(prefix="cryosnap-bench-async-", dir=args.dir))
-    try:
+    with h.scratch_dir("cryosnap-bench-async-", args.dir) as root:
         report = measure_memory(root, args)
-    finally:
-        h.rmtree(root)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"environment": env, "memory": report}, indent=2) + "\n")
+    h.print_load(env["load_average"])
+    h.write_json(args.json, {"environment": env, "memory": report})
     return 0
 
 

@@ -22,7 +22,10 @@ over the ranks (DCP: its files; cryosnap: ``SaveInfo.written_bytes``). Each save
 ``gc.collect()``, ``os.sync()`` (rank 0) and a barrier. Once per N the cryosnap sparse version is
 loaded back through ``cryosnap.dcp.StorageReader`` and compared bit for bit (PASS / FAIL).
 
-    python bench/bench_dcp.py --mib 256 --worlds 1,2 --repeat 1 --dir /tmp/bench-dcp
+    python bench/bench_dcp.py --mib 256 --worlds 1,2 --repeat 1 --dir /tmp
+
+``--dir``: where a temporary folder for the runs is made (default: the temp dir); that folder
+is removed at the end, ``--dir`` itself is left as it was.
 """
 
 from __future__ import annotations
@@ -34,13 +37,23 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-from _harness import format_bytes, format_table, free_port, median, rmtree, torchrun_env
+from _harness import (
+    Check,
+    format_bytes,
+    format_table,
+    free_port,
+    load_average,
+    median,
+    print_load,
+    rmtree,
+    scratch_dir,
+    torchrun_env,
+)
 
 PEERS = ["DCP file, sync", "DCP file, async", "cryosnap, sync", "cryosnap, async"]
 TENSORS = 8
@@ -216,26 +229,28 @@ def _table(world: int, ranks: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--worlds", default="1,2")
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--rank-main", action="store_true")
+    parser.add_argument("--mib", type=int, default=256, help="the state in all, MiB (256)")
+    parser.add_argument("--worlds", default="1,2", help="world sizes, comma-separated (1,2)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds per world size (1)")
+    parser.add_argument("--dir", default=None, help="where the temporary folder goes")
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_main:
         rank_main(args)
         return
-    args.dir = args.dir or tempfile.mkdtemp(prefix="bench-dcp-")
     print(f"state: {args.mib} MiB fp32 in {TENSORS} DTensors (Shard(0)); 1% sparse update")
-    for world in (int(w) for w in args.worlds.split(",")):
-        with tempfile.TemporaryDirectory() as out:
-            ranks = _launch(args, world, Path(out))
-        print()
-        print(_table(world, ranks))
-        ok = all(r.get("verified") for r in ranks)
-        print(f"[{'PASS' if ok else 'FAIL'}] cryosnap sparse version loads back bit for bit")
-    rmtree(Path(args.dir))
+    load_before = load_average()
+    with scratch_dir("bench-dcp-", args.dir) as work:
+        args.dir = str(work)  # the ranks' runs go here, removed at the end (never --dir itself)
+        for world in (int(w) for w in args.worlds.split(",")):
+            with scratch_dir("bench-dcp-out-") as out:
+                ranks = _launch(args, world, out)
+            print()
+            print(_table(world, ranks))
+            ok = all(r.get("verified") for r in ranks)
+            print(Check("cryosnap sparse version loads back bit for bit", ok, "").line())
+    print_load(load_before)
 
 
 if __name__ == "__main__":

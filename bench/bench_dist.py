@@ -56,11 +56,8 @@ import argparse
 import datetime
 import gc
 import json
-import os
-import platform
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -513,24 +510,6 @@ def files_check(raw: dict[str, Any]) -> h.Check:
     return h.Check("written_bytes = bytes of the rank's data files", not off, detail)
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    import cryosnap
-
-    commit = subprocess.run(
-        ["git", "-C", str(HERE.parent), "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cryosnap": str(Path(cryosnap.__file__).parent),
-        "checkout_head": commit,  # of this checkout; the cryosnap used may be a copy (above)
-    }
-
-
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="world sizes")
@@ -556,20 +535,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     state_bytes = args.mib << 20
     config = {"mib": args.mib, "repeat": args.repeat, "warmup": args.warmup}
     config["scratch"] = args.scratch
-    info = machine()
-    load_before = os.getloadavg()[0]
+    info = h.environment()
+    load_before = h.load_average()
     started = time.monotonic()
     print(
         f"bench_dist: {args.mib} MiB replicated (8 fp32 tensors) + {OWN_BYTES >> 10} KiB per rank, "
         f"ranks {args.ranks}, {args.warmup} untimed + {args.repeat} timed rounds; "
-        f"{info['cpus']} CPUs, load {load_before:.2f}; cryosnap from {info['cryosnap']}"
+        f"{info['cpus']} CPUs, load {load_before:.2f}; cryosnap {info['cryosnap']}"
     )
     rows: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-dist-", dir=args.dir) as tmp:
+    with h.scratch_dir("bench-dist-", args.dir) as tmp:
         for world in args.ranks:
             t0 = time.monotonic()
-            ranks = launch(world, config, Path(tmp))
+            ranks = launch(world, config, tmp)
             raw[str(world)] = ranks
             got = summarize(world, ranks, state_bytes)
             rows.extend(got)
@@ -587,27 +566,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     for c in (check, restore, honest):
         print(c.line())
-    load_after = os.getloadavg()[0]
+    load_after = h.load_average()
     print(
         "stall, durable, CPU s/rank: max over ranks (CPU: the process's, from the save call "
         f"until durable; all ranks: their sum), median of {args.repeat} rounds; written: per "
-        f"rank, every round. {time.monotonic() - started:.0f} s in all; load average "
-        f"{load_before:.2f} -> {load_after:.2f}"
+        f"rank, every round. {time.monotonic() - started:.0f} s in all"
     )
-    h.warn_if_busy(load_before, load_after)
-    if args.json is not None:
-        doc = {
-            "command": " ".join([sys.executable, *sys.argv]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "machine": info,
-            "config": {**config, "ranks": args.ranks, "chunk_bytes": CHUNK_BYTES},
-            "load_average": [load_before, load_after],
-            "rows": rows,
-            "checks": [c.line() for c in (check, restore, honest)],
-            "ranks": raw,
-        }
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}")
+    h.print_load(load_before, load_after)
+    doc = {
+        "environment": info,
+        "config": {**config, "ranks": args.ranks, "chunk_bytes": CHUNK_BYTES},
+        "load_average": [load_before, load_after],
+        "rows": rows,
+        "checks": [c.line() for c in (check, restore, honest)],
+        "ranks": raw,
+    }
+    h.write_json(args.json, doc)
 
 
 if __name__ == "__main__":

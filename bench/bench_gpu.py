@@ -158,21 +158,6 @@ class Report:
             log(f"could not write {path}: {exc}")
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.ljust(widths[i]) if i in (0, len(cells) - 1, len(cells) - 2) else c.rjust(widths[i])
-            for i, c in enumerate(cells)
-        ).rstrip()
-
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, rows)])
-
-
 # ----------------------------------------------------------------------------------- budget
 
 
@@ -397,19 +382,12 @@ def part_fingerprint(
     report.row("fingerprint chunks_torch()", t_t, nbytes)
 
 
-def part_eager(
-    torch: ModuleType,
-    cryosnap: ModuleType,
-    dev: Device,
-    state: dict[str, Any],
-    root: Path,
-    res: dict[str, Any],
-    report: Report,
-    budget: Budget,
-) -> None:
-    nbytes = state_bytes(state)
-    items = list(state.values())
-    # Baseline 1: one preallocated pinned buffer, copy_(non_blocking=True), synchronize.
+def pinned_copy_baseline(
+    torch: ModuleType, dev: Device, items: list[Any], res: dict[str, Any], report: Report
+) -> float:
+    """One preallocated pinned buffer, ``copy_(non_blocking=True)``, synchronize: the floor of
+    any capture. Returns its best seconds."""
+    nbytes = sum(t.numel() * t.element_size() for t in items)
     t0 = time.perf_counter()
     padded = sum(-(-(t.numel() * t.element_size()) // 64) * 64 for t in items)
     flat = torch.empty(padded, dtype=torch.uint8, pin_memory=dev.pin)
@@ -433,18 +411,20 @@ def part_eager(
     res["pinned_copy_best_s"] = base
     res["pinned_copy_gb_per_s"] = nbytes / base / 1e9
     log(f"pinned copy_: best {base:.4f} s, {nbytes / base / 1e9:.1f} GB/s (pinned={dev.pin})")
-    report.row(
-        f"copy_ to pinned buffer{'' if dev.pin else ' (not pinned)'}",
-        base,
-        nbytes,
-        1.0,
-        "pinned copy_",
-    )
+    label = f"copy_ to pinned buffer{'' if dev.pin else ' (not pinned)'}"
+    report.row(label, base, nbytes, 1.0, "pinned copy_")
     views.clear()
     del flat
     gc.collect()
+    return base
 
-    # Baseline 2: a plain .cpu() of each tensor (pageable memory, allocated per call).
+
+def plain_copy_baseline(
+    dev: Device, items: list[Any], base: float, res: dict[str, Any], report: Report
+) -> None:
+    """A plain ``.cpu()`` of each tensor (pageable memory, allocated per call)."""
+    nbytes = sum(t.numel() * t.element_size() for t in items)
+
     def plain_cpu() -> list[Any]:
         return [t.cpu() if dev.cuda else t.clone() for t in items]
 
@@ -459,9 +439,45 @@ def part_eager(
     log(f"{label}: best {min(cpu_samples):.4f} s")
     gc.collect()
 
-    # cryosnap eager: save() returns once the state is captured to pinned host memory.
-    run_dir = root / "eager"
-    stalls: list[float] = []
+
+def timed_save(
+    ckpt: Any, step: int, state: dict[str, Any], dev: Device, budget: Budget
+) -> tuple[dict[str, Any], Any]:
+    """``save()`` timed from a synchronized device (the stall), then ``result()`` (until
+    durable): the record of the save and its SaveInfo."""
+    dev.sync()
+    t0 = time.perf_counter()
+    pending = ckpt.save(step, state)
+    stall = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    info = pending.result(timeout=max(5.0, budget.left()))
+    record = {
+        "step": step,
+        "stall_s": stall,
+        "info_stall_s": info.stall_seconds,
+        "durable_wait_s": time.perf_counter() - t1,
+        "info_seconds": info.seconds,
+        "captured_bytes": getattr(info, "captured_bytes", None),
+        "logical_bytes": info.logical_bytes,
+        "written_bytes": info.written_bytes,
+        "incremental": info.incremental,
+        "new_chunks": info.new_chunks,
+        "chunks": info.chunks,
+    }
+    return record, info
+
+
+def eager_saves(
+    cryosnap: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    run_dir: Path,
+    base: float,
+    res: dict[str, Any],
+    budget: Budget,
+) -> list[dict[str, Any]]:
+    """A warm-up save then up to 3 timed ones of ``Checkpointer(device_diff=False)``, one
+    element per large tensor changed between them."""
     saves: list[dict[str, Any]] = []
     try:
         with cryosnap.Checkpointer(
@@ -476,29 +492,9 @@ def part_eager(
                         break
                     for t in big_tensors(state):  # each version differs from the last
                         t.view(-1)[step] += 1.0
-                dev.sync()
-                t0 = time.perf_counter()
-                pending = ckpt.save(step, state)
-                stall = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                info = pending.result(timeout=max(5.0, budget.left()))
-                wait = time.perf_counter() - t1
-                record = {
-                    "step": step,
-                    "stall_s": stall,
-                    "info_stall_s": info.stall_seconds,
-                    "durable_wait_s": wait,
-                    "info_seconds": info.seconds,
-                    "captured_bytes": getattr(info, "captured_bytes", None),
-                    "logical_bytes": info.logical_bytes,
-                    "written_bytes": info.written_bytes,
-                    "incremental": info.incremental,
-                    "new_chunks": info.new_chunks,
-                    "chunks": info.chunks,
-                }
+                record, info = timed_save(ckpt, step, state, dev, budget)
                 saves.append(record)
-                if step:
-                    stalls.append(stall)
+                stall, wait = record["stall_s"], record["durable_wait_s"]
                 log(
                     f"eager save {step}{' (warm-up)' if not step else ''}: stall {stall:.4f} s "
                     f"({stall / base:.2f}x pinned copy), durable after {wait:.2f} s more, "
@@ -507,10 +503,29 @@ def part_eager(
     finally:
         res["saves"] = saves
         shutil.rmtree(run_dir, ignore_errors=True)
+    return saves
+
+
+def part_eager(
+    torch: ModuleType,
+    cryosnap: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    root: Path,
+    res: dict[str, Any],
+    report: Report,
+    budget: Budget,
+) -> None:
+    nbytes = state_bytes(state)
+    items = list(state.values())
+    base = pinned_copy_baseline(torch, dev, items, res, report)
+    plain_copy_baseline(dev, items, base, res, report)
+    # cryosnap eager: save() returns once the state is captured to pinned host memory.
+    saves = eager_saves(cryosnap, dev, state, root / "eager", base, res, budget)
+    stalls = [s["stall_s"] for s in saves[1:]]
     res["stall_best_s"] = best(stalls)
     res["stall_ratio"] = ratio(best(stalls), base)
-    last = saves[-1] if saves else {}
-    res["captured_bytes"] = last.get("captured_bytes")
+    res["captured_bytes"] = saves[-1]["captured_bytes"] if saves else None
     if saves:
         report.check(
             "eager: captured_bytes == logical bytes (device_diff=False)",
@@ -519,38 +534,28 @@ def part_eager(
         )
     if stalls:
         waits = [s["durable_wait_s"] for s in saves[1:]]
+        note = f"best of {len(stalls)}"
         report.row(
             "cryosnap eager save() stall",
             best(stalls),
             nbytes,
             res["stall_ratio"],
             "pinned copy_",
-            f"best of {len(stalls)}",
+            note,
         )
-        report.row(
-            "  ... then result() (durable)",
-            best(waits),
-            nbytes,
-            None,
-            "",
-            "incremental, 1 elem/tensor changed",
-        )
+        note = "incremental, 1 elem/tensor changed"
+        report.row("  ... then result() (durable)", best(waits), nbytes, None, "", note)
+    first = saves[0] if saves else {}
     report.row(
         "  warm-up save() stall",
-        saves[0]["stall_s"] if saves else None,
+        first.get("stall_s"),
         nbytes,
-        ratio(saves[0]["stall_s"], base) if saves else None,
+        ratio(first.get("stall_s"), base),
         "pinned copy_",
         "allocates pinned slabs",
     )
-    report.row(
-        "  warm-up result() (full write)",
-        saves[0]["durable_wait_s"] if saves else None,
-        nbytes,
-        None,
-        "",
-        "full write + fsync",
-    )
+    wait = first.get("durable_wait_s")
+    report.row("  warm-up result() (full write)", wait, nbytes, None, "", "full write + fsync")
 
 
 def change_one_percent(torch: ModuleType, dev: Device, state: dict[str, Any], seed: int) -> int:
@@ -573,20 +578,18 @@ def change_one_percent(torch: ModuleType, dev: Device, state: dict[str, Any], se
     return len(picked)
 
 
-def part_sparse(
+def sparse_saves(
     torch: ModuleType,
     cryosnap: ModuleType,
     dev: Device,
     state: dict[str, Any],
     run_dir: Path,
     res: dict[str, Any],
-    report: Report,
     budget: Budget,
-    pinned_copy_s: float | None,
-) -> None:
-    nbytes = state_bytes(state)
+) -> list[dict[str, Any]]:
+    """``Checkpointer(device_diff=True)``: a full save, then up to 3 saves after 1% of the
+    chunks changed; the run is left for the restore part."""
     saves: list[dict[str, Any]] = []
-    stalls: list[float] = []
     dev.reset_peak()
     try:
         with cryosnap.Checkpointer(
@@ -603,47 +606,33 @@ def part_sparse(
                         log(res["skipped_saves"])
                         break
                     changed = change_one_percent(torch, dev, state, _SEED + step)
-                dev.sync()
-                t0 = time.perf_counter()
-                pending = ckpt.save(step, state)
-                stall = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                info = pending.result(timeout=max(5.0, budget.left()))
-                wait = time.perf_counter() - t1
-                captured = getattr(info, "captured_bytes", None)
-                record = {
-                    "step": step,
-                    "changed_chunks": changed,
-                    "stall_s": stall,
-                    "info_stall_s": info.stall_seconds,
-                    "durable_wait_s": wait,
-                    "info_seconds": info.seconds,
-                    "captured_bytes": captured,
-                    "logical_bytes": info.logical_bytes,
-                    "captured_fraction": captured / info.logical_bytes if captured else captured,
-                    "written_bytes": info.written_bytes,
-                    "incremental": info.incremental,
-                    "new_chunks": info.new_chunks,
-                    "chunks": info.chunks,
-                }
+                record, info = timed_save(ckpt, step, state, dev, budget)
+                captured = record["captured_bytes"]
+                frac = captured / info.logical_bytes if captured else captured
+                record = {**record, "changed_chunks": changed, "captured_fraction": frac}
                 saves.append(record)
-                if step:
-                    stalls.append(stall)
-                frac = record["captured_fraction"]
                 log(
-                    f"device_diff save {step}: {changed} chunks changed, stall {stall:.4f} s, "
-                    f"durable after {wait:.2f} s more, captured "
-                    f"{'?' if frac is None else f'{frac * 100:.2f}%'} of {info.logical_bytes}, "
-                    f"written {info.written_bytes}, new_chunks {info.new_chunks}, "
-                    f"incremental {info.incremental}"
+                    f"device_diff save {step}: {changed} chunks changed, stall "
+                    f"{record['stall_s']:.4f} s, durable after {record['durable_wait_s']:.2f} s "
+                    f"more, captured {'?' if frac is None else f'{frac * 100:.2f}%'} of "
+                    f"{info.logical_bytes}, written {info.written_bytes}, new_chunks "
+                    f"{info.new_chunks}, incremental {info.incremental}"
                 )
     finally:
         res["saves"] = saves
         res["gpu_peak_allocated_bytes"] = dev.peak_bytes()
-    res["pinned_copy_best_s"] = pinned_copy_s
-    res["stall_best_s"] = best(stalls)
-    res["stall_ratio"] = ratio(best(stalls), pinned_copy_s)
-    res["last_step"] = saves[-1]["step"] if saves else None
+    return saves
+
+
+def report_sparse(
+    saves: list[dict[str, Any]],
+    nbytes: int,
+    pinned_copy_s: float | None,
+    res: dict[str, Any],
+    report: Report,
+) -> None:
+    """The checks on what each save captured, and the table's rows."""
+    stalls = [s["stall_s"] for s in saves[1:]]
     if saves:
         first = saves[0]
         report.check(
@@ -667,59 +656,69 @@ def part_sparse(
             "captured_bytes missing" if frac is None else f"{frac * 100:.3f}%",
         )
         report.check(f"sparse: step {s['step']} is incremental", bool(s["incremental"]))
-    if stalls:
-        sparse = saves[1:]
-        one = sparse[0]
-        res.update(
-            {
-                k: one[k]
-                for k in (
-                    "captured_fraction",
-                    "written_bytes",
-                    "incremental",
-                    "new_chunks",
-                    "captured_bytes",
-                    "logical_bytes",
-                )
-            }
-        )
-        note = (
-            f"captured {one['captured_fraction'] * 100:.2f}%, written {one['written_bytes']}"
-            if one["captured_fraction"] is not None
-            else "captured_bytes missing"
-        )
-        report.row(
-            "cryosnap device_diff 1% save() stall",
-            best(stalls),
-            nbytes,
-            res["stall_ratio"],
-            "pinned copy_",
-            note,
-        )
-        report.row(
-            "  ... then result() (durable)",
-            best([s["durable_wait_s"] for s in sparse]),
-            nbytes,
-            None,
-            "",
-            f"new_chunks {one['new_chunks']}",
-        )
-    # Verify the newest version (the end of the incremental chain) bit for bit.
+    if not stalls:
+        return
+    one = saves[1]
+    fields = ("captured_fraction", "written_bytes", "incremental", "new_chunks")
+    res.update({k: one[k] for k in (*fields, "captured_bytes", "logical_bytes")})
+    note = (
+        f"captured {one['captured_fraction'] * 100:.2f}%, written {one['written_bytes']}"
+        if one["captured_fraction"] is not None
+        else "captured_bytes missing"
+    )
+    label = "cryosnap device_diff 1% save() stall"
+    report.row(label, best(stalls), nbytes, res["stall_ratio"], "pinned copy_", note)
+    wait = best([s["durable_wait_s"] for s in saves[1:]])
+    note = f"new_chunks {one['new_chunks']}"
+    report.row("  ... then result() (durable)", wait, nbytes, None, "", note)
+
+
+def verify_sparse(
+    torch: ModuleType,
+    cryosnap: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    run_dir: Path,
+    step: int,
+    res: dict[str, Any],
+    report: Report,
+) -> None:
+    """The newest version (the end of the incremental chain) loaded, bit for bit."""
+    seconds, got_used = dev.wall_seconds(lambda: load_to(cryosnap, dev, run_dir, step))
+    got, used = got_used
+    res["map_location_supported"] = used
+    bad = bitwise_mismatches(torch, state, got, dev.device)
+    res["verify_step"] = step
+    res["verify_mismatches"] = bad[:20]
+    res["restore_bitwise_equal"] = not bad
+    report.check(
+        f"sparse: load(step={step}) equals the live state bit for bit",
+        not bad,
+        f"{len(bad)} mismatched: {bad[:5]}" if bad else f"{seconds:.2f} s",
+    )
+    del got, got_used
+
+
+def part_sparse(
+    torch: ModuleType,
+    cryosnap: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    run_dir: Path,
+    res: dict[str, Any],
+    report: Report,
+    budget: Budget,
+    pinned_copy_s: float | None,
+) -> None:
+    saves = sparse_saves(torch, cryosnap, dev, state, run_dir, res, budget)
+    stalls = [s["stall_s"] for s in saves[1:]]
+    res["pinned_copy_best_s"] = pinned_copy_s
+    res["stall_best_s"] = best(stalls)
+    res["stall_ratio"] = ratio(best(stalls), pinned_copy_s)
+    res["last_step"] = saves[-1]["step"] if saves else None
+    report_sparse(saves, state_bytes(state), pinned_copy_s, res, report)
     if saves and saves[-1]["step"] > 0:
-        step = saves[-1]["step"]
-        seconds, got_used = dev.wall_seconds(lambda: load_to(cryosnap, dev, run_dir, step))
-        got, used = got_used
-        res["map_location_supported"] = used
-        bad = bitwise_mismatches(torch, state, got, dev.device)
-        res["verify_step"] = step
-        res["verify_mismatches"] = bad[:20]
-        res["restore_bitwise_equal"] = not bad
-        report.check(
-            f"sparse: load(step={step}) equals the live state bit for bit",
-            not bad,
-            f"{len(bad)} mismatched: {bad[:5]}" if bad else f"{seconds:.2f} s",
-        )
-        del got, got_used
+        verify_sparse(torch, cryosnap, dev, state, run_dir, saves[-1]["step"], res, report)
 
 
 def serial_load_seconds(
@@ -749,22 +748,18 @@ def serial_load_seconds(
     return out
 
 
-def part_restore(
+def cryosnap_loads(
     torch: ModuleType,
     cryosnap: ModuleType,
     dev: Device,
     state: dict[str, Any],
     run_dir: Path,
-    root: Path,
     res: dict[str, Any],
     report: Report,
     budget: Budget,
-) -> None:
-    nbytes = state_bytes(state)
-    if not run_dir.exists():
-        budget.need(30, "restore: a fresh save first")
-        log("restore: no earlier run to load; saving one first (untimed)")
-        cryosnap.save(run_dir, state, step=0)
+) -> tuple[float, str]:
+    """``cryosnap.load(map_location=device)`` twice (the first checked bit for bit), then the
+    same with the copies after every read; returns the best seconds and the row's label."""
     cryo_s: list[float] = []
     used = True
     for i in range(2):
@@ -790,7 +785,20 @@ def part_restore(
             f"{min(serial):.3f} s; pipelined {base:.3f} s "
             f"(serial / pipelined: {min(serial) / base:.2f})"
         )
+    return base, label
 
+
+def restore_into_seconds(
+    torch: ModuleType,
+    cryosnap: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    run_dir: Path,
+    report: Report,
+    budget: Budget,
+) -> list[float]:
+    """``Checkpointer(run_dir).restore(into=)`` tensors on the device, twice (zeroed first; the
+    first checked bit for bit)."""
     like = {k: torch.empty_like(v) for k, v in state.items()}
     into_s: list[float] = []
     with cryosnap.Checkpointer(run_dir) as ckpt:
@@ -805,34 +813,65 @@ def part_restore(
                 report.check(
                     "restore: Checkpointer.restore(into=) bit for bit", not bad, str(bad[:5])
                 )
-    res["restore_into_s"] = into_s
     log(f"Checkpointer.restore(into=): best {min(into_s):.3f} s")
     like.clear()
     dev.free()
+    return into_s
 
+
+def peer_load_seconds(
+    torch: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    res: dict[str, Any],
+    report: Report,
+    budget: Budget,
+    peer: tuple[str, str, str],
+    save: Callable[[], object],
+    load: Callable[[], object],
+) -> float:
+    """A peer's save (page cache), then two loads to the device (the first checked bit for
+    bit); ``peer``: (key in the results, its name, the save's row). Returns the best load."""
+    key, name, save_row = peer
+    nbytes = state_bytes(state)
+    budget.need(30, f"restore: {name}")
+    seconds, _ = dev.wall_seconds(save)
+    res[f"{key}_save_s"] = seconds
+    report.row(save_row, seconds, nbytes)
+    loads = []
+    for i in range(2):
+        budget.need(15, f"restore: {name} load")
+        seconds, got = dev.wall_seconds(load)
+        loads.append(seconds)
+        if i == 0:
+            bad = bitwise_mismatches(torch, state, got, dev.device)
+            report.check(f"restore: {name} bit for bit (peer)", not bad, str(bad[:5]))
+        del got
+        dev.free()
+    res[f"{key}_load_s"] = loads
+    return min(loads)
+
+
+def peer_loads(
+    torch: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    root: Path,
+    res: dict[str, Any],
+    report: Report,
+    budget: Budget,
+) -> dict[str, float]:
+    """``torch.load(map_location=)`` of a ``torch.save`` file and safetensors
+    ``load_file(device=)``: the best load of each that ran, by row name."""
     peers: dict[str, float] = {}
-    # torch.save + torch.load(map_location)
     path = root / "state.pt"
     try:
-        budget.need(30, "restore: torch.save/torch.load")
-        seconds, _ = dev.wall_seconds(lambda: torch.save(state, path))
-        res["torch_save_s"] = seconds
-        report.row("  torch.save (page cache, no fsync)", seconds, nbytes)
-        loads = []
-        for i in range(2):
-            budget.need(15, "restore: torch.load")
-            seconds, got = dev.wall_seconds(
-                lambda: torch.load(path, map_location=dev.device, weights_only=True)
-            )
-            loads.append(seconds)
-            if i == 0:
-                bad = bitwise_mismatches(torch, state, got, dev.device)
-                report.check("restore: torch.load bit for bit (peer)", not bad, str(bad[:5]))
-            del got
-            dev.free()
-        res["torch_load_s"] = loads
-        peers["torch.load(map_location)"] = min(loads)
-        log(f"torch.load(map_location): best {min(loads):.3f} s")
+        peers["torch.load(map_location)"] = peer_load_seconds(
+            torch, dev, state, res, report, budget,
+            ("torch", "torch.load", "  torch.save (page cache, no fsync)"),
+            lambda: torch.save(state, path),
+            lambda: torch.load(path, map_location=dev.device, weights_only=True),
+        )  # fmt: skip
     except Skipped:
         raise
     except Exception as exc:
@@ -840,28 +879,16 @@ def part_restore(
         log(f"torch peer failed: {res['torch_error']}")
     finally:
         path.unlink(missing_ok=True)
-
     path = root / "state.safetensors"
     try:
         from safetensors.torch import load_file, save_file
 
-        budget.need(30, "restore: safetensors")
-        seconds, _ = dev.wall_seconds(lambda: save_file(state, str(path)))
-        res["safetensors_save_s"] = seconds
-        report.row("  safetensors save_file (page cache)", seconds, nbytes)
-        loads = []
-        for i in range(2):
-            budget.need(15, "restore: safetensors load_file")
-            seconds, got = dev.wall_seconds(lambda: load_file(str(path), device=str(dev.device)))
-            loads.append(seconds)
-            if i == 0:
-                bad = bitwise_mismatches(torch, state, got, dev.device)
-                report.check("restore: safetensors bit for bit (peer)", not bad, str(bad[:5]))
-            del got
-            dev.free()
-        res["safetensors_load_s"] = loads
-        peers["safetensors load_file(device)"] = min(loads)
-        log(f"safetensors load_file(device): best {min(loads):.3f} s")
+        peers["safetensors load_file(device)"] = peer_load_seconds(
+            torch, dev, state, res, report, budget,
+            ("safetensors", "safetensors", "  safetensors save_file (page cache)"),
+            lambda: save_file(state, str(path)),
+            lambda: load_file(str(path), device=str(dev.device)),
+        )  # fmt: skip
     except ImportError as exc:
         res["safetensors_error"] = f"not installed: {exc}"
     except Skipped:
@@ -871,17 +898,36 @@ def part_restore(
         log(f"safetensors peer failed: {res['safetensors_error']}")
     finally:
         path.unlink(missing_ok=True)
+    for name, seconds in peers.items():
+        log(f"{name}: best {seconds:.3f} s")
+    return peers
 
+
+def part_restore(
+    torch: ModuleType,
+    cryosnap: ModuleType,
+    dev: Device,
+    state: dict[str, Any],
+    run_dir: Path,
+    root: Path,
+    res: dict[str, Any],
+    report: Report,
+    budget: Budget,
+) -> None:
+    nbytes = state_bytes(state)
+    if not run_dir.exists():
+        budget.need(30, "restore: a fresh save first")
+        log("restore: no earlier run to load; saving one first (untimed)")
+        cryosnap.save(run_dir, state, step=0)
+    base, label = cryosnap_loads(torch, cryosnap, dev, state, run_dir, res, report, budget)
+    into_s = restore_into_seconds(torch, cryosnap, dev, state, run_dir, report, budget)
+    res["restore_into_s"] = into_s
+    peers = peer_loads(torch, dev, state, root, res, report, budget)
     ref_name = "torch.load(map_location)"
     ref = peers.get(ref_name)
-    report.row(label, base, nbytes, ratio(base, ref), ref_name if ref else "")
-    report.row(
-        "Checkpointer.restore(into=)",
-        min(into_s),
-        nbytes,
-        ratio(min(into_s), ref),
-        ref_name if ref else "",
-    )
+    vs = ref_name if ref else ""
+    report.row(label, base, nbytes, ratio(base, ref), vs)
+    report.row("Checkpointer.restore(into=)", min(into_s), nbytes, ratio(min(into_s), ref), vs)
     for name, seconds in peers.items():
         report.row(name, seconds, nbytes, ratio(seconds, ref), ref_name)
 
@@ -1140,8 +1186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         faulthandler.cancel_dump_traceback_later()
         shutil.rmtree(root, ignore_errors=True)
         report.write()
+    import _harness as h  # bench/'s helpers; they import cryosnap, which imported above
+
     headers = ["name", "seconds", "GB/s", "ratio", "vs", "note"]
-    print("\n" + format_table(headers, report.rows), flush=True)
+    print("\n" + h.format_table(headers, report.rows, left=(0, -2, -1)), flush=True)
     print(
         "ratio: seconds / the seconds of 'vs' (below 1: faster than it). GB/s: state bytes / "
         "seconds (fingerprints: the large tensors' bytes).",

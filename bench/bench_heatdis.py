@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _harness as h
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -42,28 +43,32 @@ def one_run(tmp: Path, args: argparse.Namespace, every: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1024)
-    parser.add_argument("--cols", type=int, default=1024)
-    parser.add_argument("--iterations", type=int, default=200)
-    parser.add_argument("--every", type=int, nargs="+", default=[0, 50, 20])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", type=Path, default=None, help="where the runs are written")
+    parser.add_argument("--rows", type=int, default=1024, help="grid rows (1024)")
+    parser.add_argument("--cols", type=int, default=1024, help="grid columns (1024)")
+    parser.add_argument("--iterations", type=int, default=200, help="loop iterations (200)")
+    parser.add_argument(
+        "--every", type=int, nargs="+", default=[0, 50, 20], help="K values; 0: no checkpoint"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each K, alternated (3)")
+    parser.add_argument("--dir", type=Path, default=None, help="where the temporary folder goes")
     args = parser.parse_args()
     seconds: dict[int, list[float]] = {k: [] for k in args.every}
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    load_before = h.load_average()
+    with h.scratch_dir("bench-heatdis-", args.dir) as tmp:
         for _ in range(args.rounds):
             for every in args.every:
-                seconds[every].append(one_run(Path(tmp), args, every))
+                seconds[every].append(one_run(tmp, args, every))
     state = args.rows * args.cols * 8
     print(f"heatdis {args.rows}x{args.cols} float64 ({state / 2**20:.1f} MiB over 4 ranks), "
           f"{args.iterations} iterations, {args.rounds} rounds, medians")  # fmt: skip
-    none = statistics.median(seconds[0]) if 0 in seconds else None
+    none = h.median(seconds[0]) if 0 in seconds else None
     for every, samples in seconds.items():
-        med = statistics.median(samples)
+        med = h.median(samples)
         what = "no checkpoint" if every == 0 else f"every {every} iterations"
         ratio = f"  x{med / none:.3f}" if none else ""
         runs = " ".join(f"{s:.2f}" for s in samples)
         print(f"{what:>24}: {med:7.3f} s{ratio}   (runs: {runs})")
+    h.print_load(load_before)
 
 
 if __name__ == "__main__":

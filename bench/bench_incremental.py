@@ -52,9 +52,7 @@ import os
 import platform
 import secrets
 import shutil
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -96,8 +94,8 @@ def log(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
-def fmt_b(n: float) -> str:
-    return h.format_bytes(n)
+fmt_b = h.format_bytes
+med = h.median
 
 
 def fmt_pct(x: float) -> str:
@@ -114,6 +112,9 @@ def fmt_chunk(c: int) -> str:
 
 def verdict(ok: bool | None) -> str:
     return "SKIP" if ok is None else "PASS" if ok else "FAIL"
+
+
+Check = h.Check
 
 
 # ---------------------------------------------------------------------------------- workloads
@@ -179,17 +180,17 @@ def _gen(seed: int, *parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, *parts)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-def make_workloads(scale: float, seed: int, embedding_rows: str) -> dict[str, Workload]:
-    # 1. embedding table
+def embedding_workload(scale: float, seed: int, embedding_rows: str) -> Workload:
+    """1. An embedding table; 1% of its rows change per step."""
     rows = max(1024, round(2_097_152 * scale))
     dim = 128
     hot_count = max(1, rows // 100)
     hot = np.random.default_rng([seed, 1]).choice(rows, hot_count, replace=False)
 
-    def emb_make() -> State:
+    def make() -> State:
         return {"embedding.weight": torch.randn(rows, dim, generator=_gen(seed, 1))}
 
-    def emb_step(state: State, v: int) -> None:
+    def step(state: State, v: int) -> None:
         if embedding_rows == "hot":
             idx = hot
         else:
@@ -202,87 +203,86 @@ def make_workloads(scale: float, seed: int, embedding_rows: str) -> dict[str, Wo
         if embedding_rows == "random"
         else "a fixed hot set of rows (drawn once), all updated every step"
     )
-    # 2. fine-tuning: 50 tensors, every 10th trainable (10% of the bytes)
-    ft_rows = max(1, round(2621 * scale))
+    describe = (
+        f"float32 [{rows:,} x {dim}] ({fmt_b(rows * dim * 4)}); {hot_count:,} rows (1%) "
+        f"change per step: {how}"
+    )
+    return Workload("1", "embedding", describe, make, step, True)
+
+
+def finetune_workload(scale: float, seed: int) -> Workload:
+    """2. Fine-tuning: 50 tensors, every 10th trainable (10% of the bytes)."""
+    rows = max(1, round(2621 * scale))
     trainable = [i for i in range(50) if i % 10 == 9]
 
-    def ft_make() -> State:
+    def make() -> State:
         g = _gen(seed, 2)
-        return {f"layers.{i}.weight": torch.randn(ft_rows, 1024, generator=g) for i in range(50)}
+        return {f"layers.{i}.weight": torch.randn(rows, 1024, generator=g) for i in range(50)}
 
-    def ft_step(state: State, v: int) -> None:
+    def step(state: State, v: int) -> None:
         g = _gen(seed, 2, v)
         for i in trainable:
             t = state[f"layers.{i}.weight"]
             t.add_(torch.randn(t.shape, generator=g), alpha=1e-3)
 
-    # 3. dense: 8 tensors, all of it changes (a fixed noise field, scaled per step)
-    d_rows = max(1, round(16384 * scale))
+    describe = (
+        f"50 float32 tensors [{rows} x 1024] ({fmt_b(50 * rows * 4096)}); 5 of them "
+        "(10% of the bytes) change fully per step, 90% frozen"
+    )
+    return Workload("2", "finetune", describe, make, step, False)
+
+
+def dense_workload(scale: float, seed: int) -> Workload:
+    """3. Dense: 8 tensors, all of it changes (a fixed noise field, scaled per step)."""
+    rows = max(1, round(16384 * scale))
     noise: list[torch.Tensor] = []
 
-    def dense_make() -> State:
+    def make() -> State:
         g = _gen(seed, 3)
         noise.clear()
-        noise.extend(torch.randn(d_rows, 1024, generator=g) for _ in range(8))
-        return {f"dense.{i}": torch.randn(d_rows, 1024, generator=g) for i in range(8)}
+        noise.extend(torch.randn(rows, 1024, generator=g) for _ in range(8))
+        return {f"dense.{i}": torch.randn(rows, 1024, generator=g) for i in range(8)}
 
-    def dense_step(state: State, v: int) -> None:
+    def step(state: State, v: int) -> None:
         for t, n in zip(state.values(), noise, strict=True):
             t.add_(n, alpha=1e-3 * (1 + v % 7))
 
-    # 4. HPC: float64 [512, m, 512], 5 fixed slabs of one plane along axis 0
+    describe = (
+        f"8 float32 tensors [{rows} x 1024] ({fmt_b(8 * rows * 4096)}); every value "
+        "changes per step (noise added)"
+    )
+    return Workload("3", "dense", describe, make, step, False, pair_all=True)
+
+
+def hpc_workload(scale: float, seed: int) -> Workload:
+    """4. HPC: float64 [512, m, 512], 5 fixed slabs of one plane along axis 0."""
     m = max(1, round(512 * scale))
     starts = np.sort(np.random.default_rng([seed, 4]).choice(512 // 5, 5, replace=False))
     slabs = [int(s) + 102 * i for i, s in enumerate(starts)]  # one per fifth of the axis
 
-    def hpc_make() -> State:
+    def make() -> State:
         field_ = torch.randn(512, m, 512, dtype=torch.float64, generator=_gen(seed, 4))
         return {"field": field_.numpy()}
 
-    def hpc_step(state: State, v: int) -> None:
+    def step(state: State, v: int) -> None:
         a = state["field"]
         for s in slabs:
             a[s : s + 1] += 1e-3 * (1 + v % 5)
 
     plane = 512 * m * 8
+    describe = (
+        f"float64 [512 x {m} x 512] ({fmt_b(512 * plane)}); 5 fixed slabs of 1 plane along "
+        f"axis 0 ({fmt_b(plane)} each, {fmt_pct(5 / 512)} in all) change per step"
+    )
+    return Workload("4", "hpc", describe, make, step, True)
+
+
+def make_workloads(scale: float, seed: int, embedding_rows: str) -> dict[str, Workload]:
     return {
-        "1": Workload(
-            "1",
-            "embedding",
-            f"float32 [{rows:,} x {dim}] ({fmt_b(rows * dim * 4)}); {hot_count:,} rows (1%) "
-            f"change per step: {how}",
-            emb_make,
-            emb_step,
-            True,
-        ),
-        "2": Workload(
-            "2",
-            "finetune",
-            f"50 float32 tensors [{ft_rows} x 1024] ({fmt_b(50 * ft_rows * 4096)}); 5 of them "
-            "(10% of the bytes) change fully per step, 90% frozen",
-            ft_make,
-            ft_step,
-            False,
-        ),
-        "3": Workload(
-            "3",
-            "dense",
-            f"8 float32 tensors [{d_rows} x 1024] ({fmt_b(8 * d_rows * 4096)}); every value "
-            "changes per step (noise added)",
-            dense_make,
-            dense_step,
-            False,
-            pair_all=True,
-        ),
-        "4": Workload(
-            "4",
-            "hpc",
-            f"float64 [512 x {m} x 512] ({fmt_b(512 * plane)}); 5 fixed slabs of 1 plane along "
-            f"axis 0 ({fmt_b(plane)} each, {fmt_pct(5 / 512)} in all) change per step",
-            hpc_make,
-            hpc_step,
-            True,
-        ),
+        "1": embedding_workload(scale, seed, embedding_rows),
+        "2": finetune_workload(scale, seed),
+        "3": dense_workload(scale, seed),
+        "4": hpc_workload(scale, seed),
     }
 
 
@@ -419,23 +419,19 @@ def timed_load(run: Path, step: int) -> tuple[float, Any]:
     return h.timed(lambda: cryosnap.load(str(run), step=step))
 
 
-def run_config(
+def save_versions(
     w: Workload,
     chunk: int,
     versions: int,
-    full_samples: int,
-    restore_repeat: int,
+    samples: Sequence[int],
     state: State,
-    pristine: State,
     oracle: ChangeOracle,
-    root: Path,
-) -> ConfigResult:
-    reset_state(state, pristine)
-    incr_dir, full_dir = root / "incr", root / "full"
-    samples = (
-        list(range(1, versions + 1)) if w.pair_all else sample_versions(versions, full_samples)
-    )
-    res = ConfigResult(w.name, chunk, state_bytes(state), 0.0, 0)
+    res: ConfigResult,
+    incr_dir: Path,
+    full_dir: Path,
+) -> None:
+    """A full version, then ``versions`` incremental ones into ``incr_dir``; the versions in
+    ``samples`` also saved in full into ``full_dir`` (alternating which goes first)."""
     with (
         cryosnap.Checkpointer(incr_dir, chunk_bytes=chunk, full_every=FULL_EVERY) as inc,
         cryosnap.Checkpointer(full_dir, chunk_bytes=chunk, incremental=False) as full,
@@ -460,6 +456,7 @@ def run_config(
             if v in samples and not full_first:
                 h.settle_disk()
                 full_s = full.save(v, state).result().seconds
+            meta = metadata_bytes(incr_dir, v)
             res.rows.append(
                 VersionRow(
                     v,
@@ -468,7 +465,7 @@ def run_config(
                     info.new_chunks,
                     info.chunks,
                     info.incremental,
-                    metadata_bytes(incr_dir, v),
+                    meta,
                     info.seconds,
                     full_s,
                 )
@@ -478,38 +475,72 @@ def run_config(
                 f"{fmt_b(info.written_bytes)}, {info.seconds:.2f} s"
                 + (f" (full {full_s:.2f} s)" if full_s is not None else "")
             )
-    gc.collect()
-    last = versions
-    res.chain_depth = resolve_version(open_store(str(incr_dir)), last).depth
-    # Correctness of the last version (and, for the restore workloads, warm-cache timings).
+
+
+def check_restores(
+    w: Workload,
+    last: int,
+    restore_repeat: int,
+    state: State,
+    res: ConfigResult,
+    incr_dir: Path,
+    full_dir: Path,
+) -> None:
+    """The last version loaded and compared with the state; for the restore workloads the
+    full version too, then alternating timed loads of both (warm cache)."""
     h.settle_disk()
     try:
         _s, loaded = timed_load(incr_dir, last)
         res.restore_ok = states_equal(loaded, state)
         del loaded
-        if w.restore_test:
-            _s, loaded = timed_load(full_dir, last)
-            if not states_equal(loaded, state):
-                res.restore_ok = False
-                res.restore_error = "the full version restored different data"
-            del loaded
-            gc.collect()
-            for r in range(restore_repeat):
-                order = [(incr_dir, res.load_incr), (full_dir, res.load_full)]
-                for run, out in order if r % 2 == 0 else order[::-1]:
-                    h.settle_disk()  # os.sync() before every timed load, untimed
-                    seconds, loaded = timed_load(run, last)
-                    out.append(seconds)
-                    del loaded
-                    gc.collect()
-            log(
-                f"{w.name} {fmt_chunk(chunk)} restore: incremental {h.median(res.load_incr):.2f} s"
-                f", full {h.median(res.load_full):.2f} s"
-            )
+        if not w.restore_test:
+            return
+        _s, loaded = timed_load(full_dir, last)
+        if not states_equal(loaded, state):
+            res.restore_ok = False
+            res.restore_error = "the full version restored different data"
+        del loaded
+        gc.collect()
+        for r in range(restore_repeat):
+            order = [(incr_dir, res.load_incr), (full_dir, res.load_full)]
+            for run, out in order if r % 2 == 0 else order[::-1]:
+                h.settle_disk()  # os.sync() before every timed load, untimed
+                seconds, loaded = timed_load(run, last)
+                out.append(seconds)
+                del loaded
+                gc.collect()
+        log(
+            f"{w.name} {fmt_chunk(res.chunk)} restore: incremental {med(res.load_incr):.2f} s, "
+            f"full {med(res.load_full):.2f} s"
+        )
     except Exception as exc:  # report it, go on with the other configurations
         res.restore_ok = False
         res.restore_error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
+
+
+def run_config(
+    w: Workload,
+    chunk: int,
+    versions: int,
+    full_samples: int,
+    restore_repeat: int,
+    state: State,
+    pristine: State,
+    oracle: ChangeOracle,
+    root: Path,
+) -> ConfigResult:
+    reset_state(state, pristine)
+    incr_dir, full_dir = root / "incr", root / "full"
+    samples = (
+        list(range(1, versions + 1)) if w.pair_all else sample_versions(versions, full_samples)
+    )
+    res = ConfigResult(w.name, chunk, state_bytes(state), 0.0, 0)
+    save_versions(w, chunk, versions, samples, state, oracle, res, incr_dir, full_dir)
+    gc.collect()
+    res.chain_depth = resolve_version(open_store(str(incr_dir)), versions).depth
+    # Correctness of the last version (and, for the restore workloads, warm-cache timings).
+    check_restores(w, versions, restore_repeat, state, res, incr_dir, full_dir)
     if w.pair_all:
         try:
             res.mem_incr, res.mem_full = memory_pairs(w, chunk, versions, state, pristine)
@@ -627,20 +658,6 @@ def hash_throughput(nbytes: int, chunks: Sequence[int], repeat: int, seed: int) 
 # ------------------------------------------------------------------------------------ report
 
 
-@dataclass
-class Check:
-    name: str
-    ok: bool | None
-    detail: str
-
-    def line(self) -> str:
-        return f"{verdict(self.ok)}  {self.name}: {self.detail}"
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def report_hash(res: HashResult, chunks: Sequence[int]) -> list[Check]:
     gbps = res.nbytes / min(res.xxh3) / 1e9
     print(f"\n== hashing + diff throughput on one {fmt_b(res.nbytes)} buffer, one thread ==")
@@ -686,7 +703,6 @@ def report_hash(res: HashResult, chunks: Sequence[int]) -> list[Check]:
 def report_workload(
     w: Workload, results: Sequence[ConfigResult], samples: list[int]
 ) -> list[Check]:
-    checks: list[Check] = []
     print("\n" + "=" * 100)
     print(f"== workload {w.key}: {w.name}: {w.describe}")
     nver = len(results[0].rows) if results else 0
@@ -694,6 +710,19 @@ def report_workload(
         f"{nver} incremental versions after a full one (full_every={FULL_EVERY}); medians over "
         f"the incremental versions; full saves paired on versions {samples}"
     )
+    checks = report_written(w, results)
+    checks += report_times(w, results, samples)
+    if w.restore_test:
+        checks += report_restores(w, results)
+    print()
+    for ch in checks:
+        print(ch.line())
+    return checks
+
+
+def report_written(w: Workload, results: Sequence[ConfigResult]) -> list[Check]:
+    """Written against truly changed bytes, and the metadata, per chunk size."""
+    checks: list[Check] = []
     rows = []
     for r in results:
         if r.error:
@@ -765,7 +794,13 @@ def report_workload(
         "state; metadata: manifest + COMMIT.json on disk;\nm check: versions with metadata <= 5% "
         "of written, among those where >= 0.1% of the state changed."
     )
-    # timing
+    return checks
+
+
+def report_times(w: Workload, results: Sequence[ConfigResult], samples: list[int]) -> list[Check]:
+    """Save seconds, incremental against the paired full saves, and whether the last version
+    restored exactly, per chunk size."""
+    checks: list[Check] = []
     rows = []
     for r in results:
         if r.error:
@@ -846,46 +881,46 @@ def report_workload(
             "cryosnap's own cost (capture, hash,\ndiff, copy into the store, manifest) "
             "without the shared disk, whose noise is +-2x per save here."
         )
-    if w.restore_test:
-        rows = []
-        for r in results:
-            if r.error or not r.load_incr:
-                continue
-            li, lf = med(r.load_incr), med(r.load_full)
-            ok = li <= RESTORE_RATIO * lf
-            rows.append(
-                [
-                    fmt_chunk(r.chunk),
-                    str(r.chain_depth - 1),
-                    f"{li:.3f}",
-                    f"{lf:.3f}",
-                    f"{li / lf:.2f}x",
-                    verdict(ok),
-                ]
-            )
-            checks.append(
-                Check(
-                    f"w{w.key} {w.name} {fmt_chunk(r.chunk)} restore chain end <= 1.5x full",
-                    ok,
-                    f"{li:.3f} s vs {lf:.3f} s = {li / lf:.2f}x "
-                    f"({r.chain_depth - 1} incremental versions on a full one)",
-                )
-            )
-        print()
-        print(
-            h.format_table(
-                ["chunk", "chain", "load incr s", "load full s", "incr/full", "check"], rows
-            )
+    return checks
+
+
+def report_restores(w: Workload, results: Sequence[ConfigResult]) -> list[Check]:
+    """The end of the chain loaded against a full version of the same state."""
+    checks: list[Check] = []
+    rows = []
+    for r in results:
+        if r.error or not r.load_incr:
+            continue
+        li, lf = med(r.load_incr), med(r.load_full)
+        ok = li <= RESTORE_RATIO * lf
+        rows.append(
+            [
+                fmt_chunk(r.chunk),
+                str(r.chain_depth - 1),
+                f"{li:.3f}",
+                f"{lf:.3f}",
+                f"{li / lf:.2f}x",
+                verdict(ok),
+            ]
         )
-        print(
-            "cryosnap.load(dir, step=last): the end of the chain vs a full version of the same "
-            "state; os.sync() before each,\nboth read once untimed (warm cache, and checked "
-            f"byte for byte), then medians of {len(results[0].load_incr) if results else 0} "
-            "alternating loads."
+        checks.append(
+            Check(
+                f"w{w.key} {w.name} {fmt_chunk(r.chunk)} restore chain end <= 1.5x full",
+                ok,
+                f"{li:.3f} s vs {lf:.3f} s = {li / lf:.2f}x "
+                f"({r.chain_depth - 1} incremental versions on a full one)",
+            )
         )
     print()
-    for ch in checks:
-        print(ch.line())
+    print(
+        h.format_table(["chunk", "chain", "load incr s", "load full s", "incr/full", "check"], rows)
+    )
+    print(
+        "cryosnap.load(dir, step=last): the end of the chain vs a full version of the same "
+        "state; os.sync() before each,\nboth read once untimed (warm cache, and checked "
+        f"byte for byte), then medians of {len(results[0].load_incr) if results else 0} "
+        "alternating loads."
+    )
     return checks
 
 
@@ -979,12 +1014,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    chunks: list[int] = args.chunk_list
     workloads = make_workloads(args.size_scale, args.seed, args.embedding_rows)
-    base_dir = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
-    base_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="cryosnap-bench-incr-", dir=base_dir))
-    free = shutil.disk_usage(tmp).free
     print("cryosnap incremental benchmark", datetime.datetime.now().isoformat(timespec="seconds"))
     print(
         f"cryosnap {cryosnap.__version__} from {Path(str(cryosnap.__file__)).parent}; python "
@@ -992,83 +1022,88 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"xxhash {xxhash.VERSION}"
     )
     print(
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; writing to {tmp} "
-        f"({fmt_b(free)} free)"
-    )
-    print(
         f"size scale {args.size_scale} ({'quick' if args.quick else 'full'} run); chunk sizes "
-        f"{', '.join(fmt_chunk(c) for c in chunks)}; workloads {','.join(args.workload_keys)}; "
-        f"seed {args.seed}"
+        f"{', '.join(fmt_chunk(c) for c in args.chunk_list)}; workloads "
+        f"{','.join(args.workload_keys)}; seed {args.seed}"
     )
     if args.size_scale < 1:
         print(
             f"NOTE: sizes are scaled by {args.size_scale}: the issue's workloads are 1 GiB / "
             "512 MiB; these figures are not the targets' sizes."
         )
-    checks: list[Check] = []
-    try:
-        # 1. hashing throughput
-        hash_bytes = max(64 * MIB, round(GIB * args.size_scale) // (64 * MIB) * (64 * MIB))
-        log(f"hashing throughput on {fmt_b(hash_bytes)}")
-        try:
-            hres = hash_throughput(hash_bytes, chunks, args.hash_repeat, args.seed)
-            checks += report_hash(hres, chunks)
-        except Exception as exc:
-            traceback.print_exc()
-            checks.append(Check("hash+diff throughput", False, f"{type(exc).__name__}: {exc}"))
-        gc.collect()
-        # 2. workloads
-        granule = reduce(math.gcd, chunks)
-        for key in args.workload_keys:
-            w = workloads[key]
-            n = args.chain if w.restore_test else args.versions
-            samples = list(range(1, n + 1)) if w.pair_all else sample_versions(n, args.full_samples)
-            log(f"workload {key} ({w.name}): building the state")
-            pristine = w.make()
-            state = copy_state(pristine)
-            oracle = ChangeOracle(granule)
-            results = []
-            for chunk in chunks:
-                root = tmp / f"w{key}-{chunk}"
-                try:
-                    results.append(
-                        run_config(
-                            w,
-                            chunk,
-                            n,
-                            args.full_samples,
-                            args.restore_repeat,
-                            state,
-                            pristine,
-                            oracle,
-                            root,
-                        )
-                    )
-                except Exception as exc:
-                    traceback.print_exc()
-                    bad = ConfigResult(w.name, chunk, state_bytes(state), 0.0, 0)
-                    bad.error = f"{type(exc).__name__}: {exc}"
-                    results.append(bad)
-                finally:
-                    shutil.rmtree(root, ignore_errors=True)
-                    h.settle_disk()
-                oracle.release()
-            del state, pristine, oracle
-            gc.collect()
-            checks += report_workload(w, results, samples)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    elapsed = time.perf_counter() - t_start
+    load_before = h.load_average()
+    with h.scratch_dir("cryosnap-bench-incr-", args.dir) as tmp:
+        print(
+            f"{os.cpu_count()} CPUs, load average {load_before:.2f}; writing to {tmp} "
+            f"({fmt_b(shutil.disk_usage(tmp).free)} free)"
+        )
+        checks = run_all(args, workloads, tmp)
     print("\n" + "=" * 100)
     print("== summary")
     for ch in checks:
         print(ch.line())
-    counts = {v: sum(1 for c in checks if verdict(c.ok) == v) for v in ("PASS", "FAIL", "SKIP")}
+    counts = {v: sum(1 for c in checks if verdict(c.passed) == v) for v in ("PASS", "FAIL", "SKIP")}
     print(
         f"\n{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} reported only; "
-        f"total {elapsed / 60:.1f} min; load average now {os.getloadavg()[0]:.2f}"
+        f"total {(time.perf_counter() - t_start) / 60:.1f} min"
     )
+    h.print_load(load_before)
     return 0
+
+
+def run_all(args: argparse.Namespace, workloads: dict[str, Workload], tmp: Path) -> list[Check]:
+    """The hashing throughput, then every workload at every chunk size, each reported as it
+    ends; returns every check."""
+    chunks: list[int] = args.chunk_list
+    checks: list[Check] = []
+    hash_bytes = max(64 * MIB, round(GIB * args.size_scale) // (64 * MIB) * (64 * MIB))
+    log(f"hashing throughput on {fmt_b(hash_bytes)}")
+    try:
+        hres = hash_throughput(hash_bytes, chunks, args.hash_repeat, args.seed)
+        checks += report_hash(hres, chunks)
+    except Exception as exc:
+        traceback.print_exc()
+        checks.append(Check("hash+diff throughput", False, f"{type(exc).__name__}: {exc}"))
+    gc.collect()
+    granule = reduce(math.gcd, chunks)
+    for key in args.workload_keys:
+        w = workloads[key]
+        n = args.chain if w.restore_test else args.versions
+        samples = list(range(1, n + 1)) if w.pair_all else sample_versions(n, args.full_samples)
+        log(f"workload {key} ({w.name}): building the state")
+        pristine = w.make()
+        state = copy_state(pristine)
+        oracle = ChangeOracle(granule)
+        results = []
+        for chunk in chunks:
+            root = tmp / f"w{key}-{chunk}"
+            try:
+                results.append(
+                    run_config(
+                        w,
+                        chunk,
+                        n,
+                        args.full_samples,
+                        args.restore_repeat,
+                        state,
+                        pristine,
+                        oracle,
+                        root,
+                    )
+                )
+            except Exception as exc:
+                traceback.print_exc()
+                bad = ConfigResult(w.name, chunk, state_bytes(state), 0.0, 0)
+                bad.error = f"{type(exc).__name__}: {exc}"
+                results.append(bad)
+            finally:
+                h.rmtree(root)
+                h.settle_disk()
+            oracle.release()
+        del state, pristine, oracle
+        gc.collect()
+        checks += report_workload(w, results, samples)
+    return checks
 
 
 if __name__ == "__main__":

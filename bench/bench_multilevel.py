@@ -21,16 +21,21 @@ schedule under those costs (first-order model, docs/PLANNING.md).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _harness import format_bytes, format_table, import_cryosnap, rmtree, warn_if_busy
+from _harness import (
+    format_bytes,
+    format_table,
+    import_cryosnap,
+    load_average,
+    print_load,
+    scratch_dir,
+)
 
 cs = import_cryosnap()
 
@@ -124,14 +129,13 @@ def main() -> int:
     parser.add_argument("--crash-mtbf", type=float, default=60.0, help="seconds (default 60)")
     parser.add_argument("--outage-mtbf", type=float, default=900.0, help="seconds (default 900)")
     args = parser.parse_args()
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     failures = [
         FailureClass("crash", args.crash_mtbf, "scratch"),
         FailureClass("outage", args.outage_mtbf, "persistent"),
     ]
     shm = Path("/dev/shm")
-    base = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None, prefix="cryosnap-ml-"))
-    try:
+    with scratch_dir("cryosnap-ml-", shm if shm.is_dir() else None) as base:
         policy = MultiLevel(failures, replan_every=5)
         multi = run("multilevel", policy, args, base)
         plan = policy.plan
@@ -140,9 +144,7 @@ def main() -> int:
             return 1
         interval = float(plan.base_interval_seconds)  # type: ignore[attr-defined]
         every = run("every-version", EveryNSeconds(interval), args, base)
-    finally:
-        rmtree(base)
-    warn_if_busy(load_before, os.getloadavg()[0])
+    print_load(load_before)
     costs = {n: policy.cost_seconds(n) or 0.0 for n in policy.levels}
     levels = [LevelCost(n, c, c) for n, c in costs.items()]
     k = plan.levels[1].every_versions  # type: ignore[attr-defined]

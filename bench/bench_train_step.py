@@ -10,9 +10,12 @@ followed by a save (``--every``), then drains (untimed) and removes the run.
 Per mode: the median step (step + save call), the median save call, the process's CPU seconds
 per step (``time.process_time``), and where that CPU went by thread (the main thread, torch's
 intra-op threads, cryosnap's writer / io / capture / flush threads; sampled from
-``/proc/self/task``), with the load average before and after::
+``/proc/self/task``), with the load average before and after. A mode's CPU-s/step less that
+of ``none`` is what a version costs in CPU beside the training, the floor of the overhead of a
+checkpoint at every step on cores the training keeps busy::
 
     PYTHONPATH=src python bench/bench_train_step.py --rounds 6 --steps 8
+    PYTHONPATH=src python bench/bench_train_step.py --modes none,lazy@0,lazy   # capture's nice
 
 Prints ratios, asserts nothing.
 """
@@ -30,7 +33,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from _harness import format_table, median, settle_disk
+from _harness import (
+    format_ms,
+    format_table,
+    load_average,
+    median,
+    print_load,
+    scratch_dir,
+    settle_disk,
+)
 from cryosnap.bench._training import _make_model, _train_step, _tune_batch, mlp_width
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -167,21 +178,26 @@ def _timed_block(
 
 
 def _ms(samples: list[float]) -> str:
-    return f"{median(samples) * 1e3:.1f} ms" if samples else "-"
+    return format_ms(median(samples)) if samples else "-"
 
 
 def main() -> None:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--every", type=int, default=1)
-    ap.add_argument("--mb", type=int, default=288, help="state size in MiB")
-    ap.add_argument("--step-seconds", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of every mode (6)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per block (8)")
+    ap.add_argument("--every", type=int, default=1, help="a save every N steps (1)")
+    ap.add_argument("--mb", type=int, default=288, help="state size in MiB (288)")
+    ap.add_argument("--step-seconds", type=float, default=1.0, help="the tuned step (1.0 s)")
     ap.add_argument("--batch", type=int, default=0, help="a fixed batch (0: tuned for the step)")
-    ap.add_argument("--modes", default="none,lazy,eager")
-    ap.add_argument("--dir", default=None)
+    ap.add_argument(
+        "--modes",
+        default="none,lazy,eager",
+        help="comma-separated: none, lazy, eager, lazy-copy (no write-through); MODE@N: the "
+        "lazy capture's thread at nice N instead of its default (none,lazy,eager)",
+    )
+    ap.add_argument("--dir", default=None, help="where the temporary folder goes")
     args = ap.parse_args()
     modes = args.modes.split(",")
     width = mlp_width(args.mb << 20)
@@ -189,16 +205,15 @@ def main() -> None:
     batch = args.batch or _tune_batch(model, opt, width, args.step_seconds)
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
-    root = Path(tempfile.mkdtemp(prefix="train-step-", dir=args.dir))
-    load0 = os.getloadavg()
+    load0 = load_average()
     print(
         f"width {width}, batch {batch}, torch threads {torch.get_num_threads()}, "
         f"{args.rounds} rounds x {args.steps} steps, save every {args.every}; "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load {load0[0]:.2f}",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load {load0:.2f}",
         flush=True,
     )
     res: dict[str, dict[str, list[Any]]] = {m: defaultdict(list) for m in modes}
-    try:
+    with scratch_dir("train-step-", args.dir) as root:
         for r in range(args.rounds):
             order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
@@ -214,12 +229,9 @@ def main() -> None:
                 res[mode]["stall"] += stall
                 print(
                     f"round {r + 1} {mode:5s}: step {median(step_s):.3f} s, cpu/step {cpu:.2f} s,"
-                    f" load {os.getloadavg()[0]:.2f}",
+                    f" load {load_average():.2f}",
                     flush=True,
                 )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    load1 = os.getloadavg()
     base = median(res[modes[0]]["step"])
     rows = []
     names = sorted({k for m in modes for g in res[m]["groups"] for k in g})
@@ -255,7 +267,7 @@ def main() -> None:
         *(f"{k} CPU-s" for k in names),
     ]
     print(format_table(headers, rows))
-    print(f"load average before {load0[0]:.2f} / after {load1[0]:.2f} (1 min)")
+    print_load(load0)
 
 
 if __name__ == "__main__":

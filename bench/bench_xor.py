@@ -20,13 +20,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import _harness as h
 
 HERE = Path(__file__).resolve()
 MODES: tuple[bool | str, ...] = (True, "xor")
@@ -84,16 +84,17 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--mib", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--dir", default=None)
+    parser.add_argument("--ranks", type=int, default=4, help="ranks, one node each (4)")
+    parser.add_argument("--mib", type=int, default=64, help="each rank's state, MiB (64)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each mode (3)")
+    parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     parser.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_side:
         rank_main(args)
         return
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    load_before = h.load_average()
+    with h.scratch_dir("bench-xor-", args.dir) as tmp:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         cmd = [
             str(mpiexec),
@@ -107,10 +108,10 @@ def main() -> None:
             "--repeat",
             str(args.repeat),
             "--dir",
-            tmp,
+            str(tmp),
         ]
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        ranks = [json.loads((Path(tmp) / f"rank-{r}.json").read_text()) for r in range(args.ranks)]
+        ranks = [json.loads((tmp / f"rank-{r}.json").read_text()) for r in range(args.ranks)]
     part = max(r["part"] for r in ranks)
     print(f"{args.ranks} ranks on {args.ranks} nodes, one part: {part / 2**20:.1f} MiB")
     print(
@@ -120,7 +121,7 @@ def main() -> None:
     for mode in MODES:
         per_node = max(r[f"{mode}-bytes"] for r in ranks)
         med = {
-            k: statistics.median(max(r[str(mode)][k][i] for r in ranks) for i in range(args.repeat))
+            k: h.median([max(r[str(mode)][k][i] for r in ranks) for i in range(args.repeat)])
             for k in ("save", "open", "rebuild")
         }
         print(
@@ -128,7 +129,9 @@ def main() -> None:
             f"{med['save']:>11.2f}s{med['open']:>9.2f}s{med['rebuild']:>13.2f}s"
         )
         if mode == "xor":
-            print("PASS" if per_node <= 1.5 * part else "FAIL", "xor: at most 1.5x a part per node")
+            check = h.Check("xor: at most 1.5x a part per node", per_node <= 1.5 * part, "")
+            print(check.line())
+    h.print_load(load_before)
 
 
 if __name__ == "__main__":

@@ -275,9 +275,10 @@ def copy_pieces(
     between them, so threads running such loops wait for each other; the kernel's batches do
     not. On one thread the loop stays: the kernel copies 4 KiB pages one by one and was slower
     there (300 MB in 20,000 pieces: 87-97 against 64-68 ms for the loop; split between two
-    threads 46-55 ms; bench/bench_copy_pieces.py). A batch the kernel does not copy whole
-    (memory it cannot pin, a kernel or seccomp filter refusing the call) is copied from where
-    it stopped one ``memmove`` per piece, as it always is without the call."""
+    threads 46-55 ms; docs/PERFORMANCE.md, "the copies of packs made by the kernel"). A batch
+    the kernel does not copy whole (memory it cannot pin, a kernel or seccomp filter refusing
+    the call) is copied from where it stopped one ``memmove`` per piece, as it always is
+    without the call."""
     sizes = np.ascontiguousarray(nbytes, dtype=np.int64)
     if not sizes.size:
         return
