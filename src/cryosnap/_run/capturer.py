@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._format.manifest import Lineage, Replicated
+from cryosnap._format.keys import Lineage
+from cryosnap._format.manifest import Replicated
 from cryosnap._run.devdiff import DeviceDiff, DiffPlan
 from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
 from cryosnap._run.replicated import Plan
@@ -172,13 +173,21 @@ class Capturer:
         """Copy the state now, on the caller's thread (True); or, where the staging would have
         to be allocated first, snapshot it and copy the snapshot on a thread (False: its
         failure reaches the version's result, as a lazy capture's does; :meth:`_snapshot`)."""
-        self._begin(job)
-        snap = self._snapshot(job)
+        try:
+            self._begin(job)
+            snap = self._snapshot(job)
+        except BaseException as exc:
+            self._never_started(job, exc, [])
+            raise
         if snap is None:
             self._capture(job, [], lazy=False)
             return True
         self.snapshots += 1
-        self._start_thread(job, snap=snap)
+        try:
+            self._start_thread(job, snap=snap)
+        except BaseException as exc:
+            self._never_started(job, exc, [])
+            raise
         return False
 
     def _snapshot(self, job: Job) -> FlatState | None:
@@ -202,12 +211,32 @@ class Capturer:
 
     def lazy(self, job: Job, t0: float) -> None:
         """Start copying on a thread of its own; optimizer steps wait for their leaves."""
-        self._begin(job)
-        hooks = self._optimizer_hooks(job)
-        # Set before the capture can end: the writer reads it once the batches are done.
-        job.stall_seconds = time.perf_counter() - t0
-        job.stall_clock = self._clock() - job.clock0
-        self._start_thread(job, hooks)
+        hooks: list[Any] = []
+        try:
+            self._begin(job)
+            hooks = self._optimizer_hooks(job)
+            # Set before the capture can end: the writer reads it once the batches are done.
+            job.stall_seconds = time.perf_counter() - t0
+            job.stall_clock = self._clock() - job.clock0
+            self._start_thread(job, hooks)
+        except BaseException as exc:
+            self._never_started(job, exc, hooks)
+            raise
+
+    def _never_started(self, job: Job, exc: BaseException, hooks: list[Any]) -> None:
+        """A capture that failed before it began (its turn, the CUDA event, the snapshot, the
+        optimizer hooks, its thread): end the job as a failed capture would, so that the
+        writer waiting for its batches, the next save waiting for the in-flight permit, the
+        next capture's turn and ``close()`` go on. The caller receives ``exc`` itself."""
+        error = capture_failed(job.step, exc)
+        if self.diff is not None and job.ticket >= 0:
+            self.diff.finish(job.ticket)
+        job.batches.put(error)
+        job.batches.put(END)
+        job.pending.mark_delivered()
+        job.pending._tracker.finish(error)
+        with self._hooks_lock:
+            self._spent_hooks.extend(hooks)
 
     def _start_thread(
         self, job: Job, hooks: list[Any] | None = None, snap: FlatState | None = None
@@ -218,12 +247,7 @@ class Capturer:
             name=f"cryosnap-capture-{job.step}",
             daemon=True,
         )
-        try:
-            thread.start()
-        except BaseException:
-            if self.diff is not None:
-                self.diff.finish(job.ticket)
-            raise
+        thread.start()  # a thread that cannot start: the caller ends the job (_never_started)
 
     def direct(self, job: Job) -> None:
         """No staging: hand the live memory to the writer; returns once the version is durable

@@ -21,7 +21,7 @@ from cryosnap._run.options import RunOptions
 from cryosnap._run.results import PendingSave
 from cryosnap._run.staging import CaptureTracker
 from cryosnap._run.writer import WriterThread
-from cryosnap._state import FlattenCache, flatten
+from cryosnap._state import FlatState, FlattenCache, flatten
 from cryosnap._validate import step as validate_step
 from cryosnap.errors import CheckpointExistsError, CoordinationError, LockLostError
 
@@ -86,6 +86,28 @@ class Saves:
             )
         keys = _replicated.replicated_keys(replicated, flat)
         self._writer.inflight.acquire()
+        try:
+            job = self._job(step, flat, keys, t0, clock0, lineage, metrics, returned)
+        except BaseException:
+            # Never submitted: the writer, which gives permits back, never sees it.
+            self._writer.inflight.release()
+            raise
+        self.pending.append(job.pending)
+        self._writer.submit(job)
+        return job
+
+    def _job(
+        self,
+        step: int,
+        flat: FlatState,
+        keys: Any,
+        t0: float,
+        clock0: float,
+        lineage: Lineage | None,
+        metrics: dict[str, float] | None,
+        returned: threading.Event | None,
+    ) -> Job:
+        """The job of version ``step`` (its save policy's level asked, its plan made)."""
         # Forget finished versions, but keep failed ones the caller has not received yet.
         self.pending = [p for p in self.pending if not p.done() or p.failed_undelivered()]
         tracker = CaptureTracker(len(flat.blobs))
@@ -105,8 +127,6 @@ class Saves:
         )
         version = self._writer.version
         job.plan, job.rank = version.plan(flat, keys), version.own_rank()
-        self.pending.append(pending)
-        self._writer.submit(job)
         return job
 
     def _refuse(self, step: int, lineage: Lineage | None) -> None:
