@@ -498,6 +498,7 @@ class Checkpointer(_Opened):
     def _rewound(self, step: int) -> None:
         """After restoring ``step``: the lineage of the next versions (restore.py)."""
         self._restored = step
+        self._saves.newest = None  # the next save may go back to any step (a rewind)
         channel = self._run.restore_channel
         self._lineage, restart = rewound_lineage(self._levels, channel, step, self._lineage)
         if restart:

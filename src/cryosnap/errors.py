@@ -34,6 +34,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
     │                                                    version does not hold
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
+    ├── StepOrderError (+ ValueError)                    a save of a step below one the
+    │                                                    Checkpointer saved since its last
+    │                                                    restore (a rewind needs a restore)
     ├── FileLeafError (+ ValueError)                     a ``cryosnap.File`` leaf names no
     │                                                    readable regular file at ``save()``,
     │                                                    or restore cannot write its target
@@ -99,6 +102,7 @@ __all__ = [
     "RunLockedError",
     "SourceDamagedError",
     "StateMismatchError",
+    "StepOrderError",
     "StorageError",
     "StorageTimeoutError",
     "TruncatedError",
@@ -202,6 +206,13 @@ class KeyNotFoundError(CheckpointError, KeyError):
 
 class StateMismatchError(CheckpointError, ValueError):
     """The ``into=`` tree does not match the saved tree (keys, shapes, dtypes, types)."""
+
+
+class StepOrderError(CheckpointError, ValueError):
+    """A save of a step below one the same Checkpointer saved since its last restore: the
+    run's steps go up, and going back to an earlier step is a rewind, which starts with
+    ``restore(step=...)`` (the next save then supersedes the later versions). The message
+    names both steps."""
 
 
 class FileLeafError(CheckpointError, ValueError):

@@ -74,13 +74,16 @@ def export(
     step: int | None = None,
     rank: int = 0,
     force: bool = False,
+    allow_pickle: bool = False,
 ) -> ExportResult:
     """Write version ``step`` (default: the newest committed) of the run at ``path`` to ``out``.
 
     The format follows the suffix of ``out`` (``.pt``, ``.safetensors``, ``.npz``). An
     existing ``out`` is replaced only with ``force=True``. ``rank`` picks a rank's part of a
-    distributed version. The newest version is taken as it is: if it is damaged, the export
-    fails (``IntegrityError``) rather than exporting an older one.
+    distributed version. ``allow_pickle=True`` loads pickled leaves (as :func:`cryosnap.load`:
+    it runs code from the checkpoint; a run you trust only). The newest version is taken as it
+    is: if it is damaged, the export fails (``IntegrityError``) rather than exporting an older
+    one.
     """
     out_path, fmt = check_out(out, force=_validate.boolean(force, "force"))
     if step is not None:
@@ -100,12 +103,13 @@ def export(
 
         tree = full_state_dict(store, step)
     else:
-        tree = _files_as_bytes(load(store, step=step, rank=rank))
-    leaves = export_leaves(tree)
+        tree = _files_as_bytes(load(store, step=step, rank=rank, allow_pickle=allow_pickle))
+    # A .pt holds the tree itself: two leaves may have one path there (a key holding '/').
+    leaves = _walk_leaves(tree) if fmt == ".pt" else export_leaves(tree, fmt)
     # Every conversion a format needs happens before its file is complete: a leaf it cannot
     # hold is an error and OUT is left as it was.
     writers: dict[str, Callable[[Path], tuple[int, list[str]]]] = {
-        ".pt": lambda tmp: _write_pt(tree, tmp),
+        ".pt": lambda tmp: _write_pt(tree, len(leaves), tmp),
         ".safetensors": lambda tmp: _write_safetensors(leaves, tmp),
         ".npz": lambda tmp: _write_npz(leaves, tmp),
     }
@@ -159,8 +163,25 @@ def check_out(out: str | os.PathLike[str], *, force: bool = False) -> tuple[Path
 # leaves
 
 
-def export_leaves(tree: Any) -> list[tuple[str, Any]]:
-    """``(path, value)`` of every leaf of a loaded tree; paths joined by ``/``, unique."""
+def export_leaves(tree: Any, fmt: str = ".safetensors") -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of a loaded tree; paths joined by ``/``, unique (the
+    names of a ``fmt`` file: two leaves of one path are an ExportError pointing at .pt)."""
+    out = _walk_leaves(tree)
+    seen: set[str] = set()
+    for path, _ in out:
+        if path in seen:
+            raise ExportError(
+                f"two leaves have the path {path!r} (a key holds '/' or int and str keys "
+                f"collide), and {fmt} cannot hold both under one name; export to .pt "
+                "instead, which keeps the tree"
+            )
+        seen.add(path)
+    return out
+
+
+def _walk_leaves(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, value)`` of every leaf of a loaded tree, in tree order; paths joined by ``/``
+    (two leaves may have one path)."""
     out: list[tuple[str, Any]] = []
 
     def walk(obj: Any, path: tuple[str | int, ...]) -> None:
@@ -174,14 +195,6 @@ def export_leaves(tree: Any) -> list[tuple[str, Any]]:
             out.append((format_path(path), obj))
 
     walk(tree, ())
-    seen: set[str] = set()
-    for path, _ in out:
-        if path in seen:
-            raise ExportError(
-                f"two leaves have the path {path!r} (a key holds '/' or int and str keys "
-                "collide); export to .pt instead"
-            )
-        seen.add(path)
     return out
 
 
@@ -335,10 +348,10 @@ def _safetensors_error(tensors: dict[str, Any], exc: Exception) -> ExportError:
     return ExportError(f"cannot write .safetensors: {exc}")
 
 
-def _write_pt(tree: Any, tmp: Path) -> tuple[int, list[str]]:
+def _write_pt(tree: Any, leaves: int, tmp: Path) -> tuple[int, list[str]]:
     torch = _import_torch(".pt")
     torch.save(tree, tmp)
-    return len(export_leaves(tree)), []
+    return leaves, []
 
 
 # ---------------------------------------------------------------------------------------------

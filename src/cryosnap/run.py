@@ -12,6 +12,7 @@ caller's thread; no collectives but ``flush``'s, one process per rank of the run
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -133,6 +134,9 @@ class VersionCheck:
     leaves: int | None = None
     logical_bytes: int | None = None
     level: str | None = None
+    # The run's retention (or a gc) deleted the version while it was verified: no damage,
+    # and nothing more to say about it (a live writer with a small ``keep``).
+    retired: bool = False
 
     @property
     def ok(self) -> bool:
@@ -146,7 +150,7 @@ class VersionCheck:
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {} if self.level is None else {"level": self.level}
-        return doc | {
+        doc |= {
             "step": self.step,
             "ok": self.ok,
             "world_size": self.world_size,
@@ -154,6 +158,7 @@ class VersionCheck:
             "logical_bytes": self.logical_bytes,
             "errors": list(self.errors),
         }
+        return doc | {"retired": True} if self.retired else doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +227,10 @@ class Removal:
     dry_run: bool
     # Bytes of the removed versions' data files that stay: kept versions still read them.
     still_read_bytes: int = 0
+    # The leftovers of writes that never committed (a killed save's partial file), deleted
+    # too; their bytes are in ``freed_bytes`` (the uncommitted files a write completed are
+    # among ``manifests`` and ``data_files``).
+    incomplete: tuple[str, ...] = ()
 
 
 class Run:
@@ -295,7 +304,8 @@ class Run:
     def space(self) -> list[VersionSpace]:
         """Per version, oldest first, the bytes of data files it keeps alive: those it wrote,
         those of earlier versions it reads, and of these the ones whose version is gone (it
-        pins them). From the commit records and one size per file; takes no lock."""
+        pins them). From the commit records and one size per file; takes no lock. A version
+        whose commit record is damaged has no entry (:meth:`summary` raises for it)."""
         return engine.version_space(self._store)
 
     def summary(self, step: int) -> VersionSummary:
@@ -382,7 +392,8 @@ class Run:
         return self._retire(f"remove step {step}", dry_run, drop=[step], expect=[step])
 
     def gc(self, *, keep: int, dry_run: bool = False) -> Removal:
-        """Keep the newest ``keep`` versions; delete the others as :meth:`remove` does."""
+        """Keep the newest ``keep`` versions; delete the others as :meth:`remove` does, and
+        every file no version references (what a killed or failed save left behind)."""
         return self._retire("collect garbage", dry_run, keep=positive_int(keep, "keep"))
 
     def _retire(
@@ -411,7 +422,8 @@ class Run:
         store = self._store
         dropped = set(plan.dropped)
         keys = [commit_key(s) for s in plan.dropped] + plan.manifests + plan.data_files
-        freed = sum(_size(store, k) for k in keys)
+        incomplete = engine.incomplete_files(store)
+        freed = sum(_size(store, k) for k in keys) + sum(incomplete.values())
         kept = tuple(s for s in self.steps() if s not in dropped)
         return Removal(
             tuple(plan.dropped),
@@ -421,6 +433,7 @@ class Run:
             freed,
             dry_run,
             sum(_size(store, k) for k in self._still_read(plan)),
+            tuple(sorted(incomplete)),
         )
 
     def _still_read(self, plan: engine.RetirePlan) -> set[str]:
@@ -508,8 +521,10 @@ _DAMAGE = (IntegrityError, CheckpointFormatError)
 def _verify_steps(store: Store, steps: Sequence[int]) -> tuple[VersionCheck, ...]:
     checks = []
     for s in steps:
-        with contextlib.suppress(CheckpointNotFoundError):  # removed while verifying
+        try:
             checks.append(_verify_version(store, s))
+        except CheckpointNotFoundError:  # listed, and its commit record gone since
+            checks.append(VersionCheck(s, (), retired=True))
     return tuple(checks)
 
 
@@ -540,7 +555,9 @@ def _verify_version(store: Store, step: int) -> VersionCheck:
     """Read and hash every chunk of every rank of ``step``.
 
     A missing commit record raises CheckpointNotFoundError (the version does not exist); any
-    other failure to read it back is damage, reported rather than raised.
+    other failure to read it back is damage, reported rather than raised, unless the commit
+    record is gone by then: the run's writer retired the version while it was read (its
+    records go first, then its files), which is no damage (``retired``).
     """
     try:
         record = engine.read_commit(store, step)
@@ -553,7 +570,10 @@ def _verify_version(store: Store, step: int) -> VersionCheck:
         except (*_DAMAGE, CheckpointNotFoundError) as exc:
             # Inside a committed version, a missing manifest or data file is damage too.
             damage.append(Damage(ref.rank, _one_line(str(exc))))
-    return VersionCheck(step, tuple(damage), record.world_size, record.leaves, record.logical_bytes)
+    figures = (record.world_size, record.leaves, record.logical_bytes)
+    if damage and not store.exists(record.key):
+        return VersionCheck(step, (), *figures, retired=True)
+    return VersionCheck(step, tuple(damage), *figures)
 
 
 def _one_line(message: str) -> str:
@@ -574,21 +594,45 @@ def _check_is_run(store: Store) -> None:
             + ", ".join(inner)
             + " (a run with scratch tiers is one run per tier)"
         )
-    if store.list(""):
+    if _holds_anything(store):
         raise CheckpointNotFoundError(
-            f"{store.url} is not a cryosnap run: it holds no versions/, data/ or {LOCK_KEY}"
+            f"{store.url} is not a cryosnap run: it holds no versions/, data/ or {LOCK_KEY}, "
+            f"and no run just below it (searched 1 level, up to {_INSIDE_ENTRIES} entries)",
+            path=store.url,
         )
     raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
 
 
+# How many entries of a directory that is not a run are looked at for runs just below it.
+_INSIDE_ENTRIES = 1000
+
+
 def runs_inside(store: Store) -> list[str]:
-    """Directories just below a local path that are runs (e.g. a demo's ``persistent``)."""
+    """Directories just below a local path that are runs (e.g. a demo's ``persistent``).
+
+    One level, the first :data:`_INSIDE_ENTRIES` entries, unreadable ones skipped: the path
+    may be any directory (``/usr``), never walked."""
     root = store.capabilities.local_path
-    if root is None or not root.is_dir():
-        return []
-    return sorted(
-        str(sub) for sub in root.iterdir() if sub.is_dir() and (sub / "versions").is_dir()
-    )
+    found: list[str] = []
+    if root is None:
+        return found
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in itertools.islice(entries, _INSIDE_ENTRIES):
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and os.path.isdir(os.path.join(entry.path, "versions")):
+                    found.append(entry.path)
+    return sorted(found)
+
+
+def _holds_anything(store: Store) -> bool:
+    """Whether ``store`` holds anything: a local directory is only opened, not walked (it may
+    be a whole tree that is no run); an unreadable one holds nothing it could show."""
+    root = store.capabilities.local_path
+    if root is None:
+        return bool(store.list(""))
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        return next(entries, None) is not None
+    return False
 
 
 def committed_steps(path: str | os.PathLike[str] | Store) -> list[int]:
@@ -607,7 +651,7 @@ def committed_steps(path: str | os.PathLike[str] | Store) -> list[int]:
                 + ", ".join(inner)
                 + " (a run with scratch tiers is one run per tier)"
             )
-        if store.list(""):
+        if _holds_anything(store):
             raise CheckpointNotFoundError(f"no committed version in {store.url}")
         raise CheckpointNotFoundError(f"no checkpoint at {store.url}")
     return steps

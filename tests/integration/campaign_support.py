@@ -26,7 +26,7 @@ import numpy as np
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import parse_commit_key
+from cryosnap._format.keys import parse_commit_key
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore, Store
 from cryosnap.storage.base import BlobWriter, BytesLike

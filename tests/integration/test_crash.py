@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import cryosnap
+from cryosnap import engine
+from cryosnap.storage import LocalStore
 
 _CHILD = textwrap.dedent(
     """
@@ -71,6 +73,52 @@ def test_sigkill_during_save_leaves_previous_version(tmp_path: Path, phase: str,
         assert ckpt.steps() == [1]
         ckpt.save(2, {"a": np.full(300_000, 2.0), "step": 2}).result()
     assert cryosnap.load(run)["step"] == 2
+
+
+def _files(run: Path) -> dict[str, int]:
+    """The run's files under data/ and versions/ and their sizes."""
+    return {
+        str(p.relative_to(run)): p.stat().st_size
+        for sub in ("data", "versions")
+        for p in (run / sub).rglob("*")
+        if p.is_file()
+    }
+
+
+def _keys_of(run: Path, step: int) -> set[str]:
+    record = engine.read_commit(LocalStore(run), step)
+    return {record.key, *(m.key for m in record.manifests), *record.data_files}
+
+
+@pytest.mark.parametrize("by", ["open", "gc"])
+@pytest.mark.parametrize(
+    ("phase", "nth"),
+    [("writer.write", 2), ("commit", 1)],  # a .partial data file; data and manifest durable
+)
+def test_what_a_killed_save_left_is_counted_and_removed(
+    tmp_path: Path, phase: str, nth: int, by: str
+) -> None:
+    """keep=None (retention never runs): the next writer's open, or gc, removes what the
+    killed save left; gc (and its dry run) counts those bytes."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(run), phase, str(nth)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    left = {k: n for k, n in _files(run).items() if k not in _keys_of(run, 1)}
+    assert left and sum(left.values()) > 0
+    dry = cryosnap.Run(run).gc(keep=5, dry_run=True)
+    assert (dry.removed, dry.freed_bytes) == ((), sum(left.values()))
+    if by == "gc":
+        assert cryosnap.Run(run).gc(keep=5).freed_bytes == sum(left.values())
+    else:
+        with cryosnap.Checkpointer(run) as ckpt:
+            assert ckpt.steps() == [1]
+    assert set(_files(run)) == _keys_of(run, 1)
+    assert cryosnap.load(run)["step"] == 1
 
 
 def test_sigkill_after_commit_keeps_the_version(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ _CHILD = textwrap.dedent(
     import os, signal, sys
     import numpy as np
     import cryosnap
-    from cryosnap._format.manifest import parse_commit_key
+    from cryosnap._format.keys import parse_commit_key
     from cryosnap.storage import LocalStore
     from cryosnap.testing import FaultyStore
 

@@ -132,7 +132,7 @@ def test_xor_parity_rebuilds_a_wiped_node(tmp_path: Path) -> None:
     gets its part back from the other three's files and parity, and every rank restores it."""
     import shutil
 
-    from cryosnap._format.manifest import commit_key
+    from cryosnap._format.keys import commit_key
 
     launch("xor_save", 4, tmp_path)
     shutil.rmtree(tmp_path / "node-1")

@@ -187,7 +187,7 @@ def test_a_rank_killed_between_saves_fails_the_next_version_on_the_survivor(
 def test_a_checkpointer_on_every_rank(tmp_path: Path, comm: str) -> None:
     import cryosnap
     from cryosnap import engine
-    from cryosnap._format.manifest import manifest_key
+    from cryosnap._format.keys import manifest_key
     from cryosnap.storage import LocalStore
 
     results = launch(f"checkpointer-{comm}", 2, tmp_path)
@@ -211,7 +211,7 @@ def test_a_checkpointer_on_every_rank(tmp_path: Path, comm: str) -> None:
 
 def test_a_rewind_supersedes_in_the_global_commit_of_two_processes(tmp_path: Path) -> None:
     from cryosnap import engine
-    from cryosnap._format.manifest import Lineage
+    from cryosnap._format.keys import Lineage
     from cryosnap.storage import LocalStore
 
     results = launch("rewind", 2, tmp_path)
@@ -279,7 +279,7 @@ def test_node_local_scratch_with_partner_copies_survives_a_wiped_node(tmp_path: 
 
     import cryosnap
     from cryosnap import engine
-    from cryosnap._format.manifest import commit_key
+    from cryosnap._format.keys import commit_key
     from cryosnap.storage import LocalStore
 
     saved = launch("partner-save", 2, tmp_path)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cryosnap._format.manifest import commit_key
+from cryosnap._format.keys import commit_key
 from cryosnap.engine import list_steps
 from cryosnap.storage import LocalStore
 

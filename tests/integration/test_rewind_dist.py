@@ -314,7 +314,7 @@ def _break(out: Path, comm: Any, session: dict[str, Any]) -> None:
     """Before a session, on rank 0 (the files are all on this machine): the newest version's
     data damaged on every level, or its commit record gone from the persistent level."""
     from cryosnap import engine
-    from cryosnap._format.manifest import commit_key
+    from cryosnap._format.keys import commit_key
     from cryosnap.storage import LocalStore
 
     comm.Barrier()

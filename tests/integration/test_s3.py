@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap._format.manifest import Manifest, commit_key, manifest_key
+from cryosnap._format.keys import commit_key, manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap._run.lock import LOCK_KEY
 from cryosnap.storage import FsspecStore, Store, TimeoutStore, open_store, unwrap
 from cryosnap.testing.store import StoreTests

@@ -237,7 +237,7 @@ def test_bad_tier_arguments(tmp_path: Path) -> None:
 def test_stale_manifest_on_persistent_is_not_reused(tmp_path: Path) -> None:
     """A flush that died after the manifest, scratch wiped, the step saved again: the new
     manifest replaces the stale one (manifest names are not unique, data file names are)."""
-    from cryosnap._format.manifest import commit_key
+    from cryosnap._format.keys import commit_key
 
     scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
     with cryosnap.Checkpointer(persistent, scratch=scratch) as ckpt:
@@ -251,7 +251,7 @@ def test_stale_manifest_on_persistent_is_not_reused(tmp_path: Path) -> None:
 
 
 def test_damaged_scratch_chain_is_not_committed_on_persistent(tmp_path: Path) -> None:
-    from cryosnap._format.manifest import manifest_key
+    from cryosnap._format.keys import manifest_key
 
     scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
     gate = threading.Event()
@@ -279,9 +279,14 @@ def test_damaged_scratch_chain_is_not_committed_on_persistent(tmp_path: Path) ->
 
 
 def test_a_lower_step_saved_last_is_kept_and_is_a_good_base(tmp_path: Path) -> None:
+    """A step below the newest is refused unless a restore came first (issue 54); saved after
+    one, it is kept (keep=1 never retires the version just saved) and the next builds on it."""
     scratch, persistent = tmp_path / "scratch", tmp_path / "persistent"
     with cryosnap.Checkpointer(persistent, scratch=scratch, keep=1, keep_scratch=1) as ckpt:
         ckpt.save(10, state(10)).result()
+        with pytest.raises(cryosnap.StepOrderError, match="step 5"):
+            ckpt.save(5, state(5))
+        ckpt.restore(step=10)
         assert ckpt.save(5, state(5)).result().tiers == ("scratch", "persistent")
         ckpt.save(11, state(11)).result()
     check(cryosnap.load(persistent, step=11), 11)

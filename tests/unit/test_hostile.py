@@ -43,7 +43,8 @@ from hypothesis import strategies as st
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.chunks import merkle_root
-from cryosnap._format.manifest import MAX_BLOB_CHUNKS, commit_key, manifest_key
+from cryosnap._format.keys import commit_key, manifest_key
+from cryosnap._format.limits import MAX_BLOB_CHUNKS
 from cryosnap._format.skeleton import MAX_DEPTH
 from cryosnap.errors import CheckpointFormatError, IntegrityError
 from cryosnap.storage import LocalStore
@@ -82,9 +83,39 @@ def chain_state(step: int) -> dict[str, Any]:
     return {"big": big, "small": np.full(10, step, np.int64), "step": step}
 
 
+def torch_state(step: int) -> dict[str, Any]:
+    """Torch tensors down every route of a restore: a state dict in columns (packed leaves and
+    one of a blob of its own, a Parameter), a dict of tensors leaf by leaf (packed), views of
+    one storage, and a dict of small numpy arrays (packed)."""
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    model: dict[str, Any] = {f"l{i}.weight": torch.randn(4, 6, generator=g) for i in range(8)}
+    model["embed"] = torch.randn(40, 50, generator=g)  # 8000 B: a blob of its own
+    model["scale"] = torch.nn.Parameter(torch.randn(5, generator=g))
+    model["ids"] = torch.arange(step, step + 6, dtype=torch.int64)
+    base = torch.arange(24, dtype=torch.float32) + step
+    return {
+        "model": model,
+        "opt": {
+            "step": torch.tensor(float(step)),
+            "exp_avg": torch.randn(2, 3, generator=g),
+            "half": torch.randn(3, generator=g).to(torch.bfloat16),
+            "lr": 0.1,
+        },
+        "views": [base, base[4:10], base.view(4, 6)],
+        "arrays": {f"a{i}": np.arange(i, i + 6 + step, dtype=np.float32) for i in range(4)},
+    }
+
+
 def build_full(path: Path) -> None:
     cryosnap.save(path, full_state(1), step=1, chunk_bytes=CHUNK)
     cryosnap.save(path, full_state(2), step=2, chunk_bytes=CHUNK)
+
+
+def build_torch(path: Path) -> None:
+    cryosnap.save(path, torch_state(1), step=1, chunk_bytes=CHUNK)
+    cryosnap.save(path, torch_state(2), step=2, chunk_bytes=CHUNK)
 
 
 def build_chain(path: Path) -> None:
@@ -97,6 +128,7 @@ RUNS: dict[str, tuple[Callable[[Path], None], Callable[[int], Any], int]] = {
     # name: (builder, state of a step, the step that is attacked)
     "full": (build_full, full_state, 2),
     "chain": (build_chain, chain_state, 3),
+    "torch": (build_torch, torch_state, 2),
 }
 
 
@@ -520,14 +552,63 @@ def inherit_claim(chunks: int) -> Callable[[Any], Any]:
 
 
 def _leaves(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Every leaf node under ``node`` and its path in the document (a dict in columns is one
+    node: :func:`column_mutations` rewrites its leaves)."""
     if not isinstance(node, dict):
         return
     t = node.get("t")
-    if t in ("dict", "odict", "list", "tuple"):
+    if t in ("dict", "odict", "list", "tuple") and "cols" not in node:
         for i, v in enumerate(node["v"]):
             yield from _leaves(v, (*path, "v", i))
+    elif t == "stateful":
+        yield from _leaves(node["v"], (*path, "v"))
     else:
         yield path, node
+
+
+# Where a leaf's pack offset moves to: off by one, by an element, into its neighbours.
+NEAR_OFFSETS = (-8, -4, -1, 1, 2, 4, 8)
+
+
+def _other_blobs(b: int, nblobs: int) -> list[int]:
+    return sorted(x for x in {0, 1, nblobs - 1} - {b} if 0 <= x < nblobs)
+
+
+def near_mutations(path: tuple[Any, ...], node: dict[str, Any], nblobs: int) -> Iterator[Any]:
+    """Rewrites of a leaf's geometry that stay plausible, where the fast routes of a restore
+    look (absurd values are numeric_paths'): its pack offset moved a few bytes, its blob
+    swapped for another, a dimension one more or less: ``(name, edit)``."""
+    at, b, shape = node.get("at"), node.get("b"), node.get("shape")
+    if type(at) is int:
+        for d in NEAR_OFFSETS:
+            yield f"leaf {path[-1]}.at{d:+d}", _set((*path, "at"), at + d)
+    if type(b) is int:
+        for other in _other_blobs(b, nblobs):
+            yield f"leaf {path[-1]}.b={other}", _set((*path, "b"), other)
+    if isinstance(shape, list):
+        for i, dim in enumerate(shape[:2]):
+            for d in (-1, 1):
+                yield f"leaf {path[-1]}.shape[{i}]{d:+d}", _set((*path, "shape", i), dim + d)
+
+
+def column_mutations(path: tuple[Any, ...], cols: dict[str, Any], nblobs: int) -> Iterator[Any]:
+    """:func:`near_mutations` of a dict in columns (its first, second and last leaves), and
+    names no torch dtype or device has (its numbers are numeric_paths')."""
+    n = len(cols["b"])
+    for i in sorted({0, min(1, n - 1), n - 1}):
+        if cols["at"][i] >= 0:
+            for d in NEAR_OFFSETS:
+                edit = _set((*path, "cols", "at", i), cols["at"][i] + d)
+                yield f"cols at[{i}]{d:+d}", edit
+        for other in _other_blobs(cols["b"][i], nblobs):
+            yield f"cols b[{i}]={other}", _set((*path, "cols", "b", i), other)
+    for j in sorted({0, len(cols["dims"]) - 1} - {-1}):
+        for d in (-1, 1):
+            yield f"cols dims[{j}]{d:+d}", _set((*path, "cols", "dims", j), cols["dims"][j] + d)
+    for name in ("float99", "Tensor", "int64", "bool"):
+        yield f"cols dtypes[0]={name}", _set((*path, "cols", "dtypes", 0), name)
+    for name in ("cuda:0", "meta", "nowhere"):
+        yield f"cols devices[0]={name}", _set((*path, "cols", "devices", 0), name)
 
 
 def skeleton_mutations(mdoc: dict[str, Any], step: int) -> Iterator[Mutation]:
@@ -541,7 +622,14 @@ def skeleton_mutations(mdoc: dict[str, Any], step: int) -> Iterator[Mutation]:
         "hex": ["zz", "0x" + "f" * 10, "@big@"],
         "bits": ["00", "zz"],
     }
-    for path, _node in _leaves(mdoc["tree"], ("tree",)):
+    nblobs = len(mdoc["blobs"])
+    for path, node in _leaves(mdoc["tree"], ("tree",)):
+        if "cols" in node:
+            edits = column_mutations(path, node["cols"], nblobs)
+        else:
+            edits = near_mutations(path, node, nblobs)
+        for name, edit in edits:
+            yield Mutation(name, "manifest", step, edit)
         for field, vals in values.items():
             for v in vals:
                 yield Mutation(
@@ -556,7 +644,21 @@ def skeleton_mutations(mdoc: dict[str, Any], step: int) -> Iterator[Mutation]:
 # the campaign (run in a child process under RLIMIT_AS)
 
 
+def _is_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # only the torch run imports it
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def same(a: Any, b: Any) -> bool:
+    if _is_tensor(a) or _is_tensor(b):
+        return (
+            type(a) is type(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.requires_grad == b.requires_grad
+            and a.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).tolist()
+            == b.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).tolist()
+        )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (
             type(a) is type(b)

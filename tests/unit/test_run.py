@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cryosnap
+from cryosnap import engine
 from cryosnap.run import Removal, VersionSummary, committed_steps
 from cryosnap.storage import FsspecStore, LocalStore, Store, TimeoutStore
 from cryosnap.testing import FaultyStore
@@ -193,6 +194,29 @@ def test_reading_needs_no_lock(run_dir: Path) -> None:
         run = cryosnap.Run(run_dir)
         assert run.steps() == STEPS and run.verify().ok
         assert_same(STATES[40], run.load())
+
+
+@pytest.mark.parametrize("at", ["COMMIT.json", "rank-00000.json"])
+def test_verify_says_a_version_retired_while_verified_is_no_damage(tmp_path: Path, at: str) -> None:
+    """A live writer's retention deletes step 2 between the listing and the read of its
+    commit record, or after it (its record first, then its files): no damage, said."""
+    with cryosnap.Checkpointer(tmp_path / "run", incremental=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"a": np.full(10_000, float(step))}).result()
+    inner = LocalStore(tmp_path / "run")
+    plan = engine.plan_retire(inner, drop=[2])  # what retention deletes of it, in order
+    assert plan.data_files and plan.manifests
+
+    def retire_2(op: str, key: str) -> None:
+        if op == "read" and key == f"versions/{2:012d}/{at}" and inner.exists(key):
+            engine.apply_retire(inner, plan)
+
+    report = cryosnap.Run(FaultyStore(inner, fault=retire_2)).verify()
+    assert report.ok and not report.damaged
+    checks = [(c.step, c.retired, c.ok) for c in report.versions]
+    assert checks == [(1, False, True), (2, True, True), (3, False, True)]
+    assert report.versions[1].to_json()["retired"] is True
+    assert "retired" not in report.versions[2].to_json()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,3 +418,25 @@ def test_run_over_every_store(store: Store) -> None:
     assert_same(STATES[20], run.load())
     with pytest.raises(cryosnap.CheckpointNotFoundError, match="step 10 not found"):
         run.remove(10)
+
+
+@pytest.mark.parametrize(
+    "open_it",
+    [
+        lambda p: cryosnap.Checkpointer(p),
+        lambda p: cryosnap.save(p, {"x": 1}, step=1),
+        lambda p: cryosnap.load(p),
+        lambda p: cryosnap.Run(p),
+    ],
+    ids=["Checkpointer", "save", "load", "Run"],
+)
+def test_a_run_path_that_is_a_file_says_so(tmp_path: Path, open_it: Callable[[Path], Any]) -> None:
+    f = tmp_path / "f"
+    f.write_text("mine")
+    with pytest.raises(cryosnap.StorageError, match=f"^{f} is a regular file, not a run") as info:
+        open_it(f)
+    assert info.value.path == str(f)
+    below = f / "run"
+    with pytest.raises(cryosnap.StorageError, match=f"{f} is a regular file, not a directory"):
+        open_it(below)
+    assert f.read_text() == "mine"

@@ -22,7 +22,7 @@ from torch import nn
 
 import cryosnap
 from cryosnap._format.chunks import chunk_count
-from cryosnap._format.manifest import MAX_STEP
+from cryosnap._format.limits import MAX_STEP
 from cryosnap._state import flatten
 
 from .support import (
@@ -701,3 +701,36 @@ def test_masked_array_is_not_silently_unmasked(run: str) -> None:
     out = cryosnap.load(run)["m"]
     assert isinstance(out, np.ma.MaskedArray)
     assert out.mask.tolist() == [False, True, False]
+
+
+def test_a_plain_dataloader_points_at_the_resumable_loader(run: str) -> None:
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8)))
+    with pytest.raises(TypeError, match=r"loader: .*DataLoader") as info:
+        cryosnap.save(run, {"step": 1, "loader": loader}, step=1)
+    assert "cryosnap.integrations.torch.ResumableLoader" in str(info.value)
+    assert "allow_pickle=True" not in str(info.value)  # a pickled loader resumes nothing
+    with pytest.raises(cryosnap.CheckpointNotFoundError):
+        cryosnap.load(run)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda: torch.zeros(1).expand(2**40),  # 4 TiB if copied: torch's allocator would fail
+        lambda: torch.zeros(3, 1).expand(3, 2**38),
+    ],
+    ids=["1-d", "2-d"],
+)
+def test_a_huge_expanded_view_is_refused_before_any_copy(run: str, view: Any) -> None:
+    with pytest.raises(ValueError, match=r"^cannot checkpoint big: an expanded view") as info:
+        cryosnap.save(run, {"ok": torch.ones(2), "big": view()}, step=1)
+    message = str(info.value)
+    assert ".contiguous()" in message and ".expand()" in message
+    with pytest.raises(cryosnap.CheckpointNotFoundError):
+        cryosnap.load(run)
+
+
+def test_a_small_expanded_view_is_saved_as_its_values(run: str) -> None:
+    small = torch.arange(3.0).expand(4, 3)
+    cryosnap.save(run, {"small": small}, step=1)
+    assert torch.equal(cryosnap.load(run)["small"], small.contiguous())

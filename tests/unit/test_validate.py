@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cryosnap import _validate as v
-from cryosnap._format.manifest import MAX_STEP
+from cryosnap._format.limits import MAX_STEP
 
 Validator = Callable[[object, str], object]
 

@@ -18,8 +18,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import xxhash
 
+from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import HASH_BYTES, hash_chunks_released
-from cryosnap._format.manifest import STORED, CommitRecord
+from cryosnap._format.commit import CommitRecord
 from cryosnap.engine import chain_keys, chain_manifests, read_commit, read_manifest
 from cryosnap.errors import (
     CheckpointError,

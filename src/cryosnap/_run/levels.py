@@ -15,8 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from cryosnap import engine
-from cryosnap._format.keys import supersedes
-from cryosnap._format.manifest import Lineage, visible_versions
+from cryosnap._format.keys import Lineage, supersedes, visible_versions
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.flush import (
     CollectiveFlush,
@@ -362,6 +361,65 @@ class Levels:
             # Nobody writes its next part before the deletes (and the removal of crash
             # leftovers, which a write in progress would look like) are over.
             coord.barrier()
+
+    def sweep(self) -> None:
+        """At open (collective), before any save or hand-off: remove what writes that never
+        committed left on the levels this participant writes (a killed save's ``.partial``
+        file, the data files and manifest of a version whose commit record was never
+        written), which no retention pass removes where ``keep`` is None. Nothing else
+        writes meanwhile: this participant holds the levels' locks (rank 0 holds
+        and sweeps a shared level's for every participant), and no participant goes on
+        before every one is done. The files a resumed hand-off reuses (a flush interrupted
+        after copying them) stay. A failure is logged; the next pass finishes the work."""
+        coord = self.coordinator
+        for index, level in enumerate(self.levels):
+            if level.shared and coord.rank != 0:
+                continue
+            chain = self.chains.get(index)
+            try:
+                engine.retire(
+                    level.store,
+                    reserved=level.reserved | self._resumable(index),
+                    fence=self.fence,
+                    before_delete=chain.forget_files if chain is not None else engine.ignore_files,
+                )
+            except CheckpointError as exc:
+                log.warning(
+                    "removing what unfinished saves left on %s failed: %s", level.store.url, exc
+                )
+        if coord.world_size > 1:
+            coord.barrier()  # no participant writes before the shared level is swept
+
+    def sweep_failed(self, index: int) -> None:
+        """On the writer thread, after a save on level ``index`` failed and before its next
+        write: remove what it left (data files, a manifest), unless its commit record may
+        still land (``reserved``), so that a disk it failed on is not kept full by it. Not on
+        a level every participant writes (its deletes would need them all to stop): the next
+        open sweeps it. A failure is logged."""
+        level = self.levels[index]
+        if level.shared and self.coordinator.world_size > 1:
+            return
+        chain = self.chains.get(index)
+        try:
+            engine.retire(
+                level.store,
+                reserved=set(level.reserved),
+                fence=self.fence,
+                before_delete=chain.forget_files if chain is not None else engine.ignore_files,
+            )
+        except LockLostError:
+            return  # recorded by the fence; nothing was deleted
+        except CheckpointError as exc:
+            log.warning("removing what a failed save left on %s failed: %s", level.store.url, exc)
+
+    def _resumable(self, index: int) -> set[str]:
+        """The files on level ``index`` that the flush of a version on the level below and not
+        on this one writes: an interrupted flush left them for the resumed one to reuse."""
+        if index == 0:
+            return set()
+        src = self.levels[index - 1].store
+        here = engine.list_versions(self.levels[index].store)
+        return {k for s in engine.list_steps(src) if s not in here for k in flush_keys(src, s)}
 
     def retire_all_after_close(self) -> None:
         """After the hand-offs ended: the faster levels' retention can apply to what reached

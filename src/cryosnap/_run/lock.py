@@ -33,6 +33,7 @@ from cryosnap.errors import (
     StorageError,
 )
 from cryosnap.storage import ConditionalWrites, ConditionalWritesUnsupported, Store
+from cryosnap.storage._local import not_a_directory
 
 __all__ = ["CLAIMS_PREFIX", "LOCK_KEY", "STALE_SECONDS", "RunLock", "acquire_run_lock"]
 
@@ -430,7 +431,10 @@ def _open_lock_file(path: Path) -> int:
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise StorageError(f"cannot create the write lock {path}: {exc.strerror}") from exc
+        # A file given as the run (or below one) says so rather than "File exists".
+        raise not_a_directory(path.parent) or StorageError(
+            f"cannot create the write lock {path}: {exc.strerror}"
+        ) from exc
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o644)

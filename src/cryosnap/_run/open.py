@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import cryosnap._run.signals as _signals
 from cryosnap import engine
-from cryosnap._format.manifest import CommitRecord, Lineage, commit_key
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import Lineage, commit_key
 from cryosnap._run.capturer import Capturer
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.levels import Level, Levels
@@ -123,6 +124,9 @@ def open_run(options: RunOptions) -> OpenRun:
             through=check_direct_io(levels.levels[0].store, None, levels.levels[0].name),
         )
         lineage = current_lineage(levels.records())
+        # What a killed or failed save left (retention with keep=None never removes it), now
+        # that this writer holds the run and before anything of its own is written.
+        levels.sweep()
         inflight = threading.BoundedSemaphore(options.max_inflight)
         resumed = start_background(options, coord, levels, partners, capturer, undo)
         signals = subscribe_signals(options.signals, policies, undo)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import cryosnap._run.signals as _signals
 from cryosnap import _validate
 from cryosnap._format.chunks import validate_chunk_bytes
-from cryosnap._format.manifest import RUN_ID_PATTERN
+from cryosnap._format.commit import RUN_ID_PATTERN
 from cryosnap._run.devdiff import DeviceDiff
 from cryosnap.dist import Coordinator
 from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention

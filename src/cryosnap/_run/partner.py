@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cryosnap import engine
-from cryosnap._format.manifest import CommitRecord, commit_key, parse_commit_key
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import commit_key, parse_commit_key
 from cryosnap._run.lock import RunLock, acquire_run_lock
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CoordinationError

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryosnap import engine
-from cryosnap._format.manifest import Lineage, max_generation, version_prefix, visible_versions
+from cryosnap._format.keys import Lineage, max_generation, version_prefix, visible_versions
 from cryosnap._run import ddp
 from cryosnap._run.levels import Levels
 from cryosnap._state.device import target_device

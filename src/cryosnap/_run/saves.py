@@ -1,8 +1,9 @@
 """Saves: the versions a run is saving, from ``save()`` to the writer's queue.
 
 Refuses a save that cannot be (a lost lock, participants that stopped agreeing, a step that
-exists or may), flattens the state into the writer's :class:`Job`, keeps each version's
-:class:`PendingSave` and hands a failure nobody received to the next ``save``/``wait``/``close``.
+exists or may, a step below one saved since the last restore), flattens the state into the
+writer's :class:`Job`, keeps each version's :class:`PendingSave` and hands a failure nobody
+received to the next ``save``/``wait``/``close``.
 Runs on the caller's thread; no collectives here.
 """
 
@@ -23,7 +24,12 @@ from cryosnap._run.staging import CaptureTracker
 from cryosnap._run.writer import WriterThread
 from cryosnap._state import FlatState, FlattenCache, flatten
 from cryosnap._validate import step as validate_step
-from cryosnap.errors import CheckpointExistsError, CoordinationError, LockLostError
+from cryosnap.errors import (
+    CheckpointExistsError,
+    CoordinationError,
+    LockLostError,
+    StepOrderError,
+)
 
 __all__ = ["Saves"]
 
@@ -40,6 +46,9 @@ class Saves:
         self.pending: list[PendingSave] = run.pending
         # The last flatten, reused while the state's structure does not change.
         self.flattened = FlattenCache()
+        # The newest step saved since the last restore: a save below it is refused (going
+        # back is a rewind, which starts with a restore; the Checkpointer resets it then).
+        self.newest: int | None = None
 
     def start(
         self,
@@ -94,6 +103,7 @@ class Saves:
             raise
         self.pending.append(job.pending)
         self._writer.submit(job)
+        self.newest = step if self.newest is None else max(self.newest, step)
         return job
 
     def _job(
@@ -144,6 +154,14 @@ class Saves:
             raise CheckpointExistsError(
                 f"step {step}: the commit record of an earlier save timed out and may still "
                 f"appear in {store.url}; save under another step"
+            )
+        if self.newest is not None and step < self.newest:
+            raise StepOrderError(
+                f"step {step} is below step {self.newest}, which this Checkpointer saved "
+                f"in {store.url}: a run's steps go up; to go back, restore(step=...) an "
+                "earlier version first (the next save then supersedes the later ones)",
+                step=step,
+                path=store.url,
             )
         if any(p.step == step and not p.done() for p in self.pending):
             raise CheckpointExistsError(

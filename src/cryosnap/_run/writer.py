@@ -20,14 +20,10 @@ import numpy as np
 import cryosnap._run.replicated as _replicated
 from cryosnap import engine
 from cryosnap._format.chunks import merkle_root
-from cryosnap._format.manifest import (
-    CommitRecord,
-    Manifest,
-    PartSummary,
-    Replicated,
-    commit_key,
-    forget_tree_text,
-)
+from cryosnap._format.commit import CommitRecord, PartSummary
+from cryosnap._format.keys import commit_key
+from cryosnap._format.manifest import Manifest, Replicated
+from cryosnap._format.skeleton_text import SkeletonTextCache
 from cryosnap._run.capturer import END, Job
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.flush import SourceDamagedError
@@ -110,6 +106,9 @@ class VersionWriter:
         # arrive in time): the channel is broken for good (gloo, MPI), so this writer stops
         # saving, as one that lost its lock does.
         self.disagreed: CoordinationError | None = None
+        # The last skeleton's text, kept for the next version's manifest (its own: a writer
+        # thread's skeletons share nodes version after version, another writer's do not).
+        self.skeleton_texts = SkeletonTextCache()
 
     @property
     def store(self) -> Store:
@@ -225,6 +224,7 @@ class VersionWriter:
             lineage=job.lineage,
             # Remnants are copied forward only where retention will drop versions.
             compact=self.level.keep is not None,
+            skeleton_texts=self.skeleton_texts,
         )
 
     def _tell_failure(self, job: Job, exc: BaseException, *, exchanged: bool, copied: bool) -> None:
@@ -449,7 +449,7 @@ class WriterThread:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join()
-        forget_tree_text()
+        self.version.skeleton_texts.clear()
 
     def _run(self) -> None:
         while True:
@@ -474,7 +474,7 @@ class WriterThread:
                 if part is not None and info is not None:
                     self._after_commit(job, part, info)
                 else:
-                    self.policy_event("failed", job.step)
+                    self._after_failure(job)
             finally:
                 with self._settled:
                     self._queued -= 1
@@ -483,6 +483,14 @@ class WriterThread:
             # tensors among them, which the next flatten fills again: _state/reuse.py) is
             # freed once it is written.
             del job, part, info
+
+    def _after_failure(self, job: Job) -> None:
+        try:
+            # Retention runs after a commit only: what the failed save wrote goes now.
+            self.levels.sweep_failed(self.index)
+        except Exception:
+            log.exception("removing what the failed save of step %d left", job.step)
+        self.policy_event("failed", job.step)
 
     def _after_commit(self, job: Job, part: engine.PartResult, info: SaveInfo) -> None:
         later: list[Callable[[], None]] = []

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._format.manifest import Lineage
+from cryosnap._format.keys import Lineage
 from cryosnap._run import partner as _partner
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointFormatError

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._format.manifest import CommitRecord, Lineage, commit_key
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import Lineage, commit_key
 from cryosnap._run import partner as _partner
 from cryosnap._run.xor import (
     STATUS_FAILED,

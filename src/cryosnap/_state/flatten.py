@@ -33,6 +33,7 @@ from cryosnap._state.files import File, file_leaf
 from cryosnap._state.gc import paused_gc
 from cryosnap._state.tensor_meta import Copies, storage_address
 from cryosnap._state.torch_import import loaded_torch
+from cryosnap._units import human_bytes
 
 # Packing of small tensors (see the module docstring): the largest pack, and the largest leaf
 # packed (a fraction of the pack, so that a pack holds many).
@@ -320,12 +321,7 @@ class Flattener:
         if self.allow_pickle:
             self.leaves += 1
             return self.pickled(obj, path)
-        raise TypeError(
-            f"cannot checkpoint {format_path(path)}: unsupported type "
-            f"{tp.__module__}.{tp.__qualname__} (supported: tensors, numpy arrays and scalars, "
-            "int/float/bool/complex/str/bytes/None, dict/list/tuple, objects with state_dict(); "
-            "pass allow_pickle=True to pickle anything else)"
-        )
+        return self._refuse_object(obj, path)
 
     def container(self, obj: Any, path: tuple[str | int, ...]) -> Json:
         if isinstance(obj, dict):
@@ -439,11 +435,27 @@ class Flattener:
         }
 
     def _refuse_object(self, obj: Any, path: tuple[str | int, ...]) -> Json:
+        """A leaf of no type flatten stores (a numpy object scalar, any other object):
+        pickled where allowed, else a TypeError saying what to do instead."""
         if self.allow_pickle:
             return self.pickled(obj, path)
+        where = f"cannot checkpoint {format_path(path)}"
+        if isinstance(obj, np.generic):
+            raise TypeError(f"{where}: numpy object scalar (pass allow_pickle=True to pickle it)")
+        tp = type(obj)
+        name = f"{tp.__module__}.{tp.__qualname__}"
+        data = sys.modules.get("torch.utils.data")
+        if data is not None and isinstance(obj, data.DataLoader):
+            # Pickling one would store no position: a resumed epoch would start over.
+            raise TypeError(
+                f"{where}: {name} has no state_dict(), so its position in the epoch cannot be "
+                "saved; build it as cryosnap.integrations.torch.ResumableLoader (a DataLoader "
+                "that saves and resumes its position), or leave it out of the state"
+            )
         raise TypeError(
-            f"cannot checkpoint {format_path(path)}: numpy object scalar "
-            "(pass allow_pickle=True to pickle it)"
+            f"{where}: unsupported type {name} (supported: tensors, numpy arrays and scalars, "
+            "int/float/bool/complex/str/bytes/None, dict/list/tuple, objects with state_dict(); "
+            "pass allow_pickle=True to pickle anything else)"
         )
 
     def subclass(self, t: Any, path: tuple[str | int, ...]) -> Json:
@@ -530,6 +542,7 @@ class Flattener:
                 if x.is_complex():  # only complex tensors carry lazy conj/neg bits
                     x = x.resolve_conj().resolve_neg()
                 if not x.is_contiguous():
+                    refuse_expanded(x, path)
                     x = x.contiguous()
                 n = x.nbytes
                 if 0 < n <= leaf_max and x.is_cpu:
@@ -567,6 +580,33 @@ class Flattener:
                 node["view"] = {"offset": start - lo, "stride": list(t.stride())}
         packer.finish()
         return packer.packs > 0
+
+
+# The largest copy of an expanded view (a stride of 0) that a save makes: beyond it the view
+# is most likely a broadcast kept by mistake, whose copy could exhaust the host's memory.
+EXPANDED_COPY_MAX_BYTES = 1 << 30
+
+
+def refuse_expanded(t: Any, path: tuple[str | int, ...]) -> None:
+    """Raise ValueError, before any copy, for a tensor expanded (stride 0 in a dimension of
+    more than one element) to over :data:`EXPANDED_COPY_MAX_BYTES` of elements."""
+    n = t.nbytes
+    if n <= EXPANDED_COPY_MAX_BYTES:
+        return
+    dims = [
+        d
+        for d, (size, st) in enumerate(zip(t.shape, t.stride(), strict=True))
+        if size > 1 and st == 0
+    ]
+    if not dims:
+        return
+    stored = t.untyped_storage().nbytes()
+    raise ValueError(
+        f"cannot checkpoint {format_path(path)}: an expanded view (stride 0 in dimension "
+        f"{dims[0]}) of {human_bytes(stored)} of storage, whose copy would take "
+        f"{human_bytes(n)}; call .contiguous() on it first if every element is meant to be "
+        "stored, or save the tensor it was expanded from (before .expand()) instead"
+    )
 
 
 def alone_blob(t: Any, x: Any, n: int, path: tuple[str | int, ...], ptr: int, uint8: Any) -> Blob:

@@ -25,10 +25,11 @@ from cryosnap._format.skeleton import (
     format_path,
 )
 from cryosnap._state import dtensor
-from cryosnap._state.build import _NP_DTYPES, ColumnTargets, _itemsize, _np_dtype, _torch
 from cryosnap._state.device import copy_to_device
+from cryosnap._state.dtypes import NP_DTYPES, itemsize, np_dtype, require_torch
 from cryosnap._state.files import File, FileWrites, check_file_into
 from cryosnap._state.flatten import _DTYPE_NAMES, dtype_name, is_stateful
+from cryosnap._state.restore_columns import ColumnTargets
 from cryosnap._state.torch_import import loaded_torch
 from cryosnap.errors import StateMismatchError
 
@@ -124,7 +125,7 @@ def _check(node: Json, into: Any, path: tuple[str | int, ...], match: _Match | N
         ):
             return
         plain = torch.Tensor if torch is not None else None
-        names, descrs = _DTYPE_NAMES, _NP_DTYPES
+        names, descrs = _DTYPE_NAMES, NP_DTYPES
         for k, v in dict_items(node, where):
             x = into[k]
             # A state dict's tensors and a dict's arrays, checked here without a call each
@@ -176,7 +177,7 @@ def _check_columns(
     with ``match`` note its leaves as :class:`ColumnTargets`: True when every leaf of ``into``
     is a plain CPU tensor of the saved dtype and shape (contiguous, with ``match``); False,
     nothing noted, for anything else, which the walk leaf by leaf then checks and names."""
-    torch = _torch()
+    torch = require_torch()
     plains = (torch.Tensor, torch.nn.Parameter)
     xs = [into[k] for k in keys]
     if not set(map(type, xs)) <= set(plains):
@@ -221,7 +222,7 @@ def _check_columns(
         return False
     # into='s own dtypes, which the columns name: their element sizes, and each leaf's bytes
     # from its shape (into='s, as checked).
-    size = {names[d]: _itemsize(d) for d in kinds_of}
+    size = {names[d]: itemsize(d) for d in kinds_of}
     item = np.array([size.get(n, 1) for n in cols.dtypes], np.int64)[cols.dtype]
     found = ColumnTargets(node, cols, xs, item, cols.elements() * item, np.array(ptrs, np.int64))
     return match.columns(found)
@@ -246,7 +247,7 @@ def _check_leaf(t: Any, node: Json, into: Any, path: tuple[str | int, ...]) -> N
             )
         return
     if t == "numpy" and isinstance(into, np.ndarray):
-        saved_dtype = _np_dtype(node["dtype"], format_path(path))
+        saved_dtype = np_dtype(node["dtype"], format_path(path))
         if list(into.shape) != node["shape"] or into.dtype != saved_dtype:
             raise _mismatch(
                 path,
@@ -415,7 +416,7 @@ def _span(leaf: Any) -> tuple[int, int] | None:
             return addr, addr + leaf.nbytes
         shape: tuple[int, ...] = leaf.shape
     else:
-        torch = _torch()
+        torch = require_torch()
         leaf = dtensor.fill_target(leaf)  # a DTensor's memory is its local shard's
         if leaf.device.type != "cpu" or leaf.layout != torch.strided or not leaf.numel():
             return None
@@ -442,7 +443,7 @@ def _direct(node: dict[str, Any], leaf: Any) -> bool:
             and leaf.flags.writeable
             and list(leaf.shape) == node["shape"]
         )
-    torch = _torch()
+    torch = require_torch()
     return (
         node["t"] == "torch"
         and "view" not in node

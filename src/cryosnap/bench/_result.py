@@ -16,6 +16,9 @@ from cryosnap.progress import human_bytes
 
 _GB = 1e9
 
+# A table: columns as (title, right-aligned), then rows of cells.
+Table = tuple[list[tuple[str, bool]], list[list[str]]]
+
 
 # ------------------------------------------------------------------------------------ results
 
@@ -215,10 +218,18 @@ class BenchResult:
             },
         }
 
-    def table(self) -> tuple[list[tuple[str, bool]], list[list[str]]]:
+    def tables(self, *, wide: bool = False) -> list[Table]:
+        """The results tables, each (columns as (title, right-aligned), rows of cells): two
+        within 100 columns, peers by key (saving: stall, durable, written, peak memory, CPU;
+        restoring: warm, into, cold), or ``wide``: the one :meth:`table` of every figure."""
+        if wide or self.config.workload == "training":
+            return [self.table()]
+        return [self._save_table(), self._restore_table()]
+
+    def table(self) -> Table:
         """(columns as (title, right-aligned), rows of cells) of the results table."""
         if self.config.workload == "training":
-            return self._training_table()
+            return self._training_table()  # within 100 columns as it is
         cold = any("restore_cold_seconds" in p.samples for p in self.peers)
         columns = [
             ("peer", False),
@@ -264,7 +275,51 @@ class BenchResult:
             )
         return columns, rows
 
-    def _training_table(self) -> tuple[list[tuple[str, bool]], list[list[str]]]:
+    def _save_table(self) -> Table:
+        columns = [
+            ("peer", False),
+            ("stall", True),
+            ("durable", True),
+            ("written", True),
+            ("peak mem", True),
+            ("CPU s/GB (bg)", True),
+        ]
+        rows = []
+        gb = self.state_bytes / _GB
+        for p in self.peers:
+            if p.error is not None:
+                rows.append([p.key, "error", *[""] * (len(columns) - 2)])
+                continue
+            ratio = self.ratios(p)
+            cpu, bg = p.median("cpu_seconds") / gb, p.median("background_cpu_seconds") / gb
+            rows.append(
+                [
+                    p.key,
+                    _short_seconds_cell(p.median("stall_seconds"), ratio["stall_seconds"]),
+                    _short_seconds_cell(p.median("durable_seconds"), ratio["durable_seconds"]),
+                    _bytes_cell(p.median("written_bytes")),
+                    _bytes_cell(p.median("save_peak_bytes")),
+                    "-" if math.isnan(cpu) else f"{cpu:.2f} ({bg:.2f})",
+                ]
+            )
+        return columns, rows
+
+    def _restore_table(self) -> Table:
+        """The peers that restore (or read, the limits), warm, into and cold."""
+        metrics = [m for m in _RESTORES if any(m in p.samples for p in self.peers)]
+        columns = [("peer", False), *[(_RESTORES[m], True) for m in metrics]]
+        rows = []
+        for p in self.peers:
+            if p.error is None and not any(m in p.samples for m in metrics):
+                continue  # saves only (DCP async_save, the lazy Checkpointer), or memcpy
+            if p.error is not None:
+                rows.append([p.key, "error", *[""] * (len(columns) - 2)])
+                continue
+            ratio = self.ratios(p)
+            rows.append([p.key, *[_short_seconds_cell(p.median(m), ratio[m]) for m in metrics]])
+        return columns, rows
+
+    def _training_table(self) -> Table:
         columns = [
             ("method", False),
             ("every", True),
@@ -362,6 +417,29 @@ def _seconds_cell(seconds: float, ratio: float = float("nan")) -> str:
         return "-"
     text = f"{seconds * 1e3:.1f} ms" if seconds < 0.1 else f"{seconds:.3f} s"
     return text if math.isnan(ratio) else f"{text} ({ratio:.2f}x)"
+
+
+# The restore metrics of the narrow restore table, and their column titles.
+_RESTORES = {
+    "restore_seconds": "restore",
+    "restore_into_seconds": "restore into",
+    "restore_cold_seconds": "restore cold",
+    "restore_cold_fresh_seconds": "cold fresh",
+}
+
+
+def _short_seconds_cell(seconds: float, ratio: float = float("nan")) -> str:
+    """A narrow table's cell: the time and its ratio to the limit, to about three digits."""
+    if math.isnan(seconds):
+        return "-"
+    if seconds < 0.1:
+        text = f"{seconds * 1e3:.1f} ms"
+    else:
+        text = f"{seconds:.{2 if seconds < 10 else 1 if seconds < 100 else 0}f} s"
+    if math.isnan(ratio):
+        return text
+    digits = 2 if ratio < 10 else 1 if ratio < 100 else 0
+    return f"{text} ({ratio:.{digits}f}x)"
 
 
 def _bytes_cell(nbytes: float) -> str:

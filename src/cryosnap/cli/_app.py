@@ -7,9 +7,11 @@ once typer is known to be installed. Runs on the caller's thread.
 # No ``from __future__ import annotations`` here: typer reads the annotations of the command
 # functions at runtime.
 
-from typing import Annotated
+from difflib import get_close_matches
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from cryosnap.cli._bench import cmd_bench
 from cryosnap.cli._demo import cmd_demo
@@ -31,9 +33,57 @@ RANK_OPT = typer.Option("--rank", min=0, help="Which rank's part of the version.
 DRY_RUN_OPT = typer.Option("--dry-run", help="Show what would be deleted; delete nothing.")
 
 
+# Words a user may type for a command of another name: suggested instead of the nearest
+# spelling ("remove" is nearer to "demo" than to "rm").
+SYNONYMS = {
+    "remove": "rm",
+    "delete": "rm",
+    "del": "rm",
+    "clean": "gc",
+    "prune": "gc",
+    "list": "ls",
+    "show": "inspect",
+    "info": "inspect",
+    "check": "verify",
+    "compare": "diff",
+    "version": "--version",
+}
+
+
+def _plain_flags(params: list[Any]) -> list[Any]:
+    """A flag takes no value: ``--help`` shows ``--json``, not ``--json <bool>`` (recent typer
+    shows every option's type, flags' too)."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        """An unknown command is a usage error suggesting the one meant, if any: a synonym
+        (:data:`SYNONYMS`) before the nearest spelling."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            names = [*self.list_commands(ctx), *SYNONYMS]
+            meant = [SYNONYMS.get(m, m) for m in get_close_matches(name, names, n=1)]
+            hint = f" Did you mean {meant[0]!r}?" if meant else ""
+            ctx.fail(f"No such command {name!r}.{hint}")
+        return super().resolve_command(ctx, args)
+
+
 def build_app(invocation: Invocation) -> typer.Typer:
     """The app with every command, in the order ``--help`` lists them."""
     app = typer.Typer(
+        cls=_Group,
         name=PROG,
         help="List, inspect, verify, diff, export, remove, garbage-collect and flush cryosnap "
         "checkpoints; plan intervals; benchmark against the peers.",
@@ -51,6 +101,9 @@ def build_app(invocation: Invocation) -> typer.Typer:
     _add_plan_command(app)
     _add_bench_command(app, invocation)
     _add_import_dcp_command(app)
+    for command in app.registered_commands:
+        if command.cls in (None, typer.core.TyperCommand):
+            command.cls = _Command
     return app
 
 
@@ -135,10 +188,26 @@ def _add_export_command(app: typer.Typer) -> None:
         ] = None,
         rank: Annotated[int, RANK_OPT] = 0,
         force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+        allow_pickle: Annotated[
+            bool,
+            typer.Option(
+                "--allow-pickle",
+                help="Load pickled leaves too. Unpickling runs code from the checkpoint: only "
+                "for a run you trust.",
+            ),
+        ] = False,
         json_output: Annotated[bool, JSON_OPT] = False,
     ) -> None:
         """Write one version as a .pt, .safetensors or .npz file."""
-        cmd_export(path, out, step=step, rank=rank, force=force, as_json=json_output)
+        cmd_export(
+            path,
+            out,
+            step=step,
+            rank=rank,
+            force=force,
+            as_json=json_output,
+            allow_pickle=allow_pickle,
+        )
 
 
 def _add_diff_command(app: typer.Typer) -> None:
@@ -363,6 +432,14 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
                 help="Also restore cold: each peer's own files dropped from the page cache first.",
             ),
         ] = True,
+        wide: Annotated[
+            bool,
+            typer.Option(
+                "--wide",
+                help="Every column of the table, peers by name (over 200 columns); without "
+                "it the table fits in 100.",
+            ),
+        ] = False,
     ) -> None:
         """Measure cryosnap against torch.save, safetensors, DCP (and torchsnapshot) on the same
         state, beside this machine's limits (memcpy, raw write+fsync, raw read)."""
@@ -378,6 +455,7 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
             steps=steps,
             step_seconds=step_seconds,
             cold=cold,
+            wide=wide,
             command=invocation.command(),
         )
 

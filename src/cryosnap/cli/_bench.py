@@ -30,10 +30,12 @@ def cmd_bench(
     steps: int = 20,
     step_seconds: float = 1.0,
     cold: bool = True,
+    wide: bool = False,
     command: str = PROG + " bench",
 ) -> None:
     """Run :func:`cryosnap.bench.run`, print the table, write ``--json`` and ``--plot``
-    (``command``: the command line, recorded in the JSON).
+    (``command``: the command line, recorded in the JSON; ``wide``: every column, the table
+    is otherwise within 100 columns).
 
     Every argument is checked before anything is measured: a bad one costs no benchmark time.
     """
@@ -64,7 +66,7 @@ def cmd_bench(
         result = bench.run(config, command=command, progress=show)
     finally:
         show.close()
-    _render(result)
+    _render(result, wide=wide)
     if json_file:
         try:
             with open(json_file, "w") as f:
@@ -81,18 +83,21 @@ def cmd_bench(
         print_line(f"wrote {plot}")
 
 
-def _render(result: Any) -> None:
+def _render(result: Any, *, wide: bool = False) -> None:
     """The summary's first two lines, the table, then the rest of the summary."""
     summary = result.summary()
     for line in summary[:2]:
         print_line(line)
     print_line()
-    columns, rows = result.table()
-    table = Table([Column(title, right=right) for title, right in columns])
-    for row in rows:
-        table.add(*row)
-    table.render()
-    print_line()
+    tables = result.tables(wide=wide)
+    for columns, rows in tables:
+        table = Table([Column(title, right=right) for title, right in columns])
+        for row in rows:
+            table.add(*row)
+        table.render()
+        print_line()
+    if len(tables) > 1:
+        print_line("--wide: one table, peers by name, peak memory of the restores too")
     for line in summary[2:]:
         print_line(line)
 

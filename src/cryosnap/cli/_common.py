@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from cryosnap.errors import CheckpointNotFoundError
+from cryosnap.cli._render import note
+from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from cryosnap.run import Run
 
 EXIT_OK = 0
@@ -35,6 +36,27 @@ def committed(run: Run) -> list[int]:
     if not steps:
         raise CheckpointNotFoundError(f"no committed version in {run.url}")
     return steps
+
+
+def newest_intact(run: Run) -> int:
+    """The newest committed step whose commit record reads, as :func:`cryosnap.load` falls
+    back past a damaged one; each damaged one skipped is named on stderr. When none reads,
+    the newest (the command then fails on it, naming the damage)."""
+    steps = committed(run)
+    skipped = False
+    for step in reversed(steps):
+        try:
+            run.summary(step)
+        except CheckpointNotFoundError:
+            continue  # retired by the run's writer since the listing
+        except (CheckpointFormatError, IntegrityError) as exc:
+            note(f"skipping damaged step {step} in {run.url}: {exc}")
+            skipped = True
+            continue
+        if skipped:
+            note(f"using step {step}, the newest version whose commit record reads")
+        return step
+    return steps[-1]
 
 
 def check_image_out(out: str, option: str = "--plot") -> None:

@@ -6,11 +6,11 @@ Runs on the caller's thread, over :func:`cryosnap.export.export` (which reads th
 
 from __future__ import annotations
 
-from cryosnap.cli._common import CliUsageError
+from cryosnap.cli._common import CliUsageError, newest_intact, open_run
 from cryosnap.cli._render import note, plural, print_json, print_line
+from cryosnap.errors import CheckpointError
 from cryosnap.export import ExportError, ExportResult, check_out, export
 from cryosnap.progress import human_bytes
-from cryosnap.run import committed_steps
 
 
 def cmd_export(
@@ -21,9 +21,10 @@ def cmd_export(
     rank: int = 0,
     force: bool = False,
     as_json: bool = False,
+    allow_pickle: bool = False,
 ) -> None:
-    """Write one version (default: the newest); an existing OUT is replaced only with
-    ``force``."""
+    """Write one version (default: the newest whose commit record reads); an existing OUT is
+    replaced only with ``force``."""
     try:
         check_out(out, force=force)  # a bad OUT is refused before the run is even opened
     except (ValueError, TypeError) as exc:
@@ -31,11 +32,13 @@ def cmd_export(
     if not location:
         raise CliUsageError("PATH must not be empty")
     if step is None:
-        step = committed_steps(location)[-1]
+        step = newest_intact(open_run(location))
     try:
-        result = export(location, out, step=step, rank=rank, force=force)
+        result = export(location, out, step=step, rank=rank, force=force, allow_pickle=allow_pickle)
     except (ExportError, ValueError) as exc:  # ValueError: --rank of a DCP version
         raise CliUsageError(str(exc)) from exc
+    except CheckpointError as exc:
+        raise _in_cli_words(exc) from None
     _export_notes(result)
     if as_json:
         print_json(
@@ -55,6 +58,15 @@ def cmd_export(
         f"exported step {result.step} of {result.path} to {result.out} "
         f"({plural(result.leaves, 'leaf', 'leaves')}, {human_bytes(result.bytes)})"
     )
+
+
+def _in_cli_words(exc: CheckpointError) -> CheckpointError:
+    """A pickled leaf refused: the library's ``allow_pickle=True`` is ``--allow-pickle`` here."""
+    text = str(exc)
+    if type(exc) is not CheckpointError or "allow_pickle=True" not in text:
+        return exc
+    flag = "--allow-pickle (only for a run you trust)"
+    return CheckpointError(text.replace("allow_pickle=True", flag), step=exc.step, path=exc.path)
 
 
 def _export_notes(result: ExportResult) -> None:

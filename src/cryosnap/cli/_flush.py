@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,11 +31,25 @@ def cmd_flush(
         raise CliUsageError("--scratch DIR is required (once per scratch tier of the run)")
     if not math.isfinite(retry_seconds) or retry_seconds < 0:
         raise CliUsageError(f"--retry-seconds must be a number >= 0, got {retry_seconds}")
+    for tier in scratch:
+        if _same_location(tier, location):
+            raise CliUsageError(
+                f"--scratch {tier} is the persistent PATH {location} itself: a scratch tier "
+                "is another directory (node-local: tmpfs, NVMe)"
+            )
     with _warnings_as_lines():
         report = flush(location, scratch=scratch, retry_seconds=retry_seconds)
     if report.rank == 0:
         _print(report, as_json=as_json)
     return EXIT_OK if report.ok else EXIT_DAMAGED
+
+
+def _same_location(a: str, b: str) -> bool:
+    """Whether two locations name one directory, as the run's levels compare them (a local
+    path made absolute, not resolved; a URL as written, less a trailing ``/``)."""
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
 
 
 def _print(report: FlushReport, *, as_json: bool) -> None:

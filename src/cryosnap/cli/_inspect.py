@@ -5,17 +5,18 @@ Runs on the caller's thread, over :meth:`cryosnap.Run.info`; takes no lock.
 
 from __future__ import annotations
 
-from cryosnap.cli._common import committed, open_run
+from cryosnap.cli._common import newest_intact, open_run
 from cryosnap.cli._render import Column, Table, iso_time, plural, print_json, print_line, truncate
 from cryosnap.progress import human_bytes
 from cryosnap.run import VersionInfo
 
 
 def cmd_inspect(location: str, *, step: int | None, rank: int, as_json: bool) -> None:
-    """The leaves of one version (default: the latest), read from its manifest."""
+    """The leaves of one version (default: the newest whose commit record reads), read from
+    its manifest."""
     run = open_run(location)
     if step is None:
-        step = committed(run)[-1]
+        step = newest_intact(run)
     info = run.info(step, rank=rank)
     leaves = info.leaves
     totals = {

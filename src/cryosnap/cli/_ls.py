@@ -59,10 +59,8 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
 def _versions(run: Run) -> list[dict[str, Any]]:
     versions: list[dict[str, Any]] = []
     steps = committed(run)
-    try:
-        space = {s.step: s for s in run.space()}
-    except (CheckpointFormatError, IntegrityError):
-        space = {}  # a damaged record: its row says so, the others show no space
+    # A damaged commit record has no figures (its row says DAMAGED); the others keep theirs.
+    space = {s.step: s for s in run.space()}
     for step in steps:
         try:
             summary = run.summary(step)

@@ -26,6 +26,7 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
                 "kept_steps": list(removal.kept),
                 "freed_bytes": removal.freed_bytes,
                 "data_files_deleted": len(removal.data_files),
+                "incomplete_files_deleted": len(removal.incomplete),
                 "still_read_bytes": removal.still_read_bytes,
             }
         )
@@ -36,10 +37,15 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
         if removal.still_read_bytes
         else ""
     )
+    incomplete = (
+        f", including {plural(len(removal.incomplete), 'file')} left by saves that never committed"
+        if removal.incomplete
+        else ""
+    )
     print_line(
         f"{verb[0]} {plural(len(removal.removed), 'version')}, kept "
         f"{plural(len(removal.kept), 'version')}; {verb[1]} {human_bytes(removal.freed_bytes)}"
-        f"{kept_files}"
+        f"{incomplete}{kept_files}"
     )
 
 

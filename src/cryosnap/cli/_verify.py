@@ -33,11 +33,20 @@ def cmd_verify(
         for c in checks:
             _add_rows(table, c)
         table.render()
-        if damaged:
-            print_line(f"{len(damaged)} of {plural(len(checks), 'version')} damaged")
-        else:
-            print_line(f"{plural(len(checks), 'version')} OK")
+        print_line(_summary(checks))
     return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+def _summary(checks: tuple[VersionCheck, ...]) -> str:
+    """``2 versions OK``, ``1 of 3 versions damaged``; versions retired meanwhile apart."""
+    verified = [c for c in checks if not c.retired]
+    damaged = [c for c in verified if not c.ok]
+    if damaged:
+        line = f"{len(damaged)} of {plural(len(verified), 'version')} damaged"
+    else:
+        line = f"{plural(len(verified), 'version')} OK"
+    retired = len(checks) - len(verified)
+    return line + (f"; {retired} retired while verified" if retired else "")
 
 
 def _verify_levels(location: str, scratch: list[str], *, step: int | None, as_json: bool) -> int:
@@ -82,6 +91,9 @@ def _add_rows(
     """One row for a version that verifies, one per damage for one that does not; ``whole``:
     the version of every rank (not a scratch part, which holds one rank's part alone)."""
     first = () if level is None else (level,)
+    if c.retired:
+        table.add(*first, str(c.step), "RETIRED", "retired while verified (not damage)")
+        return
     if c.ok:
         table.add(*first, str(c.step), "OK", _figures(c, ranks=whole))
         return
@@ -99,9 +111,6 @@ def _figures(c: VersionCheck, *, ranks: bool) -> str:
 
 
 def _level_line(level: LevelCheck) -> str:
-    n = len(level.versions)
-    if not n:
+    if not level.versions:
         return f"{level.name}: no version ({level.url})"
-    if level.damaged:
-        return f"{level.name}: {len(level.damaged)} of {plural(n, 'version')} damaged"
-    return f"{level.name}: {plural(n, 'version')} OK"
+    return f"{level.name}: {_summary(level.versions)}"

@@ -23,15 +23,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from cryosnap import _native
+from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import merkle_root, value_runs
+from cryosnap._format.commit import CommitRecord, ManifestRef
 from cryosnap._format.manifest import (
     FILES_FORMAT_VERSION,
     NUMPY_PACKED_FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
-    STORED,
-    CommitRecord,
     Manifest,
-    ManifestRef,
 )
 from cryosnap._format.skeleton import blob_keys, blob_paths, format_path
 from cryosnap._state import (

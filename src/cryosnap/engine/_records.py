@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import xxhash
 
-from cryosnap._format.manifest import (
-    CommitRecord,
+from cryosnap._format.commit import CommitRecord, ManifestRef
+from cryosnap._format.keys import (
     Lineage,
-    Manifest,
-    ManifestRef,
     commit_key,
     parse_commit_key,
     version_prefix,
     visible_versions,
 )
+from cryosnap._format.manifest import Manifest
 from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from cryosnap.storage import Store
 

@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import HASH_BYTES
-from cryosnap._format.manifest import STORED, BaseRef, CommitRecord, Manifest
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.manifest import BaseRef, Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap.engine._records import _load_manifest, read_commit, read_manifest
 from cryosnap.errors import CheckpointFormatError

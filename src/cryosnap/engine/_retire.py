@@ -13,32 +13,41 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from cryosnap._format.keys import step_of_data_key
-from cryosnap._format.manifest import (
-    CommitRecord,
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import (
     Lineage,
     commit_key,
     parse_manifest_key,
     step_of_commit_key,
+    step_of_data_key,
     visible_versions,
 )
 from cryosnap.engine._records import _no_fence, list_records, read_commit
 from cryosnap.engine._resolved import chain_keys
-from cryosnap.errors import CheckpointError, CheckpointNotFoundError
+from cryosnap.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    IntegrityError,
+)
 from cryosnap.policy import KeepLast, RetentionPolicy, VersionInfo, as_retention
-from cryosnap.storage import Store
+from cryosnap.storage import LocalStore, Store
 
 __all__ = [
     "RetirePlan",
     "VersionSpace",
     "apply_retire",
     "ignore_files",
+    "incomplete_files",
     "plan_retire",
     "retire",
     "version_space",
 ]
 
 log = logging.getLogger("cryosnap")
+
+# Where writes that never committed leave files (Store.remove_incomplete's prefixes).
+_PREFIXES = ("data", "versions")
 
 
 def ignore_files(files: Collection[str]) -> None:
@@ -75,12 +84,17 @@ class VersionSpace:
 
 def version_space(store: Store) -> list[VersionSpace]:
     """Per version of ``store``, oldest first, the bytes of data files it keeps alive (one
-    size per file; reads commit records only). A file that is gone counts 0."""
+    size per file; reads commit records only). A file that is gone counts 0; a version whose
+    commit record is damaged or gone (retired since the listing) has no entry, so that one
+    damaged record hides no other version's figures."""
     versions = visible_versions(list_records(store))
     sizes: dict[str, int] = {}
     out: list[VersionSpace] = []
     for step, lineage in versions.items():
-        record = read_commit(store, step, lineage)
+        try:
+            record = read_commit(store, step, lineage)
+        except (CheckpointNotFoundError, CheckpointFormatError, IntegrityError):
+            continue  # its readers say what is wrong with it (ls: a DAMAGED row)
         owned = referenced = pinned = 0
         for key in record.data_files:
             if key not in sizes:
@@ -101,6 +115,19 @@ def _size(store: Store, key: str) -> int:
         return store.size(key)
     except CheckpointNotFoundError:
         return 0
+
+
+def incomplete_files(store: Store) -> dict[str, int]:
+    """The leftovers of writes that never committed that a retention pass removes
+    (``Store.remove_incomplete`` of ``data`` and ``versions``: a killed save's ``.partial``
+    file) and their sizes, for its reports; deletes nothing. Known where the store is a local
+    directory (``capabilities.local_path``); elsewhere none is listed (an object store's
+    upload leaves none)."""
+    root = store.capabilities.local_path
+    if root is None:
+        return {}
+    local = LocalStore(root)  # the same directory: walked as the store itself walks it
+    return {k: n for prefix in _PREFIXES for k, n in local.incomplete(prefix).items()}
 
 
 def plan_retire(
@@ -261,7 +288,7 @@ def _delete_files(
         before_delete(plan.data_files)
         for key in plan.data_files:
             store.delete(key)
-    for prefix in ("data", "versions"):
+    for prefix in _PREFIXES:
         for name in store.remove_incomplete(prefix):
             log.info("removed %s from %s: left by a write that never committed", name, store.url)
 

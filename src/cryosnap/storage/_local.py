@@ -84,6 +84,21 @@ def _makedirs_durably(path: Path) -> None:
         _fsync_dir(new.parent)
 
 
+def not_a_directory(root: Path) -> StorageError | None:
+    """The error for a run directory ``root`` that is, or lies below, something other than a
+    directory (a file given as the run); None if it is not so (a directory, or missing)."""
+    for path in (*reversed(root.parents), root):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None
+        if not stat.S_ISDIR(mode):
+            where = "a run directory" if path == root else "a directory"
+            text = f"{path} is {_kind(mode)}, not {where}"
+            return StorageError(text if path == root else f"{root}: {text}", path=str(root))
+    return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, _ROOT_FLAGS)
     try:
@@ -186,6 +201,11 @@ class LocalStore:
         except FileNotFoundError:
             if not create:
                 raise
+        except NotADirectoryError as exc:
+            error = not_a_directory(self.root)
+            if error is None:
+                raise
+            raise error from exc
         _makedirs_durably(self.root)
         return os.open(self.root, _ROOT_FLAGS)
 
@@ -457,6 +477,20 @@ class LocalStore:
                 if names:
                     os.fsync(fd)
         return sorted(removed)
+
+    def incomplete(self, prefix: str = "") -> dict[str, int]:
+        """The files :meth:`remove_incomplete` would delete under ``prefix`` and their sizes
+        (what a dry run of a clean-up reports); deletes nothing."""
+        found: dict[str, int] = {}
+        with self._tree(prefix, "listing incomplete files under") as tree:
+            for fd, rel, files in tree:
+                for name in files:
+                    if not _in_progress(name):
+                        continue
+                    with suppress(FileNotFoundError):  # gone meanwhile
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        found[f"{rel}/{name}" if rel else name] = st.st_size
+        return found
 
     def list(self, prefix: str = "") -> list[str]:
         out: list[str] = []

@@ -94,10 +94,12 @@ class StoreCapabilities:
 
     ``local_path``: the local directory that holds every key ``k`` as the regular file
     ``local_path / k`` (a :class:`~cryosnap.storage.LocalStore`'s root), or None. Read by
-    :mod:`cryosnap._run.lock`, which takes an ``flock`` in it instead of a lock object, and by the
-    CLI, which looks for runs in its subdirectories. A store declares one only if every key is
-    there: a StripedStore over several devices declares none, and so does an FsspecStore even
-    on fsspec's local file system (its runs keep the lock protocol of fsspec stores).
+    :mod:`cryosnap._run.lock`, which takes an ``flock`` in it instead of a lock object, by the
+    CLI, which looks for runs in its subdirectories, and by ``gc``'s report, which measures the
+    leftovers of writes that never committed there (``engine.incomplete_files``). A store
+    declares one only if every key is there: a StripedStore over several devices declares
+    none, and so does an FsspecStore even on fsspec's local file system (its runs keep the
+    lock protocol of fsspec stores).
 
     ``conditional_writes``: compare-and-swap requests on the store's keys
     (:class:`ConditionalWrites`), or None. Read by :mod:`cryosnap._run.lock`, which keeps its lock

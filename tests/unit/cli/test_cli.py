@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import uuid
 from datetime import datetime
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -954,3 +956,187 @@ def test_diff_and_gc_as_typed(tmp_path: Path) -> None:
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
     res = shell("diff", run_dir, "0", "3")
     assert res.returncode == 2 and "step 0 not found" in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 54: a tree that is not a run, leaves two names map to, flush onto itself, pickles, help
+
+
+def test_ls_of_a_large_tree_that_is_not_a_run_lists_one_level(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = tmp_path / "usr"
+    for i in range(20):
+        for j in range(20):
+            leaf = tree / f"d{i}" / f"e{j}"
+            leaf.mkdir(parents=True)
+            (leaf / "file.h").write_text("x")
+    (tree / "d0" / "e0" / "not a key!").write_text("x")  # a name the walk would warn about
+    listings: list[object] = []
+    real_scandir = os.scandir
+
+    def counting_scandir(path: Any = ".") -> Any:
+        listings.append(path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    code, out, err = cli(capsys, "ls", tree)
+    assert code == 2 and out == ""
+    assert_one_error_line(err, str(tree), "is not a cryosnap run", "searched 1 level")
+    assert len(listings) <= 3, listings  # the directory and the level below it, not 421 dirs
+
+
+def test_ls_of_a_tree_that_is_not_a_run_as_typed_is_one_line(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    for i in range(30):
+        (tree / f"d{i}" / "x").mkdir(parents=True)
+        (tree / f"d{i}" / "x" / "bad name!").write_text("x")
+    res = shell("ls", tree)
+    assert res.returncode == 2 and res.stdout == ""
+    assert_one_error_line(res.stderr, "is not a cryosnap run")
+
+
+def test_leaves_two_names_map_to_export_to_pt_as_a_tree(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    run_dir, out = tmp_path / "c", tmp_path / "c.pt"
+    state = {"a/b": torch.ones(2), "a": {"b": torch.zeros(3)}, 1: torch.arange(2), "1": 5}
+    cryosnap.save(run_dir, state, step=1)
+    code, _, err = cli(capsys, "export", run_dir, out)
+    assert code == 0, err
+    got = torch.load(out, weights_only=True)
+    assert set(got) == {"a/b", "a", 1, "1"} and got["1"] == 5
+    assert torch.equal(got["a/b"], torch.ones(2)) and torch.equal(got["a"]["b"], torch.zeros(3))
+    assert torch.equal(got[1], torch.arange(2))
+    for fmt in ("safetensors", "npz"):
+        code, _, err = cli(capsys, "export", run_dir, tmp_path / f"c.{fmt}")
+        assert code == 2
+        assert_one_error_line(err, "'a/b'", f".{fmt} cannot hold", "export to .pt")
+        assert not (tmp_path / f"c.{fmt}").exists()
+
+
+def test_flush_onto_its_own_scratch_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "R"
+    cryosnap.save(run_dir, {"x": np.arange(3)}, step=1)
+    for scratch in (run_dir, f"{run_dir}/", tmp_path / "." / "R"):
+        code, out, err = cli(capsys, "flush", run_dir, "--scratch", scratch)
+        assert code == 2 and out == ""
+        assert_one_error_line(err, f"--scratch {scratch}", f"PATH {run_dir}", "itself")
+    assert cryosnap.Run(run_dir).steps() == [1]
+
+
+def test_export_of_a_pickled_leaf_needs_allow_pickle(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    run_dir, out = tmp_path / "pk", tmp_path / "pk.pt"
+    cryosnap.save(run_dir, {"a": Fraction(1, 3), "n": 1}, step=1, allow_pickle=True)
+    code, _, err = cli(capsys, "export", run_dir, out)
+    assert code == 2 and not out.exists()
+    assert_one_error_line(err, "leaf a is pickled", "--allow-pickle")
+    assert "allow_pickle=True" not in err  # the command line has no such argument
+    code, _, err = cli(capsys, "export", run_dir, out, "--allow-pickle")
+    assert code == 0, err
+    assert torch.load(out, weights_only=False) == {"a": Fraction(1, 3), "n": 1}
+    code, out_text, _ = cli(capsys, "export", "--help")
+    assert "--allow-pickle" in out_text and "runs code" in " ".join(out_text.split())
+
+
+# ---------------------------------------------------------------------------------------------
+# a live writer's retention; a damaged commit record
+
+
+def test_verify_of_a_version_retired_while_verified_is_no_damage(
+    capsys: pytest.CaptureFixture[str], run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer (keep=1) retires a version while its part is verified: said, exit 0."""
+    real = engine.verify_part
+
+    def retire_while_verified(doomed: int) -> Any:
+        plan = engine.plan_retire(LocalStore(run), drop=[doomed])
+
+        def verify_part(store: Any, step: int, **kwargs: Any) -> None:
+            if step == doomed and (run / "versions" / f"{step:012d}" / "COMMIT.json").exists():
+                engine.apply_retire(LocalStore(run), plan)  # its commit record, then its files
+            real(store, step, **kwargs)
+
+        return verify_part
+
+    monkeypatch.setattr(engine, "verify_part", retire_while_verified(1))
+    code, out, err = cli(capsys, "verify", run)
+    assert (code, err) == (0, "")
+    rows = out.splitlines()
+    assert rows[1].split()[:2] == ["1", "RETIRED"] and "retired while verified" in rows[1]
+    assert "DAMAGED" not in out and "missing" not in out
+    assert rows[-1] == "1 version OK; 1 retired while verified"
+    monkeypatch.setattr(engine, "verify_part", retire_while_verified(2))
+    code, out, _ = cli(capsys, "verify", run, "--step", "2", "--json")
+    (check,) = json.loads(out)["versions"]
+    assert code == 0 and check["retired"] is True and check["ok"] is True
+
+
+def _damage_commit_record(run: Path, step: int) -> None:
+    (run / "versions" / f"{step:012d}" / "COMMIT.json").write_bytes(b'{"step": ')
+
+
+def test_ls_with_a_damaged_commit_record_shows_the_others_sizes(
+    capsys: pytest.CaptureFixture[str], run: Path
+) -> None:
+    owned = sum(p.stat().st_size for p in (run / "data").glob(f"{1:012d}-*"))
+    assert owned > 0
+    _damage_commit_record(run, 2)
+    code, out, err = cli(capsys, "ls", run, "--json")
+    assert (code, err) == (0, "")
+    first, second = json.loads(out)["versions"]
+    assert first["damaged"] is False and first["owned_bytes"] == owned
+    assert second["damaged"] is True and "COMMIT.json" in second["error"]
+    code, out, _ = cli(capsys, "ls", run)
+    rows = out.splitlines()[1:]
+    assert rows[0].split()[0] == "1" and human_bytes(owned) in rows[0]
+    assert rows[1].split()[:2] == ["2", "DAMAGED:"]
+
+
+def test_inspect_and_export_skip_a_damaged_newest_commit_record(
+    capsys: pytest.CaptureFixture[str], run: Path, tmp_path: Path
+) -> None:
+    """As cryosnap.load() does: the newest version whose commit record reads, and a note on
+    stderr naming the damaged step."""
+    _damage_commit_record(run, 2)
+    code, out, err = cli(capsys, "inspect", run, "--json")
+    assert code == 0 and json.loads(out)["step"] == 1
+    assert "skipping damaged step 2" in err and "using step 1" in err
+    npz = tmp_path / "x.npz"
+    code, out, err = cli(capsys, "export", run, npz, "--json")
+    assert code == 0 and json.loads(out)["step"] == 1
+    assert "skipping damaged step 2" in err and "using step 1" in err
+    assert np.load(npz)["arr"].tolist() == np.arange(5.0).tolist()
+    code, _, err = cli(capsys, "inspect", run, "--step", "2")  # asked for: the damage is said
+    assert code == 2 and "COMMIT.json" in err
+
+
+COMMANDS = ["ls", "inspect", "verify", "export", "diff", "gc", "rm", "flush", "demo", "plan"]
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in [*COMMANDS, "bench", "import-dcp"])])
+def test_help_shows_flags_without_a_type(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    code, out, _ = cli(capsys, *command, "--help")
+    assert code == 0
+    assert "<bool>" not in out and "BOOLEAN" not in out, out
+    flags = [line for line in out.splitlines() if "--help" in line]
+    assert flags and "bool" not in flags[0].lower()
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("remove", "rm"), ("delete", "rm"), ("remov", "rm"), ("clean", "gc"), ("list", "ls")],
+)
+def test_an_unknown_command_suggests_the_one_meant(
+    capsys: pytest.CaptureFixture[str], typed: str, meant: str
+) -> None:
+    code, _, err = cli(capsys, typed, "runs/x")
+    assert code == 2
+    assert_one_error_line(err, f"No such command '{typed}'", f"Did you mean '{meant}'?")
+    assert "demo" not in err and "plan" not in err

@@ -74,10 +74,28 @@ def peers_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {p["key"]: p for p in doc["peers"]}
 
 
+def table_lines(stdout: str) -> list[str]:
+    """The lines of the tables: from the first header to the first line after a blank one
+    that starts no table."""
+    lines = stdout.splitlines()
+    out: list[str] = []
+    for i, line in enumerate(lines[3:], 3):
+        if not line and i + 1 < len(lines) and not lines[i + 1].startswith(("peer", "method")):
+            break
+        out.append(line)
+    return out
+
+
 def check_save_load(
-    doc: dict[str, Any], stdout: str, *, incremental: bool, extra: frozenset[str] = frozenset()
+    doc: dict[str, Any],
+    stdout: str,
+    *,
+    incremental: bool,
+    extra: frozenset[str] = frozenset(),
+    wide: bool = False,
 ) -> None:
     peers = peers_of(doc)
+    rows = table_lines(stdout)
     dense = {"cryosnap", "cryosnap_eager_buffered", "raw_direct"}
     assert set(peers) == expected_peers() | (dense if not incremental else set()) | extra
     state_bytes = doc["state"]["bytes"]
@@ -86,7 +104,8 @@ def check_save_load(
     dense_bytes = sum(4 * math.prod(shape) for _name, shape in dense_shapes(state_bytes))
     for key, peer in peers.items():
         assert peer["error"] is None, (key, peer["error"])
-        assert peer["label"] in stdout, f"{key} has no row in the table"
+        name = peer["label"] if wide else key
+        assert any(row.startswith(f"{name}  ") for row in rows), f"{key} has no row in the table"
         medians = peer["medians"]
         assert medians["stall_seconds"] > 0
         if key == "memcpy":
@@ -109,6 +128,12 @@ def check_save_load(
     assert peers["cryosnap_eager"]["medians"]["restore_into_seconds"] > 0
     header = stdout.splitlines()[3].split()
     assert header[:3] == ["peer", "stall", "durable"]
+    if wide:
+        assert "peak mem save/restore/into" in rows[0]
+    else:  # two tables, saving and restoring, within 100 columns
+        assert max(len(row) for row in rows) <= 100, "\n".join(rows)
+        assert sum(row.split()[:2] == ["peer", "restore"] for row in rows) == 1, rows
+        assert "--wide: one table" in stdout
 
 
 def test_dense_json_table_cold_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -144,8 +169,9 @@ def test_many_small(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
 
 
 def test_sparse_saves_incrementally(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    doc, stdout = bench(capsys, tmp_path, *TINY, "--workload", "sparse", "--no-cold")
-    check_save_load(doc, stdout, incremental=True)
+    doc, stdout = bench(capsys, tmp_path, *TINY, "--workload", "sparse", "--no-cold", "--wide")
+    check_save_load(doc, stdout, incremental=True, wide=True)
+    assert "--wide" not in stdout
     assert doc["cold"] == "not measured (--no-cold)"
     assert "cold: not measured (--no-cold)" in stdout
 

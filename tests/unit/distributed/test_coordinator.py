@@ -18,7 +18,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import manifest_key
+from cryosnap._format.keys import manifest_key
 from cryosnap.dist import Coordinator, InProcessGroup, LocalCoordinator
 from cryosnap.errors import CheckpointError, CoordinationError, StorageError
 from cryosnap.policy import EveryNSteps

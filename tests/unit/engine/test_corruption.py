@@ -25,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cryosnap
-from cryosnap._format.manifest import Manifest, commit_key, manifest_key
+from cryosnap._format.keys import commit_key, manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap.storage import Store, open_store
 
 from ..support import assert_same, commit_checksum, rewrite_version, snapshot

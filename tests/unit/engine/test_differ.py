@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cryosnap._format.blobs import INHERITED, STORED
 from cryosnap._format.chunks import HASH_BYTES, chunk_count
-from cryosnap._format.manifest import INHERITED, STORED
 from cryosnap._state import Blob
 from cryosnap.engine import ResolvedBlob, ResolvedPart
 from cryosnap.engine.write._differ import ALIGN_BYTES, ALIGN_MIN_BYTES, Cursor, Differ, FileTable

@@ -212,7 +212,7 @@ def test_fragmented_chain_restores_exactly_and_detects_damage(tmp_path: Path) ->
 
 def _resolve_by_segments(store: LocalStore, step: int) -> list[list[tuple[str, int, bytes]]]:
     """The oracle: each version's chunks, segment by segment in plain Python, up the chain."""
-    from cryosnap._format.manifest import Inherited
+    from cryosnap._format.blobs import Inherited
 
     record = engine.read_commit(store, step)
     manifests = {}

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import _native
-from cryosnap._format.manifest import Manifest, manifest_key
+from cryosnap._format.keys import manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap.engine.read import _cold, _execute
 from cryosnap.storage import LocalStore, _direct, open_store

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import Manifest, manifest_key
+from cryosnap._format.keys import manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap._state import check_into, direct_targets, flatten
 from cryosnap._state import into as into_module

@@ -15,7 +15,8 @@ import torch
 import cryosnap
 import cryosnap._format.chunks as chunks
 from cryosnap import engine
-from cryosnap._format.manifest import Manifest, manifest_key
+from cryosnap._format.keys import manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap.engine import _read
 from cryosnap.engine.read import _execute, _plan

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import cryosnap
-from cryosnap._format.manifest import Manifest, manifest_key
+from cryosnap._format.keys import manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap.engine import _read
 from cryosnap.engine.read import _cold, _execute, _plan
 from cryosnap.errors import CheckpointFormatError

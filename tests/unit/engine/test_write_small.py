@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cryosnap import engine
+from cryosnap._format.blobs import INHERITED, STORED
 from cryosnap._format.chunks import hash_bytes, merkle_root
-from cryosnap._format.manifest import INHERITED, STORED
 from cryosnap._run.staging import Batch, Item, Piece, direct_batches
 from cryosnap._state import flatten
 from cryosnap.engine import _write

@@ -20,7 +20,7 @@ from cryosnap import cli
 from cryosnap._format import columns
 from cryosnap._format.manifest import COLUMNS_FORMAT_VERSION, Manifest
 from cryosnap._state import Restorer, direct_targets
-from cryosnap._state.build import ColumnTargets
+from cryosnap._state.restore_columns import ColumnTargets
 from cryosnap.errors import CheckpointFormatError, IntegrityError, StateMismatchError
 from cryosnap.storage import LocalStore
 
@@ -364,7 +364,7 @@ def test_into_a_state_dict_in_columns_is_checked_and_claimed_in_bulk(tmp_path: P
     views = restorer.allocate(targets)
     embed = manifest.skeleton["cols"]["b"][list(state).index("embed")]
     assert restorer.direct[embed] and views[embed].nbytes == state["embed"].nbytes
-    assert sum(len(fills[0]) for fills in restorer._column_fills) == sum(
+    assert sum(len(fills[0]) for fills in restorer._packs.column_fills) == sum(
         1 for v in state.values() if 0 < v.nbytes < 256 << 10
     )
     # What the restore makes of it: into='s own tensors, filled.
@@ -424,7 +424,7 @@ def test_a_fresh_restore_allocates_a_state_dict_in_columns_in_bulk(tmp_path: Pat
     manifest = _parsed(tmp_path / "run")
     restorer = Restorer(manifest.skeleton, [b.nbytes for b in manifest.blobs], allow_pickle=False)
     restorer.allocate()
-    assert restorer._fresh == [manifest.skeleton]  # not walked leaf by leaf
+    assert restorer._columns.fresh == [manifest.skeleton]  # not walked leaf by leaf
     out = cryosnap.load(str(tmp_path / "run"))
     assert_same(state, out)
     packed = [k for k, v in state.items() if 0 < v.nbytes < 1 << 18]

@@ -14,7 +14,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import MAX_STEP
+from cryosnap._format.limits import MAX_STEP
 from cryosnap.policy import Adaptive, EveryNSteps, KeepAny, KeepBest, KeepEvery
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore

@@ -21,7 +21,7 @@ import pytest
 import cryosnap
 import cryosnap._run.partner as _partner
 from cryosnap import engine
-from cryosnap._format.manifest import commit_key
+from cryosnap._format.keys import commit_key
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, StorageError
 from cryosnap.storage import LocalStore

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 import cryosnap
 import cryosnap._run.partner as _partner
-from cryosnap._format.manifest import FILES_FORMAT_VERSION, commit_key, manifest_key
+from cryosnap._format.keys import commit_key, manifest_key
+from cryosnap._format.manifest import FILES_FORMAT_VERSION
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (
     FileLeafError,

@@ -10,7 +10,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import commit_key
+from cryosnap._format.keys import commit_key
 from cryosnap._run.flush import Flusher, SourceDamagedError, flush_version
 from cryosnap._run.levels import Levels
 from cryosnap.dist import LocalCoordinator

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import cryosnap
 import cryosnap._run.partner as _partner
 from cryosnap import engine
-from cryosnap._format.manifest import commit_key
+from cryosnap._format.keys import commit_key
 from cryosnap.dist import Coordinator
 from cryosnap.storage import LocalStore, open_store
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap._format.manifest import commit_key
+from cryosnap._format.keys import commit_key
 from cryosnap._run.capturer import CAPTURE_NICE, Capturer
 from cryosnap._run.priority import thread_nice
 from cryosnap.storage import LocalStore

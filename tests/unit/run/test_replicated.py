@@ -19,7 +19,8 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import Manifest, manifest_key
+from cryosnap._format.keys import manifest_key
+from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap._state import flatten
 from cryosnap.dist import Coordinator

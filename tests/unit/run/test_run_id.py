@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap._format.manifest import CommitRecord, commit_key
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import commit_key
 from cryosnap.checkpointer import run_id_of
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from cryosnap.storage import open_store

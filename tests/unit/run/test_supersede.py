@@ -25,8 +25,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import (
-    CommitRecord,
+from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import (
     Lineage,
     commit_key,
     manifest_key,
@@ -476,3 +476,21 @@ def test_a_planted_or_damaged_superseding_record_never_gets_the_run_stuck(tmp_pa
         assert ckpt.steps() == [1, 2]
         assert same(ckpt.restore(), state(2, 1))
     assert engine.read_commit(LocalStore(run), 2).lineage == Lineage(2, 1)
+
+
+def test_saving_an_older_step_without_a_restore_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with cryosnap.Checkpointer(run) as ckpt:
+        ckpt.save(5, state(5)).result()
+        with pytest.raises(cryosnap.StepOrderError, match=r"step 3 .*step 5") as info:
+            ckpt.save(3, state(3))
+        assert info.value.step == 3 and info.value.path == str(run)
+        assert isinstance(info.value, ValueError)
+        assert ckpt.steps() == [5]
+        ckpt.save(6, state(6)).result()  # on in order
+        ckpt.restore(step=5)  # a rewind: the next save may go back to any step above 5
+        ckpt.save(6, state(6, 1)).result()
+        with pytest.raises(cryosnap.StepOrderError, match=r"step 5 .*step 6"):
+            ckpt.save(5, state(5, 1))
+        assert ckpt.steps() == [5, 6]
+    assert same(cryosnap.load(run), state(6, 1))

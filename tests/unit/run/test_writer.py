@@ -11,7 +11,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._format.manifest import commit_key, manifest_key
+from cryosnap._format.keys import commit_key, manifest_key
 from cryosnap._run.levels import Levels
 from cryosnap._run.writer import WriterThread
 from cryosnap.dist import InProcessGroup

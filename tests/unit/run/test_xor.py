@@ -17,7 +17,7 @@ import pytest
 import cryosnap
 import cryosnap._run.partner as _partner
 from cryosnap import engine
-from cryosnap._format.manifest import commit_key
+from cryosnap._format.keys import commit_key
 from cryosnap._run.xor import ParityIndex, segment_bytes, segment_of, set_size, xor_sets
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointFormatError

@@ -645,12 +645,12 @@ def test_the_middle_leaf_of_a_pack_of_arrays_is_checked_as_the_first(
 def test_a_cryosnap_from_before_packed_arrays_refuses_them(tmp_path: Path) -> None:
     """It reads format versions 1 to 4: version 5 is refused by its number, asking for an
     upgrade, not taken for damage."""
-    from cryosnap._format import manifest as format_manifest
+    from cryosnap._format.document import parse_json
 
     cryosnap.save(tmp_path, {"a": np.ones(3)}, step=1)
     body = (tmp_path / "versions" / f"{1:012d}" / "rank-00000.json").read_bytes()
     with pytest.raises(CheckpointFormatError, match=r"format_version 5 is not supported.*upgrade"):
-        format_manifest._parse_json(body, "test", (1, 2, 3, 4))
+        parse_json(body, "test", (1, 2, 3, 4))
 
 
 def test_cli_inspect_and_diff_of_packed_arrays(
@@ -677,10 +677,11 @@ def test_into_a_dict_of_arrays_is_checked_leaf_by_leaf(
     """A dict of arrays is checked without a call per array once its descrs are parsed (and
     the long way before): the same mismatches refused, naming the leaf, nothing filled;
     a strided or read-only target never filled in place."""
-    import cryosnap._state.build as build
+    from cryosnap._state import dtypes
 
-    if not parsed:
-        monkeypatch.setattr(build, "_NP_DTYPES", {})  # no descr parsed in this process yet
+    if not parsed:  # no descr parsed in this process yet
+        for descr in list(dtypes.NP_DTYPES):
+            monkeypatch.delitem(dtypes.NP_DTYPES, descr)
     state = {f"a{i}": np.full(4, i, np.float32) for i in range(20)}
     cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
     if parsed:

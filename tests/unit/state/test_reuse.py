@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cryosnap
-from cryosnap._format import manifest
 from cryosnap._state import FlatState, FlattenCache, flatten
 
 from ..support import assert_same
@@ -198,9 +197,10 @@ def test_a_checkpointer_restores_each_reused_version(tmp_path: Path) -> None:
         # Each version's skeleton is a copy with "step" changed: the model's node is shared,
         # its text kept for the next manifest.
         model = entry.skeleton["v"][0]
-        assert manifest._tree_nodes.get(id(model), (None,))[0] is model
+        texts = ckpt._writer.version.skeleton_texts
+        assert texts.holds(model)
     assert ckpt._saves.flattened._entry is None  # and let go of at close()
-    assert manifest._tree_nodes.get(id(model), (None,))[0] is not model  # the texts too
+    assert not texts.holds(model)  # the texts too
 
 
 def test_a_one_shot_save_keeps_no_flatten_to_reuse(

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import HASH_BYTES, hash_each_released
-from cryosnap._format.manifest import STORED
 from cryosnap.engine._resolved import ResolvedPart
 from cryosnap.engine.write._differ import Segments, align_pad
 from cryosnap.errors import CheckpointError

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap._format.blobs import INHERITED, STORED, BlobEntry
 from cryosnap._format.chunks import HASH_BYTES, merkle_root, value_runs
-from cryosnap._format.manifest import INHERITED, STORED, BlobEntry
 from cryosnap._state import Blob
 from cryosnap.engine._resolved import ResolvedPart, _Loc
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES

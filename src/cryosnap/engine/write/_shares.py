@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap._format.blobs import INHERITED, STORED
 from cryosnap._format.chunks import HASH_BYTES, chunk_count, value_runs
-from cryosnap._format.manifest import INHERITED, STORED
 from cryosnap._state import Blob
 from cryosnap.engine.items import Hashed
 from cryosnap.engine.write._differ import EXTERNAL, Differ, FileTable

@@ -22,21 +22,19 @@ from cryosnap._format.chunks import (
     hash_each_released,
     merkle_root,
 )
+from cryosnap._format.commit import ManifestRef
+from cryosnap._format.document import now_unix
+from cryosnap._format.keys import Lineage, commit_key, data_key, manifest_key
 from cryosnap._format.manifest import (
     FILES_FORMAT_VERSION,
     FORMAT_VERSION,
     NUMPY_PACKED_FORMAT_VERSION,
     PACKED_FORMAT_VERSION,
     BaseRef,
-    Lineage,
     Manifest,
-    ManifestRef,
     Replicated,
-    commit_key,
-    data_key,
-    manifest_key,
-    now_unix,
 )
+from cryosnap._format.skeleton_text import SkeletonTextCache
 from cryosnap._state import FlatState
 from cryosnap._state.gc import paused_gc
 from cryosnap.engine._resolved import ResolvedPart, _Loc, _resolve_one
@@ -159,6 +157,7 @@ class PartWriter:
         replicated: Replicated = None,
         lineage: Lineage | None = None,
         compact: bool = False,
+        skeleton_texts: SkeletonTextCache | None = None,
     ) -> None:
         if store.exists(commit_key(step, lineage)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
@@ -175,6 +174,8 @@ class PartWriter:
         # Copy small remnants of older files forward (engine/write/_compact.py): only where
         # retention will drop versions.
         self.compact = compact
+        # The writer's cache of the last skeleton's text (None: the manifest keeps nothing).
+        self.skeleton_texts = skeleton_texts
         self._used: frozenset[str] | None = None
         self._compacted = 0
         token = secrets.token_hex(4)
@@ -469,7 +470,8 @@ class PartWriter:
                 else FORMAT_VERSION
             ),
         )
-        return manifest.encode()  # its format_version as written (columns or not)
+        # Its format_version as written (columns or not).
+        return manifest.encode(self.skeleton_texts)
 
     def _write_manifest(self, manifest: Manifest, body: bytes) -> PartResult:
         base = self.base
