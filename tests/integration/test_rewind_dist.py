@@ -150,7 +150,7 @@ def test_rewinds_on_four_ranks_and_two_levels(
 
 @pytest.mark.deep
 @pytest.mark.parametrize("redundancy", ["none", "partner", "xor"])
-@settings(_SETTINGS, max_examples=25)
+@settings(_SETTINGS, max_examples=8)
 @given(program=programs(3, 6))
 def test_rewinds_on_four_ranks_and_two_levels_at_length(
     tmp_path: Path, redundancy: str, program: list[dict[str, Any]]
