@@ -21,7 +21,7 @@ from cryosnap._format.manifest import Replicated
 from cryosnap._format.skeleton import Json, dict_items, encode_key, iter_leaves
 from cryosnap._state import FlatState
 from cryosnap.dist import Coordinator
-from cryosnap.engine._write import Owners, assign_shares
+from cryosnap.engine.write import Owners, assign_shares
 from cryosnap.errors import CheckpointError, ReplicaDivergenceError
 
 __all__ = ["Plan", "exchange", "plan", "replicated_keys", "send_failure", "top_level_keys"]

@@ -10,7 +10,8 @@ Runs on the caller's thread; its collectives use the channel it is given.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +176,7 @@ def restore_levels(
 
     if step is not None:
         return _explicit(where, attempt, listed, step)
-    return engine.newest_restorable(where, attempt, listed)
+    return newest_restorable(where, attempt, listed)
 
 
 def _check_world(tiers: Sequence[Store], ask: Ask, step: int, where: str) -> None:
@@ -311,7 +312,73 @@ def restore_agreed(
             f"no version of {where} is committed for all {coord.world_size} participants"
         )
     if len(damaged) == len(common):
-        raise engine.every_version_damaged(where, damaged)
+        raise every_version_damaged(where, damaged)
     raise CheckpointNotFoundError(
         f"no version of {where} can be restored by all {coord.world_size} participants"
+    )
+
+
+# -- the fallback of a restore without a step (its only caller is above) -----------------------
+
+
+def _listings(list_steps: Callable[[], Sequence[int]], n: int) -> Iterator[list[int]]:
+    for _ in range(n):
+        yield list(list_steps())
+
+
+# How often a reader starts over when the writer's retention removed versions under it.
+_RELIST_LIMIT = 16
+
+
+def newest_restorable(
+    where: str, attempt: Callable[[int], Any], list_steps: Callable[[], Sequence[int]]
+) -> Any:
+    """Run ``attempt(step)`` from the newest step down; warn and fall back past damage.
+
+    ``list_steps()`` gives the committed steps; a version that fails because the run's writer
+    retired it meanwhile (its step is no longer listed) is not damage: the reader lists again
+    and starts over from the newest, so a reader asking for the newest version never fails
+    because an older one was deleted under it. ``where`` names the run in messages.
+    """
+    damaged: dict[int, str] = {}
+    for _ in range(_RELIST_LIMIT):
+        steps = [s for s in list_steps() if s not in damaged]
+        if not steps and not damaged:
+            # A listing is not atomic: it can miss the version the writer just committed and
+            # the one it retired meanwhile. A run that has versions shows them on a new look.
+            steps = next((found for found in _listings(list_steps, 3) if found), [])
+        if not steps and not damaged:
+            raise CheckpointNotFoundError(f"no committed version in {where}")
+        retired = False
+        for step in reversed(steps):
+            try:
+                return attempt(step)
+            except CheckpointError as exc:
+                if step not in list_steps():
+                    retired = True  # deleted by the writer while we read it: list again
+                    break
+                if not isinstance(exc, (IntegrityError, CheckpointFormatError)):
+                    raise
+                damaged[step] = str(exc)
+                warnings.warn(
+                    f"cryosnap: skipping damaged step {step} in {where}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=engine.caller_stacklevel(),
+                )
+        if not retired:
+            break
+    if not damaged:
+        raise CheckpointNotFoundError(
+            f"no version of {where} could be read: the writer kept retiring them while reading"
+        )
+    raise every_version_damaged(where, damaged)
+
+
+def every_version_damaged(where: str, damaged: dict[int, str]) -> IntegrityError:
+    """What a restore without a step raises when each version it tried (``damaged``: step ->
+    what was wrong) is damaged: the steps, newest first, and the damage of the newest."""
+    tried = sorted(damaged, reverse=True)
+    return IntegrityError(
+        f"every version in {where} is damaged (steps tried: {', '.join(map(str, tried))}); "
+        f"step {tried[0]}: {damaged[tried[0]]}"
     )

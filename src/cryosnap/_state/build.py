@@ -78,7 +78,7 @@ class Restorer:
 
     ``allocate(place=...)`` allocates nothing for the tensors and arrays whose bytes already
     lie in memory: ``place(blob, alignment)`` returns that memory (a view of a mapped data
-    file, engine/read/_mapped.py) when its address is a multiple of ``alignment``, or None; the
+    file, engine/fetch/_mapped.py) when its address is a multiple of ``alignment``, or None; the
     leaf is built over it (``placed[b]`` is True) and the reader only verifies it there.
 
     ``fast_routes=False`` takes every leaf through the walk leaf by leaf: the reference the

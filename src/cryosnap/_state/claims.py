@@ -13,7 +13,7 @@ from cryosnap.errors import CheckpointFormatError
 
 __all__ = ["MAX_ALIGN", "BlobClaims", "Place"]
 
-# Where a blob's bytes already lie (the mapped data files of engine/read/_mapped.py): blob,
+# Where a blob's bytes already lie (the mapped data files of engine/fetch/_mapped.py): blob,
 # alignment -> the memory, or None (see Restorer).
 Place = Callable[[int, int], "memoryview | None"]
 # The alignment asked of a storage that views of several dtypes share: the largest element.

@@ -15,7 +15,7 @@ import numpy as np
 from cryosnap import engine
 from cryosnap._format.skeleton import dict_items
 from cryosnap.dcp._schema import ROOT, DcpFormatError
-from cryosnap.engine._fetch import read_blobs
+from cryosnap.engine.fetch import read_blobs
 from cryosnap.storage import Store
 
 __all__ = ["PartReader", "dcp_node", "metadata_text", "part_state"]

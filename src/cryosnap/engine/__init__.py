@@ -12,8 +12,6 @@ from cryosnap.engine._read import (
     FlatPart,
     PartNotFoundError,
     caller_stacklevel,
-    every_version_damaged,
-    newest_restorable,
     read_blob,
     read_flat,
     read_part,
@@ -50,8 +48,8 @@ from cryosnap.engine._retire import (
     version_space,
 )
 from cryosnap.engine._select import validate_keys
-from cryosnap.engine.read import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from cryosnap.engine.read import IO_BATCH_BYTES
+from cryosnap.engine.fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from cryosnap.engine.fetch import IO_BATCH_BYTES
 from cryosnap.engine.write import PartResult, PartWriter, assign_shares
 from cryosnap.engine.write import _split_pieces as _split_pieces
 
@@ -71,13 +69,11 @@ __all__ = [
     "caller_stacklevel",
     "chain_keys",
     "chain_manifests",
-    "every_version_damaged",
     "ignore_files",
     "incomplete_files",
     "list_records",
     "list_steps",
     "list_versions",
-    "newest_restorable",
     "plan_retire",
     "read_blob",
     "read_commit",

@@ -1,5 +1,5 @@
 """Read: restore or verify one rank's part of a version (:func:`read_part`,
-:func:`verify_part`), and fall back past damaged versions (:func:`newest_restorable`).
+:func:`verify_part`).
 
 Every claimed size is checked before anything is allocated; ``into=`` is filled only after
 every chunk verified. Runs on the caller's thread (plus the fetch's read pool and a prefault
@@ -15,15 +15,13 @@ import logging
 import os
 import sys
 import time
-import warnings
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from cryosnap import _native
-from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import merkle_root, value_runs
 from cryosnap._format.commit import CommitRecord, ManifestRef
 from cryosnap._format.manifest import (
@@ -32,7 +30,7 @@ from cryosnap._format.manifest import (
     PACKED_FORMAT_VERSION,
     Manifest,
 )
-from cryosnap._format.skeleton import blob_keys, blob_paths, format_path
+from cryosnap._format.skeleton import blob_keys, format_path
 from cryosnap._state import (
     Blob,
     DeviceFeed,
@@ -46,20 +44,19 @@ from cryosnap._state import (
 )
 from cryosnap._state.gc import paused_gc
 from cryosnap._units import human_bytes
+from cryosnap.engine._claims import check_chain_claims, check_used_files
 from cryosnap.engine._records import read_commit, read_manifest
 from cryosnap.engine._resolved import (
     ResolvedBlob,
     ResolvedPart,
-    _check_claimed_bytes,
     chain_manifests,
     resolve,
 )
 from cryosnap.engine._select import cut_part, keys_skeleton, renumbered, spread_paths
-from cryosnap.engine.read import ColdFiles, Fetched, Mapped, placer, prefaulting, read_blobs
+from cryosnap.engine.fetch import ColdFiles, Fetched, Mapped, placer, prefaulting, read_blobs
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
-    CheckpointNotFoundError,
     IntegrityError,
     KeyNotFoundError,
     PartNotFoundError,
@@ -71,8 +68,6 @@ __all__ = [
     "PartNotFoundError",
     "resolve_part",
     "caller_stacklevel",
-    "every_version_damaged",
-    "newest_restorable",
     "read_part",
     "verify_part",
 ]
@@ -92,100 +87,6 @@ class ProgressLine(Protocol):
 # ``progress(label, total_bytes)``: a line for one read, made by the caller's choice (the
 # engine draws nothing itself).
 ProgressFactory = Callable[[str, int], ProgressLine]
-
-
-def _check_chain_claims(
-    store: Store, chain: list[tuple[Manifest, str, str]], listed: Collection[str]
-) -> set[str]:
-    """Check every claim of ``chain`` (newest first) against reality before anything is
-    allocated or read: each manifest's claimed bytes against memory, each inherited run
-    against the chunks its base has, each stored run against the real size of its data file.
-
-    Sizes are taken once per file, for the files of the version's own manifest and of
-    ``listed`` (the commit record's: all the version may read); an older manifest's other
-    files may be retired (their chunks superseded) and are checked after resolution if used. A
-    file that is missing is left to the read, which names the leaf. Returns the files whose
-    sizes were checked."""
-    sizes: dict[str, int] = {}
-    wanted = set(chain[0][0].data_files) | set(listed)
-    for f in {f for m, _k, _h in chain for f in m.data_files if f in wanted}:
-        try:
-            sizes[f] = store.size(f)
-        except CheckpointNotFoundError:
-            continue
-    for i, (m, key, _h) in enumerate(chain):
-        where = f"{store.url}: {key}"
-        _check_claimed_bytes(m, where)
-        if not m.blobs:
-            continue
-        table = m.tables().table
-        kind, a, b, c = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
-        inherited = kind != STORED
-        if inherited.any():
-            base = chain[i + 1][0]  # a manifest with inherited runs has a base (parsed so)
-            have = (
-                -(-base.tables().nbytes // base.chunk_bytes)
-                if base.blobs
-                else np.zeros(1, np.int64)
-            )
-            blob, first, count = a[inherited], b[inherited], c[inherited]
-            if (blob >= len(base.blobs)).any() or (
-                first + count > have[np.minimum(blob, len(have) - 1)]
-            ).any():
-                raise CheckpointFormatError(
-                    f"{where}: inherits chunks its base (step {base.step}) does not have"
-                )
-        file_size = np.array([sizes.get(f, -1) for f in m.data_files] or [-1], np.int64)
-        size = np.where(inherited, -1, file_size[np.where(inherited, 0, a)])
-        # Offsets and sizes are below 2**47 (manifest.MAX_FILE_BYTES): the sum cannot wrap.
-        past = (size >= 0) & (b + c > size)
-        if past.any():
-            j = int(np.argmax(past))
-            f, lo, hi = m.data_files[int(a[j])], int(b[j]), int(b[j] + c[j])
-            blob = int(np.searchsorted(np.cumsum(m.tables().rows), j, side="right"))
-            raise IntegrityError(
-                f"step {chain[0][0].step}, tier {store.url}: data file {f} is truncated "
-                f"({int(size[j])} bytes; {key} needs bytes {lo}-{hi}); "
-                f"leaf {_leaf_path(m, blob)} cannot be read"
-            )
-    return set(sizes)
-
-
-def _leaf_path(manifest: Manifest, blob: int) -> str:
-    """The leaf path of ``blob`` for a message (its number if the skeleton does not say)."""
-    try:
-        return blob_paths(manifest.skeleton, len(manifest.blobs))[blob] or f"blob {blob}"
-    except CheckpointError:
-        return f"blob {blob}"
-
-
-def _check_used_files(store: Store, part: ResolvedPart, checked: set[str]) -> None:
-    """The chunks the resolved version reads from files :func:`_check_chain_claims` did not
-    size (files an older manifest names that the commit record does not list) lie inside
-    them too, so no read goes past a file's end or reaches the OS with an absurd offset."""
-    unchecked = [i for i, f in enumerate(part.files) if f not in checked]
-    if not unchecked or not part.blobs:
-        return
-    size = np.full(len(part.files), -1, np.int64)
-    for i in unchecked:
-        with contextlib.suppress(CheckpointNotFoundError):  # missing: the read names it
-            size[i] = store.size(part.files[i])
-    cb = part.manifest.chunk_bytes
-    chunks = part.chunks()  # every chunk of every blob at once
-    have = size[chunks.files]
-    ends = chunks.offsets + cb
-    last = chunks.starts[1:] - 1  # each blob's last chunk (of a blob that has one)
-    short = (chunks.nbytes % cb != 0) & (last >= chunks.starts[:-1])
-    ends[last[short]] -= cb - chunks.nbytes[short] % cb  # the short last chunks
-    past = (have >= 0) & (ends > have)
-    if past.any():
-        c = int(np.argmax(past))
-        b = part.blobs[int(np.searchsorted(chunks.starts, c, side="right")) - 1]
-        f = part.files[int(chunks.files[c])]
-        raise IntegrityError(
-            f"step {part.step}, tier {store.url}: data file {f} is truncated; "
-            f"leaf {b.path} cannot be read"
-        )
 
 
 _PREFAULT_MIN_BYTES = 1 << 20
@@ -250,12 +151,12 @@ def _read_verified(
                 _check_into(skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
         # Every size, offset and count the chain claims is checked before any allocation.
-        checked = _check_chain_claims(store, chain, set(record.data_files))
+        checked = check_chain_claims(store, chain, set(record.data_files))
         sizes = [manifest.blobs[i].nbytes for i in index]
         restorer = Restorer(skeleton, sizes, allow_pickle=allow_pickle)
         laid = _lay_out(store, manifest, ref, chain, restorer, targets, where, keys, index)
         part, views, mapped, cold, placed = laid
-        _check_used_files(store, part, checked)
+        check_used_files(store, part, checked)
         move: DeviceMove | None = None
         feed: DeviceFeed | None = None
         if device is not None and into is None and _pipelined(device):
@@ -454,11 +355,11 @@ def resolve_part(
     where = f"step {record.step}, tier {store.url}: {ref.key}"
     keys = blob_keys(manifest.skeleton, len(manifest.blobs))
     chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
-    checked = _check_chain_claims(store, chain, set(record.data_files))
+    checked = check_chain_claims(store, chain, set(record.data_files))
     part = resolve(
         store, manifest, ref.key, ref.xxh3, chain=chain, paths=[format_path(k) for k in keys]
     )
-    _check_used_files(store, part, checked)
+    check_used_files(store, part, checked)
     return manifest, part, keys, where
 
 
@@ -781,66 +682,3 @@ def caller_stacklevel() -> int:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
-
-
-def _listings(list_steps: Callable[[], Sequence[int]], n: int) -> Iterator[list[int]]:
-    for _ in range(n):
-        yield list(list_steps())
-
-
-# How often a reader starts over when the writer's retention removed versions under it.
-_RELIST_LIMIT = 16
-
-
-def newest_restorable(
-    where: str, attempt: Callable[[int], Any], list_steps: Callable[[], Sequence[int]]
-) -> Any:
-    """Run ``attempt(step)`` from the newest step down; warn and fall back past damage.
-
-    ``list_steps()`` gives the committed steps; a version that fails because the run's writer
-    retired it meanwhile (its step is no longer listed) is not damage: the reader lists again
-    and starts over from the newest, so a reader asking for the newest version never fails
-    because an older one was deleted under it. ``where`` names the run in messages.
-    """
-    damaged: dict[int, str] = {}
-    for _ in range(_RELIST_LIMIT):
-        steps = [s for s in list_steps() if s not in damaged]
-        if not steps and not damaged:
-            # A listing is not atomic: it can miss the version the writer just committed and
-            # the one it retired meanwhile. A run that has versions shows them on a new look.
-            steps = next((found for found in _listings(list_steps, 3) if found), [])
-        if not steps and not damaged:
-            raise CheckpointNotFoundError(f"no committed version in {where}")
-        retired = False
-        for step in reversed(steps):
-            try:
-                return attempt(step)
-            except CheckpointError as exc:
-                if step not in list_steps():
-                    retired = True  # deleted by the writer while we read it: list again
-                    break
-                if not isinstance(exc, (IntegrityError, CheckpointFormatError)):
-                    raise
-                damaged[step] = str(exc)
-                warnings.warn(
-                    f"cryosnap: skipping damaged step {step} in {where}: {exc}",
-                    RuntimeWarning,
-                    stacklevel=caller_stacklevel(),
-                )
-        if not retired:
-            break
-    if not damaged:
-        raise CheckpointNotFoundError(
-            f"no version of {where} could be read: the writer kept retiring them while reading"
-        )
-    raise every_version_damaged(where, damaged)
-
-
-def every_version_damaged(where: str, damaged: dict[int, str]) -> IntegrityError:
-    """What a restore without a step raises when each version it tried (``damaged``: step ->
-    what was wrong) is damaged: the steps, newest first, and the damage of the newest."""
-    tried = sorted(damaged, reverse=True)
-    return IntegrityError(
-        f"every version in {where} is damaged (steps tried: {', '.join(map(str, tried))}); "
-        f"step {tried[0]}: {damaged[tried[0]]}"
-    )

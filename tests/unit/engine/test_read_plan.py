@@ -1,4 +1,4 @@
-"""Properties of the pure read plan (engine/read/_plan.py) over random layouts: chunks back to
+"""Properties of the pure read plan (engine/fetch/_plan.py) over random layouts: chunks back to
 back, a gap apart, stored once and used twice, scattered; direct, placed and mapped blobs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cryosnap._format.chunks import HASH_BYTES
 from cryosnap.engine import ResolvedBlob
 from cryosnap.engine._resolved import PartChunks
-from cryosnap.engine.read._plan import (
+from cryosnap.engine.fetch._plan import (
     _GAP_BYTES,
     _GATHER_WINDOW_BYTES,
     ReadLimits,

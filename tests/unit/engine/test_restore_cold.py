@@ -1,4 +1,4 @@
-"""Restores from cold data files (engine/read/_cold.py): files out of the page cache (made so
+"""Restores from cold data files (engine/fetch/_cold.py): files out of the page cache (made so
 by fsync + POSIX_FADV_DONTNEED, checked with mincore) are read with O_DIRECT, large fresh
 leaves into page-aligned memory of their own; into='s leaves through the mapping (the file
 mapped after all) or, staged, into staging memory copied in once every chunk verified; the
@@ -23,7 +23,7 @@ from cryosnap import _native
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.engine.read import _cold, _execute
+from cryosnap.engine.fetch import _cold, _execute
 from cryosnap.storage import LocalStore, _direct, open_store
 from cryosnap.testing import FaultySyscalls
 

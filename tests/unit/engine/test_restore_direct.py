@@ -1,5 +1,5 @@
 """Restores that read straight into ``into=``'s own tensors and arrays (``tree.direct_targets``,
-two passes in ``engine.read``), the reads verified as they land, and the fallbacks: nothing in
+two passes in ``engine.fetch``), the reads verified as they land, and the fallbacks: nothing in
 ``into`` changes before every chunk verified, overlapping or non-contiguous targets keep the
 copy, and errors name the first damage in blob order whatever the read order."""
 
@@ -23,7 +23,7 @@ from cryosnap._format.skeleton import blob_paths
 from cryosnap._state import check_into, direct_targets, flatten
 from cryosnap._state import into as into_module
 from cryosnap.engine import _read
-from cryosnap.engine.read import _cold, _execute, _plan
+from cryosnap.engine.fetch import _cold, _execute, _plan
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
 

@@ -18,8 +18,8 @@ from cryosnap import engine
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.engine import _read
-from cryosnap.engine.read import _execute, _plan
+from cryosnap.engine import _claims, _read
+from cryosnap.engine.fetch import _execute, _plan
 from cryosnap.errors import IntegrityError
 from cryosnap.storage import LocalStore, open_store
 
@@ -192,7 +192,7 @@ def test_used_files_check_names_the_leaf_a_truncated_file_cuts(tmp_path: Path, c
     cryosnap.save(tmp_path, state, step=1, chunk_bytes=4096)
     store = LocalStore(tmp_path)
     part = engine.resolve_version(store, 1)
-    _read._check_used_files(store, part, set())  # whole: nothing to say
+    _claims.check_used_files(store, part, set())  # whole: nothing to say
     (key,) = part.files
     path = tmp_path / key
     data = path.read_bytes()
@@ -202,4 +202,4 @@ def test_used_files_check_names_the_leaf_a_truncated_file_cuts(tmp_path: Path, c
     ]
     victim = min((p for end, p in ends if end > len(data) - cut), key=part.blob_index)
     with pytest.raises(IntegrityError, match=f"{key} is truncated; leaf {victim} cannot"):
-        _read._check_used_files(store, part, set())
+        _claims.check_used_files(store, part, set())

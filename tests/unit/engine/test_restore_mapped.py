@@ -1,4 +1,4 @@
-"""Restores from mapped data files (engine/read's Mapped, LocalStore.map_file): fresh
+"""Restores from mapped data files (engine/fetch's Mapped, LocalStore.map_file): fresh
 leaves are views of the page cache's pages, hashed where they lie; into= is filled from the
 mapping. What a user sees must not change: values, writability, dtypes, shared storages, errors
 naming the leaf; plus what the mapping adds: a file deleted or replaced after it was mapped
@@ -19,7 +19,7 @@ import cryosnap
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap.engine import _read
-from cryosnap.engine.read import _cold, _execute, _plan
+from cryosnap.engine.fetch import _cold, _execute, _plan
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import LocalStore, TimeoutStore, _local, open_store
 from cryosnap.testing import FaultyStore

@@ -21,7 +21,7 @@ import cryosnap
 from cryosnap._state import DeviceFeed
 from cryosnap._state import device as _device
 from cryosnap.engine import _read
-from cryosnap.engine.read import _gather
+from cryosnap.engine.fetch import _gather
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

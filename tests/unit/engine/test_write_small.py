@@ -4,6 +4,7 @@ the same part, byte for byte, as the general chunk-by-chunk path."""
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ from cryosnap._format.blobs import INHERITED, STORED
 from cryosnap._format.chunks import hash_bytes, merkle_root
 from cryosnap._run.staging import Batch, Item, Piece, direct_batches
 from cryosnap._state import flatten
-from cryosnap.engine import _write
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import LocalStore
 
@@ -107,7 +107,7 @@ def test_one_chunk_leaves_write_as_the_general_path(
     for root, slow in zip(roots, (False, True), strict=True):
         tokens = itertools.count()
         mp = pytest.MonkeyPatch()
-        mp.setattr(_write.secrets, "token_hex", lambda _n, t=tokens: f"{next(t):08x}")
+        mp.setattr(secrets, "token_hex", lambda _n, t=tokens: f"{next(t):08x}")
         try:
             first = _write_part(root, state, 1, slow=slow, batch_bytes=batch_bytes)
             second = _write_part(root, later, 2, slow=slow, base=first, batch_bytes=batch_bytes)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from cryosnap import _native
 from cryosnap._format.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
 from cryosnap.engine._resolved import ResolvedPart
-from cryosnap.engine.read._plan import PieceLists
+from cryosnap.engine.fetch._plan import PieceLists
 from cryosnap.errors import IntegrityError
 
 __all__ = ["Outcome", "Verifier"]

@@ -21,11 +21,11 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap.engine._resolved import ResolvedPart
-from cryosnap.engine.read import _cold
-from cryosnap.engine.read._cold import ColdFiles, aligned_memory, prefaulting
-from cryosnap.engine.read._gather import Gatherer, unreadable
-from cryosnap.engine.read._mapped import Mapped, MappedWork
-from cryosnap.engine.read._plan import (
+from cryosnap.engine.fetch import _cold
+from cryosnap.engine.fetch._cold import ColdFiles, aligned_memory, prefaulting
+from cryosnap.engine.fetch._gather import Gatherer, unreadable
+from cryosnap.engine.fetch._mapped import Mapped, MappedWork
+from cryosnap.engine.fetch._plan import (
     _GAP_BYTES,
     Gather,
     PieceLists,
@@ -35,7 +35,7 @@ from cryosnap.engine.read._plan import (
     plan_reads,
     wrong_chunk_count,
 )
-from cryosnap.engine.read._verify import Outcome, Verifier
+from cryosnap.engine.fetch._verify import Outcome, Verifier
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError
 from cryosnap.storage import Store
 from cryosnap.storage.base import TruncatedError

@@ -12,8 +12,8 @@ import numpy as np
 
 from cryosnap._format.chunks import HASH_BYTES, hash_bytes, hash_chunks_released
 from cryosnap.engine._resolved import ResolvedPart
-from cryosnap.engine.read._plan import _GATHER_WINDOW_BYTES, Gather, gather_windows, window_batches
-from cryosnap.engine.read._verify import _INLINE_HASH_BYTES, Outcome
+from cryosnap.engine.fetch._plan import _GATHER_WINDOW_BYTES, Gather, gather_windows, window_batches
+from cryosnap.engine.fetch._verify import _INLINE_HASH_BYTES, Outcome
 from cryosnap.errors import CheckpointNotFoundError, IntegrityError
 from cryosnap.storage import Store
 from cryosnap.storage.base import TruncatedError

@@ -13,8 +13,8 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap.engine._resolved import ResolvedPart
-from cryosnap.engine.read._plan import PieceLists, overlapping
-from cryosnap.engine.read._verify import Outcome, Verifier
+from cryosnap.engine.fetch._plan import PieceLists, overlapping
+from cryosnap.engine.fetch._verify import Outcome, Verifier
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import Store
 

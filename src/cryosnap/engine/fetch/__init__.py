@@ -6,11 +6,11 @@ and the read pool's threads.
 
 from __future__ import annotations
 
-from cryosnap.engine.read._cold import ColdFiles, placer, prefaulting
-from cryosnap.engine.read._execute import Fetched, read_blobs
-from cryosnap.engine.read._mapped import Mapped
-from cryosnap.engine.read._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from cryosnap.engine.read._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, plan_reads
+from cryosnap.engine.fetch._cold import ColdFiles, placer, prefaulting
+from cryosnap.engine.fetch._execute import Fetched, read_blobs
+from cryosnap.engine.fetch._mapped import Mapped
+from cryosnap.engine.fetch._plan import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
+from cryosnap.engine.fetch._plan import IO_BATCH_BYTES, ReadLimits, ReadPlan, plan_reads
 
 __all__ = [
     "ColdFiles",
