@@ -547,8 +547,7 @@ def _of_rank(damage: tuple[Damage, ...], rank: int | None) -> tuple[Damage, ...]
 def _scratch_steps(part: Store, persistent: Store) -> list[int]:
     """The versions on a scratch part that are versions of the run: a record superseded by
     a rewind saved later (on either level) is not one (as the flush sees them)."""
-    both = engine.list_versions(part, persistent)
-    return [s for s, lineage in engine.list_versions(part).items() if both.get(s, -1) == lineage]
+    return list(engine.versions_among(part, persistent))
 
 
 def _verify_version(store: Store, step: int) -> VersionCheck:

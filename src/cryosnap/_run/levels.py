@@ -242,12 +242,7 @@ class Levels:
             there = engine.list_versions(handoff.dst.store)
             # Not those a record on dst supersedes (a rewind saved there after this level
             # was left behind): they are no versions of the run.
-            both = engine.list_versions(handoff.src.store, handoff.dst.store)
-            here = {
-                s: lin
-                for s, lin in engine.list_versions(handoff.src.store).items()
-                if s in both and both[s] == lin
-            }
+            here = engine.versions_among(handoff.src.store, handoff.dst.store)
             on_dst = [s for s, lin in there.items() if s not in here or here[s] == lin]
             handoff.delivered.update(on_dst)
             missing = [s for s in here if s not in handoff.delivered]

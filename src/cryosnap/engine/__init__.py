@@ -26,6 +26,7 @@ from cryosnap.engine._records import (
     read_commit,
     read_manifest,
     step_exists,
+    versions_among,
 )
 from cryosnap.engine._resolved import (
     MAX_CHAIN,
@@ -88,4 +89,5 @@ __all__ = [
     "validate_keys",
     "verify_part",
     "version_space",
+    "versions_among",
 ]

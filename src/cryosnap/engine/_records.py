@@ -30,6 +30,7 @@ __all__ = [
     "read_commit",
     "read_manifest",
     "step_exists",
+    "versions_among",
 ]
 
 
@@ -49,6 +50,16 @@ def list_versions(*stores: Store) -> dict[int, Lineage | None]:
     record, ascending by step; superseded records (docs/FORMAT.md, "Superseding") are not
     versions, whichever of the stores holds the record that supersedes them."""
     return visible_versions([r for store in stores for r in list_records(store)])
+
+
+def versions_among(store: Store, *others: Store) -> dict[int, Lineage | None]:
+    """The versions on ``store`` that are versions of the run whose other levels are
+    ``others``: a record there that a record on another level supersedes (a rewind saved
+    there after this level was left behind) is none. ``store`` is listed once."""
+    records = list_records(store)
+    here = visible_versions(records)
+    run = visible_versions([*records, *(r for other in others for r in list_records(other))])
+    return {s: lin for s, lin in here.items() if s in run and run[s] == lin}
 
 
 def list_steps(store: Store) -> list[int]:
