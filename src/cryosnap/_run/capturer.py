@@ -229,12 +229,20 @@ class Capturer:
         writer waiting for its batches, the next save waiting for the in-flight permit, the
         next capture's turn and ``close()`` go on. The caller receives ``exc`` itself."""
         error = capture_failed(job.step, exc)
+        job.batches.put(error)
+        job.pending.mark_delivered()
+        self._end(job, error, hooks)
+
+    def _end(self, job: Job, error: BaseException | None, hooks: list[Any]) -> None:
+        """A capture is over (``error``: how it failed): the next capture's turn, the
+        writer's end of the batches, the tracker, the hooks to remove."""
         if self.diff is not None and job.ticket >= 0:
             self.diff.finish(job.ticket)
-        job.batches.put(error)
         job.batches.put(END)
-        job.pending.mark_delivered()
         job.pending._tracker.finish(error)
+        # The hooks are not removed here: optimizer.step() may be iterating over them on
+        # another thread. Once capture is done they return at once; the caller's next
+        # save() or close() removes them.
         with self._hooks_lock:
             self._spent_hooks.extend(hooks)
 
@@ -302,7 +310,6 @@ class Capturer:
     def _capture(
         self, job: Job, hooks: list[Any], *, lazy: bool, flat: FlatState | None = None
     ) -> None:
-        tracker = job.pending._tracker
         error: BaseException | None = None
         source = job.flat if flat is None else flat
         with self._cond:
@@ -331,15 +338,7 @@ class Capturer:
             with self._cond:
                 self._captures -= 1
                 self._cond.notify_all()
-            if self.diff is not None:
-                self.diff.finish(job.ticket)
-            job.batches.put(END)
-            tracker.finish(error)
-            # The hooks are not removed here: optimizer.step() may be iterating over them on
-            # another thread. Once capture is done they return at once; the caller's next
-            # save() or close() removes them.
-            with self._hooks_lock:
-                self._spent_hooks.extend(hooks)
+            self._end(job, error, hooks)
 
     def _copy(self, job: Job, lazy: bool, flat: FlatState) -> None:
         """Capture ``flat`` (``job.flat``, or a snapshot of it) into staging."""
