@@ -55,9 +55,9 @@ PHASES = [
 ]
 
 
-@pytest.mark.parametrize(("phase", "nth"), PHASES)
-def test_sigkill_during_save_leaves_previous_version(tmp_path: Path, phase: str, nth: int) -> None:
-    run = tmp_path / "run"
+def _killed_at(run: Path, phase: str, nth: int) -> None:
+    """Run the child that saves step 1, then SIGKILLs itself at ``phase`` (its ``nth`` time)
+    during the save of step 2."""
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(run), phase, str(nth)],
         capture_output=True,
@@ -65,6 +65,12 @@ def test_sigkill_during_save_leaves_previous_version(tmp_path: Path, phase: str,
         timeout=120,
     )
     assert proc.returncode == -9, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("phase", "nth"), PHASES)
+def test_sigkill_during_save_leaves_previous_version(tmp_path: Path, phase: str, nth: int) -> None:
+    run = tmp_path / "run"
+    _killed_at(run, phase, nth)
     out = cryosnap.load(run)
     assert out["step"] == 1
     np.testing.assert_array_equal(out["a"], np.full(300_000, 1.0))
@@ -101,13 +107,7 @@ def test_what_a_killed_save_left_is_counted_and_removed(
     """keep=None (retention never runs): the next writer's open, or gc, removes what the
     killed save left; gc (and its dry run) counts those bytes."""
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(run), phase, str(nth)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -9, proc.stdout + proc.stderr
+    _killed_at(run, phase, nth)
     left = {k: n for k, n in _files(run).items() if k not in _keys_of(run, 1)}
     assert left and sum(left.values()) > 0
     dry = cryosnap.Run(run).gc(keep=5, dry_run=True)
