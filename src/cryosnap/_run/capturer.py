@@ -1,5 +1,5 @@
-"""The capture room: a version's state copied out of the program, and the :class:`Job` that
-carries it to the writer (eager on the caller's thread, lazy on a thread of its own).
+"""The capture room: a version's state copied out of the program into the batches of its
+:class:`~cryosnap._run.job.Job` (eager on the caller's thread, lazy on a thread of its own).
 
 Runs on the caller's thread and the capture threads; no storage, no collectives.
 docs/design/capture.md has the why.
@@ -7,34 +7,29 @@ docs/design/capture.md has the why.
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._format.keys import Lineage
-from cryosnap._format.manifest import Replicated
 from cryosnap._run.devdiff import DeviceDiff, DiffPlan
+from cryosnap._run.job import END, Job
 from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
-from cryosnap._run.replicated import Plan
 from cryosnap._run.results import PendingSave
 from cryosnap._run.snapshot import cuda_bytes, device_room, snapshot, would_allocate
-from cryosnap._run.staging import Batch, StagingPool, capture_to_slabs, direct_batches
+from cryosnap._run.staging import StagingPool, capture_to_slabs, direct_batches
 from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.flatten import mutated_storages
 from cryosnap._state.gc import paused_gc
 from cryosnap.errors import CheckpointError
 
-__all__ = ["END", "Capturer", "Job"]
+__all__ = ["Capturer"]
 
-END = object()  # the last item of a job's batch queue
 # The longest a flush pauses for one capture in progress.
 _YIELD_SECONDS = 5.0
 # The lazy capture thread's nice value above the program's (_run/priority.py).
@@ -42,79 +37,6 @@ CAPTURE_NICE = BACKGROUND_NICE
 # Whether lazy captures hand blobs to the writer too (_run/through.py); False copies them all
 # (bench/bench_train_step.py compares the two).
 LAZY_THROUGH = True
-
-
-@dataclass(slots=True)
-class Job:
-    """One version on its way from the caller to the writer."""
-
-    step: int
-    flat: FlatState
-    pending: PendingSave
-    batches: queue.SimpleQueue[Any]
-    metrics: dict[str, float] | None = None
-    stall_seconds: float = 0.0
-    # The same start and stall on the policy's clock (``Checkpointer(clock=)``): the policy is
-    # told time and durations by one clock, so a test's fake clock makes it deterministic.
-    clock0: float = 0.0
-    stall_clock: float = 0.0
-    # Top-level keys identical on every rank (save(replicated=...), checked by the facade).
-    replicated: Replicated = None
-    # Who writes which chunks of the replicated blobs, and this rank's number among the
-    # writers (set by the facade): the capture copies only this rank's share.
-    plan: Plan | None = None
-    rank: int = 0
-    # Set by the capture before its first batch (change detection on the device): the step
-    # the unchanged runs refer to, or a version that must be written full.
-    diff_base: int | None = None
-    full: bool = False
-    captured_bytes: int = 0
-    # Set by ``Checkpointer.save`` once it returns, with the stall above final: the writer
-    # waits for it before it reports the stall (None: a job no caller waits on).
-    returned: threading.Event | None = None
-
-    def final_stall(self) -> tuple[float, float]:
-        """The stall (perf_counter seconds, policy-clock seconds) of this version: the
-        ``save`` call from entry to return, plus the waits in optimizer hooks and
-        ``wait_captured`` so far; waits until ``save`` returned."""
-        if self.returned is not None:
-            self.returned.wait()
-        extra = self.pending.stall_seconds
-        return self.stall_seconds + extra, self.stall_clock + extra
-
-    ticket: int = -1  # this capture's turn with the DeviceDiff
-    ready: Any = None  # CUDA event on the caller's stream at save(): the capture waits for it
-    # The lineage the version is committed in (None: generation 0); a version saved after a
-    # rewind supersedes the abandoned ones with it (docs/FORMAT.md, "Superseding").
-    lineage: Lineage | None = None
-    # An eager capture onto a direct-I/O level hands blobs to the writer (_run/through.py),
-    # from when both the capture attached it and the writer started this version.
-    through: WriteThrough | None = None
-    began: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def begin(self) -> None:
-        """The writer starts this version (on its thread)."""
-        with self._lock:
-            self.began, through = True, self.through
-        if through is not None:
-            through.begin()
-
-    def attach(self, through: WriteThrough) -> None:
-        """The capture's hand-over (on its thread): begun now if the writer already started."""
-        with self._lock:
-            self.through, began = through, self.began
-        if began:
-            through.begin()
-
-    def drain(self) -> None:
-        """Give back every captured batch still queued (the version is abandoned)."""
-        while True:
-            item = self.batches.get()
-            if item is END:
-                return
-            if isinstance(item, Batch):
-                item.release()
 
 
 class Capturer:

@@ -33,7 +33,7 @@ from cryosnap.errors import (
 )
 from cryosnap.storage import Store
 
-__all__ = ["Flushed", "Flusher", "SourceDamagedError", "flush_keys", "flush_version"]
+__all__ = ["Flushed", "Flusher", "flush_keys", "flush_version"]
 
 _T = TypeVar("_T")
 

@@ -21,15 +21,18 @@ from cryosnap._run.flush import (
     CollectiveFlush,
     Flushed,
     Flusher,
-    SourceDamagedError,
     flush_keys,
     flush_version,
 )
 from cryosnap._run.lock import RunLock
-from cryosnap._run.results import PendingSave, SaveInfo, Status
-from cryosnap._run.staging import CaptureTracker
+from cryosnap._run.results import CaptureTracker, PendingSave, SaveInfo, Status
 from cryosnap.dist import Coordinator
-from cryosnap.errors import CheckpointError, CoordinationError, LockLostError
+from cryosnap.errors import (
+    CheckpointError,
+    CoordinationError,
+    LockLostError,
+    SourceDamagedError,
+)
 from cryosnap.policy import KeepLast, RetentionPolicy
 from cryosnap.storage import Store
 

@@ -1,5 +1,6 @@
 """What a save reports: :class:`SaveInfo`, :class:`Status`, and :class:`PendingSave`, the state
-machine of one version from ``save()`` to durable on every level.
+machine of one version from ``save()`` to durable on every level, with its
+:class:`CaptureTracker` (which blobs are captured yet).
 
 The caller's thread reads a PendingSave; the capture thread, the writer thread and the
 flushers advance it. docs/design/run.md has the states and how a failure is delivered.
@@ -7,15 +8,68 @@ flushers advance it. docs/design/run.md has the states and how a failure is deli
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from cryosnap._run.staging import CaptureTracker
 from cryosnap.engine import VersionSpace
 from cryosnap.errors import CheckpointTimeoutError
 
-__all__ = ["PendingSave", "SaveInfo", "Status"]
+__all__ = ["CaptureTracker", "PendingSave", "SaveInfo", "Status"]
+
+
+class CaptureTracker:
+    """Which blobs of a version are captured; lets hooks wait for the ones they need."""
+
+    def __init__(self, nblobs: int) -> None:
+        self._done = bytearray(nblobs)
+        # CUDA events recorded after a blob's device-to-host copies were issued: a waiter
+        # orders its own stream after them instead of blocking until they complete.
+        self._events: dict[int, Any] = {}
+        self._all = threading.Event()
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        if nblobs == 0:
+            self._all.set()
+
+    def mark(self, blob: int) -> None:
+        with self._cond:
+            self._done[blob] = 1
+            self._cond.notify_all()
+
+    def issued(self, blob: int, event: Any) -> None:
+        """The copies of ``blob`` are queued on a CUDA stream; ``event`` completes after them."""
+        with self._cond:
+            self._events[blob] = event
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.error = error
+            self._all.set()
+            self._cond.notify_all()
+
+    def captured(self) -> bool:
+        return self._all.is_set()
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        return self._all.wait(timeout)
+
+    def wait_blobs(self, blobs: list[int]) -> None:
+        """Return once ``blobs`` may be mutated: copied, or (CUDA) their copies queued, with the
+        caller's current stream made to wait for them on the device."""
+        with self._cond:
+            while not self._all.is_set() and not all(
+                self._done[b] or b in self._events for b in blobs
+            ):
+                self._cond.wait()
+            pending = [self._events[b] for b in blobs if not self._done[b] and b in self._events]
+        if pending:
+            stream = sys.modules["torch"].cuda.current_stream()
+            for event in pending:
+                stream.wait_event(event)
 
 
 @dataclass(frozen=True, slots=True)

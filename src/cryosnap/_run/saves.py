@@ -15,12 +15,11 @@ from typing import Any
 
 import cryosnap._run.replicated as _replicated
 from cryosnap._format.keys import Lineage
-from cryosnap._run.capturer import Job
+from cryosnap._run.job import Job
 from cryosnap._run.levels import Levels
 from cryosnap._run.open import OpenRun
 from cryosnap._run.options import RunOptions
-from cryosnap._run.results import PendingSave
-from cryosnap._run.staging import CaptureTracker
+from cryosnap._run.results import CaptureTracker, PendingSave
 from cryosnap._run.writer import WriterThread
 from cryosnap._state import FlatState, FlattenCache, flatten
 from cryosnap._validate import step as validate_step

@@ -18,6 +18,7 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap._format.chunks import chunk_count, hash_chunks_released, value_runs
+from cryosnap._run.results import CaptureTracker
 from cryosnap._run.through import WriteThrough
 from cryosnap._state import Blob, FlatState
 from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
@@ -26,7 +27,6 @@ from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 # Batch, Hashed, Piece and Unchanged are the engine's (engine/items.py): re-exported here.
 __all__ = [
     "Batch",
-    "CaptureTracker",
     "Hashed",
     "Piece",
     "StagingPool",
@@ -121,58 +121,6 @@ class StagingPool:
         with self._cond:
             self._allocated -= sum(s.nbytes for s in self._free)
             self._free.clear()
-
-
-class CaptureTracker:
-    """Which blobs of a version are captured; lets hooks wait for the ones they need."""
-
-    def __init__(self, nblobs: int) -> None:
-        self._done = bytearray(nblobs)
-        # CUDA events recorded after a blob's device-to-host copies were issued: a waiter
-        # orders its own stream after them instead of blocking until they complete.
-        self._events: dict[int, Any] = {}
-        self._all = threading.Event()
-        self._cond = threading.Condition()
-        self.error: BaseException | None = None
-        if nblobs == 0:
-            self._all.set()
-
-    def mark(self, blob: int) -> None:
-        with self._cond:
-            self._done[blob] = 1
-            self._cond.notify_all()
-
-    def issued(self, blob: int, event: Any) -> None:
-        """The copies of ``blob`` are queued on a CUDA stream; ``event`` completes after them."""
-        with self._cond:
-            self._events[blob] = event
-            self._cond.notify_all()
-
-    def finish(self, error: BaseException | None = None) -> None:
-        with self._cond:
-            self.error = error
-            self._all.set()
-            self._cond.notify_all()
-
-    def captured(self) -> bool:
-        return self._all.is_set()
-
-    def wait_all(self, timeout: float | None = None) -> bool:
-        return self._all.wait(timeout)
-
-    def wait_blobs(self, blobs: list[int]) -> None:
-        """Return once ``blobs`` may be mutated: copied, or (CUDA) their copies queued, with the
-        caller's current stream made to wait for them on the device."""
-        with self._cond:
-            while not self._all.is_set() and not all(
-                self._done[b] or b in self._events for b in blobs
-            ):
-                self._cond.wait()
-            pending = [self._events[b] for b in blobs if not self._done[b] and b in self._events]
-        if pending:
-            stream = sys.modules["torch"].cuda.current_stream()
-            for event in pending:
-                stream.wait_event(event)
 
 
 def _pieces(end: int, start: int, space: int, chunk_bytes: int) -> int:

@@ -24,17 +24,22 @@ from cryosnap._format.commit import CommitRecord, PartSummary
 from cryosnap._format.keys import commit_key
 from cryosnap._format.manifest import Manifest, Replicated
 from cryosnap._format.skeleton_text import SkeletonTextCache
-from cryosnap._run.capturer import END, Job
 from cryosnap._run.chain import ChainIndex
-from cryosnap._run.flush import SourceDamagedError
+from cryosnap._run.job import END, Job
 from cryosnap._run.levels import Level, Levels
 from cryosnap._run.partner import Partners
-from cryosnap._run.results import PendingSave, SaveInfo
-from cryosnap._run.staging import Batch, CaptureTracker, direct_batches
+from cryosnap._run.results import CaptureTracker, PendingSave, SaveInfo
+from cryosnap._run.staging import direct_batches
 from cryosnap._run.xor import Parity
 from cryosnap._state import FlatState
 from cryosnap.dist import Coordinator
-from cryosnap.errors import CheckpointError, CoordinationError, StorageTimeoutError
+from cryosnap.engine.items import Batch
+from cryosnap.errors import (
+    CheckpointError,
+    CoordinationError,
+    SourceDamagedError,
+    StorageTimeoutError,
+)
 from cryosnap.progress import Progress, human_bytes
 from cryosnap.storage import Store
 from cryosnap.storage.tiers import Placement

@@ -11,9 +11,10 @@ import pytest
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.keys import commit_key
-from cryosnap._run.flush import Flusher, SourceDamagedError, flush_version
+from cryosnap._run.flush import Flusher, flush_version
 from cryosnap._run.levels import Levels
 from cryosnap.dist import LocalCoordinator
+from cryosnap.errors import SourceDamagedError
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

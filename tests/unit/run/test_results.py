@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from cryosnap._run.results import PendingSave, SaveInfo
-from cryosnap._run.staging import CaptureTracker
+from cryosnap._run.results import CaptureTracker, PendingSave, SaveInfo
 from cryosnap.errors import CheckpointError, CheckpointTimeoutError
 
 LEVELS = ("scratch", "persistent")

@@ -16,9 +16,9 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._run.capturer import END, Job
-from cryosnap._run.results import PendingSave
-from cryosnap._run.staging import Batch, CaptureTracker, Piece, StagingPool, capture_to_slabs
+from cryosnap._run.job import END, Job
+from cryosnap._run.results import CaptureTracker, PendingSave
+from cryosnap._run.staging import Batch, Piece, StagingPool, capture_to_slabs
 from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import flatten
 from cryosnap.errors import StorageError
