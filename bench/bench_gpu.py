@@ -312,7 +312,7 @@ def load_to(cryosnap: ModuleType, dev: Device, run_dir: Path, step: int | None) 
 def part_fingerprint(
     torch: ModuleType, dev: Device, state: dict[str, Any], res: dict[str, Any], report: Report
 ) -> None:
-    import cryosnap._run.fingerprint as fp
+    import cryosnap._run.capture.fingerprint as fp
 
     tensors = big_tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -117,7 +117,7 @@ def _block(mode: str, model: Any, opt: Any, data: Any, root: Path, steps: int, e
     """One block of ``mode``: ``none``, ``lazy`` or ``eager``, optionally ``@N``: the lazy
     capture's thread at nice N above the program's instead of the default (to compare);
     ``lazy-copy``: a lazy capture that copies every blob (no write-through)."""
-    import cryosnap._run.capturer as capturer
+    import cryosnap._run.capture.capturer as capturer
 
     kind, _, nice = mode.partition("@")
     saved = capturer.CAPTURE_NICE, capturer.LAZY_THROUGH

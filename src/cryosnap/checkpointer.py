@@ -18,7 +18,7 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar, overload
 
 from cryosnap import _validate, engine
 from cryosnap._run.job import Job
-from cryosnap._run.levels import Levels
+from cryosnap._run.levels.levels import Levels
 from cryosnap._run.open import OpenRun, newest_record, open_run
 from cryosnap._run.options import PathLike, RunOptions
 from cryosnap._run.policy_room import PolicyRoom

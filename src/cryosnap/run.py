@@ -22,7 +22,7 @@ from cryosnap import engine
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
-from cryosnap._run.inspect import (
+from cryosnap._inspect import (
     LeafInfo,
     VersionDiff,
     describe_leaves,
@@ -351,7 +351,7 @@ class Run:
 
     def diff(self, a: int, b: int, *, rank: int = 0) -> VersionDiff:
         """Which leaves of rank ``rank``'s part changed from step ``a`` to step ``b``, and
-        how many bytes, from the chunk hashes (see :func:`cryosnap._run.inspect.diff_versions`)."""
+        how many bytes, from the chunk hashes (see :func:`cryosnap._inspect.diff_versions`)."""
         a, b = validate_step(a, "a"), validate_step(b, "b")
         return diff_versions(self._store, a, b, rank=validate_step(rank, "rank"))
 

@@ -15,7 +15,7 @@ import xxhash
 torch = pytest.importorskip("torch")
 
 import cryosnap  # noqa: E402
-from cryosnap._run.fingerprint import Fingerprinter  # noqa: E402
+from cryosnap._run.capture.fingerprint import Fingerprinter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

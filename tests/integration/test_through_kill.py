@@ -1,5 +1,5 @@
 """SIGKILL during a save (eager or lazy) whose blobs go to the writer from the live memory
-(write-through, _run/through.py): the earlier version stays restorable, nothing partial
+(write-through, _run/capture/through.py): the earlier version stays restorable, nothing partial
 shows, the run reopens."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _CHILD = textwrap.dedent(
     import os, signal, sys
     import numpy as np
     import cryosnap
-    from cryosnap._run.through import Rates
+    from cryosnap._run.capture.through import Rates
     from cryosnap.storage import LocalStore
     from cryosnap.testing import FaultyStore
 

@@ -87,7 +87,7 @@ class Job:
     # The lineage the version is committed in (None: generation 0); a version saved after a
     # rewind supersedes the abandoned ones with it (docs/FORMAT.md, "Superseding").
     lineage: Lineage | None = None
-    # An eager capture onto a direct-I/O level hands blobs to the writer (_run/through.py),
+    # An eager capture onto a direct-I/O level hands blobs to the writer (_run/capture/through.py),
     # from when both the capture attached it and the writer started this version.
     through: HandOver | None = None
     began: bool = False

@@ -20,18 +20,18 @@ import cryosnap._run.signals as _signals
 from cryosnap import engine
 from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import Lineage, commit_key
-from cryosnap._run.capturer import Capturer
+from cryosnap._run.capture.capturer import Capturer
 from cryosnap._run.chain import ChainIndex
-from cryosnap._run.levels import Level, Levels
+from cryosnap._run.levels.levels import Level, Levels
 from cryosnap._run.lock import RunLock, acquire_run_lock
 from cryosnap._run.options import RunOptions
-from cryosnap._run.partner import Partners, rebuild
 from cryosnap._run.policy_room import PolicyRoom
+from cryosnap._run.redundancy.partner import Partners, rebuild
+from cryosnap._run.redundancy.xor import Parity
+from cryosnap._run.redundancy.xor_rebuild import rebuild as rebuild_parity
 from cryosnap._run.restore import current_lineage
 from cryosnap._run.results import PendingSave
 from cryosnap._run.writer import Rewriter, VersionWriter, WriterThread
-from cryosnap._run.xor import Parity
-from cryosnap._run.xor_rebuild import rebuild as rebuild_parity
 from cryosnap.dist import Coordinator, LocalCoordinator
 from cryosnap.errors import (
     CheckpointError,

@@ -17,7 +17,7 @@ import cryosnap._run.signals as _signals
 from cryosnap import _validate
 from cryosnap._format.chunks import validate_chunk_bytes
 from cryosnap._format.commit import RUN_ID_PATTERN
-from cryosnap._run.devdiff import DeviceDiff
+from cryosnap._run.capture.devdiff import DeviceDiff
 from cryosnap.dist import Coordinator
 from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention
 from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store

@@ -18,7 +18,7 @@ from typing import Any
 from cryosnap import engine
 from cryosnap._format.keys import Lineage, max_generation, version_prefix, visible_versions
 from cryosnap._run import ddp
-from cryosnap._run.levels import Levels
+from cryosnap._run.levels.levels import Levels
 from cryosnap._state.device import target_device
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (

@@ -16,7 +16,7 @@ from typing import Any
 import cryosnap._run.replicated as _replicated
 from cryosnap._format.keys import Lineage
 from cryosnap._run.job import Job
-from cryosnap._run.levels import Levels
+from cryosnap._run.levels.levels import Levels
 from cryosnap._run.open import OpenRun
 from cryosnap._run.options import RunOptions
 from cryosnap._run.results import CaptureTracker, PendingSave

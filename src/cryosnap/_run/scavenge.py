@@ -16,7 +16,7 @@ from typing import Any
 
 from cryosnap import engine
 from cryosnap._run.chain import ChainIndex
-from cryosnap._run.levels import Levels
+from cryosnap._run.levels.levels import Levels
 from cryosnap._run.open import newest_record, open_levels, open_stores, resume_handoffs
 from cryosnap._run.options import RunOptions
 from cryosnap._run.results import PendingSave

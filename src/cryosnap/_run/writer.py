@@ -24,13 +24,13 @@ from cryosnap._format.commit import CommitRecord, PartSummary
 from cryosnap._format.keys import commit_key
 from cryosnap._format.manifest import Manifest, Replicated
 from cryosnap._format.skeleton_text import SkeletonTextCache
+from cryosnap._run.capture.staging import direct_batches
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.job import END, Job
-from cryosnap._run.levels import Level, Levels
-from cryosnap._run.partner import Partners
+from cryosnap._run.levels.levels import Level, Levels
+from cryosnap._run.redundancy.partner import Partners
+from cryosnap._run.redundancy.xor import Parity
 from cryosnap._run.results import CaptureTracker, PendingSave, SaveInfo
-from cryosnap._run.staging import direct_batches
-from cryosnap._run.xor import Parity
 from cryosnap._state import FlatState
 from cryosnap.dist import Coordinator
 from cryosnap.engine.items import Batch
@@ -163,7 +163,8 @@ class VersionWriter:
             if self.disagreed is not None:
                 raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
             plan = job.plan if job.plan is not None else self.plan(job.flat, job.replicated)
-            job.begin()  # an eager capture's hand-over of live blobs starts (_run/through.py)
+            # An eager capture's hand-over of live blobs starts (_run/capture/through.py).
+            job.begin()
             # The capture decides (before its first batch) whether the version is full or
             # must build on exactly one version: change detection on the device.
             item = job.batches.get()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from cryosnap._run.staging import StagingPool
+from cryosnap._run.capture.staging import StagingPool
 from cryosnap.dcp._schema import DcpError
 
 __all__ = ["Staged", "Staging"]

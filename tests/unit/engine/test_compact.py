@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cryosnap import engine
-from cryosnap._run.staging import direct_batches
+from cryosnap._run.capture.staging import direct_batches
 from cryosnap._state import flatten
 from cryosnap.engine.write._compact import LIVE_FRACTION
 from cryosnap.storage import LocalStore

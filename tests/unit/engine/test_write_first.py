@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cryosnap import engine
-from cryosnap._run.staging import Batch, direct_batches
+from cryosnap._run.capture.staging import Batch, direct_batches
 from cryosnap._state import flatten
 from cryosnap.engine.write import _appender
 from cryosnap.engine.write import part_writer as part_writer_module

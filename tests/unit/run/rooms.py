@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
+from cryosnap._run.capture.staging import direct_batches
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.job import END, Job
-from cryosnap._run.levels import Level
+from cryosnap._run.levels.levels import Level
 from cryosnap._run.results import CaptureTracker, PendingSave
-from cryosnap._run.staging import direct_batches
 from cryosnap._run.writer import VersionWriter
 from cryosnap._state import flatten
 from cryosnap.dist import Coordinator, LocalCoordinator

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cryosnap import engine
 from cryosnap._format.chunks import chunk_count, hash_chunks
-from cryosnap._run.staging import (
+from cryosnap._run.capture.staging import (
     Batch,
     CaptureTracker,
     Hashed,

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import cryosnap  # noqa: E402
 from cryosnap import engine  # noqa: E402
 from cryosnap._format.keys import data_key  # noqa: E402
-from cryosnap._run.fingerprint import COLLISION_BOUND_LOG2, Fingerprinter  # noqa: E402
+from cryosnap._run.capture.fingerprint import COLLISION_BOUND_LOG2, Fingerprinter  # noqa: E402
 from cryosnap.errors import CheckpointError, StorageError  # noqa: E402
 from cryosnap.storage import LocalStore  # noqa: E402
 from cryosnap.testing import FaultyStore  # noqa: E402

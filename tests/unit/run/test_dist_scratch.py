@@ -1,11 +1,10 @@
-"""Node-local scratch in a distributed run: each rank's whole part on its node, the persistent
-level written again with the replicated state split, partner copies on another node.
+"""Node-local scratch in a distributed run: each rank's whole part on its node, the persistent level
+written again with the replicated state split, partner copies on another node.
 
-The ranks are threads of this process (``InProcessGroup``); "nodes" are scratch directories,
-and the node each rank runs on is given through ``cryosnap._run.partner.node_name`` (a process
-sets ``$CRYOSNAP_NODE``; threads share one environment). tests/integration/test_dist_torch.py
-runs the same with gloo processes.
-"""
+The ranks are threads of this process (``InProcessGroup``); "nodes" are scratch directories, and the
+node each rank runs on is given through ``cryosnap._run.redundancy.partner.node_name`` (a process
+sets ``$CRYOSNAP_NODE``; threads share one environment). tests/integration/test_dist_torch.py runs
+the same with gloo processes."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 
 import cryosnap
-import cryosnap._run.partner as _partner
+import cryosnap._run.redundancy.partner as _partner
 from cryosnap import engine
 from cryosnap._format.keys import commit_key
 from cryosnap.dist import Coordinator

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap._run.capturer import Capturer
+from cryosnap._run.capture.capturer import Capturer
 from cryosnap._run.writer import VersionWriter
 
 pytestmark = pytest.mark.timeout(60)  # the defect was a hang

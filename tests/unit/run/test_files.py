@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cryosnap
-import cryosnap._run.partner as _partner
+import cryosnap._run.redundancy.partner as _partner
 from cryosnap._format.keys import commit_key, manifest_key
 from cryosnap._format.manifest import FILES_FORMAT_VERSION
 from cryosnap.dist import Coordinator

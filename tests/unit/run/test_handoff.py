@@ -11,8 +11,8 @@ import pytest
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.keys import commit_key
-from cryosnap._run.flush import Flusher, flush_version
-from cryosnap._run.levels import Levels
+from cryosnap._run.levels.flush import Flusher, flush_version
+from cryosnap._run.levels.levels import Levels
 from cryosnap.dist import LocalCoordinator
 from cryosnap.errors import SourceDamagedError
 from cryosnap.storage import LocalStore

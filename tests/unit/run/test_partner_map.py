@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cryosnap
-import cryosnap._run.partner as _partner
+import cryosnap._run.redundancy.partner as _partner
 from cryosnap import engine
 from cryosnap._format.keys import commit_key
 from cryosnap.dist import Coordinator

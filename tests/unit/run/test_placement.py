@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cryosnap._run.staging import Piece
+from cryosnap._run.capture.staging import Piece
 from cryosnap.engine import _split_pieces
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore

@@ -1,5 +1,5 @@
-"""A lazy capture's thread runs below the program's (_run/priority.py); the writer thread and
-the appenders' I/O threads, which an eager save and the next save wait for, keep the program's
+"""A lazy capture's thread runs below the program's (_run/capture/priority.py); the writer thread
+and the appenders' I/O threads, which an eager save and the next save wait for, keep the program's
 priority, and an eager capture runs on the caller's thread and leaves its priority alone."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 import cryosnap
 from cryosnap._format.keys import commit_key
-from cryosnap._run.capturer import CAPTURE_NICE, Capturer
-from cryosnap._run.priority import thread_nice
+from cryosnap._run.capture.capturer import CAPTURE_NICE, Capturer
+from cryosnap._run.capture.priority import thread_nice
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore
 

@@ -1,4 +1,4 @@
-"""A thread below the program's (_run/priority.py): the nice value it gives itself, never
+"""A thread below the program's (_run/capture/priority.py): the nice value it gives itself, never
 raised, at most 19, left alone where threads have none or the system refuses."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from cryosnap._run import priority as _priority
-from cryosnap._run.priority import BACKGROUND_NICE, lower_priority, thread_nice
+from cryosnap._run.capture import priority as _priority
+from cryosnap._run.capture.priority import BACKGROUND_NICE, lower_priority, thread_nice
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
 

@@ -18,7 +18,7 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._run.capturer import Capturer
+from cryosnap._run.capture.capturer import Capturer
 from cryosnap.errors import CheckpointError, StorageError
 from cryosnap.storage import LocalStore, TimeoutStore
 from cryosnap.testing import FaultyStore
@@ -314,7 +314,7 @@ def test_a_capture_that_fails_fails_its_save_as_a_checkpoint_error(
 ) -> None:
     # What copying into staging raises (no memory for a slab, a CUDA error) is a
     # CheckpointError naming the step, its cause kept; the run goes on from the next save.
-    from cryosnap._run import capturer
+    from cryosnap._run.capture import capturer
 
     real = capturer.capture_to_slabs
     calls = []
@@ -341,7 +341,7 @@ def test_a_failed_version_is_logged_naming_its_step_once(
 ) -> None:
     # The writer's log line names the step once: an error that names it already ("step 2:
     # copying the state ...") is not prefixed with it again; a store's error is.
-    from cryosnap._run import capturer
+    from cryosnap._run.capture import capturer
 
     real = capturer.capture_to_slabs
 

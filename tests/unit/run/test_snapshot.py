@@ -1,5 +1,5 @@
-"""Snapshots (_run/snapshot.py): an eager capture that would first allocate its staging clones
-the state and copies the clones on the capture thread. The choice is made for CUDA state only
+"""Snapshots (_run/capture/snapshot.py): an eager capture that would first allocate its staging
+clones the state and copies the clones on the capture thread. The choice is made for CUDA state only
 (tests/gpu covers it there); here the clone-and-capture path runs on CPU tensors, forced."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap._run.capturer import Capturer
-from cryosnap._run.snapshot import cuda_bytes, snapshot, would_allocate
-from cryosnap._run.staging import StagingPool
+from cryosnap._run.capture.capturer import Capturer
+from cryosnap._run.capture.snapshot import cuda_bytes, snapshot, would_allocate
+from cryosnap._run.capture.staging import StagingPool
 from cryosnap._state import Blob, FlatState
 from cryosnap._state.flatten import flatten
 
@@ -126,7 +126,7 @@ def test_a_failure_in_a_snapshot_capture_reaches_the_result(
     def broken(*args: Any, **kwargs: Any) -> int:
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr("cryosnap._run.capturer.capture_to_slabs", broken)
+    monkeypatch.setattr("cryosnap._run.capture.capturer.capture_to_slabs", broken)
     with cryosnap.Checkpointer(tmp_path / "run") as ckpt:
         pending = ckpt.save(0, {"w": torch.zeros(1000)})
         with pytest.raises(cryosnap.CheckpointError, match="step 0: copying") as info:

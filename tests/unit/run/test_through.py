@@ -1,6 +1,6 @@
-"""Write-through capture (_run/through.py): which blobs go to the writer from the live memory,
-in what order, how the capture waits for them, and a writer failure midway (the version fails
-with the storage's error, the capture returns, no thread and no slab is left behind)."""
+"""Write-through capture (_run/capture/through.py): which blobs go to the writer from the live
+memory, in what order, how the capture waits for them, and a writer failure midway (the version
+fails with the storage's error, the capture returns, no thread and no slab is left behind)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._run.capture.staging import Batch, Piece, StagingPool, capture_to_slabs
+from cryosnap._run.capture.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._run.job import END, Job
 from cryosnap._run.results import CaptureTracker, PendingSave
-from cryosnap._run.staging import Batch, Piece, StagingPool, capture_to_slabs
-from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import flatten
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore
@@ -253,7 +253,7 @@ def _recorded(monkeypatch: Any, capturer: Any) -> list[WriteThrough]:
 def test_a_checkpointer_on_a_direct_level_restores_what_it_saved(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from cryosnap._run import capturer
+    from cryosnap._run.capture import capturer
 
     made = _recorded(monkeypatch, capturer)
     rng = np.random.default_rng(1)
@@ -300,7 +300,7 @@ def test_a_lazy_save_hands_blobs_over_and_the_optimizer_step_waits_until_they_ar
 ) -> None:
     import torch
 
-    from cryosnap._run import capturer
+    from cryosnap._run.capture import capturer
 
     made = _recorded(monkeypatch, capturer)
     model, opt, train = _trained(layers=2)
@@ -376,7 +376,7 @@ def test_the_chooser_tries_both_ways_then_takes_the_one_that_stalled_less() -> N
 def test_an_eager_checkpointer_measures_both_ways_and_keeps_choosing(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
-    from cryosnap._run import capturer
+    from cryosnap._run.capture import capturer
 
     seen: list[tuple[bool, int]] = []
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cryosnap
-import cryosnap._run.partner as _partner
+import cryosnap._run.redundancy.partner as _partner
 from cryosnap.dist import Coordinator
 from cryosnap.errors import (
     CheckpointNotFoundError,

@@ -12,7 +12,7 @@ import pytest
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.keys import commit_key, manifest_key
-from cryosnap._run.levels import Levels
+from cryosnap._run.levels.levels import Levels
 from cryosnap._run.writer import WriterThread
 from cryosnap.dist import InProcessGroup
 from cryosnap.errors import CheckpointError, StorageError, StorageTimeoutError

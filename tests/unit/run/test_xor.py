@@ -1,7 +1,6 @@
-"""XOR parity sets (``partner="xor"``): threads as ranks, each on a "node" of its own (a
-scratch directory; its name through ``cryosnap._run.partner.node_name``), a node's scratch
-wiped between runs. The rebuilt part must be bit-exact and verified, or not come back at all.
-"""
+"""XOR parity sets (``partner="xor"``): threads as ranks, each on a "node" of its own (a scratch
+directory; its name through ``cryosnap._run.redundancy.partner.node_name``), a node's scratch wiped
+between runs. The rebuilt part must be bit-exact and verified, or not come back at all."""
 
 from __future__ import annotations
 
@@ -15,10 +14,10 @@ import numpy as np
 import pytest
 
 import cryosnap
-import cryosnap._run.partner as _partner
+import cryosnap._run.redundancy.partner as _partner
 from cryosnap import engine
 from cryosnap._format.keys import commit_key
-from cryosnap._run.xor import ParityIndex, segment_bytes, segment_of, set_size, xor_sets
+from cryosnap._run.redundancy.xor import ParityIndex, segment_bytes, segment_of, set_size, xor_sets
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import LocalStore

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap._run.fingerprint import Fingerprinter, supported
+from cryosnap._run.capture.fingerprint import Fingerprinter, supported
 from cryosnap._run.results import PendingSave
 from cryosnap._state import FlatState
 

@@ -9,7 +9,7 @@ with a higher nice value keeps it. Where threads have no nice value of their own
 or the system refuses (a sandbox without ``setpriority``), nothing changes.
 
 The writer thread and the appenders' I/O threads keep the program's priority: an eager save
-waits for the blobs the writer writes from the program's memory (_run/through.py) and the next
+waits for the blobs the writer writes from the program's memory (through.py) and the next
 save for the previous version's commit (``max_inflight``), and the storage calls' worker
 threads, which inherit the nice value of the thread that starts them, are shared with the
 caller's own calls. docs/PERFORMANCE.md ("Training at every step") has the measurements.

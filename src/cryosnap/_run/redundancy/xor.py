@@ -22,7 +22,7 @@ import numpy as np
 
 from cryosnap import engine
 from cryosnap._format.keys import Lineage
-from cryosnap._run import partner as _partner
+from cryosnap._run.redundancy import partner as _partner
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointFormatError
 from cryosnap.storage import BlobWriter, Store, join_location, validate_key

@@ -18,8 +18,8 @@ import numpy as np
 
 from cryosnap import _native
 from cryosnap._format.chunks import chunk_count, hash_chunks_released, value_runs
+from cryosnap._run.capture.through import WriteThrough
 from cryosnap._run.results import CaptureTracker
-from cryosnap._run.through import WriteThrough
 from cryosnap._state import Blob, FlatState
 from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
@@ -170,7 +170,7 @@ def capture_to_slabs(
     budget runs out: the writer's hashing and I/O then do not compete with the copy for cores
     and memory bandwidth (the copy is what the program waits for).
 
-    ``through`` (an eager capture onto a direct-I/O level: _run/through.py) hands blobs
+    ``through`` (an eager capture onto a direct-I/O level: _run/capture/through.py) hands blobs
     from the back to the writer, which writes them from the live memory: they are skipped
     here, and the capture returns once they are written.
 

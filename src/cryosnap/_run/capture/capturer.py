@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 
 from cryosnap import engine
-from cryosnap._run.devdiff import DeviceDiff, DiffPlan
+from cryosnap._run.capture.devdiff import DeviceDiff, DiffPlan
+from cryosnap._run.capture.priority import BACKGROUND_NICE, lower_priority
+from cryosnap._run.capture.snapshot import cuda_bytes, device_room, snapshot, would_allocate
+from cryosnap._run.capture.staging import StagingPool, capture_to_slabs, direct_batches
+from cryosnap._run.capture.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._run.job import END, Job
-from cryosnap._run.priority import BACKGROUND_NICE, lower_priority
 from cryosnap._run.results import PendingSave
-from cryosnap._run.snapshot import cuda_bytes, device_room, snapshot, would_allocate
-from cryosnap._run.staging import StagingPool, capture_to_slabs, direct_batches
-from cryosnap._run.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._state import FlatState
 from cryosnap._state.flatten import mutated_storages
 from cryosnap._state.gc import paused_gc
@@ -32,10 +32,10 @@ __all__ = ["Capturer"]
 
 # The longest a flush pauses for one capture in progress.
 _YIELD_SECONDS = 5.0
-# The lazy capture thread's nice value above the program's (_run/priority.py).
+# The lazy capture thread's nice value above the program's (_run/capture/priority.py).
 CAPTURE_NICE = BACKGROUND_NICE
-# Whether lazy captures hand blobs to the writer too (_run/through.py); False copies them all
-# (bench/bench_train_step.py compares the two).
+# Whether lazy captures hand blobs to the writer too (_run/capture/through.py); False copies
+# them all (bench/bench_train_step.py compares the two).
 LAZY_THROUGH = True
 
 
@@ -62,7 +62,7 @@ class Capturer:
         self.diff = diff
         self.through = through
         # The copy and write rates of eager and of lazy captures apart: a lazy capture copies
-        # beside the program's threads, below them (_run/priority.py), far slower.
+        # beside the program's threads, below them (_run/capture/priority.py), far slower.
         self._rates = Rates()
         self._lazy_rates = Rates()
         self._chooser = Chooser()  # whether an eager capture hands blobs over
@@ -113,7 +113,7 @@ class Capturer:
         return False
 
     def _snapshot(self, job: Job) -> FlatState | None:
-        """The state cloned (_run/snapshot.py) when this capture of CUDA state would first
+        """The state cloned (_run/capture/snapshot.py) when this capture of CUDA state would first
         allocate its staging (pinned memory is slow to get: the first save of a session) and
         every device has room for the clones; None to capture as usual. The caller's stream
         has the clones queued (and ``job.ready`` recorded after them) when this returns."""
@@ -220,7 +220,7 @@ class Capturer:
 
     def _capture_lazy(self, job: Job, hooks: list[Any], snap: FlatState | None = None) -> None:
         """A lazy capture's thread (or an eager one's, from its snapshot ``snap``): below the
-        program's threads (_run/priority.py), as its copies overlap the forward and backward
+        program's threads (_run/capture/priority.py), as its copies overlap the forward and backward
         passes; an optimizer step that waits for it leaves the cores to it."""
         lower_priority(CAPTURE_NICE)
         self._capture(job, hooks, lazy=True, flat=snap)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from cryosnap import engine
 from cryosnap._format.keys import Lineage, supersedes, visible_versions
 from cryosnap._run.chain import ChainIndex
-from cryosnap._run.flush import (
+from cryosnap._run.levels.flush import (
     CollectiveFlush,
     Flushed,
     Flusher,

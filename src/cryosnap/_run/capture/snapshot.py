@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cryosnap._run.staging import StagingPool
+from cryosnap._run.capture.staging import StagingPool
 from cryosnap._state import Blob, FlatState
 
 __all__ = ["SPARE", "cuda_bytes", "device_room", "snapshot", "would_allocate"]

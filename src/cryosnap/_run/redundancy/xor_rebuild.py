@@ -18,8 +18,8 @@ import numpy as np
 from cryosnap import engine
 from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import Lineage, commit_key
-from cryosnap._run import partner as _partner
-from cryosnap._run.xor import (
+from cryosnap._run.redundancy import partner as _partner
+from cryosnap._run.redundancy.xor import (
     STATUS_FAILED,
     STATUS_OK,
     Parity,
