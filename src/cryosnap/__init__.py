@@ -56,7 +56,7 @@ from cryosnap.run import (
     VersionInfo,
     flush,
 )
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Device, Tier
 
 if _TYPE_CHECKING:
     from cryosnap.integrations.torch import RNGState
@@ -74,6 +74,7 @@ __all__ = [
     "CoordinationError",
     "DcpError",
     "DcpFormatError",
+    "Device",
     "DirectIOError",
     "ExportError",
     "File",

@@ -28,7 +28,7 @@ from cryosnap._state.torch_import import import_torch
 from cryosnap.engine import ResolvedPart
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
 from cryosnap.storage import Store, join_location, open_store
-from cryosnap.storage.tiers import LAYOUT_KEY, StripedStore, Tier
+from cryosnap.storage.striped import LAYOUT_KEY, Device, StripedStore
 
 __all__ = [
     "LeafChange",
@@ -435,7 +435,7 @@ class ScratchPart:
         return "scratch" if self.rank is None else f"scratch rank-{self.rank:05d}"
 
 
-def scratch_parts(tiers: Sequence[Tier]) -> list[ScratchPart]:
+def scratch_parts(tiers: Sequence[Device]) -> list[ScratchPart]:
     """The parts of the scratch level whose devices are ``tiers`` (as the Checkpointer was
     given them, fastest first) that this node holds: the level's own run, and the
     ``rank-<r>`` directories below it. Empty when it is empty (a wiped node-local disk); a
@@ -453,7 +453,7 @@ def scratch_parts(tiers: Sequence[Tier]) -> list[ScratchPart]:
     if not parts and first.list(""):
         raise CheckpointNotFoundError(
             f"{first.url} is not a run's scratch: it holds no versions/, {LAYOUT_KEY} or "
-            "rank-<r>/ (give the scratch tier as the Checkpointer was given it, first device "
+            "rank-<r>/ (give the scratch devices as the Checkpointer was given them, first device "
             "first)"
         )
     return parts

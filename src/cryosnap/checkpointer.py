@@ -30,7 +30,7 @@ from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError
 from cryosnap.policy import RetentionPolicy, SavePolicy
 from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store
-from cryosnap.storage.tiers import StripedStore, Tier
+from cryosnap.storage.striped import Device, StripedStore
 
 __all__ = [
     "Checkpointer",
@@ -152,7 +152,8 @@ class Checkpointer(_Opened):
     path
         The run's persistent tier: a directory or an fsspec URL (``s3://bucket/run``).
     scratch
-        Node-local tiers, fastest first: a path, a :class:`~cryosnap.Tier`, or a list of them
+        The scratch level's node-local devices, fastest first: a path, a
+        :class:`~cryosnap.Device` (``Tier``, its former name, is the same class), or a list of them
         (several devices: each version's data is split across them by measured throughput).
         Versions land there first and are flushed to ``path`` in the background.
     keep
@@ -181,7 +182,7 @@ class Checkpointer(_Opened):
         system takes it, probed once at open; buffered through the page cache elsewhere
         (tmpfs, object stores, many FUSE and network file systems). True: direct on every
         local level, and one whose file system refuses it is a :class:`~cryosnap.DirectIOError`
-        at open naming the level. False: buffered everywhere. A :class:`~cryosnap.Tier`'s
+        at open naming the level. False: buffered everywhere. A :class:`~cryosnap.Device`'s
         own ``direct_io`` overrides it for that scratch device.
     max_inflight
         Versions that may be captured but not yet durable; a further ``save`` waits.
@@ -249,7 +250,7 @@ class Checkpointer(_Opened):
         self,
         path: PathLike,
         *,
-        scratch: PathLike | Tier | Sequence[PathLike | Tier] | None = None,
+        scratch: PathLike | Device | Sequence[PathLike | Device] | None = None,
         keep: int | RetentionPolicy | None = None,
         keep_scratch: int | None = None,
         incremental: bool = True,

@@ -254,7 +254,7 @@ class Run:
         scratch: ScratchLike = None,
     ) -> None:
         # Checked as the Checkpointer checks its scratch= (no I/O); found when verified.
-        self._scratch = RunOptions(path=path, scratch=scratch).scratch_tiers
+        self._scratch = RunOptions(path=path, scratch=scratch).scratch_devices
         self._store = open_store(path, **(storage_options or {}))
         _check_is_run(self._store)
 
@@ -477,7 +477,7 @@ def flush(
     epilogue with a time limit ends within it; a version not flushed stays on scratch and is
     reported in :attr:`FlushReport.failed`.
 
-    ``scratch``: the run's scratch tier(s), as given to the Checkpointer. For a distributed
+    ``scratch``: the run's scratch device(s), as given to the Checkpointer. For a distributed
     run with node-local scratch, call it in one process per rank of the run (``mpiexec -n N``,
     ``torchrun``): ``comm`` None finds the job from the environment (torch.distributed when
     initialized or under torchrun, MPI under an MPI launcher, else a world of one). Takes the
@@ -486,7 +486,7 @@ def flush(
     reported in :attr:`FlushReport.failed`, naming the leaf; nothing of it is committed.
     """
     if scratch is None:
-        raise ValueError("scratch= is required: the run's scratch tier(s) to flush from")
+        raise ValueError("scratch= is required: the run's scratch device(s) to flush from")
     retry_seconds = seconds(retry_seconds, "retry_seconds", allow_zero=True)  # named as here
     close: Callable[[], None] = _nothing
     if comm is None:

@@ -30,7 +30,7 @@ from cryosnap._format.keys import parse_commit_key
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore, Store
 from cryosnap.storage.base import BlobWriter, BytesLike
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Tier
 from cryosnap.testing import FaultyStore
 
 try:  # the base of store wrappers, through which the lock finds a LocalStore's directory

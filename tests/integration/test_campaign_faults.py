@@ -31,7 +31,7 @@ import pytest
 
 import cryosnap
 from cryosnap.storage import LocalStore, TimeoutStore
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Tier
 
 from .campaign_support import (
     CHUNK,

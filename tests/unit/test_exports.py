@@ -107,3 +107,9 @@ def test_errors_carry_the_step_and_path_they_name(tmp_path: Any) -> None:
     assert damaged.value.step == 3
     assert damaged.value.path == "versions/000000000003/rank-00000.json"
     assert cryosnap.CheckpointError("no step").step is None
+
+
+def test_tier_is_the_former_name_of_device() -> None:
+    """``Tier`` (the first releases' name) and ``Device`` are one class: old code keeps working."""
+    assert cryosnap.Tier is cryosnap.Device
+    assert cryosnap.Tier("/tmp/x") == cryosnap.Device("/tmp/x")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cryosnap.errors import ConfigError
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Device
 
 __all__ = ["ENV_PREFIX", "config_arguments"]
 
@@ -107,7 +107,7 @@ def _scratch(value: Any, key: str, where: str) -> Any:
             direct = item.get("direct_io")
             path = _text(item.get("path"), f"{key}.path", where)
             out.append(
-                Tier(
+                Device(
                     path,
                     None if cap is None else _int(cap, f"{key}.capacity_bytes", where),
                     None if direct is None else _bool(direct, f"{key}.direct_io", where),

@@ -40,7 +40,7 @@ from cryosnap.errors import (
     RunLockedError,
 )
 from cryosnap.storage import Store, check_direct_io, join_location, open_store, unwrap
-from cryosnap.storage.tiers import Placement, StripedStore, Tier
+from cryosnap.storage.striped import Device, Placement, StripedStore
 
 __all__ = ["CHANNELS", "OpenRun", "flush_channel", "newest_record", "open_run", "resume_handoffs"]
 
@@ -188,10 +188,10 @@ def _coordinator(comm: Coordinator | None) -> Coordinator:
 def open_stores(options: RunOptions, coord: Coordinator) -> tuple[Store, StripedStore | None]:
     """The persistent store and the scratch devices as one striped store (or None)."""
     timeout = options.storage_timeout_seconds
-    devices = list(options.scratch_tiers)
+    devices = list(options.scratch_devices)
     if devices and coord.world_size > 1:
         # Node-local: ranks of one node may share a scratch path, each keeps its own run.
-        devices = [Tier(_rank_dir(t, coord.rank), t.capacity_bytes, t.direct_io) for t in devices]
+        devices = [Device(_rank_dir(d, coord.rank), d.capacity_bytes, d.direct_io) for d in devices]
     persistent = open_store(
         options.path,
         timeout_seconds=timeout,
@@ -208,10 +208,10 @@ def open_stores(options: RunOptions, coord: Coordinator) -> tuple[Store, Striped
     return persistent, StripedStore(stores, [t.capacity_bytes for t in devices])
 
 
-def _rank_dir(tier: Tier, rank: int) -> str:
-    """``<tier>/rank-<r>``: where rank ``r`` keeps its scratch part (a path: check_world)."""
-    assert not isinstance(tier.path, Store)
-    return join_location(os.fspath(tier.path), f"rank-{rank:05d}")
+def _rank_dir(device: Device, rank: int) -> str:
+    """``<device>/rank-<r>``: where rank ``r`` keeps its scratch part (a path: check_world)."""
+    assert not isinstance(device.path, Store)
+    return join_location(os.fspath(device.path), f"rank-{rank:05d}")
 
 
 def _check_distinct(persistent: Store, scratch: Sequence[Store]) -> None:
@@ -247,7 +247,7 @@ def open_levels(
     # Decided once per level, at open (the probe writes in the level's directory).
     check_direct_io(persistent, options.direct_io, PERSISTENT)
     devices = scratch.devices if scratch is not None else []
-    for dev, tier in zip(devices, options.scratch_tiers, strict=True):
+    for dev, tier in zip(devices, options.scratch_devices, strict=True):
         check_direct_io(dev, options.direct_io_of(tier), f"{SCRATCH} ({dev.url})")
     return opened
 
@@ -277,7 +277,7 @@ def _shared_lock(store: Store, coord: Coordinator) -> list[RunLock]:
 def open_partners(options: RunOptions, coord: Coordinator, levels: Levels) -> Partners:
     """Agree on the partners, open the copies this rank holds (their locks go with the
     scratch level's), and get back from the partner what this rank's scratch lost."""
-    root = options.scratch_tiers[0].path
+    root = options.scratch_devices[0].path
     assert not isinstance(root, Store)  # refused by check_world
     partners = Partners.open(
         coord, os.fspath(root), open_store=open_store, timeout=options.storage_timeout_seconds
@@ -291,7 +291,7 @@ def open_partners(options: RunOptions, coord: Coordinator, levels: Levels) -> Pa
 def open_parity(options: RunOptions, coord: Coordinator, levels: Levels) -> Parity:
     """Agree on the XOR sets, open this rank's parity store, and rebuild the lost rank of
     each set from the others' files and parity."""
-    root = options.scratch_tiers[0].path
+    root = options.scratch_devices[0].path
     assert not isinstance(root, Store)  # refused by check_world
     parity = Parity.open(
         coord, os.fspath(root), open_store=open_store, timeout=options.storage_timeout_seconds

@@ -21,7 +21,7 @@ from cryosnap._run.capture.devdiff import DeviceDiff
 from cryosnap.dist import Coordinator
 from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention
 from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Device
 
 __all__ = ["DEFAULT_KEEP_SCRATCH", "PathLike", "RunOptions"]
 
@@ -29,14 +29,14 @@ PathLike = str | os.PathLike[str] | Store
 
 DEFAULT_KEEP_SCRATCH = 2
 
-ScratchLike = PathLike | Tier | Sequence[PathLike | Tier] | None
+ScratchLike = PathLike | Device | Sequence[PathLike | Device] | None
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """The arguments of :class:`~cryosnap.Checkpointer` (documented there), checked and
     normalised: ``keep`` a retention policy or None, ``scratch`` a tuple of
-    :class:`~cryosnap.Tier` or None, ``handle_signals`` a tuple of signal numbers,
+    :class:`~cryosnap.Device` or None, ``handle_signals`` a tuple of signal numbers,
     ``keep_scratch`` an int with scratch (None without). Validating a valid value again
     gives it back unchanged. A bad argument raises on construction, naming it."""
 
@@ -127,7 +127,7 @@ class RunOptions:
             raise TypeError(f"storage_options must be a dict, got {type(options).__name__}")
         if options is not None:
             _set(self, "storage_options", dict(options))
-        _set(self, "scratch", _scratch_tiers(self.scratch))
+        _set(self, "scratch", _scratch_devices(self.scratch))
 
     # -- normalised views ----------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class RunOptions:
         return self.keep
 
     @property
-    def scratch_tiers(self) -> tuple[Tier, ...]:
+    def scratch_devices(self) -> tuple[Device, ...]:
         """The scratch devices, fastest first (empty: no scratch level)."""
         assert self.scratch is None or isinstance(self.scratch, tuple)
         return self.scratch or ()
@@ -148,9 +148,9 @@ class RunOptions:
         """The scratch level's retention: its newest ``keep_scratch`` versions."""
         return DEFAULT_KEEP_SCRATCH if self.keep_scratch is None else self.keep_scratch
 
-    def direct_io_of(self, tier: Tier) -> bool | None:
+    def direct_io_of(self, device: Device) -> bool | None:
         """A scratch device's ``direct_io``: its own, else the run's."""
-        return self.direct_io if tier.direct_io is None else tier.direct_io
+        return self.direct_io if device.direct_io is None else device.direct_io
 
     @property
     def signals(self) -> tuple[int, ...]:
@@ -162,7 +162,7 @@ class RunOptions:
         if self.partner and world_size == 1:
             raise _partner_error(self.partner)
         if world_size > 1:
-            for tier in self.scratch_tiers:
+            for tier in self.scratch_devices:
                 if isinstance(tier.path, Store):
                     raise ValueError(
                         f"scratch={tier.path!r}: with several participants give scratch as a "
@@ -223,13 +223,13 @@ def _check_comm(comm: object) -> None:
         )
 
 
-def _scratch_tiers(scratch: object) -> tuple[Tier, ...] | None:
+def _scratch_devices(scratch: object) -> tuple[Device, ...] | None:
     if scratch is None:
         return None
     items = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
     if not items:
-        raise ValueError("scratch=[] is invalid: give None or at least one path or Tier")
-    return tuple(t if isinstance(t, Tier) else Tier(t) for t in items)  # type: ignore[arg-type]
+        raise ValueError("scratch=[] is invalid: give None or at least one path or Device")
+    return tuple(t if isinstance(t, Device) else Device(t) for t in items)  # type: ignore[arg-type]
 
 
 def _check_device_diff(wanted: object, incremental: bool, chunk_bytes: int) -> None:

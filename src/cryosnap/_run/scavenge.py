@@ -29,7 +29,7 @@ from cryosnap.errors import (
     WorldSizeError,
 )
 from cryosnap.storage import LocalStore, Store
-from cryosnap.storage.tiers import StripedStore
+from cryosnap.storage.striped import StripedStore
 
 __all__ = ["FlushFailure", "FlushReport", "FlushedVersion", "flush_run"]
 
@@ -151,7 +151,7 @@ def _check_scratch_parts(options: RunOptions, coord: Coordinator) -> None:
     path = _directory(options.path)
     if path is not None and not os.path.isdir(path):
         problem = f"no run at {path} (the persistent tier to flush to)"
-    for tier in options.scratch_tiers:
+    for tier in options.scratch_devices:
         root = _directory(tier.path)
         if problem or root is None:
             continue

@@ -24,6 +24,7 @@ from cryosnap._format.commit import CommitRecord, PartSummary
 from cryosnap._format.keys import commit_key
 from cryosnap._format.manifest import Manifest, Replicated
 from cryosnap._format.skeleton_text import SkeletonTextCache
+from cryosnap._located import located
 from cryosnap._run.capture.staging import direct_batches
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.job import END, Job
@@ -42,7 +43,7 @@ from cryosnap.errors import (
 )
 from cryosnap.progress import Progress, human_bytes
 from cryosnap.storage import Store
-from cryosnap.storage.tiers import Placement
+from cryosnap.storage.striped import Placement
 
 __all__ = ["Rewriter", "VersionWriter", "WriterThread", "summary_of"]
 
@@ -159,59 +160,66 @@ class VersionWriter:
         exchanged = self.coord.world_size == 1
         copied = self.partners is None  # the partner copy, collective like the exchange
         progress = Progress(f"cryosnap: saving step {job.step}", job.flat.logical_bytes)
-        try:
-            if self.disagreed is not None:
-                raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
-            plan = job.plan if job.plan is not None else self.plan(job.flat, job.replicated)
-            # An eager capture's hand-over of live blobs starts (_run/capture/through.py).
-            job.begin()
-            # The capture decides (before its first batch) whether the version is full or
-            # must build on exactly one version: change detection on the device.
-            item = job.batches.get()
-            if item is END:
-                ended = True
-            elif isinstance(item, Batch):
-                held = item
+        with located(step=job.step, path=store.url):
             try:
-                base = self.chain.base_for_next(
-                    store, full=job.full, exact=job.diff_base, step=job.step, lineage=job.lineage
-                )
-            except CheckpointError as exc:
-                raise CheckpointError(f"step {job.step}: {exc}") from exc
-            writer = self._part_writer(job, plan, base)
-            while item is not END:
-                if isinstance(item, BaseException):
-                    raise item
-                batch: Batch = item
-                held = None
-                writer.add(batch.pieces, batch.release)
-                progress.update(batch.nbytes)
+                if self.disagreed is not None:
+                    raise CoordinationError(f"step {job.step} was not saved: {self.disagreed}")
+                plan = job.plan if job.plan is not None else self.plan(job.flat, job.replicated)
+                # An eager capture's hand-over of live blobs starts (_run/capture/through.py).
+                job.begin()
+                # The capture decides (before its first batch) whether the version is full or
+                # must build on exactly one version: change detection on the device.
                 item = job.batches.get()
-            ended = True
-            if not exchanged:
-                exchanged = True
-                _replicated.exchange(self.coord, job.step, job.flat, writer, plan)
-            part = writer.finish()
-            if self.partners is not None:
-                copied = True
-                keys = [*part.used_files(), *part.chain_keys()]
-                self.partners.copy_files(self.coord, store, job.step, [*keys, part.ref.key])
-        except BaseException as exc:
-            if held is not None:
-                held.release()
-            if writer is not None:
-                writer.abort()
-            if not ended:
-                # Stop the capture (it polls this) and give every slab of this version back,
-                # so a capture blocked on the staging budget can finish.
-                job.pending.request_abort(exc)
-                job.drain()
-            self._tell_failure(job, exc, exchanged=exchanged, copied=copied)
-            raise
-        finally:
-            progress.close()
-        self._agree_commit(job.step, part, None, job)
-        return self._saved(job, part), part
+                if item is END:
+                    ended = True
+                elif isinstance(item, Batch):
+                    held = item
+                try:
+                    base = self.chain.base_for_next(
+                        store,
+                        full=job.full,
+                        exact=job.diff_base,
+                        step=job.step,
+                        lineage=job.lineage,
+                    )
+                except CheckpointError as exc:
+                    raise CheckpointError(
+                        f"step {job.step}: {exc}", step=job.step, path=store.url
+                    ) from exc
+                writer = self._part_writer(job, plan, base)
+                while item is not END:
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch: Batch = item
+                    held = None
+                    writer.add(batch.pieces, batch.release)
+                    progress.update(batch.nbytes)
+                    item = job.batches.get()
+                ended = True
+                if not exchanged:
+                    exchanged = True
+                    _replicated.exchange(self.coord, job.step, job.flat, writer, plan)
+                part = writer.finish()
+                if self.partners is not None:
+                    copied = True
+                    keys = [*part.used_files(), *part.chain_keys()]
+                    self.partners.copy_files(self.coord, store, job.step, [*keys, part.ref.key])
+            except BaseException as exc:
+                if held is not None:
+                    held.release()
+                if writer is not None:
+                    writer.abort()
+                if not ended:
+                    # Stop the capture (it polls this) and give every slab of this version back,
+                    # so a capture blocked on the staging budget can finish.
+                    job.pending.request_abort(exc)
+                    job.drain()
+                self._tell_failure(job, exc, exchanged=exchanged, copied=copied)
+                raise
+            finally:
+                progress.close()
+            self._agree_commit(job.step, part, None, job)
+            return self._saved(job, part), part
 
     def _part_writer(
         self, job: Job, plan: _replicated.Plan, base: engine.ResolvedPart | None

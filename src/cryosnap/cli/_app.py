@@ -164,7 +164,7 @@ def _add_read_commands(app: typer.Typer) -> None:
             typer.Option(
                 "--scratch",
                 metavar="DIR",
-                help="The run's scratch tier, as given to the Checkpointer (repeat per device): "
+                help="The run's scratch devices, as given to the Checkpointer (repeat per device): "
                 "verify every level, each rank's scratch part found under DIR included, and "
                 "name the damaged level. PATH is then the persistent tier.",
             ),
@@ -259,7 +259,7 @@ def _add_flush_command(app: typer.Typer) -> None:
             typer.Option(
                 "--scratch",
                 metavar="DIR",
-                help="The run's scratch tier, as given to the Checkpointer; repeat per tier. "
+                help="The run's scratch devices, as given to the Checkpointer; repeat per device. "
                 "Distributed: one process per rank (mpiexec -n N, torchrun).",
             ),
         ],

@@ -28,14 +28,14 @@ def cmd_flush(
     if not location:
         raise CliUsageError("PATH must not be empty")
     if not scratch or not all(scratch):
-        raise CliUsageError("--scratch DIR is required (once per scratch tier of the run)")
+        raise CliUsageError("--scratch DIR is required (once per scratch device of the run)")
     if not math.isfinite(retry_seconds) or retry_seconds < 0:
         raise CliUsageError(f"--retry-seconds must be a number >= 0, got {retry_seconds}")
-    for tier in scratch:
-        if _same_location(tier, location):
+    for device in scratch:
+        if _same_location(device, location):
             raise CliUsageError(
-                f"--scratch {tier} is the persistent PATH {location} itself: a scratch tier "
-                "is another directory (node-local: tmpfs, NVMe)"
+                f"--scratch {device} is the persistent PATH {location} itself: a scratch "
+                "device is another directory (node-local: tmpfs, NVMe)"
             )
     with _warnings_as_lines():
         report = flush(location, scratch=scratch, retry_seconds=retry_seconds)

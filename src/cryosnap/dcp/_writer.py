@@ -120,7 +120,7 @@ class StorageWriter(_DcpStorageWriter):
         self._options = dict(checkpointer_options)
         self._key = _session.run_key(path)
         self._coord = _session.coordinator(self._run_options.comm)
-        if self._run_options.scratch_tiers and self._coord.world_size > 1:
+        if self._run_options.scratch_devices and self._coord.world_size > 1:
             # The persistent hand-off's channel, made here rather than at the first save's open,
             # which dcp.async_save runs on a thread of its own while training goes on.
             self._coord.channel(flush_channel(1))

@@ -31,6 +31,7 @@ from cryosnap._format.manifest import (
     Manifest,
 )
 from cryosnap._format.skeleton import blob_keys, format_path
+from cryosnap._located import located
 from cryosnap._state import (
     Blob,
     DeviceFeed,
@@ -461,44 +462,45 @@ def read_part(
     facade refuses it together with ``into``, whose tensors stay where they are).
     ``progress``: makes the line the read reports its bytes to (None: none).
     """
-    if replicated_only:
-        return _read_replicated(
-            store,
-            step,
-            rank=rank,
-            into=into,
-            allow_pickle=allow_pickle,
-            device=device,
-            keys=keys,
-            progress=progress,
-        )
-    # The cyclic GC stays paused until the state is built (and into= filled): building tens
-    # of thousands of leaves, then planning their copies, would set off collection after
-    # collection, each walking every object the restore has made (for a state of 19,984
-    # tensors about 0.08-0.25 s a restore), instead of the one at the end.
-    with paused_gc():
-        if keys is None:
-            return _read_whole(
+    with located(step=step, path=store.url):
+        if replicated_only:
+            return _read_replicated(
                 store,
                 step,
                 rank=rank,
                 into=into,
                 allow_pickle=allow_pickle,
                 device=device,
+                keys=keys,
                 progress=progress,
             )
-        target = _into_keys(into, keys, step, "selected")
-        tree = _read_whole(
-            store,
-            step,
-            rank=rank,
-            into=target,
-            allow_pickle=allow_pickle,
-            device=device,
-            keys=keys,
-            progress=progress,
-        )
-        return _put_back(into, tree, keys)
+        # The cyclic GC stays paused until the state is built (and into= filled): building tens
+        # of thousands of leaves, then planning their copies, would set off collection after
+        # collection, each walking every object the restore has made (for a state of 19,984
+        # tensors about 0.08-0.25 s a restore), instead of the one at the end.
+        with paused_gc():
+            if keys is None:
+                return _read_whole(
+                    store,
+                    step,
+                    rank=rank,
+                    into=into,
+                    allow_pickle=allow_pickle,
+                    device=device,
+                    progress=progress,
+                )
+            target = _into_keys(into, keys, step, "selected")
+            tree = _read_whole(
+                store,
+                step,
+                rank=rank,
+                into=target,
+                allow_pickle=allow_pickle,
+                device=device,
+                keys=keys,
+                progress=progress,
+            )
+            return _put_back(into, tree, keys)
 
 
 def _into_keys(into: Any, keys: Sequence[str | int], step: int, what: str) -> Any:
@@ -659,11 +661,14 @@ def _read_replicated(
 def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
     """Read every chunk of one rank's part (through its whole chain) and check every hash and
     every Merkle root; raise on the first damage found."""
-    part, _restorer, _fetched = _read_verified(store, step, rank=rank, allow_pickle=True)
+    with located(step=step, path=store.url):
+        part, _restorer, _fetched = _read_verified(store, step, rank=rank, allow_pickle=True)
     for b, entry in zip(part.blobs, part.manifest.blobs, strict=True):
         if merkle_root(b.hashes.tobytes()) != entry.root:
             raise IntegrityError(
-                f"step {step}, tier {store.url}: leaf {b.path}: Merkle root does not match"
+                f"step {step}, level {store.url}: leaf {b.path}: Merkle root does not match",
+                step=step,
+                path=store.url,
             )
     return part
 

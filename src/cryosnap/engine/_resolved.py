@@ -19,6 +19,7 @@ from cryosnap._format.chunks import HASH_BYTES
 from cryosnap._format.commit import CommitRecord
 from cryosnap._format.manifest import BaseRef, Manifest
 from cryosnap._format.skeleton import blob_paths
+from cryosnap._located import located
 from cryosnap.engine._records import _load_manifest, read_commit, read_manifest
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import Store
@@ -448,6 +449,7 @@ def chain_keys(store: Store, record: CommitRecord) -> list[str]:
 
 def resolve_version(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
     """Read the commit record of ``step`` and resolve one rank's part."""
-    record = read_commit(store, step)
-    manifest, ref = read_manifest(store, record, rank)
-    return resolve(store, manifest, ref.key, ref.xxh3)
+    with located(step=step, path=store.url):
+        record = read_commit(store, step)
+        manifest, ref = read_manifest(store, record, rank)
+        return resolve(store, manifest, ref.key, ref.xxh3)

@@ -12,7 +12,7 @@ import pytest
 import cryosnap
 import cryosnap.policy
 from cryosnap._run.config import config_arguments
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Tier
 
 
 def write(path: Path, text: str) -> Path:

@@ -11,7 +11,7 @@ import cryosnap
 from cryosnap._run.open import open_run
 from cryosnap._run.options import RunOptions
 from cryosnap.policy import KeepLast
-from cryosnap.storage.tiers import Tier
+from cryosnap.storage.striped import Tier
 
 
 def test_options_validate_without_touching_storage(tmp_path: Path) -> None:

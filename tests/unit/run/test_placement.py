@@ -13,7 +13,7 @@ from cryosnap._run.capture.staging import Piece
 from cryosnap.engine import _split_pieces
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore
-from cryosnap.storage.tiers import Placement, StripedStore, device_of
+from cryosnap.storage.striped import Placement, StripedStore, device_of
 
 
 def striped(tmp_path: Path, caps: list[int | None]) -> StripedStore:

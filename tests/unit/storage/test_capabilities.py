@@ -29,7 +29,7 @@ from cryosnap.storage import (
     WrapperStore,
     open_store,
 )
-from cryosnap.storage.tiers import StripedStore
+from cryosnap.storage.striped import StripedStore
 from cryosnap.testing import FaultyStore
 from cryosnap.testing.store import StoreTests
 

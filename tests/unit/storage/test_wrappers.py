@@ -27,7 +27,7 @@ from cryosnap.storage import (
     open_store,
     unwrap,
 )
-from cryosnap.storage.tiers import LAYOUT_KEY, StripedStore
+from cryosnap.storage.striped import LAYOUT_KEY, StripedStore
 from cryosnap.testing import FaultyStore
 from cryosnap.testing.store import StoreTests
 

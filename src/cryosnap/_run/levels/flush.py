@@ -199,7 +199,9 @@ def _from_src(step: int, src: Store, read: Callable[[], _T]) -> _T:
     try:
         return read()
     except (CheckpointNotFoundError, IntegrityError, CheckpointFormatError) as exc:
-        raise SourceDamagedError(f"step {step} on scratch {src.url} is damaged: {exc}") from exc
+        raise SourceDamagedError(
+            f"step {step} on scratch {src.url} is damaged: {exc}", step=step, path=src.url
+        ) from exc
 
 
 def _no_fence() -> None:
@@ -261,7 +263,9 @@ def flush_version(
         data = _from_src(step, src, lambda key=key: src.read(key))  # type: ignore[misc]
         if xxhash.xxh3_128_hexdigest(data) != xxh3:
             raise SourceDamagedError(
-                f"step {step} on scratch {src.url}: manifest {key} does not match its hash"
+                f"step {step} on scratch {src.url}: manifest {key} does not match its hash",
+                step=step,
+                path=src.url,
             )
         if dst.exists(key) and dst.read(key) == data:
             continue

@@ -16,7 +16,7 @@ from typing import Final
 
 from cryosnap.storage import Store
 from cryosnap.storage.base import BlobWriter
-from cryosnap.storage.tiers import Placement
+from cryosnap.storage.striped import Placement
 
 __all__ = ["Appender"]
 

@@ -46,7 +46,7 @@ from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
 from cryosnap.errors import CheckpointError, CheckpointExistsError, StorageError
 from cryosnap.storage import Store
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
-from cryosnap.storage.tiers import Placement
+from cryosnap.storage.striped import Placement
 
 __all__ = ["PartResult", "PartWriter"]
 
@@ -182,7 +182,7 @@ class PartWriter:
         if placement is None:
             keys = [data_key(step, rank, token)]
         else:
-            # One data file per device; the key names its device (storage/tiers.py).
+            # One data file per device; the key names its device (storage/striped.py).
             keys = [data_key(step, rank, f"{token}-d{d}") for d in range(placement.devices)]
         # File index d is device d's data file; references to older files come after.
         self._files = FileTable(keys)

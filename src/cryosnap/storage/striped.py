@@ -1,4 +1,5 @@
-"""Scratch tiers: node-local devices that take a version first, and how its data is split.
+"""The scratch level's devices: node-local stores that take a version first, and how its data
+is split over them.
 
 :class:`StripedStore` sees several devices as one store; :class:`Placement` sends each batch
 of new bytes to the device that would finish it first.
@@ -20,7 +21,7 @@ from typing import Any
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from cryosnap.storage.base import BlobWriter, BytesLike, Store, StoreCapabilities
 
-__all__ = ["Placement", "StripedStore", "Tier", "device_of"]
+__all__ = ["Device", "Placement", "StripedStore", "Tier", "device_of"]
 
 _DEVICE_SUFFIX = re.compile(r"-d(\d+)\.dat$")
 # On the first device: the devices a scratch tier was written with, in order (data file keys
@@ -31,7 +32,7 @@ _DECAY = 0.8
 
 
 @dataclass(frozen=True, slots=True)
-class Tier:
+class Device:
     """A storage device for the scratch level: a directory or fsspec URL.
 
     ``capacity_bytes`` caps the checkpoint data cryosnap keeps on it (None: no cap).
@@ -51,6 +52,11 @@ class Tier:
             raise ValueError(
                 f"capacity_bytes={cap!r} is invalid: allowed is a positive int or None"
             )
+
+
+# The name of :class:`Device` in the first releases' API (``scratch=[Tier(...)]``); "tier"
+# now names a storage level only (``SaveInfo.tiers``, ``result(tier=)``).
+Tier = Device
 
 
 def device_of(key: str, devices: int) -> int:
