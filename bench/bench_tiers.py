@@ -360,7 +360,7 @@ class Version:
 
 def open_tiered(cs: ModuleType, root: Path, shm: Path, strategy: str, rates: Sequence[float]):
     from cryosnap.storage import LocalStore
-    from cryosnap.storage.tiers import Placement
+    from cryosnap.storage.striped import Placement
     from cryosnap.testing import FaultyStore
 
     tiers = [
@@ -376,7 +376,7 @@ def open_tiered(cs: ModuleType, root: Path, shm: Path, strategy: str, rates: Seq
 
 def split_of(cs: ModuleType, ckpt: Any, step: int) -> list[int]:
     from cryosnap.engine import read_commit
-    from cryosnap.storage.tiers import device_of
+    from cryosnap.storage.striped import device_of
 
     store = ckpt.scratch
     out = [0] * len(store.devices)
