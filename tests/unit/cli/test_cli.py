@@ -130,23 +130,6 @@ ARR_2 = np.arange(6.0).tobytes()  # the leaf "arr" of step 2 only
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers
-
-
-def test_human_bytes() -> None:
-    assert human_bytes(0) == "0 B"
-    assert human_bytes(1023) == "1023 B"
-    assert human_bytes(1536) == "1.5 KiB"
-    assert human_bytes(1 << 30) == "1.0 GiB"
-    assert human_bytes(5 << 50) == "5.0 PiB"
-
-
-def test_import_cryosnap_does_not_import_typer_or_rich() -> None:
-    code = "import sys, cryosnap; assert not {'typer', 'rich'} & set(sys.modules), sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
-# ---------------------------------------------------------------------------------------------
 # the command line stands on the public API only
 
 CLI_DIR = Path(cryosnap.cli.__file__).parent

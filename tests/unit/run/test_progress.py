@@ -34,5 +34,7 @@ def test_progress_is_silent_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_human_bytes() -> None:
     assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
     assert human_bytes(1536) == "1.5 KiB"
     assert human_bytes(3 << 30) == "3.0 GiB"
+    assert human_bytes(5 << 50) == "5.0 PiB"
