@@ -2,12 +2,21 @@
 
 One private module per pipeline; imports point one way (each only to those above it).
 Underscored names are shared between these modules but private to the package. Writes run on
-the Checkpointer's background thread, reads on the caller's; no collectives here.
+the Checkpointer's background thread, reads on the caller's; no collectives here. What they
+are cut by (sizes, shares, threads) is one value each, :class:`ReadLimits` and
+:class:`WriteLimits`, set for a block by :func:`read_limits` and :func:`write_limits`.
 docs/design/engine.md lists the modules.
 """
 
 from __future__ import annotations
 
+from cryosnap.engine._limits import (
+    IO_BATCH_BYTES,
+    ReadLimits,
+    WriteLimits,
+    read_limits,
+    write_limits,
+)
 from cryosnap.engine._read import (
     FlatPart,
     PartNotFoundError,
@@ -49,8 +58,6 @@ from cryosnap.engine._retire import (
     version_space,
 )
 from cryosnap.engine._select import validate_keys
-from cryosnap.engine.fetch import _FRAGMENTED_RUNS as _FRAGMENTED_RUNS
-from cryosnap.engine.fetch import IO_BATCH_BYTES
 from cryosnap.engine.write import PartResult, PartWriter, assign_shares
 from cryosnap.engine.write import _split_pieces as _split_pieces
 
@@ -61,10 +68,12 @@ __all__ = [
     "PartNotFoundError",
     "PartResult",
     "PartWriter",
+    "ReadLimits",
     "ResolvedBlob",
     "ResolvedPart",
     "RetirePlan",
     "VersionSpace",
+    "WriteLimits",
     "apply_retire",
     "assign_shares",
     "caller_stacklevel",
@@ -79,6 +88,7 @@ __all__ = [
     "read_blob",
     "read_commit",
     "read_flat",
+    "read_limits",
     "read_manifest",
     "read_part",
     "resolve",
@@ -90,4 +100,5 @@ __all__ = [
     "verify_part",
     "version_space",
     "versions_among",
+    "write_limits",
 ]

@@ -46,6 +46,7 @@ from cryosnap._state import (
 from cryosnap._state.gc import paused_gc
 from cryosnap._units import human_bytes
 from cryosnap.engine._claims import check_chain_claims, check_used_files
+from cryosnap.engine._limits import ReadLimits
 from cryosnap.engine._records import read_commit, read_manifest
 from cryosnap.engine._resolved import (
     ResolvedBlob,
@@ -124,6 +125,7 @@ def _read_verified(
     progress: ProgressFactory | None = None,
     keys: Sequence[str | int] | None = None,
     device: Any = None,
+    limits: ReadLimits,
 ) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
     (reported to a line ``progress`` makes, if given). ``keys``: only these top-level keys
@@ -131,7 +133,7 @@ def _read_verified(
     restorer's skeleton holds these keys only. ``device`` (a ``torch.device`` other than the
     CPU, without ``into``): each blob's torch leaves are copied there as soon as the blob
     verified, while the reads go on (:func:`_pipelined`); the restorer's leaves are then
-    those copies (``restorer.moved``).
+    those copies (``restorer.moved``). ``limits``: the read's, taken at its entry.
 
     With ``into`` on a store with a local path, the leaves :func:`direct_targets` picks are not
     allocated: their chunks are verified, and the returned :class:`Fetched` reads them into
@@ -147,7 +149,8 @@ def _read_verified(
         targets: dict[int, Any] = {}
         if into is not None:
             if store.capabilities.local_path is not None:
-                targets = _direct_targets(skeleton, into, where)  # checked on the way
+                # into= is checked on the way.
+                targets = _direct_targets(skeleton, into, where, limits.direct_min_bytes)
             else:
                 _check_into(skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
@@ -155,7 +158,9 @@ def _read_verified(
         checked = check_chain_claims(store, chain, set(record.data_files))
         sizes = [manifest.blobs[i].nbytes for i in index]
         restorer = Restorer(skeleton, sizes, allow_pickle=allow_pickle)
-        laid = _lay_out(store, manifest, ref, chain, restorer, targets, where, keys, index)
+        laid = _lay_out(
+            store, manifest, ref, chain, restorer, targets, where, keys, index, limits.cold_share
+        )
         part, views, mapped, cold, placed = laid
         check_used_files(store, part, checked)
         move: DeviceMove | None = None
@@ -177,6 +182,7 @@ def _read_verified(
             placed=placed,
             cold=cold,
             on_ready=feed.ready if feed is not None else None,
+            limits=limits,
         )
         total = manifest.logical_bytes if keys is None else sum(sizes)
         fetched = _fetch_reported(
@@ -208,11 +214,13 @@ def _lay_out(
     where: str,
     keys: Sequence[str | int] | None,
     index: list[int],
+    cold_share: float,
 ) -> _Laid:
     """Resolve the part and give each leaf its memory: fresh allocations on a store that
     cannot map its files; over the mapped data files where it can (cold files read with
-    direct I/O into fresh aligned leaves). The part, the leaves' views, the mapping, the
-    cold files and which leaves lie over the mapping."""
+    direct I/O into fresh aligned leaves; cold: less than ``cold_share`` of their pages
+    cached). The part, the leaves' views, the mapping, the cold files and which leaves lie
+    over the mapping."""
     n = len(manifest.blobs)
     if getattr(store, "map_file", None) is None:
         views = _allocate(restorer, where, targets)
@@ -232,7 +240,7 @@ def _lay_out(
     # Cold data files (out of the page cache) are not mapped: read with direct I/O,
     # their large blobs into fresh aligned leaves (faulting the file in page by page
     # through a mapping is slower than the disk).
-    cold = ColdFiles(store, part)
+    cold = ColdFiles(store, part, cold_share=cold_share)
     mapped = Mapped(store, part, skip=cold.files)
     views = _allocate(restorer, where, targets, placer(mapped.place, cold))
     # Only the leaves over the mapped files are verified where they lie; the fresh
@@ -297,6 +305,7 @@ def read_flat(
     *,
     rank: int = 0,
     skip: Callable[[FlatState, Manifest], dict[int, SkipMask]] | None = None,
+    limits: ReadLimits | None = None,
 ) -> FlatPart:
     """One rank's part of ``step`` as it was flattened: the manifest's skeleton and every blob
     read and verified into a buffer of its own (no tensor is built, whatever the leaves are).
@@ -306,7 +315,9 @@ def read_flat(
     metrics and replicated keys. ``skip(flat, manifest)`` (no byte read yet)
     names chunks whose bytes are not needed: they are neither read nor verified, their bytes
     in the buffers are undefined, and the caller takes their recorded hashes from
-    :attr:`FlatPart.hashes` (a rank writing only its share of the replicated state)."""
+    :attr:`FlatPart.hashes` (a rank writing only its share of the replicated state).
+    ``limits``: as :func:`read_part`'s."""
+    limits = limits if limits is not None else ReadLimits.current()
     with paused_gc():
         record = read_commit(store, step)
         if rank >= record.world_size:
@@ -333,16 +344,19 @@ def read_flat(
     )
     skipped = skip(flat, manifest) if skip is not None else {}
     wanted, views = _wanted(part, [b.data for b in buffers], skipped, manifest.chunk_bytes)
-    read_blobs(store, wanted, views, direct=[False] * len(views))
+    read_blobs(store, wanted, views, direct=[False] * len(views), limits=limits)
     return FlatPart(flat, record, manifest, [b.hashes for b in part.blobs])
 
 
-def read_blob(store: Store, part: ResolvedPart, blob: int) -> bytes:
+def read_blob(
+    store: Store, part: ResolvedPart, blob: int, *, limits: ReadLimits | None = None
+) -> bytes:
     """The bytes of blob ``blob`` of ``part``, every chunk read and verified (what ``diff``
-    reads of a pack of small tensors to compare one of them)."""
+    reads of a pack of small tensors to compare one of them). ``limits``: as
+    :func:`read_part`'s."""
     buf = memoryview(bytearray(part.blobs[blob].nbytes))
     one = dataclasses.replace(part, blobs=[part.blobs[blob]], _by_path={})
-    read_blobs(store, one, [buf], direct=[False])
+    read_blobs(store, one, [buf], direct=[False], limits=limits)
     return bytes(buf)
 
 
@@ -406,14 +420,11 @@ def _check_into(skeleton: Any, into: Any, where: str) -> None:
         raise CheckpointFormatError(f"{where}: malformed state tree ({exc!r:.120})") from exc
 
 
-# Leaves of into= smaller than this keep the copy: a fresh small leaf comes from the allocator's
-# heap (no fresh pages), and a second read costs more per leaf than the copy it saves.
-_DIRECT_MIN_BYTES = 256 << 10
-
-
-def _direct_targets(skeleton: Any, into: Any, where: str) -> dict[int, Any]:
+def _direct_targets(skeleton: Any, into: Any, where: str, min_bytes: int) -> dict[int, Any]:
+    """The leaves of ``into`` read into directly: those of at least ``min_bytes`` (smaller
+    ones keep the copy)."""
     try:
-        return direct_targets(skeleton, into, min_bytes=_DIRECT_MIN_BYTES)
+        return direct_targets(skeleton, into, min_bytes=min_bytes)
     except CheckpointError:
         raise
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
@@ -449,6 +460,7 @@ def read_part(
     device: Any = None,
     keys: Sequence[str | int] | None = None,
     progress: ProgressFactory | None = None,
+    limits: ReadLimits | None = None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
 
@@ -461,8 +473,11 @@ def read_part(
     ``device``: a ``torch.device`` the torch leaves go to once verified (None: the CPU; the
     facade refuses it together with ``into``, whose tensors stay where they are).
     ``progress``: makes the line the read reports its bytes to (None: none).
+    ``limits``: what the read is cut by (None: :meth:`ReadLimits.current`, taken here, on
+    the restoring thread, and passed down; nothing below reads the context).
     """
     with located(step=step, path=store.url):
+        limits = limits if limits is not None else ReadLimits.current()
         if replicated_only:
             return _read_replicated(
                 store,
@@ -473,6 +488,7 @@ def read_part(
                 device=device,
                 keys=keys,
                 progress=progress,
+                limits=limits,
             )
         # The cyclic GC stays paused until the state is built (and into= filled): building tens
         # of thousands of leaves, then planning their copies, would set off collection after
@@ -488,6 +504,7 @@ def read_part(
                     allow_pickle=allow_pickle,
                     device=device,
                     progress=progress,
+                    limits=limits,
                 )
             target = _into_keys(into, keys, step, "selected")
             tree = _read_whole(
@@ -499,6 +516,7 @@ def read_part(
                 device=device,
                 keys=keys,
                 progress=progress,
+                limits=limits,
             )
             return _put_back(into, tree, keys)
 
@@ -534,6 +552,7 @@ def _read_whole(
     device: Any,
     keys: Sequence[str | int] | None = None,
     progress: ProgressFactory | None = None,
+    limits: ReadLimits,
 ) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
@@ -545,6 +564,7 @@ def _read_whole(
         progress=progress,
         keys=keys,
         device=device,
+        limits=limits,
     )
     if device is not None and device.type != "cpu" and not restorer.moved:
         # Not wrapped: running out of device memory is no damage of the version.
@@ -610,6 +630,7 @@ def _read_replicated(
     device: Any,
     keys: Sequence[str | int] | None = None,
     progress: ProgressFactory | None = None,
+    limits: ReadLimits,
 ) -> Any:
     """The keys of ``step`` saved as replicated (True: the whole state; ``keys``: those of
     them), read from saved part ``rank % world_size`` (ranks spread their reads over the
@@ -643,6 +664,7 @@ def _read_replicated(
             allow_pickle=allow_pickle,
             device=device,
             progress=progress,
+            limits=limits,
         )
     wanted = list(keys) if keys is not None else list(saved) if saved is not True else []
     _into_keys(into, wanted, step, "replicated")  # checked here to say which keys
@@ -655,14 +677,20 @@ def _read_replicated(
         device=device,
         keys=wanted,
         progress=progress,
+        limits=limits,
     )
 
 
-def verify_part(store: Store, step: int, *, rank: int = 0) -> ResolvedPart:
+def verify_part(
+    store: Store, step: int, *, rank: int = 0, limits: ReadLimits | None = None
+) -> ResolvedPart:
     """Read every chunk of one rank's part (through its whole chain) and check every hash and
-    every Merkle root; raise on the first damage found."""
+    every Merkle root; raise on the first damage found. ``limits``: as :func:`read_part`'s."""
+    limits = limits if limits is not None else ReadLimits.current()
     with located(step=step, path=store.url):
-        part, _restorer, _fetched = _read_verified(store, step, rank=rank, allow_pickle=True)
+        part, _restorer, _fetched = _read_verified(
+            store, step, rank=rank, allow_pickle=True, limits=limits
+        )
     for b, entry in zip(part.blobs, part.manifest.blobs, strict=True):
         if merkle_root(b.hashes.tobytes()) != entry.root:
             raise IntegrityError(

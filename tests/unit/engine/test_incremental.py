@@ -194,7 +194,7 @@ def test_fragmented_chain_restores_exactly_and_detects_damage(tmp_path: Path) ->
     part = engine.resolve_version(store, 4)
     blob = part.blobs[0]
     runs = 1 + int(np.count_nonzero(np.diff(blob.offsets) != CHUNK))
-    assert runs > engine._FRAGMENTED_RUNS
+    assert runs > engine.ReadLimits().fragmented_runs
     for step, snap in snaps.items():
         np.testing.assert_array_equal(cryosnap.load(tmp_path, step=step)["x"], snap)
     # Damage in a chunk the last version still takes from the base's data file is found

@@ -11,12 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cryosnap._format.chunks import HASH_BYTES
-from cryosnap.engine import ResolvedBlob
+from cryosnap.engine import ReadLimits, ResolvedBlob
 from cryosnap.engine._resolved import PartChunks
 from cryosnap.engine.fetch._plan import (
-    _GAP_BYTES,
     _GATHER_WINDOW_BYTES,
-    ReadLimits,
     ReadPlan,
     gather_windows,
     plan_reads,
@@ -206,13 +204,19 @@ def test_hash_slices_whole_views_and_purity(case: Case) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 400), min_size=1, max_size=300), st.sampled_from([CB, 64 << 10]))
-def test_gather_windows_cover_the_offsets_without_wide_gaps(slots: list[int], cb: int) -> None:
+@given(
+    st.lists(st.integers(0, 400), min_size=1, max_size=300),
+    st.sampled_from([CB, 64 << 10]),
+    st.sampled_from([0, CB, ReadLimits().gap_bytes]),
+)
+def test_gather_windows_cover_the_offsets_without_wide_gaps(
+    slots: list[int], cb: int, gap_bytes: int
+) -> None:
     offs = np.array(sorted(s * cb // 4 for s in slots), np.int64)
-    windows = gather_windows(offs, cb)
+    windows = gather_windows(offs, cb, gap_bytes)
     assert windows[0][0] == 0 and windows[-1][1] == len(offs)
     for (a, z, lo, hi), nxt in zip(windows, [*windows[1:], None], strict=True):
         assert a < z and lo == offs[a] and hi == offs[z - 1] + cb
         assert nxt is None or nxt[0] == z
-        assert (np.diff(offs[a:z]) - cb <= _GAP_BYTES).all()
+        assert (np.diff(offs[a:z]) - cb <= gap_bytes).all()
         assert hi - lo <= max(_GATHER_WINDOW_BYTES, cb) or z - a == 1

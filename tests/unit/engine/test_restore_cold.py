@@ -7,8 +7,10 @@ that refuses direct reads midway loses nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import uuid
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cryosnap
-from cryosnap import _native
+from cryosnap import _native, engine
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
@@ -150,9 +152,13 @@ def test_a_warm_restore_keeps_the_mapped_path(direct_dir: Path) -> None:
     assert not syscalls.reads
 
 
-def _staged(monkeypatch: pytest.MonkeyPatch) -> None:
-    """into='s leaves in cold files staged (read once with direct I/O), not mapped."""
-    monkeypatch.setattr(_cold, "MAP_COLD_INTO", False)
+def _staged(*, room: bool = True) -> AbstractContextManager[engine.ReadLimits]:
+    """The restores in the block stage into='s leaves in cold files (read once with direct
+    I/O), not mapped; without ``room`` there is no memory to stage in: read twice, from the
+    disk."""
+    if room:
+        return engine.read_limits(map_cold_into=False)
+    return engine.read_limits(map_cold_into=False, staging_share=0.0)
 
 
 def _restored_into_in_place(direct_dir: Path, state: dict[str, Any]) -> FaultySyscalls:
@@ -178,10 +184,10 @@ def test_a_cold_restore_into_fills_in_place_through_the_mapping(direct_dir: Path
 def test_a_staged_cold_restore_into_fills_in_place(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _staged(monkeypatch)
     state = _saved(direct_dir)
     copied = _bounced(monkeypatch)
-    syscalls = _restored_into_in_place(direct_dir, state)
+    with _staged():
+        syscalls = _restored_into_in_place(direct_dir, state)
     assert _direct_bytes(syscalls) >= 4 * MIB  # read once, from the disk
     assert sum(copied) <= 0.1 * _nbytes(state)  # into staging memory placed alike
 
@@ -224,17 +230,12 @@ def test_the_direct_path_and_the_mapped_path_give_the_same_bytes(
     _evict(root)
     syscalls = FaultySyscalls()
     store = LocalStore(root, syscalls=syscalls)
-    with pytest.MonkeyPatch.context() as staging:
-        staging.setattr(_cold, "MAP_COLD_INTO", not staged)
+    with engine.read_limits(map_cold_into=not staged):
         cold = cryosnap.load(store, step=STEP, into=_zeros(state) if into else None)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(_cold, "COLD_SHARE", 0.0)  # every file counts as warm: mapped
-    try:
-        reads = len(syscalls.reads)
+    reads = len(syscalls.reads)
+    with engine.read_limits(cold_share=0.0):  # every file counts as warm: mapped
         mapped = cryosnap.load(store, step=STEP, into=_zeros(state) if into else None)
-        assert len(syscalls.reads) == reads
-    finally:
-        mp.undo()
+    assert len(syscalls.reads) == reads
     assert snapshot(cold) == snapshot(mapped) == snapshot(state)
 
 
@@ -258,42 +259,39 @@ def _flip(path: Path, pos: int) -> None:
 def test_damage_fails_a_cold_restore_and_leaves_into_untouched(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    if path != "mapped":
-        _staged(monkeypatch)
+    limits = _staged() if path != "mapped" else contextlib.nullcontext()
     if path == "twice":  # no memory to stage in: into='s leaves are read twice, as before
         monkeypatch.setattr(_cold, "available_memory_bytes", lambda: 0)
     state = _state()
     cryosnap.save(direct_dir, state, step=STEP, chunk_bytes=CHUNK)
-    path, offset, nbytes = _segment(direct_dir, "arr")
-    _flip(path, offset + nbytes // 2)
+    data, offset, nbytes = _segment(direct_dir, "arr")
+    _flip(data, offset + nbytes // 2)
     _evict(direct_dir)
     into = _zeros(state)
     into["w"].fill_(7.0)
     before = snapshot(into)
-    with pytest.raises(cryosnap.IntegrityError, match=f"leaf arr: chunk {nbytes // 2 // CHUNK} "):
-        cryosnap.load(direct_dir, step=STEP, into=into)
-    assert snapshot(into) == before
-    with pytest.raises(cryosnap.IntegrityError, match="leaf arr"):
-        cryosnap.load(direct_dir, step=STEP)
+    chunk = nbytes // 2 // CHUNK
+    with limits:
+        with pytest.raises(cryosnap.IntegrityError, match=f"leaf arr: chunk {chunk} "):
+            cryosnap.load(direct_dir, step=STEP, into=into)
+        assert snapshot(into) == before
+        with pytest.raises(cryosnap.IntegrityError, match="leaf arr"):
+            cryosnap.load(direct_dir, step=STEP)
 
 
-def test_without_staging_memory_into_is_still_filled(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _staged(monkeypatch)
-    monkeypatch.setattr(_cold, "STAGING_SHARE", 0.0)
+def test_without_staging_memory_into_is_still_filled(direct_dir: Path) -> None:
     state = _saved(direct_dir)
     into = _zeros(state)
-    assert _equal(cryosnap.load(direct_dir, step=STEP, into=into), state)
+    with _staged(room=False):
+        assert _equal(cryosnap.load(direct_dir, step=STEP, into=into), state)
 
 
 def test_a_short_read_at_the_end_names_the_leaf_and_leaves_into_untouched(
-    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+    direct_dir: Path,
 ) -> None:
     """The device returns nothing for a read (the file ends there, as a truncated file does
     after the size checks): the corruption error naming step, level and leaf (into='s
     leaves staged: read with direct I/O as fresh leaves are)."""
-    _staged(monkeypatch)
     state = _saved(direct_dir)
 
     def eof(nbytes: int, direct: bool) -> int | None:
@@ -302,9 +300,12 @@ def test_a_short_read_at_the_end_names_the_leaf_and_leaves_into_untouched(
     into = _zeros(state)
     before = snapshot(into)
     store = LocalStore(direct_dir, syscalls=FaultySyscalls(read_fault=eof))
-    with pytest.raises(
-        cryosnap.IntegrityError,
-        match=rf"step {STEP}, tier .*: data file .* is truncated; leaf \w+ cannot be read",
+    with (
+        _staged(),
+        pytest.raises(
+            cryosnap.IntegrityError,
+            match=rf"step {STEP}, tier .*: data file .* is truncated; leaf \w+ cannot be read",
+        ),
     ):
         cryosnap.load(store, step=STEP, into=into)
     assert snapshot(into) == before
@@ -374,22 +375,20 @@ def test_into_catches_a_cold_file_changed_between_the_passes(
 ) -> None:
     """Mapped, or past the staging budget (both passes read from the disk): the second pass
     verifies again, so bytes changed meanwhile never reach into= and the restore fails."""
-    if path == "twice":
-        _staged(monkeypatch)
-        monkeypatch.setattr(_cold, "STAGING_SHARE", 0.0)
+    limits = _staged(room=False) if path == "twice" else contextlib.nullcontext()
     state = _saved(direct_dir)
-    path, offset, nbytes = _segment(direct_dir, "arr")
+    data, offset, nbytes = _segment(direct_dir, "arr")
     second = _execute.PartReader.second_pass
 
     def damage_then_fill(self: Any) -> None:
-        _flip(path, offset + nbytes // 2)
+        _flip(data, offset + nbytes // 2)
         _evict(direct_dir)
         second(self)
 
     monkeypatch.setattr(_execute.PartReader, "second_pass", damage_then_fill)
     into = _zeros(state)
     chunk = nbytes // 2 // CHUNK
-    with pytest.raises(cryosnap.IntegrityError, match=f"leaf arr: chunk {chunk} "):
+    with limits, pytest.raises(cryosnap.IntegrityError, match=f"leaf arr: chunk {chunk} "):
         cryosnap.load(direct_dir, step=STEP, into=into)
     got = into["arr"].view(np.uint8)
     want = state["arr"].view(np.uint8)

@@ -6,6 +6,7 @@ copy, and errors name the first damage in blob order whatever the read order."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,7 @@ from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
 from cryosnap._state import check_into, direct_targets, flatten
 from cryosnap._state import into as into_module
-from cryosnap.engine import _read
-from cryosnap.engine.fetch import _cold, _execute, _plan
+from cryosnap.engine.fetch import _execute
 from cryosnap.storage import LocalStore, Store, open_store
 from cryosnap.testing import FaultyStore
 
@@ -34,9 +34,10 @@ STEP = 3
 
 
 @pytest.fixture(autouse=True)
-def _direct_small_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+def _direct_small_leaves() -> Iterator[None]:
     """The states here are small: every leaf may be read into directly."""
-    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
+    with engine.read_limits(direct_min_bytes=0):
+        yield
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
@@ -261,11 +262,9 @@ def test_into_is_filled_in_place(location: str) -> None:
     assert into["param"]._version > version
 
 
-def test_small_leaves_are_read_once_by_default(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.undo()  # the default threshold
-    assert _state()["big"].nbytes < _read._DIRECT_MIN_BYTES  # the largest leaf
+def test_small_leaves_are_read_once_by_default(tmp_path: Path) -> None:
+    defaults = engine.ReadLimits()  # the default threshold, not this module's
+    assert _state()["big"].nbytes < defaults.direct_min_bytes  # the largest leaf
     cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
     read: list[int] = []
     store = FaultyStore(LocalStore(tmp_path))
@@ -277,7 +276,7 @@ def test_small_leaves_are_read_once_by_default(
 
     store.read_ranges = counting  # type: ignore[method-assign]
     into = _zeros_like(_state())
-    engine.read_part(store, STEP, into=into)
+    engine.read_part(store, STEP, into=into, limits=defaults)
     logical = Manifest.from_json(store.read(manifest_key(STEP, 0)), "t").logical_bytes
     assert sum(read) < logical + 4 * (64 << 10)
     assert all(_equal(_state()[k], into[k]) for k in into)
@@ -372,7 +371,6 @@ def test_a_file_that_changes_between_the_passes_is_caught(
     """The second pass verifies every read again: bytes that changed since the first pass never
     reach into=, and the restore fails. (From a cold file into= is staged, read once: no
     second pass; the files here count as warm.)"""
-    monkeypatch.setattr(_cold, "COLD_SHARE", 0.0)
     cryosnap.save(tmp_path, _state(), step=STEP, chunk_bytes=CHUNK)
     _store, _key, manifest = _data_file(str(tmp_path))
     offset, nbytes = _segment(manifest, "big")
@@ -384,7 +382,10 @@ def test_a_file_that_changes_between_the_passes_is_caught(
 
     monkeypatch.setattr(_execute.PartReader, "second_pass", damage_then_fill)
     into = _zeros_like(_state())
-    with pytest.raises(cryosnap.IntegrityError, match="leaf big: chunk 24 "):
+    with (
+        engine.read_limits(cold_share=0.0),
+        pytest.raises(cryosnap.IntegrityError, match="leaf big: chunk 24 "),
+    ):
         cryosnap.load(tmp_path, step=STEP, into=into)
     # Whatever reached "big" is the version's own bytes (verified), the damaged chunk is not.
     want = _state()["big"].view(torch.uint8).reshape(-1)
@@ -437,7 +438,7 @@ def test_scattered_chain_restores_into_and_damage_leaves_it_untouched(tmp_path: 
     store = LocalStore(tmp_path)
     part = engine.resolve_version(store, 3)
     runs = 1 + int(np.count_nonzero(np.diff(part.blobs[0].offsets) != CHUNK))
-    assert runs > engine._FRAGMENTED_RUNS
+    assert runs > engine.ReadLimits().fragmented_runs
     into = {"x": np.zeros_like(arr), "t": torch.zeros(5000)}
     x = into["x"]
     cryosnap.load(tmp_path, step=3, into=into)
@@ -468,10 +469,7 @@ def test_stores_without_a_local_path_read_once(location: str) -> None:
 # many small leaves, large leaves split across tasks
 
 
-def test_many_small_leaves_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Many tasks, leaves split over them.
-    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 64 << 10)
-    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 32 << 10)
+def test_many_small_leaves_round_trip(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     state: dict[str, Any] = {
         f"t{i}": torch.from_numpy(rng.standard_normal(int(rng.integers(0, 3000))).astype("f4"))
@@ -479,10 +477,12 @@ def test_many_small_leaves_round_trip(tmp_path: Path, monkeypatch: pytest.Monkey
     }
     state["large"] = torch.from_numpy(rng.standard_normal(100_000).astype(np.float32))
     cryosnap.save(tmp_path, state, chunk_bytes=CHUNK)
-    out = cryosnap.load(tmp_path)
-    assert all(torch.equal(state[k], out[k]) for k in state)
     into = {k: torch.full_like(v, 7.0) for k, v in state.items()}
-    cryosnap.load(tmp_path, into=into)
+    # Many tasks, leaves split over them.
+    with engine.read_limits(io_batch_bytes=64 << 10, bounce_bytes=32 << 10):
+        out = cryosnap.load(tmp_path)
+        cryosnap.load(tmp_path, into=into)
+    assert all(torch.equal(state[k], out[k]) for k in state)
     assert all(torch.equal(state[k], into[k]) for k in state)
 
 
@@ -496,25 +496,17 @@ def test_deduplicated_content_is_read_for_every_leaf(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_any_thread_count_restores(
-    location: str, monkeypatch: pytest.MonkeyPatch, threads: int
-) -> None:
-    monkeypatch.setattr(_execute, "_READ_THREADS", threads)
-    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 16 << 10)
-    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 8 << 10)
+def test_any_thread_count_restores(location: str, threads: int) -> None:
     into = _zeros_like(_state())
-    cryosnap.load(location, step=STEP, into=into)
+    with engine.read_limits(read_threads=threads, io_batch_bytes=16 << 10, bounce_bytes=8 << 10):
+        cryosnap.load(location, step=STEP, into=into)
     assert all(_equal(_state()[k], into[k]) for k in into)
 
 
 @pytest.mark.parametrize("into_given", [False, True])
-def test_damage_among_many_small_leaves_is_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into_given: bool
-) -> None:
+def test_damage_among_many_small_leaves_is_named(tmp_path: Path, into_given: bool) -> None:
     """A task's small pieces are verified together: damage in any of them still names the
     first damaged leaf in blob order and its chunk, and leaves into= untouched."""
-    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 256 << 10)
-    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 64 << 10)
     rng = np.random.default_rng(2)
     state: dict[str, Any] = {
         f"t{i:03d}": torch.from_numpy(rng.standard_normal(int(rng.integers(1, 3000))).astype("f4"))
@@ -532,7 +524,10 @@ def test_damage_among_many_small_leaves_is_named(
     chunk = (_segment(manifest, first)[1] - 1) // CHUNK
     into = {k: torch.full_like(v, 7.0) for k, v in state.items()} if into_given else None
     before = snapshot(into) if into is not None else None
-    with pytest.raises(cryosnap.IntegrityError, match=f"leaf {first}: chunk {chunk} "):
+    with (
+        engine.read_limits(io_batch_bytes=256 << 10, bounce_bytes=64 << 10),
+        pytest.raises(cryosnap.IntegrityError, match=f"leaf {first}: chunk {chunk} "),
+    ):
         cryosnap.load(loc, step=STEP, into=into)
     if into is not None:
         assert snapshot(into) == before
@@ -549,7 +544,8 @@ def test_damage_in_a_gathered_chunk_names_the_chunk(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     part = engine.resolve_version(store, 3)
     blob = part.blobs[0]
-    assert 1 + int(np.count_nonzero(np.diff(blob.offsets) != CHUNK)) > engine._FRAGMENTED_RUNS
+    runs = 1 + int(np.count_nonzero(np.diff(blob.offsets) != CHUNK))
+    assert runs > engine.ReadLimits().fragmented_runs
     base_key = engine.read_commit(store, 0).data_files[0]
     live = np.flatnonzero(blob.files == part.files.index(base_key))
     chunks = [int(live[len(live) // 2]), int(live[-3])]
@@ -562,12 +558,10 @@ def test_damage_in_a_gathered_chunk_names_the_chunk(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     """Every restore reads into='s leaves as from a cold cache: one reader in file order, the
-    pool verifying (small tasks, so that there are many); records each probe's answer."""
-    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 8 << 10)
-    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 16 << 10)
-    monkeypatch.setattr(_cold, "COLD_SHARE", 0.0)  # not the direct reads of cold files
+    pool verifying (small tasks, so that there are many); records each probe's answer. The
+    files count as warm: not the direct reads of cold files."""
     _unmapped(monkeypatch)
     probes: list[bool] = []
 
@@ -576,18 +570,19 @@ def sequential_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return True
 
     monkeypatch.setattr(_execute.PartReader, "_cold", cold)
-    return probes
+    with engine.read_limits(bounce_bytes=8 << 10, io_batch_bytes=16 << 10, cold_share=0.0):
+        yield probes
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_sequential_reads_restore_into_and_name_damage(
-    tmp_path: Path, sequential_reads: list[bool], monkeypatch: pytest.MonkeyPatch, threads: int
+    tmp_path: Path, sequential_reads: list[bool], threads: int
 ) -> None:
-    monkeypatch.setattr(_execute, "_READ_THREADS", threads)
     location = str(tmp_path / "run")
     cryosnap.save(location, _state(), step=STEP, chunk_bytes=CHUNK)
     into = _zeros_like(_state())
-    cryosnap.load(location, step=STEP, into=into)
+    with engine.read_limits(read_threads=threads):  # within the fixture's limits
+        cryosnap.load(location, step=STEP, into=into)
     assert all(_equal(_state()[k], into[k]) for k in into)
     assert sequential_reads  # both passes went the sequential way
     _store, _key, manifest = _data_file(location)
@@ -595,7 +590,10 @@ def test_sequential_reads_restore_into_and_name_damage(
     _damage(location, offset + nbytes // 2)
     into = _zeros_like(_state())
     before = snapshot(into)
-    with pytest.raises(cryosnap.IntegrityError, match=f"leaf big: chunk {nbytes // 2 // CHUNK} "):
+    with (
+        engine.read_limits(read_threads=threads),
+        pytest.raises(cryosnap.IntegrityError, match=f"leaf big: chunk {nbytes // 2 // CHUNK} "),
+    ):
         cryosnap.load(location, step=STEP, into=into)
     assert snapshot(into) == before
 
@@ -620,12 +618,13 @@ def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) 
         seen.append(real(self, tasks))
         return seen[-1]
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(_execute.PartReader, "_cold", probe)
-    mp.setattr(_plan, "_BOUNCE_BYTES", 64 << 10)
-    mp.setattr(_cold, "COLD_SHARE", 0.0)  # the bounced reads' probe, not the cold files'
-    _unmapped(mp)
-    try:
+    # The bounced reads' probe, not the cold files' (every file counts as warm).
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        engine.read_limits(bounce_bytes=64 << 10, cold_share=0.0),
+    ):
+        mp.setattr(_execute.PartReader, "_cold", probe)
+        _unmapped(mp)
         into = {"w": torch.zeros(1 << 20)}
         cryosnap.load(tmp_path, step=STEP, into=into)  # the page cache holds what was saved
         assert seen and not any(seen)
@@ -642,5 +641,3 @@ def test_the_cold_probe_tells_an_evicted_file_from_a_cached_one(tmp_path: Path) 
             pytest.skip("this file system keeps the pages (or does not honour RWF_NOWAIT)")
         assert seen == [True, False]  # the second pass reads what the first one cached
         assert torch.equal(into["w"], state["w"])
-    finally:
-        mp.undo()

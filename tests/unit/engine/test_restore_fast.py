@@ -18,8 +18,8 @@ from cryosnap import engine
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.engine import _claims, _read
-from cryosnap.engine.fetch import _execute, _plan
+from cryosnap.engine import _claims
+from cryosnap.engine.fetch import _plan
 from cryosnap.errors import IntegrityError
 from cryosnap.storage import LocalStore, open_store
 
@@ -77,25 +77,21 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("min_bytes", [0, 256 << 10])
-def test_large_chunks_restore_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, min_bytes: int
-) -> None:
-    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", min_bytes)
-    monkeypatch.setattr(_execute, "_POPULATE_MIN_BYTES", 4096)
+def test_large_chunks_restore_bit_exact(tmp_path: Path, min_bytes: int) -> None:
     state = _big_state()
     cryosnap.save(tmp_path, state, chunk_bytes=BIG_CHUNK)
-    out = cryosnap.load(tmp_path)
-    assert all(_same(state[k], out[k]) for k in state)
     into = _zeros(state)
-    cryosnap.load(tmp_path, into=into)
+    with engine.read_limits(direct_min_bytes=min_bytes, populate_min_bytes=4096):
+        out = cryosnap.load(tmp_path)
+        cryosnap.load(tmp_path, into=into)
+    assert all(_same(state[k], out[k]) for k in state)
     assert all(_same(state[k], into[k]) for k in state)
 
 
 @pytest.mark.parametrize("into_given", [False, True])
 def test_damage_in_a_large_chunk_is_named_and_leaves_into_untouched(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into_given: bool
+    tmp_path: Path, into_given: bool
 ) -> None:
-    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
     state = _big_state()
     cryosnap.save(tmp_path, state, step=5, chunk_bytes=BIG_CHUNK)
     store = open_store(tmp_path)
@@ -109,20 +105,18 @@ def test_damage_in_a_large_chunk_is_named_and_leaves_into_untouched(
     path.write_bytes(bytes(raw))
     into = _zeros(state) if into_given else None
     before = snapshot(into) if into is not None else None
-    with pytest.raises(cryosnap.IntegrityError, match=r"step 5.*leaf w: chunk 7 "):
+    with (
+        engine.read_limits(direct_min_bytes=0),
+        pytest.raises(cryosnap.IntegrityError, match=r"step 5.*leaf w: chunk 7 "),
+    ):
         cryosnap.load(tmp_path, step=5, into=into)
     if into is not None:
         assert snapshot(into) == before
 
 
-def test_bounced_pieces_around_gaps_and_copied_leaves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bounced_pieces_around_gaps_and_copied_leaves(tmp_path: Path) -> None:
     """Leaves read into directly (bounced, one buffer per stretch of a run) beside leaves that
     are copied (non-contiguous into=), in tasks of a few pieces each."""
-    monkeypatch.setattr(_read, "_DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(_plan, "_BOUNCE_BYTES", 16 << 10)
-    monkeypatch.setattr(_plan, "IO_BATCH_BYTES", 48 << 10)
     rng = np.random.default_rng(9)
     sizes = rng.integers(1, 6000, 80).tolist()
     state = {
@@ -133,7 +127,8 @@ def test_bounced_pieces_around_gaps_and_copied_leaves(
     for i, (k, v) in enumerate(state.items()):
         # Every third not contiguous: copied after the read, the others read into directly.
         into[k] = torch.zeros(v.numel() * 2)[::2] if i % 3 == 0 else torch.zeros_like(v)
-    cryosnap.load(tmp_path, into=into)
+    with engine.read_limits(direct_min_bytes=0, bounce_bytes=16 << 10, io_batch_bytes=48 << 10):
+        cryosnap.load(tmp_path, into=into)
     assert all(torch.equal(state[k], into[k]) for k in state)
 
 
@@ -157,7 +152,7 @@ def test_plain_keys_and_values_take_the_fast_paths_as_before(tmp_path: Path) -> 
 @pytest.mark.parametrize("seed", range(20))
 def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
     """The vectorized task plan: every piece once, in file and offset order; a run's gaps
-    put each piece at its offset, none wider than _GAP_BYTES; one file per task."""
+    put each piece at its offset, none wider than the gap limit; one file per task."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 400))
     files = np.sort(rng.integers(0, 3, n))
@@ -170,7 +165,8 @@ def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
 
     direct = rng.random(n) < 0.3 if seed % 2 else None
     pieces = SimpleNamespace(file=files, offset=offsets, nbytes=sizes)
-    reads = _plan._reads(pieces, np.arange(n), direct, _plan.ReadLimits.current())  # type: ignore[arg-type]
+    limits = engine.ReadLimits()
+    reads = _plan._reads(pieces, np.arange(n), direct, limits)  # type: ignore[arg-type]
     tasks = reads.tasks(offsets)
     assert [p for _f, runs in tasks for _o, pids, _g in runs for p in pids] == list(range(n))
     for f, runs in tasks:
@@ -178,7 +174,7 @@ def test_tasks_cover_every_piece_once_in_order(seed: int) -> None:
             assert gaps[0] == 0 and offset == offsets[pids[0]]
             at = offset
             for p, gap in zip(pids, gaps, strict=True):
-                assert files[p] == f and 0 <= gap <= _plan._GAP_BYTES
+                assert files[p] == f and 0 <= gap <= limits.gap_bytes
                 at += gap
                 assert at == offsets[p]
                 at += sizes[p]

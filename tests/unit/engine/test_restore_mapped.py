@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ import pytest
 import torch
 
 import cryosnap
+from cryosnap import engine
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap.engine import _read
-from cryosnap.engine.fetch import _cold, _execute, _plan
+from cryosnap.engine.fetch import _execute, _plan
 from cryosnap.errors import CheckpointFormatError
 from cryosnap.storage import LocalStore, TimeoutStore, _local, open_store
 from cryosnap.testing import FaultyStore
@@ -31,10 +33,11 @@ CHUNK = 64 << 10
 
 
 @pytest.fixture(autouse=True)
-def _warm(monkeypatch: pytest.MonkeyPatch) -> None:
+def _warm() -> Iterator[None]:
     """Every data file here counts as warm, whatever the page cache holds: the mapped path
     (cold files are read with direct I/O, tests/unit/engine/test_restore_cold.py)."""
-    monkeypatch.setattr(_cold, "COLD_SHARE", 0.0)
+    with engine.read_limits(cold_share=0.0):
+        yield
 
 
 def _state() -> dict[str, Any]:
@@ -71,7 +74,10 @@ def _data_file(root: Path) -> Path:
 def _placed(root: Path) -> tuple[list[str], list[bool], list[memoryview]]:
     """Each blob's leaf path, whether it was placed, and its memory, for a restore of STEP."""
     store = open_store(root)
-    part, restorer, _fetched = _read._read_verified(store, STEP, rank=0, allow_pickle=False)
+    limits = engine.ReadLimits.current()  # this module's: every file warm
+    part, restorer, _fetched = _read._read_verified(
+        store, STEP, rank=0, allow_pickle=False, limits=limits
+    )
     return [b.path for b in part.blobs], restorer.placed, list(restorer._dest)
 
 

@@ -27,19 +27,9 @@ __all__ = [
     "prefaulting",
 ]
 
-# A data file with less than this share of its pages in the page cache is read cold.
-COLD_SHARE = 0.5
 # Blobs of a cold file at least this large get fresh page-aligned memory (one mapping each),
 # read into straight from the disk; smaller ones go through the reader's bounce buffer.
 ALIGNED_MIN_BYTES = 1 << 20
-# into='s leaves with bytes in a cold file take the mapped path (that file is mapped after
-# all: both passes read the page cache the first fills), measured faster here than staging
-# them (fresh memory to fault in, then a copy): docs/PERFORMANCE.md, "Restores, quiet
-# re-measurement". False: staged (below), as where a cold file cannot be mapped.
-MAP_COLD_INTO = True
-# into='s leaves are staged in private memory (a copy at the end instead of a second read
-# from the disk) while the staging takes at most this share of the memory available.
-STAGING_SHARE = 0.5
 
 
 def aligned_memory(nbytes: int, skip: int = 0) -> memoryview:
@@ -65,15 +55,16 @@ def available_memory_bytes() -> int | None:
 
 
 class ColdFiles:
-    """The data files of ``part`` that are cold (less than :data:`COLD_SHARE` of their pages
-    in the page cache), on a store that can tell (``cached_share``) and read them so
-    (``read_ranges_cold``: a LocalStore, possibly in a TimeoutStore); none elsewhere.
+    """The data files of ``part`` that are cold (less than ``cold_share`` of their pages in
+    the page cache: the read's :class:`ReadLimits`), on a store that can tell
+    (``cached_share``) and read them so (``read_ranges_cold``: a LocalStore, possibly in a
+    TimeoutStore); none elsewhere.
 
     :meth:`place` hands out fresh memory for the large blobs with bytes in a cold file, placed
     within its pages as the blob's bytes lie within the file's: the leaf is built over it and
     the direct reads land there from the disk, no copy."""
 
-    def __init__(self, store: Store, part: ResolvedPart) -> None:
+    def __init__(self, store: Store, part: ResolvedPart, *, cold_share: float) -> None:
         self.files: frozenset[int] = frozenset()
         chunks = part.chunks()
         self._nbytes: list[int] = chunks.nbytes.tolist()
@@ -92,7 +83,7 @@ class ColdFiles:
         for f in np.unique(chunks.files).tolist():
             with contextlib.suppress(CheckpointError):  # missing: the read names it
                 s = share(part.files[f])
-                if s is not None and s < COLD_SHARE:
+                if s is not None and s < cold_share:
                     cold.add(f)
         self.files = frozenset(cold)
         if not cold:
@@ -131,15 +122,16 @@ class ColdFiles:
         self.fresh.add(blob)
         return self.memory(blob, alignment)
 
-    def staging_budget(self) -> int:
-        """The bytes into='s cold leaves may be staged in (0: none, they are read twice)."""
+    def staging_budget(self, share: float) -> int:
+        """The bytes into='s cold leaves may be staged in (0: none, they are read twice):
+        ``share`` (the read's ``staging_share``) of the memory available."""
         if not self.files:
             return 0
         available = available_memory_bytes()
         if available is None:
             with contextlib.suppress(ValueError, OSError, AttributeError):
                 available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int((available or 0) * STAGING_SHARE)
+        return int((available or 0) * share)
 
 
 def placer(

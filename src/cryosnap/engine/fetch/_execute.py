@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -20,13 +19,12 @@ from typing import Any
 import numpy as np
 
 from cryosnap import _native
+from cryosnap.engine._limits import ReadLimits
 from cryosnap.engine._resolved import ResolvedPart
-from cryosnap.engine.fetch import _cold
 from cryosnap.engine.fetch._cold import ColdFiles, aligned_memory, prefaulting
 from cryosnap.engine.fetch._gather import Gatherer, unreadable
 from cryosnap.engine.fetch._mapped import Mapped, MappedWork
 from cryosnap.engine.fetch._plan import (
-    _GAP_BYTES,
     Gather,
     PieceLists,
     ReadPlan,
@@ -42,14 +40,8 @@ from cryosnap.storage.base import TruncatedError
 
 __all__ = ["Fetched", "read_blobs"]
 
-_READ_THREADS = max(2, min(8, os.cpu_count() or 2))
-# Threads of a read of cold files: most of them wait on the disk, so a few more than the cores
-# keep reads in flight while the others hash and fault in fresh pages.
-_COLD_THREADS = max(4, _READ_THREADS)
 # Bytes of staged leaves copied into into= per call (on the pool: every core copies).
 _COPY_BYTES = 8 << 20
-# Pieces of fresh memory smaller than this are left to fault in as the read lands.
-_POPULATE_MIN_BYTES = 1 << 20
 
 _Buffer = np.ndarray[Any, Any]
 
@@ -65,6 +57,7 @@ def read_blobs(
     placed: Sequence[bool] = (),
     cold: ColdFiles | None = None,
     on_ready: Callable[[int], None] | None = None,
+    limits: ReadLimits | None = None,
 ) -> Fetched:
     """Fill ``views`` from the data files and verify every chunk as it lands; raise on the first
     damage (in blob order). The views marked in ``direct`` are verified but left untouched:
@@ -73,7 +66,9 @@ def read_blobs(
     with direct I/O; a direct blob with bytes there is read once into private memory (within
     the staging budget) that :meth:`Fetched.fill` copies into place. ``on_ready(blob)`` is
     called (on a read thread) for each blob that is not direct as soon as every chunk of it
-    verified in its view, while the others are still read."""
+    verified in its view, while the others are still read. ``limits`` cut the read (None:
+    :meth:`ReadLimits.current`, taken here, on the caller's thread)."""
+    limits = limits if limits is not None else ReadLimits.current()
     cb = part.manifest.chunk_bytes
     wrong = wrong_chunk_count(part.chunks(), cb)
     if wrong >= 0:
@@ -83,11 +78,11 @@ def read_blobs(
     cold_files = cold.files if cold is not None else frozenset()
     staged: list[tuple[memoryview, memoryview]] = []
     if cold is not None and cold_files and any(direct):
-        if mapped is not None and _cold.MAP_COLD_INTO:
+        if mapped is not None and limits.map_cold_into:
             # into='s leaves in cold files take the mapped path: both passes from the page
             # cache the first fills (read-ahead), no fresh memory to fault in for staging.
             mapped.add(cold.direct_files([bool(d) for d in direct]))
-        views, direct, staged = _stage_cold(views, direct, cold, mapped)
+        views, direct, staged = _stage_cold(views, direct, cold, mapped, limits.staging_share)
     plan = plan_reads(
         part.chunks(),
         cb,
@@ -96,6 +91,7 @@ def read_blobs(
         placed=placed,
         mapped_files=mapped.address.keys() if mapped is not None else (),
         cold_files=cold_files,
+        limits=limits,
     )
     reader = PartReader(
         store,
@@ -106,6 +102,7 @@ def read_blobs(
         mapped=mapped,
         cold_files=cold_files,
         on_ready=on_ready,
+        limits=limits,
     )
     reader.first_pass()
     return Fetched(reader, staged)
@@ -115,16 +112,18 @@ def _stage_cold(
     views: Sequence[memoryview],
     direct: Sequence[bool],
     cold: ColdFiles,
-    mapped: Mapped | None = None,
+    mapped: Mapped | None,
+    staging_share: float,
 ) -> tuple[list[memoryview], list[bool], list[tuple[memoryview, memoryview]]]:
     """The direct blobs with bytes in a cold file that is not mapped (``mapped``), within the
-    staging budget, read into fresh aligned memory instead (no longer direct): a copy into
-    place once every chunk verified, instead of a second read from the disk. Returns the
-    views, the direct flags and the (staging, into='s memory) pairs."""
+    staging budget (``staging_share`` of the memory available), read into fresh aligned
+    memory instead (no longer direct): a copy into place once every chunk verified, instead
+    of a second read from the disk. Returns the views, the direct flags and the (staging,
+    into='s memory) pairs."""
     unmapped = cold.files - (mapped.address.keys() if mapped is not None else set())
     if not unmapped:
         return list(views), list(direct), []
-    budget = cold.staging_budget()
+    budget = cold.staging_budget(staging_share)
     touches = cold.touching(unmapped)
     out, flags = list(views), list(direct)
     staged: list[tuple[memoryview, memoryview]] = []
@@ -141,13 +140,14 @@ class Fetched:
     """A part whose every chunk verified; :meth:`fill` puts the direct (and staged) blobs in
     place."""
 
-    __slots__ = ("_reader", "_staged")
+    __slots__ = ("_reader", "_staged", "_threads")
 
     def __init__(
         self, reader: PartReader, staged: Sequence[tuple[memoryview, memoryview]] = ()
     ) -> None:
         self._reader: PartReader | None = reader
         self._staged = list(staged)
+        self._threads = reader.limits.read_threads
 
     def fill(self) -> None:
         """Copy the staged blobs into place and read the direct ones there (once), each piece
@@ -155,7 +155,7 @@ class Fetched:
         reader, self._reader = self._reader, None
         staged, self._staged = self._staged, []
         if staged:
-            _run([functools.partial(_native.memmove, *c) for c in _copies(staged)])
+            _run([functools.partial(_native.memmove, *c) for c in _copies(staged)], self._threads)
         if reader is not None and reader.plan.has_direct:
             reader.second_pass()
 
@@ -181,7 +181,8 @@ class _Layout:
 
 
 class PartReader:
-    """Runs one part's plan: both passes, on the pool."""
+    """Runs one part's plan: both passes, on the pool (``limits``: the read's, which the plan
+    was cut to; its thread counts and populate minimum)."""
 
     def __init__(
         self,
@@ -194,8 +195,10 @@ class PartReader:
         mapped: Mapped | None,
         cold_files: frozenset[int] = frozenset(),
         on_ready: Callable[[int], None] | None = None,
+        limits: ReadLimits,
     ) -> None:
         self.store, self.part, self.views, self.plan = store, part, views, plan
+        self.limits = limits
         self.on_bytes = on_bytes
         self.on_ready = on_ready
         # With on_ready: the blobs each unit of work of the first pass verifies (by its
@@ -217,8 +220,10 @@ class PartReader:
         )
         n = part.manifest.chunk_bytes
         self.staged = {i: np.empty(part.blobs[i].nbytes // n * n, np.uint8) for i in plan.staged}
-        self.gatherer = Gatherer(store, part, views, self.staged, self.outcome, on_bytes)
-        self.scratch = memoryview(bytearray(_GAP_BYTES))  # gap bytes, shared: never read
+        self.gatherer = Gatherer(
+            store, part, views, self.staged, self.outcome, on_bytes, gap_bytes=limits.gap_bytes
+        )
+        self.scratch = memoryview(bytearray(limits.gap_bytes))  # gap bytes, shared: never read
         self.tls = threading.local()
 
     # -- passes
@@ -310,8 +315,9 @@ class PartReader:
         if len(bounced) < 2 or not self._cold([tasks[i] for i in bounced]):
             work = [functools.partial(self._task, i, t, second) for i, t in enumerate(tasks)]
             cold = [t for t in tasks if t[0] in self.cold]
+            threads = self.limits.cold_threads if cold else self.limits.read_threads
             with prefaulting(self._fresh_ranges(cold)):
-                _run([*work, *extra], _COLD_THREADS if cold else _READ_THREADS)
+                _run([*work, *extra], threads)
         else:
             self._run_sequential(tasks, bounced, second, extra)
         self.outcome.raise_first(self.part, self.store.url)
@@ -329,13 +335,14 @@ class PartReader:
             for i, t in enumerate(tasks)
             if i not in set_bounced
         ]
+        threads = self.limits.read_threads
         ring: queue.SimpleQueue[_Buffer] = queue.SimpleQueue()
-        for _ in range(_READ_THREADS + 1):
+        for _ in range(threads + 1):
             ring.put(np.empty(0, np.uint8))
-        with ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cryosnap-read") as pool:
+        with ThreadPoolExecutor(threads, thread_name_prefix="cryosnap-read") as pool:
             futures: list[Future[object]] = [pool.submit(w) for w in [*work, *extra]]
             for i in bounced:
-                buf = ring.get()  # at most _READ_THREADS + 1 tasks read and not yet verified
+                buf = ring.get()  # at most threads + 1 tasks read and not yet verified
                 futures.append(pool.submit(self._task(i, tasks[i], second, buf, ring)))
             for future in futures:
                 future.result()
@@ -358,13 +365,13 @@ class PartReader:
 
     def _fresh_ranges(self, tasks: list[Task]) -> list[tuple[int, int]]:
         """(address, bytes) of the large pieces ``tasks`` read into leaves, in task order."""
-        p, address = self.pieces, self.address
+        p, address, least = self.pieces, self.address, self.limits.populate_min_bytes
         return [
             (address[p.blob[i]] + p.start[i], p.nbytes[i])
             for _f, runs in tasks
             for _o, pids, _g in runs
             for i in pids
-            if not p.direct[i] and p.nbytes[i] >= _POPULATE_MIN_BYTES
+            if not p.direct[i] and p.nbytes[i] >= least
         ]
 
     def _bounced_bytes(self, task: Task) -> int:
@@ -489,7 +496,8 @@ class PartReader:
             else views[p_blob[i]][p_start[i] : p_start[i] + p_nbytes[i]]
             for i in pids
         ]
-        for i in [i for i in pids if populate and p_nbytes[i] >= _POPULATE_MIN_BYTES]:
+        least = self.limits.populate_min_bytes
+        for i in [i for i in pids if populate and p_nbytes[i] >= least]:
             _native.populate(address[p_blob[i]] + p_start[i], p_nbytes[i])
         out.dests += bufs
         out.ranges.append((offset, bufs))
@@ -529,7 +537,7 @@ class PartReader:
             view = self.views[blob]
             if nbytes != view.nbytes:
                 view = view[start : start + nbytes]
-            if populate and nbytes >= _POPULATE_MIN_BYTES:
+            if populate and nbytes >= self.limits.populate_min_bytes:
                 _native.populate(self.address[blob] + start, nbytes)
             bufs.append(view)
             out.dests.append(view)
@@ -565,13 +573,11 @@ class PartReader:
         return default
 
 
-def _run(work: Sequence[Callable[[], object]], threads: int = 0) -> None:
+def _run(work: Sequence[Callable[[], object]], threads: int) -> None:
     # Several reads in flight: copying out of the page cache and faulting in fresh pages run on
     # every core, and a remote store overlaps its latencies.
     if len(work) > 1:
-        with ThreadPoolExecutor(
-            threads or _READ_THREADS, thread_name_prefix="cryosnap-read"
-        ) as pool:
+        with ThreadPoolExecutor(threads, thread_name_prefix="cryosnap-read") as pool:
             for _ in pool.map(lambda task: task(), work):
                 pass
     else:

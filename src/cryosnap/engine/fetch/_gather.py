@@ -33,7 +33,8 @@ def unreadable(part: ResolvedPart, url: str, key: str, exc: Exception, leaf: str
 
 class Gatherer:
     """Reads and verifies the gathers of one part into the leaves (``views``), or into the
-    private buffers of ``staged`` blobs (into='s own, copied into place by the second pass)."""
+    private buffers of ``staged`` blobs (into='s own, copied into place by the second pass);
+    a window spans no gap wider than ``gap_bytes`` (the read's :class:`ReadLimits`)."""
 
     def __init__(
         self,
@@ -43,9 +44,12 @@ class Gatherer:
         staged: Mapping[int, np.ndarray[Any, Any]],
         outcome: Outcome,
         on_bytes: Callable[[int], None],
+        *,
+        gap_bytes: int,
     ) -> None:
         self.store, self.part, self.views, self.staged = store, part, views, staged
         self.outcome, self.on_bytes = outcome, on_bytes
+        self.gap_bytes = gap_bytes
         self.cb = part.manifest.chunk_bytes
 
     def run(self, number: int, task: Gather) -> None:
@@ -86,7 +90,7 @@ class Gatherer:
         dest = flat[: whole * cb].reshape(whole, cb)
         per_copy = max(_GATHER_WINDOW_BYTES // cb, 1)
         buffer = np.empty(0, np.uint8)  # reused: fresh pages for every batch cost faults
-        for batch, size in window_batches(gather_windows(offs, cb)):
+        for batch, size in window_batches(gather_windows(offs, cb, self.gap_bytes)):
             if len(buffer) < size:
                 buffer = np.empty(size, np.uint8)
             slices, at = [], 0

@@ -13,15 +13,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cryosnap._format.chunks import HASH_BYTES
+from cryosnap.engine._limits import ReadLimits
 from cryosnap.engine._resolved import PartChunks
 
 __all__ = [
-    "IO_BATCH_BYTES",
     "Batches",
     "Gather",
     "PieceLists",
     "Pieces",
-    "ReadLimits",
     "ReadPlan",
     "Reads",
     "Task",
@@ -32,19 +31,7 @@ __all__ = [
     "wrong_chunk_count",
 ]
 
-# Bytes handed to one read_ranges call (one open: on an object store a request; through a
-# TimeoutStore a hand-off to a storage thread): large enough for sequential bandwidth and for
-# those costs to be noise.
-IO_BATCH_BYTES = 64 << 20
-# Bytes of a task that goes through a thread's bounce buffer (into='s own leaves), and of a
-# piece: small enough to stay in the CPU's cache (a few in flight within a shared L3) from the
-# read to the copy into place.
-_BOUNCE_BYTES = 8 << 20
-# Pieces of a data file at most this far apart are read in one go, the gap thrown away.
-_GAP_BYTES = 64 << 10
-# A blob whose chunks lie in more runs than this, averaging less than _GAP_BYTES each, is
-# read by windowed gathers.
-_FRAGMENTED_RUNS = 256
+# Bytes of a gather's window, and of the windows read in one read_ranges call.
 _GATHER_WINDOW_BYTES = 4 << 20
 
 Array = np.ndarray[Any, Any]
@@ -52,21 +39,6 @@ Array = np.ndarray[Any, Any]
 Run = tuple[int, list[int], list[int]]
 Task = tuple[int, list[Run]]  # (file index, runs): one read_ranges call (one open)
 Window = tuple[int, int, int, int]  # (first, end) chunks of a gather, (lo, hi) bytes
-
-
-@dataclass(frozen=True)
-class ReadLimits:
-    """The sizes a plan is cut to (bytes; runs for ``fragmented_runs``)."""
-
-    io_batch_bytes: int
-    bounce_bytes: int
-    gap_bytes: int
-    fragmented_runs: int
-
-    @classmethod
-    def current(cls) -> ReadLimits:
-        """The module's limits as they are now (tests shrink them)."""
-        return cls(IO_BATCH_BYTES, _BOUNCE_BYTES, _GAP_BYTES, _FRAGMENTED_RUNS)
 
 
 class PieceLists(NamedTuple):
@@ -188,18 +160,18 @@ def plan_reads(
     placed: Sequence[bool] = (),
     mapped_files: Collection[int] = (),
     cold_files: Collection[int] = (),
-    limits: ReadLimits | None = None,
+    limits: ReadLimits,
 ) -> ReadPlan:
     """The plan that fills the leaves (of ``view_bytes`` bytes each) of the blobs ``chunks``
     describes. ``direct`` blobs are verified first and filled by a second pass; ``placed``
     ones (and direct ones) in ``mapped_files`` are hashed where those are mapped. The tasks of
     ``cold_files`` (read from the disk with direct I/O) are of about ``bounce_bytes``: a few
-    in flight, each hashed as it lands."""
-    lim = limits if limits is not None else ReadLimits.current()
+    in flight, each hashed as it lands. ``limits``: the read's, which the plan is cut to
+    (io_batch_bytes, bounce_bytes, gap_bytes, fragmented_runs)."""
     nb = len(chunks.starts) - 1
     direct_b = np.array([bool(d) for d in direct] if direct else [False] * nb, bool)
     has_direct = bool(direct_b.any())
-    pieces, scattered = _pieces(chunks, chunk_bytes, lim)
+    pieces, scattered = _pieces(chunks, chunk_bytes, limits)
     gathers: list[Gather] = []
     for i in np.flatnonzero(scattered).tolist():
         extra = _plan_gathers(chunks, i, chunk_bytes, gathers)
@@ -226,10 +198,10 @@ def plan_reads(
         pieces=table,
         gathers=tuple(gathers),
         staged=staged,
-        first=_reads(table, np.flatnonzero(~p_mapped), capped, lim, cold),
-        first_mapped=_batches(p_nbytes, np.flatnonzero(p_mapped), lim),
-        second=_reads(table, np.flatnonzero(second), capped, lim, cold),
-        second_mapped=_batches(p_nbytes, np.flatnonzero(p_direct & p_mapped), lim),
+        first=_reads(table, np.flatnonzero(~p_mapped), capped, limits, cold),
+        first_mapped=_batches(p_nbytes, np.flatnonzero(p_mapped), limits),
+        second=_reads(table, np.flatnonzero(second), capped, limits, cold),
+        second_mapped=_batches(p_nbytes, np.flatnonzero(p_direct & p_mapped), limits),
         has_direct=has_direct,
     )
 
@@ -379,11 +351,11 @@ def overlapping(files: Array, lo: Array, nbytes: Array) -> np.ndarray[Any, np.dt
     return out
 
 
-def gather_windows(offs: Array, cb: int) -> list[Window]:
+def gather_windows(offs: Array, cb: int, gap_bytes: int) -> list[Window]:
     """Windows over the sorted chunk offsets ``offs`` of one file: a window never spans a gap
-    wider than _GAP_BYTES (dead chunks of an old file are not read) nor more than
+    wider than ``gap_bytes`` (dead chunks of an old file are not read) nor more than
     _GATHER_WINDOW_BYTES."""
-    cuts = np.flatnonzero(offs[1:] - offs[:-1] - cb > _GAP_BYTES) + 1
+    cuts = np.flatnonzero(offs[1:] - offs[:-1] - cb > gap_bytes) + 1
     cluster_end = np.append(cuts, len(offs))
     windows: list[Window] = []
     lo_i = 0

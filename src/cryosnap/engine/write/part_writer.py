@@ -37,6 +37,7 @@ from cryosnap._format.manifest import (
 from cryosnap._format.skeleton_text import SkeletonTextCache
 from cryosnap._state import FlatState
 from cryosnap._state.gc import paused_gc
+from cryosnap.engine._limits import WriteLimits
 from cryosnap.engine._resolved import ResolvedPart, _Loc, _resolve_one
 from cryosnap.engine.items import Hashed, Item, Piece, Unchanged
 from cryosnap.engine.write import _compact
@@ -49,15 +50,6 @@ from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 from cryosnap.storage.striped import Placement
 
 __all__ = ["PartResult", "PartWriter"]
-
-# New bytes of a version are placed on scratch devices in groups of this size.
-_PLACE_BYTES = 4 << 20
-# The first bytes of a version's first batch that are hashed and queued for writing before the
-# rest of that batch is hashed (the disk waits for no more than their hashing); the rest is
-# hashed and queued in groups of _NEXT_BYTES, each written while the next is hashed (a first
-# batch can be the whole version: the packs of a state of many small tensors).
-_FIRST_BYTES = 8 << 20
-_NEXT_BYTES = 32 << 20
 
 _ZEROS = memoryview(bytes(BLOCK_BYTES))  # the longest padding before a run (run_pad)
 
@@ -139,7 +131,8 @@ class PartWriter:
     :class:`Hashed` from the capture) and diffed but not written; once every piece is added,
     :meth:`owned_locations` says where this rank's share lies and :meth:`place_external` takes
     where the other ranks' shares lie, before :meth:`finish`. ``replicated`` is recorded in
-    the manifest.
+    the manifest. ``limits``: the groups batches are hashed and queued in (None:
+    :meth:`WriteLimits.current`, taken here, on the thread that makes the writer).
     """
 
     def __init__(
@@ -158,7 +151,9 @@ class PartWriter:
         lineage: Lineage | None = None,
         compact: bool = False,
         skeleton_texts: SkeletonTextCache | None = None,
+        limits: WriteLimits | None = None,
     ) -> None:
+        self.limits = limits if limits is not None else WriteLimits.current()
         if store.exists(commit_key(step, lineage)):
             raise CheckpointExistsError(f"step {step} already exists in {store.url}")
         self.generation = 0 if lineage is None else lineage.generation
@@ -241,7 +236,7 @@ class PartWriter:
                 # The version's first batch: its first few MiB hashed and queued alone, so the
                 # disk starts while the rest of the batch is hashed, group by group.
                 self._started = True
-                groups = _first_groups(pieces, self.chunk_bytes)
+                groups = _first_groups(pieces, self.chunk_bytes, self.limits)
             self._add_groups(groups, release)
             return
         self._add_placed(pieces, release, self.placement)
@@ -264,9 +259,9 @@ class PartWriter:
     def _add_placed(
         self, pieces: Sequence[Item], release: Callable[[], None], placement: Placement
     ) -> None:
-        """:meth:`add` over several devices: groups of about _PLACE_BYTES, each on the device
-        the placement chooses; ``release`` runs once every group's I/O is done."""
-        groups = _split_pieces(pieces, _PLACE_BYTES, self.chunk_bytes)
+        """:meth:`add` over several devices: groups of about ``place_bytes``, each on the
+        device the placement chooses; ``release`` runs once every group's I/O is done."""
+        groups = _split_pieces(pieces, self.limits.place_bytes, self.chunk_bytes)
         release_one = _release_after(len(groups), release)
         for i, group in enumerate(groups):
             queued = False
@@ -557,14 +552,16 @@ def _release_after(count: int, release: Callable[[], None]) -> Callable[[], None
     return release_one
 
 
-def _first_groups(pieces: Sequence[Item], chunk_bytes: int) -> list[Sequence[Item]]:
+def _first_groups(
+    pieces: Sequence[Item], chunk_bytes: int, limits: WriteLimits
+) -> list[Sequence[Item]]:
     """A version's first batch in the groups it is hashed and queued in: its first
-    _FIRST_BYTES, then groups of _NEXT_BYTES."""
-    split = _split_pieces(pieces, _FIRST_BYTES, chunk_bytes)
+    ``first_bytes``, then groups of ``next_bytes``."""
+    split = _split_pieces(pieces, limits.first_bytes, chunk_bytes)
     if len(split) == 1:
         return [pieces]
     rest = [p for g in split[1:] for p in g]
-    return [split[0], *_split_pieces(rest, _NEXT_BYTES, chunk_bytes)]
+    return [split[0], *_split_pieces(rest, limits.next_bytes, chunk_bytes)]
 
 
 def _split_pieces(pieces: Sequence[Item], limit: int, chunk_bytes: int) -> list[list[Item]]:
