@@ -694,7 +694,7 @@ def verify_part(
     for b, entry in zip(part.blobs, part.manifest.blobs, strict=True):
         if merkle_root(b.hashes.tobytes()) != entry.root:
             raise IntegrityError(
-                f"step {step}, level {store.url}: leaf {b.path}: Merkle root does not match",
+                f"step {step}, tier {store.url}: leaf {b.path}: Merkle root does not match",
                 step=step,
                 path=store.url,
             )
