@@ -45,6 +45,7 @@ from cryosnap.errors import (
     StorageError,
     StorageTimeoutError,
     TruncatedError,
+    UnsupportedError,
     WorldSizeError,
 )
 from cryosnap.run import (
@@ -103,6 +104,7 @@ __all__ = [
     "StorageTimeoutError",
     "Tier",
     "TruncatedError",
+    "UnsupportedError",
     "VerifyReport",
     "VersionInfo",
     "WorldSizeError",

@@ -46,6 +46,10 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── ConfigError (+ ValueError)                       ``Checkpointer.from_config``: an unknown
     │                                                    key or a value of the wrong type (names
     │                                                    the key and the file or variable)
+    ├── UnsupportedError (+ NotImplementedError)         a framework setup a cryosnap integration
+    │                                                    cannot checkpoint yet (the HF Trainer
+    │                                                    with DeepSpeed or FSDP): names it and
+    │                                                    what to do instead
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     ├── CoordinationError                                a collective among the run's participants
     │                                                    failed or timed out (a rank died or
@@ -106,6 +110,7 @@ __all__ = [
     "StorageError",
     "StorageTimeoutError",
     "TruncatedError",
+    "UnsupportedError",
     "WorldSizeError",
 ]
 
@@ -232,6 +237,12 @@ class InexactResumeError(CheckpointError, ValueError):
 class ConfigError(CheckpointError, ValueError):
     """A configuration (``Checkpointer.from_config``) names an unknown argument or gives one a
     value of the wrong type; the message names the key and the file or variable."""
+
+
+class UnsupportedError(CheckpointError, NotImplementedError):
+    """A framework setup that a cryosnap integration cannot checkpoint yet (the Hugging Face
+    ``Trainer`` with a DeepSpeed config, or with FSDP): raised before anything is saved; the
+    message names the setup and what to do instead."""
 
 
 class StorageError(CheckpointError, OSError):

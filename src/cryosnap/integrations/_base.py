@@ -14,7 +14,7 @@ import signal
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import cryosnap._run.signals as _signals
 from cryosnap import engine
@@ -25,9 +25,11 @@ from cryosnap.errors import CheckpointExistsError
 from cryosnap.policy import EveryNSteps, SavePolicy
 from cryosnap.storage import open_store
 
-__all__ = ["DEFAULT_SIGNALS", "RunSaver", "split_step"]
+__all__ = ["DEFAULT_SIGNALS", "RunSaver", "rank_zeros", "split_step"]
 
 log = logging.getLogger("cryosnap")
+
+_T = TypeVar("_T")
 
 # Preemption notices: SIGTERM is what schedulers and Kubernetes send before killing a job.
 DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM,)
@@ -103,6 +105,7 @@ class RunSaver:
         self.options = checkpointer_options
         self.ckpt: Checkpointer | None = None
         self.last_saved: int | None = None
+        self.replicated: list[str] | None = None
         self.preempted_at: int | None = None
         self._asked: int | None = None
         self._arrived = _Arrived()
@@ -117,11 +120,19 @@ class RunSaver:
 
     # -- one training ---------------------------------------------------------------------------
 
-    def begin(self, start_step: int, *, distributed: bool = False) -> None:
+    def begin(
+        self,
+        start_step: int,
+        *,
+        distributed: bool = False,
+        replicated: Sequence[str] | None = None,
+    ) -> None:
         """A training starts at ``start_step`` (0: from scratch; else resumed): check that the
         run is this training's, and open it: in a world of one (the framework's global rank 0
         alone saves), or with ``distributed`` on every rank of the torch.distributed job
-        (collective: every rank calls it at the same point; each saves its own part)."""
+        (collective: every rank calls it at the same point; each saves its own part).
+        ``replicated``: the top-level keys of every saved state that are the same on every
+        rank (``Checkpointer.save(replicated=)``: written 1/N by each)."""
         self.close()
         steps = self.steps()
         if steps and start_step == 0:
@@ -145,6 +156,8 @@ class RunSaver:
             run_id = run_id_of(self.path, storage_options=self.options.get("storage_options"))
         else:
             run_id = uuid.uuid4().hex
+            if distributed:  # one id for the job: each rank's scratch records carry it too
+                run_id = rank_zeros(run_id)
         signals = self.handle_signals
         if signals and threading.current_thread() is not threading.main_thread():
             log.warning("cryosnap: not on the main thread, preemption signals are not handled")
@@ -159,6 +172,7 @@ class RunSaver:
             _signals.subscribe(signum, self._arrived)
         self._subscribed = list(signals)
         self.last_saved = start_step if start_step in steps else None
+        self.replicated = None if replicated is None else list(replicated)
         self.preempted_at = None
         self._asked = start_step
 
@@ -184,7 +198,7 @@ class RunSaver:
             return
         if self.last_saved is not None and step <= self.last_saved:
             return  # this training saved (or resumed from) it: the same state
-        self.ckpt.save(step, state())
+        self.ckpt.save(step, state(), replicated=self.replicated)
         self.last_saved = step
 
     def end(self, step: int, state: Callable[[], Any]) -> None:
@@ -226,6 +240,17 @@ class RunSaver:
         )
         if signum is not None:
             signal.raise_signal(signum)
+
+
+def rank_zeros(value: _T) -> _T:
+    """Global rank 0's ``value`` on every rank of the torch.distributed job (collective on its
+    default group: every rank calls it at the same point)."""
+    import torch.distributed as dist
+
+    told: list[Any] = [value]
+    dist.broadcast_object_list(told, src=0)
+    agreed: _T = told[0]
+    return agreed
 
 
 def _show(steps: Sequence[int]) -> str:

@@ -2,7 +2,10 @@
 
 ``Trainer(..., callbacks=[CryosnapCallback("runs/exp1", save_steps=100)])``; resume with
 ``trainer.train(resume_from_checkpoint=True)`` or :func:`resume`. No pickle, no ``torch.load``.
-Runs on the training loop's thread; the writes run on the Checkpointer's writer thread.
+Runs on the training loop's thread of every process; the writes run on the Checkpointer's
+writer thread. Under DDP every rank holds the run and writes 1/N of the replicated state; the
+collectives (on the job's default group) are the run's opening, a broadcast of rank 0's trainer
+state at each save and the agreement on the version a resume reads.
 docs/design/integrations.md has what is saved, how resume works and the limits.
 """
 
@@ -21,11 +24,13 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from cryosnap import errors
 from cryosnap.checkpointer import load
-from cryosnap.errors import CheckpointNotFoundError
-from cryosnap.integrations._base import RunSaver, split_step
+from cryosnap.errors import CheckpointNotFoundError, UnsupportedError
+from cryosnap.integrations._base import RunSaver, rank_zeros, split_step
 from cryosnap.integrations.torch import RNGState
 from cryosnap.policy import SavePolicy
+from cryosnap.run import Run
 
 __all__ = ["CryosnapCallback", "resume"]
 
@@ -38,6 +43,17 @@ _TRAINER_STATE_NAME = "trainer_state.json"
 _LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state")
 
 _RESUME_HINT = "pass trainer.train(resume_from_checkpoint=True)"
+
+# Under DDP: the top-level keys that are the same on every rank, written 1/N by each. The
+# model's buffers ("model_buffers") and the RNG states ("rng") are each rank's own: DDP
+# broadcasts rank 0's buffers at each forward, after which a rank's (BatchNorm statistics) are
+# its own again.
+_REPLICATED = ("lr_scheduler", "model", "optimizer", "trainer_state")
+
+# A version that some rank cannot read for these (content or a manifest that does not verify)
+# makes a resume without a step fall back to the previous version on every rank, as
+# cryosnap.load does for one process.
+_DAMAGE = (errors.IntegrityError, errors.CheckpointFormatError)
 
 
 class CryosnapCallback(TrainerCallback):
@@ -61,6 +77,14 @@ class CryosnapCallback(TrainerCallback):
     keep, allow_pickle, checkpointer_options
         Passed to :class:`~cryosnap.Checkpointer` (``chunk_bytes``, ``incremental``,
         ``full_every``, ``staging_bytes``, ``max_inflight``, ``scratch``...).
+
+    In a job of several processes (DDP, ``torchrun``) every rank saves its part of each
+    version: model parameters, optimizer, LR scheduler and trainer state are written once in
+    total, 1/N by each rank; each rank's RNG states and model buffers are its own, and each
+    gets its own back on resume. The path must then be one that every rank reaches (a shared
+    file system or an object store; node-local fast storage goes in ``scratch=``). A Trainer
+    with a DeepSpeed config, or one that shards the model (FSDP, tensor parallel), is refused
+    with :class:`~cryosnap.UnsupportedError`.
     """
 
     def __init__(
@@ -93,6 +117,7 @@ class CryosnapCallback(TrainerCallback):
             steps_name="save_steps",
         )
         self.path = self._saver.path
+        self._distributed = False
 
     @property
     def preempted_at(self) -> int | None:
@@ -104,24 +129,35 @@ class CryosnapCallback(TrainerCallback):
     ) -> None:
         trainer = _constructing_trainer(self)
         if trainer is not None:
+            _refuse_unsupported(args, trainer.model, trainer)
             _understand_runs(trainer, self)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if state.is_world_process_zero:
+        _refuse_unsupported(args, kwargs.get("model"), None)
+        self._distributed = _world_size() > 1
+        if self._distributed:
+            # Every rank (collective): each writes its part, the replicated state split.
+            self._saver.begin(state.global_step, distributed=True, replicated=_REPLICATED)
+        elif state.is_world_process_zero:
             self._saver.begin(state.global_step)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._saver.step_end(state.global_step, lambda: _snapshot(state, control, kwargs)):
+        if self._saver.step_end(state.global_step, lambda: self._snapshot(state, control, kwargs)):
             control.should_training_stop = True
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._saver.end(state.global_step, lambda: _snapshot(state, control, kwargs))
+        self._saver.end(state.global_step, lambda: self._snapshot(state, control, kwargs))
+
+    def _snapshot(
+        self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        return _state_of(state, control, kwargs, distributed=self._distributed)
 
     def close(self) -> None:
         """Wait until every version is durable and release the run; raise the first failure."""
@@ -140,29 +176,99 @@ class CryosnapCallback(TrainerCallback):
         return None
 
 
-def _snapshot(state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]) -> Any:
+def _state_of(
+    state: TrainerState, control: TrainerControl, kwargs: dict[str, Any], *, distributed: bool
+) -> dict[str, Any]:
     missing = [k for k in ("model", "optimizer", "lr_scheduler") if kwargs.get(k) is None]
     if missing:
         raise TypeError(
             f"cannot checkpoint step {state.global_step}: the Trainer passed no {missing}"
         )
+    trainer_state = _state_json(state, control)
+    if not distributed:
+        return {
+            "model": kwargs["model"],
+            "optimizer": kwargs["optimizer"],
+            "lr_scheduler": kwargs["lr_scheduler"],
+            "trainer_state": trainer_state,
+            "rng": RNGState(),
+        }
+    parameters, buffers = _model_parts(kwargs["model"])
     return {
-        "model": kwargs["model"],
+        "model": parameters,
+        "model_buffers": buffers,
         "optimizer": kwargs["optimizer"],
         "lr_scheduler": kwargs["lr_scheduler"],
-        "trainer_state": _state_json(state, control),
+        # Rank 0's, as the Trainer writes trainer_state.json: the other ranks' log the same
+        # losses but their own timings (train_runtime), and replicated state must be equal.
+        "trainer_state": rank_zeros(trainer_state),
         "rng": RNGState(),
     }
 
 
-def _state_json(state: TrainerState, control: TrainerControl) -> str:
+def _model_parts(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's state dict split into parameters and buffers (no copies)."""
+    weights = model.state_dict()
+    buffers = {name for name, _ in model.named_buffers()}
+    parameters = {k: v for k, v in weights.items() if k not in buffers}
+    return parameters, {k: v for k, v in weights.items() if k in buffers}
+
+
+def _state_json(state: TrainerState, control: TrainerControl) -> bytes:
     fields = dataclasses.asdict(state)
     # As Trainer._save_checkpoint does: the control flow's state as of this step.
     fields["stateful_callbacks"] = {
         **(fields.get("stateful_callbacks") or {}),
         type(control).__name__: control.state(),
     }
-    return json.dumps(fields, sort_keys=True)
+    # Bytes, not str: a blob, chunked and de-duplicated (log_history only grows), split
+    # across the ranks; a str would be repeated whole in every rank's manifest.
+    return json.dumps(fields, sort_keys=True).encode()
+
+
+def _world_size() -> int:
+    """The processes of the torch.distributed job (1 when there is none)."""
+    import torch.distributed as dist
+
+    return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _refuse_unsupported(args: TrainingArguments, model: Any, trainer: Trainer | None) -> None:
+    """Refuse a Trainer whose state cryosnap cannot save as it is yet (UnsupportedError)."""
+    deepspeed = (
+        getattr(trainer, "is_deepspeed_enabled", False)
+        or bool(getattr(args, "deepspeed", None))
+        or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    )
+    if deepspeed:
+        raise UnsupportedError(
+            "CryosnapCallback does not support a Trainer with a DeepSpeed config yet: the "
+            "model, optimizer and scheduler live in DeepSpeed's engine and are saved by it. "
+            "Train without the callback (the Trainer's save_strategy saves through "
+            "DeepSpeed), or without DeepSpeed (DDP: every rank writes 1/N)"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or (model is not None and _sharded(model)):
+        raise UnsupportedError(
+            "CryosnapCallback does not support a sharded model (FSDP, tensor parallel) yet: "
+            "its parameters and optimizer state differ on every rank. Train without the "
+            "callback (the Trainer's save_strategy saves FSDP state through "
+            "torch.distributed.checkpoint), or with DDP (every rank writes 1/N)"
+        )
+
+
+def _sharded(model: Any) -> bool:
+    """Whether ``model`` is sharded across ranks: FSDP (1 or 2) modules or DTensor weights."""
+    import torch.distributed as dist
+
+    modules = getattr(model, "modules", None)
+    if modules is None or not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in modules()):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _same_path(a: str, b: str) -> bool:
@@ -262,23 +368,144 @@ def _train_from(
         raise TypeError(
             f"cannot resume through this transformers version: Trainer has no {missing}"
         )
-    try:
-        saved = load(path, step=step, allow_pickle=allow_pickle)
-    except CheckpointNotFoundError:
-        if step is not None:
-            raise
+    saved = _read(path, step, allow_pickle)
+    if saved is None:
         log.info("cryosnap: %s holds no version yet, training from the start", path)
         return train(**train_kwargs)
+    trainer_state = _text(saved["trainer_state"])
     log.info(
-        "cryosnap: resuming from step %s of %s",
-        json.loads(saved["trainer_state"])["global_step"],
-        path,
+        "cryosnap: resuming from step %s of %s", json.loads(trainer_state)["global_step"], path
     )
     with tempfile.TemporaryDirectory(prefix="cryosnap-resume-") as tmp:
         with open(os.path.join(tmp, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-            f.write(saved["trainer_state"])
+            f.write(trainer_state)
         with _loading_from(trainer, saved):
             return train(resume_from_checkpoint=tmp, **train_kwargs)
+
+
+def _text(trainer_state: str | bytes) -> str:
+    # bytes since the distributed callback; str in versions saved before it.
+    return trainer_state.decode() if isinstance(trainer_state, bytes) else trainer_state
+
+
+def _read(path: str, step: int | None, allow_pickle: bool) -> dict[str, Any] | None:
+    """This process's state of version ``step`` of ``path`` (None: the newest that verifies);
+    None when ``step`` is None and the run holds no version. In a job of several processes
+    collective: see :func:`_read_own_part`."""
+    if _world_size() > 1:
+        return _read_own_part(path, step, allow_pickle)
+    try:
+        saved: dict[str, Any] = load(path, step=step, allow_pickle=allow_pickle)
+    except CheckpointNotFoundError:
+        if step is not None:
+            raise
+        return None
+    return saved
+
+
+def _read_own_part(path: str, step: int | None, allow_pickle: bool) -> dict[str, Any] | None:
+    """Every rank (collective): its own part of version ``step`` of ``path``, verified; with
+    ``step`` None the newest version that every rank reads intact (rank 0 lists the run).
+    Each part holds the whole replicated state (chunks written by any rank) and the rank's
+    own RNG states. A failure on any rank raises on every rank (its own error there, the
+    same class naming that rank elsewhere)."""
+    world, rank = _world_size(), _rank()
+    listed, failed = (
+        _attempt(functools.partial(_newest_first, path, step)) if rank == 0 else ([], None)
+    )
+    told: tuple[list[int], str | None] = rank_zeros(
+        (listed, None if failed is None else f"{failed}")
+    )
+    if told[1] is not None:
+        raise errors.CheckpointError(f"cannot resume from {path}: {told[1]}", path=path)
+    for at in told[0]:
+        saved, failed = _attempt(functools.partial(_load_part, path, at, world, rank, allow_pickle))
+        failures = _gathered(None if failed is None else _describe(failed))
+        if not any(failures):
+            assert isinstance(saved, dict)
+            return saved
+        damaged = all(f is None or f[2] for f in failures)
+        if step is not None or not damaged:
+            _raise_first(path, at, failed, failures)
+        log.warning(
+            "cryosnap: step %d of %s is damaged on rank(s) %s; trying the previous version",
+            at,
+            path,
+            [r for r, f in enumerate(failures) if f is not None],
+        )
+    if told[0]:
+        raise errors.IntegrityError(f"every version of {path} is damaged on some rank", path=path)
+    return None
+
+
+def _newest_first(path: str, step: int | None) -> list[int]:
+    """``[step]``, or the run's versions from the newest (none when there is no run)."""
+    if step is not None:
+        return [step]
+    try:
+        return Run(path).steps()[::-1]
+    except CheckpointNotFoundError:
+        return []
+
+
+def _load_part(path: str, step: int, world: int, rank: int, allow_pickle: bool) -> Any:
+    """Rank ``rank``'s part of version ``step``: its own when as many ranks saved it, else
+    saved part ``rank % saved`` (every part holds the replicated state; the RNG states are
+    another rank's, so training goes on, not bit for bit as it would have)."""
+    saved = Run(path).info(step).world_size
+    if saved != world and rank == 0:
+        log.warning(
+            "cryosnap: step %d of %s was saved by %d process(es), resumed by %d: every rank "
+            "gets the replicated state, and the RNG states of saved rank (rank %% %d); the "
+            "run goes on, not bit for bit as it would have",
+            step,
+            path,
+            saved,
+            world,
+            saved,
+        )
+    return load(
+        path, step=step, rank=rank if saved == world else rank % saved, allow_pickle=allow_pickle
+    )
+
+
+def _attempt(read: Callable[[], Any]) -> tuple[Any, Exception | None]:
+    """``read()``, or None and what failed (to be told to the other ranks)."""
+    try:
+        return read(), None
+    except (errors.CheckpointError, OSError, TypeError, ValueError, KeyError) as exc:
+        return None, exc
+
+
+def _describe(failed: Exception) -> tuple[str, str, bool]:
+    return type(failed).__name__, str(failed), isinstance(failed, _DAMAGE)
+
+
+def _gathered(value: Any) -> list[Any]:
+    """Every rank's ``value``, by rank (collective on the job's default group)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * _world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _raise_first(path: str, step: int, failed: Exception | None, failures: Sequence[Any]) -> None:
+    """Raise this rank's failure, or (it read its part) the first failing rank's, as the
+    same class of :mod:`cryosnap.errors` (CheckpointError for a builtin's)."""
+    if failed is not None:
+        raise failed
+    rank, (name, message, _) = next((r, f) for r, f in enumerate(failures) if f is not None)
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
+        cls = errors.CheckpointError
+    raise cls(f"cannot resume from {path}: rank {rank}: {message}", step=step, path=path)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_rank())
 
 
 def _part(obj: Any, name: str) -> Any:
@@ -292,7 +519,10 @@ def _loading_from(trainer: Trainer, saved: dict[str, Any]) -> Iterator[None]:
     """Make ``trainer``'s checkpoint loaders read ``saved`` while the block runs."""
 
     def load_model(_checkpoint: str, model: Any = None) -> None:
-        _part(trainer.model, "model").load_state_dict(saved["model"])
+        weights, buffers = saved["model"], saved.get("model_buffers")
+        if buffers:  # a distributed version holds the buffers apart (each rank's own)
+            weights = {**weights, **buffers}
+        _part(trainer.model, "model").load_state_dict(weights)
 
     def load_optimizer_and_scheduler(_checkpoint: str | None) -> None:
         _part(trainer.optimizer, "optimizer").load_state_dict(saved["optimizer"])
