@@ -41,7 +41,13 @@ else:
     else:
         _HAVE_TORCH = True
 
-__all__ = ["RNGState", "ResumableLoader", "ResumableSampler", "prepare_ddp_resume"]
+__all__ = [
+    "RNGState",
+    "ResumableLoader",
+    "ResumableSampler",
+    "arm_ddp_resume",
+    "prepare_ddp_resume",
+]
 
 _PY_STATE_WORDS = 625  # random.getstate(): 624 Mersenne Twister words and the position
 
@@ -628,3 +634,15 @@ def prepare_ddp_resume(model: Any, *inputs: Any, **kwargs: Any) -> None:
         return  # this process trained a step already: its buckets are the rebuilt ones
     if not _ddp.warm_up(model, inputs, kwargs):
         raise ValueError("prepare_ddp_resume: the model's output holds no tensor with grad")
+
+
+def arm_ddp_resume(modules: Any) -> None:
+    """What a restore does to the modules of its ``into=``, for modules whose state was restored
+    otherwise (through objects of an integration's own that wrap them): arm each
+    ``nn.Module`` in ``modules`` (a module, a DDP, or a dict/list/tuple of them), so that the
+    first training forward a ``DistributedDataParallel`` runs it in warms DDP's gradient
+    buckets up first, on that forward's inputs, as :func:`prepare_ddp_resume` does by hand.
+    Does nothing unless this process is one of several ranks of torch.distributed. Call it on
+    every rank after the restore."""
+    _require_torch("arm_ddp_resume")
+    _ddp.arm(modules)

@@ -1,0 +1,165 @@
+"""A small Accelerate training for test_accelerate.py: one process, or each rank of a
+``torchrun`` job on CPU (gloo), saving with ``cryosnap.integrations.accelerate.Checkpoints``.
+
+The user code is what the README shows: ``Checkpoints(accelerator, run)`` after
+``accelerator.prepare``, ``step = ckpts.restore() or 0`` before the loop, ``ckpts.save(step)``
+after the optimizer step. The model has a frozen input layer (a second save does not write it
+again), BatchNorm (buffers that differ per rank) and dropout (each rank's generators); the
+data are shuffled, and an epoch (44 samples in batches of 4) does not divide evenly over 2
+ranks (Accelerate pads the last batch). ``record`` (every loss, to a file that survives
+SIGKILL) and ``--kill-at`` (rank 0 kills itself after that step) are the test's instruments.
+
+    torchrun --nproc-per-node 2 accelerate_job.py train OUT RUN --steps 20 --every 4 --kill-at 14
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+
+from cryosnap.integrations.accelerate import Checkpoints
+
+SAMPLES, BATCH, FEATURES, HIDDEN = 44, 4, 1024, 256
+CHUNK = 64 << 10  # the run's chunk_bytes
+
+
+class Net(torch.nn.Module):
+    """A frozen 1024 x 256 input layer (1 MiB), BatchNorm, a trained head with dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(FEATURES, HIDDEN)
+        self.embed.requires_grad_(False)
+        self.norm = torch.nn.BatchNorm1d(HIDDEN)
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(HIDDEN, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.norm(self.embed(x)))
+        return out
+
+
+class Seen:
+    """A registered object (``register_for_checkpointing``): samples this rank trained on."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.samples = int(state["samples"])
+
+
+def prepared(total_limit: int | None = None) -> tuple[Accelerator, Any, Any, Any, Any, Seen]:
+    """A fresh process's worth: seeded, a new model, optimizer, scheduler and loader."""
+    accelerator = Accelerator(
+        cpu=True, project_config=ProjectConfiguration(total_limit=total_limit)
+    )
+    set_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(SAMPLES, FEATURES, generator=g), torch.randn(SAMPLES, 1, generator=g)
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+    model = Net()
+    opt = torch.optim.AdamW((p for p in model.parameters() if p.requires_grad), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    seen = Seen()
+    accelerator.register_for_checkpointing(seen)
+    return accelerator, model, opt, loader, sched, seen
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(run: Path, out: Path, steps: int, every: int, kill_at: int | None, **opts: Any) -> None:
+    """Train ``steps`` optimizer steps (resuming from ``run`` if it holds a version), saving
+    every ``every``; each rank appends ``step loss`` per step to ``out/losses-<rank>.txt``."""
+    accelerator, model, opt, loader, sched, seen = prepared()
+    rank = accelerator.process_index
+    out.mkdir(parents=True, exist_ok=True)
+    losses = (out / f"losses-{rank}.txt").open("a")
+    with losses, Checkpoints(accelerator, run, chunk_bytes=CHUNK, **opts) as ckpts:
+        step = ckpts.restore() or 0
+        losses.write(f"resumed {step}\n")
+        while step < steps:
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                step += 1
+                seen.samples += len(x)
+                losses.write(f"{step} {float(loss.item()).hex()}\n")
+                losses.flush()
+                if step % every == 0:
+                    ckpts.save(step)
+                if step == kill_at and rank == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if step == steps:
+                    break
+    result = {"digest": digest(accelerator.unwrap_model(model)), "seen": seen.samples}
+    (out / f"final-{rank}.json").write_text(json.dumps(result))
+
+
+def bytes_per_rank(run: Path, out: Path) -> None:
+    """Two saves a step apart, then two more with total_limit=2; each rank writes what each
+    save cost it to ``out/rank-<rank>.json``."""
+    accelerator, model, opt, loader, sched, _seen = prepared(total_limit=2)
+    rank = accelerator.process_index
+    out.mkdir(parents=True, exist_ok=True)
+    infos = []
+    with Checkpoints(accelerator, run, chunk_bytes=CHUNK) as ckpts:
+        batches = iter(loader)
+        for step in range(1, 5):
+            x, y = next(batches)
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            info = ckpts.save(step).result()
+            infos.append({"step": step, "written": info.written_bytes})
+        steps = ckpts.checkpointer.steps()
+    (out / f"rank-{rank}.json").write_text(json.dumps({"infos": infos, "steps": steps}))
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["train", "bytes"])
+    parser.add_argument("out", type=Path)  # first: tests/integration/ranks.py's order
+    parser.add_argument("run", type=Path)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--kill-at", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.scenario == "bytes":
+        bytes_per_rank(args.run, args.out)
+    else:
+        train(args.run, args.out, args.steps, args.every, args.kill_at)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
