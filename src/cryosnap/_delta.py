@@ -55,6 +55,7 @@ _STORED = frozenset(("torch", "numpy", "bytes", "bytearray"))  # as tensors of t
 _INLINE = frozenset(("npscalar", "size", "int", "float", "bool", "complex", "str", "none"))
 _KINDS = _STORED | _INLINE
 _CONTAINERS = frozenset(("dict", "odict", "list", "tuple"))
+_FLAGS = ("param", "grad")  # a torch leaf's, as its skeleton node has them
 _ROOT_HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -73,6 +74,12 @@ def delta_document(parts: DeltaParts, run: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"keys": [encode_key(k) for k in keys], "containers": kinds}
         if parts.roots[1][path].kind in _STORED:
             entry["stored"] = "tensor"
+            node = parts.nodes[path]
+            if node.get("order") == "F":  # an array saved in Fortran order
+                entry["order"] = "F"
+            flags = [f for f in _FLAGS if node.get(f) is True]
+            if flags and node.get("t") == "torch":  # an nn.Parameter, requires_grad
+                entry["flags"] = flags
         else:
             entry["stored"] = "node"
             entry["node"] = parts.nodes[path]
@@ -104,6 +111,8 @@ class _Leaf:
     keys: tuple[Key, ...]
     containers: tuple[str, ...]
     node: dict[str, Any] | None  # a scalar's node; None: a tensor of the file
+    fortran: bool = False  # an array B holds in Fortran order (load() builds it so)
+    flags: tuple[str, ...] = ()  # of _FLAGS: B's tensor is an nn.Parameter, requires grad
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +191,13 @@ def _parse_leaf(path: str, doc: Any, root: LeafRoot, where: str) -> _Leaf:
             raise _bad(where, f"{name}: key {key!r:.40} of a {kind} is not an index")
     if format_path(decoded) != path:
         raise _bad(where, f"{name}: its keys make the path {format_path(decoded)!r:.120}")
-    if stored == "tensor" and root.kind in _STORED and set(doc) == {"keys", "containers", "stored"}:
-        return _Leaf(decoded, tuple(kinds), None)
+    if stored == "tensor" and root.kind in _STORED:
+        fortran = doc.get("order") == "F" and root.kind == "numpy"
+        flags = doc.get("flags", [])
+        expected = {"keys", "containers", "stored"} | ({"order"} if fortran else set())
+        expected |= {"flags"} if "flags" in doc else set()
+        if set(doc) == expected and _good_flags(flags, root):
+            return _Leaf(decoded, tuple(kinds), None, fortran, tuple(flags))
     node = doc.get("node")
     if (
         stored != "node"
@@ -205,6 +219,17 @@ _Parsed = tuple[
     tuple[str, ...],
     dict[str, _Leaf],
 ]
+
+
+def _good_flags(flags: Any, root: LeafRoot) -> bool:
+    if flags == []:
+        return True
+    return (
+        root.kind == "torch"
+        and isinstance(flags, list)
+        and all(f in _FLAGS for f in flags)
+        and len(set(flags)) == len(flags)
+    )
 
 
 def _parse(doc: Any, where: str) -> _Parsed:
@@ -313,21 +338,30 @@ def _value(path: str, leaf: _Leaf, tensor: Any, root: LeafRoot, where: str) -> A
             restorer = Restorer(leaf.node, [], allow_pickle=False)
             restorer.allocate()
             return restorer.build()
+        torch = loaded_torch()
+        if root.kind == "torch":
+            if torch is None or not isinstance(tensor, torch.Tensor):
+                tensor = import_torch().from_numpy(np.array(tensor, copy=True))
+            # safetensors' own tensor as it is: bfloat16 and float8 have no numpy dtype.
+            return _flagged(tensor, leaf.flags)
         arr = tensor if isinstance(tensor, np.ndarray) else tensor.numpy()
         if root.kind in ("bytes", "bytearray"):
             data = arr.tobytes()
             return data if root.kind == "bytes" else bytearray(data)
-        if root.kind == "torch":
-            torch = import_torch()
-            if isinstance(tensor, torch.Tensor):
-                return tensor
-            return torch.from_numpy(np.array(arr, copy=True))
         dtype = np.lib.format.descr_to_dtype(_descr(root.dtype))
-        return np.array(arr, copy=True).astype(dtype, copy=False).reshape(root.shape or ())
+        out = np.array(arr, copy=True).astype(dtype, copy=False).reshape(root.shape or ())
+        return np.asfortranarray(out) if leaf.fortran else out
     except (CheckpointError, ImportError):
         raise
     except Exception as exc:  # a hostile node or tensor: whatever it breaks, said once
         raise _bad(where, f"leaf {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def _flagged(t: Any, flags: tuple[str, ...]) -> Any:
+    """``t`` as B's node says: an ``nn.Parameter``, requiring grad."""
+    if "param" in flags:
+        return import_torch().nn.Parameter(t, requires_grad="grad" in flags)
+    return t.requires_grad_(True) if "grad" in flags else t
 
 
 def _descr(text: str | None) -> Any:
@@ -362,7 +396,8 @@ def apply_delta(state: Any, delta: str | os.PathLike[str]) -> Any:
     ``state``: a tree of dict / list / tuple as :func:`cryosnap.load` returns it (torch
     tensors on any device, numpy arrays, scalars; a module's ``state_dict()`` shares its
     tensors, so the module is updated through it). A changed leaf is copied into the
-    state's own tensor or array when its dtype and shape are B's, else replaced; added
+    state's own tensor or array when its dtype and shape are B's (and its type, grad flag
+    or memory order: a Parameter stays one), else replaced; added
     leaves are inserted, removed ones deleted with the containers their removal empties;
     dicts and lists are changed in place, tuples rebuilt.
 
@@ -479,20 +514,27 @@ def _check(leaves: dict[str, tuple[tuple[Key, ...], Any]], delta: Delta, *, befo
 
 def _fill(old: Any, new: Any) -> bool:
     """Copy ``new`` into the state's own tensor or array ``old`` where the two have one dtype
-    and shape (a tensor on any device); whether it did."""
+    and shape (a tensor on any device; an array in the memory order B holds it in); whether
+    it did."""
     torch = loaded_torch()
     if torch is not None and type(old) in (torch.Tensor, torch.nn.Parameter):
-        if not isinstance(new, torch.Tensor) or (old.dtype, old.shape) != (new.dtype, new.shape):
+        if type(new) is not type(old) or old.requires_grad != new.requires_grad:
+            return False  # replaced: B's is a Parameter, or requires grad, and A's not
+        if (old.dtype, old.shape) != (new.dtype, new.shape):
             return False
         with torch.no_grad():
             old.copy_(new)
         return True
     if type(old) is np.ndarray and type(new) is np.ndarray and old.flags.writeable:
-        if (old.dtype, old.shape) != (new.dtype, new.shape):
-            return False
+        if (old.dtype, old.shape) != (new.dtype, new.shape) or _fortran(old) != _fortran(new):
+            return False  # replaced: load() of B builds it in B's order
         np.copyto(old, new)
         return True
     return False
+
+
+def _fortran(arr: np.ndarray) -> bool:
+    return arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous
 
 
 def _new_container(kind: str | None, path: str) -> Any:

@@ -404,7 +404,8 @@ class Run:
         naming the path, the step and the closest paths. With ``steps`` None the versions
         without it are skipped, as long as one holds it (else the same error). A leaf
         whose kind, dtype or shape changes between versions yields what each version
-        holds, with one ``UserWarning`` naming the steps where it changed.
+        holds, with one ``UserWarning`` naming the steps where it changed. ``rank``: that
+        rank's part of each version (as :meth:`info`'s).
         """
         if not isinstance(leaf, str):
             wrong_type(leaf, "leaf", "a leaf path (str) as `cryosnap inspect` prints it")

@@ -91,10 +91,16 @@ _NUMPY = [np.dtype("<f4"), np.dtype("<f8"), np.dtype("<i4"), np.dtype("u1"), np.
 @st.composite
 def _leaf(draw: st.DrawFn) -> Any:
     seed = draw(st.integers(0, 2**32 - 1))
-    kind = draw(st.sampled_from(["tensor", "array", "small", "scalar", "npscalar", "big"]))
+    kinds = ["tensor", "param", "array", "small", "scalar", "npscalar", "big"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "tensor":
         shape = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=2)))
         return make_tensor(draw(st.sampled_from(_TORCH)), shape, seed)
+    if kind == "param":  # an nn.Parameter, or a tensor that requires grad
+        t = make_tensor(torch.float32, (draw(st.integers(1, 40)),), seed)
+        if draw(st.booleans()):
+            return torch.nn.Parameter(t, requires_grad=draw(st.booleans()))
+        return t.requires_grad_(True)
     if kind == "array":
         shape = tuple(draw(st.lists(st.integers(0, 40), min_size=1, max_size=2)))
         arr = make_array(draw(st.sampled_from(_NUMPY)), shape, seed)
@@ -114,7 +120,9 @@ def _poke(value: Any) -> Any:
         out = value.detach().clone()
         raw = out.reshape(-1).view(torch.uint8)
         raw[-1] ^= 1 if out.dtype == torch.bool else 0x55
-        return out
+        if isinstance(value, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=value.requires_grad)
+        return out.requires_grad_(value.requires_grad)
     if isinstance(value, np.ndarray) and value.size:
         out = value.copy(order="K")
         out.reshape(-1, order="A").view(np.uint8)[-1] ^= 1 if out.dtype == np.bool_ else 0x55

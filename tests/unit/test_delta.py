@@ -95,12 +95,19 @@ def _round_trip(lineage: Any, data: st.DataObject) -> None:
 
 
 def _fits(old: Any, new: Any) -> bool:
-    kinds = (torch.Tensor, np.ndarray)
-    return (
-        type(old) is type(new)
-        and isinstance(old, kinds)
-        and (old.dtype, old.shape) == (new.dtype, new.shape)
-    )
+    """Whether ``apply_delta`` fills ``old`` in place with ``new``: one type, dtype, shape,
+    grad flag, and memory order."""
+    if type(old) is not type(new) or not isinstance(old, (torch.Tensor, np.ndarray)):
+        return False
+    if (old.dtype, old.shape) != (new.dtype, new.shape):
+        return False
+    if isinstance(old, torch.Tensor):
+        return bool(old.requires_grad == new.requires_grad)
+    return _fortran(old) == _fortran(new)
+
+
+def _fortran(arr: np.ndarray) -> bool:
+    return arr.ndim > 1 and arr.flags.f_contiguous and not arr.flags.c_contiguous
 
 
 def _two_versions(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
