@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
+from cryosnap._delta import apply_delta
 from cryosnap._state.files import File
 from cryosnap.checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
 from cryosnap.errors import (
@@ -109,6 +110,7 @@ __all__ = [
     "VersionInfo",
     "WorldSizeError",
     "__version__",
+    "apply_delta",
     "flush",
     "load",
     "run_id_of",

@@ -36,7 +36,9 @@ __all__ = [
     "ScratchPart",
     "VersionDiff",
     "describe_leaves",
+    "diff_parts",
     "diff_versions",
+    "packed_range",
     "scratch_parts",
 ]
 
@@ -256,7 +258,7 @@ def _own_bytes(node: dict[str, Any]) -> int | None:
     return int(np.prod(shape, dtype=np.int64)) * item
 
 
-def _packed_range(node: dict[str, Any], blob_bytes: int) -> tuple[int, int] | None:
+def packed_range(node: dict[str, Any], blob_bytes: int) -> tuple[int, int] | None:
     """The byte range a packed leaf takes in its blob, or None (not packed, or malformed)."""
     at, own = node.get("at"), _own_bytes(node)
     if type(at) is not int or own is None:
@@ -295,14 +297,19 @@ def _packed_diff(
 ) -> LeafChange | None:
     """The change of a packed leaf, or None (unchanged). ``new`` and ``old``: the version,
     the blob and the leaf's byte range in it; ``comparable``: the two nodes are alike (dtype,
-    shape, offset in the pack) and the chunk sizes the same. Where the chunks the leaf lies in
-    differ (small leaves share chunks), the packs are read, verified, and the leaf's own
-    bytes compared."""
+    shape; the offset in the pack aside) and the chunk sizes the same. Where the chunks the
+    leaf lies in differ (small leaves share chunks), or the leaf moved in its pack (a leaf
+    before it came or went), the packs are read, verified, and the leaf's own bytes
+    compared."""
     (vx, bx, rx), (vy, by, ry) = new, old
     if rx is None or ry is None or not comparable:
         size = 0 if rx is None else rx[1] - rx[0]
         return LeafChange(path, "changed", size)
-    # Alike nodes give one range, inside both blobs (_packed_range): so are its chunks.
+    if rx != ry:
+        if packs.span(vx, bx, rx) == packs.span(vy, by, ry):
+            return None
+        return LeafChange(path, "changed", rx[1] - rx[0])
+    # One range, inside both blobs (packed_range): so are its chunks.
     cb = vx.manifest.chunk_bytes
     lo, hi = rx[0] // cb, -(-rx[1] // cb)
     if (vx.blobs[bx].hashes[lo:hi] != vy.blobs[by].hashes[lo:hi]).any():
@@ -360,6 +367,13 @@ def diff_versions(store: Store, a: int, b: int, *, rank: int = 0) -> VersionDiff
     """
     old = engine.resolve_version(store, a, rank=rank)
     new = engine.resolve_version(store, b, rank=rank)
+    return diff_parts(store, old, new, rank=rank)
+
+
+def diff_parts(store: Store, old: ResolvedPart, new: ResolvedPart, *, rank: int = 0) -> VersionDiff:
+    """:func:`diff_versions` of two parts already resolved (rank ``rank``'s of two versions
+    of ``store``): what the lineage's ``changes`` and deltas start from."""
+    a, b = old.step, new.step
     old_nodes, new_nodes = _leaf_nodes(old.manifest), _leaf_nodes(new.manifest)
     packs = _Packs(store)
     rows: list[LeafChange] = []
@@ -381,6 +395,10 @@ def _without_blob(node: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in node.items() if k != "b"}
 
 
+def _without(node: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k not in keys}
+
+
 def _leaf_change(
     packs: _Packs,
     path: str,
@@ -397,12 +415,13 @@ def _leaf_change(
     cb = vx.manifest.chunk_bytes
     if "at" in node or "at" in before:
         # A leaf packed with others: its own bytes, where it lies in both versions.
+        alike = _without(node, "b", "at") == _without(before, "b", "at")
         return _packed_diff(
             packs,
             path,
-            (vx, blob_new, _packed_range(node, x.nbytes)),
-            (vy, blob_old, _packed_range(before, y.nbytes)),
-            meta_same and vy.manifest.chunk_bytes == cb,
+            (vx, blob_new, packed_range(node, x.nbytes)),
+            (vy, blob_old, packed_range(before, y.nbytes)),
+            alike and vy.manifest.chunk_bytes == cb,
         )
     if x.nbytes != y.nbytes or vy.manifest.chunk_bytes != cb:
         return LeafChange(path, "changed", x.nbytes)

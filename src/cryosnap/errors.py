@@ -32,8 +32,11 @@ catch one class. Where a builtin already means the same thing, the error derives
     │   └── DcpFormatError (+ CheckpointFormatError)     a version's DCP metadata is missing or
     │                                                    malformed
     ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
-    │                                                    version does not hold
-    ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree
+    │                                                    version does not hold, or ``history``
+    │                                                    a leaf path (names the closest)
+    ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree;
+    │                                                    ``apply_delta``'s state is not the
+    │                                                    delta's base (nothing changed)
     ├── StepOrderError (+ ValueError)                    a save of a step below one the
     │                                                    Checkpointer saved since its last
     │                                                    restore (a rewind needs a restore)
@@ -202,7 +205,9 @@ class DcpFormatError(DcpError, CheckpointFormatError):
 
 class KeyNotFoundError(CheckpointError, KeyError):
     """``keys=`` names a top-level key that the version does not hold (the message names the
-    step, the tier and the keys the version has)."""
+    step, the tier and the keys the version has), or :meth:`cryosnap.Run.history` a leaf
+    path that the version does not hold, or that names two nodes (the message names the
+    step and the closest paths)."""
 
     def __str__(self) -> str:
         # KeyError's __str__ would quote the whole message.
@@ -210,7 +215,9 @@ class KeyNotFoundError(CheckpointError, KeyError):
 
 
 class StateMismatchError(CheckpointError, ValueError):
-    """The ``into=`` tree does not match the saved tree (keys, shapes, dtypes, types)."""
+    """The ``into=`` tree does not match the saved tree (keys, shapes, dtypes, types); or the
+    state given to :func:`cryosnap.apply_delta` is not the delta's base version (its leaves'
+    roots differ from the base's: ``step`` names the base), and nothing was changed."""
 
 
 class StepOrderError(CheckpointError, ValueError):

@@ -1,11 +1,16 @@
-"""Export one version of a run to a single file: ``.pt``, ``.safetensors`` or ``.npz``.
+"""Export one version of a run to a single file: ``.pt``, ``.safetensors`` or ``.npz``; or,
+with ``since=``, a delta: only the leaves changed since another version, with the document
+``cryosnap.apply_delta`` checks them by (``_delta.py``).
 
 >>> from cryosnap.export import export
 >>> result = export("run", "model.safetensors")   # the newest version, rank 0
 >>> result.step, result.leaves, result.bytes
+>>> export("run", "delta.safetensors", step=200, since=100)   # the leaves 200 changed
 
-Runs on the caller's thread; reads the run through :func:`cryosnap.load` and takes no lock.
-docs/design/api.md has the formats, how leaves map onto them, and the guarantees.
+Runs on the caller's thread; reads the run through :func:`cryosnap.load` (a delta through
+the lineage's reader, ``_lineage.py``: the changed leaves only) and takes no lock.
+docs/design/api.md has the formats, how leaves map onto them, and the guarantees;
+docs/design/lineage.md the deltas.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any
 import numpy as np
 
 from cryosnap import _validate
+from cryosnap._delta import DELTA_KEY, delta_document
 from cryosnap._format.skeleton import format_path
+from cryosnap._lineage import delta_parts
 from cryosnap._state.files import File
 from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap.checkpointer import load
@@ -65,6 +72,10 @@ class ExportResult:
     skipped: tuple[str, ...]
     bytes: int
     numpy_leaves: tuple[str, ...] = ()
+    # A delta (export(since=)): the base step; ``leaves`` then counts the leaves added or
+    # changed since it, and ``removed`` names those it lacks.
+    since: int | None = None
+    removed: tuple[str, ...] = ()
 
 
 def export(
@@ -75,6 +86,7 @@ def export(
     rank: int = 0,
     force: bool = False,
     allow_pickle: bool = False,
+    since: int | None = None,
 ) -> ExportResult:
     """Write version ``step`` (default: the newest committed) of the run at ``path`` to ``out``.
 
@@ -84,14 +96,29 @@ def export(
     it runs code from the checkpoint; a run you trust only). The newest version is taken as it
     is: if it is damaged, the export fails (``IntegrityError``) rather than exporting an older
     one.
+
+    ``since=A``: a delta from step A to ``step``: only the leaves ``step`` added or changed
+    since A (``.safetensors`` or ``.npz``), and, in the file (the metadata key, or the
+    ``.npz`` array, ``__cryosnap_delta__``), a JSON document of both steps, the removed
+    leaves and each version's Merkle root per leaf, which :func:`cryosnap.apply_delta`
+    checks a state by before and after applying it. Unchanged data is not read.
     """
     out_path, fmt = check_out(out, force=_validate.boolean(force, "force"))
     if step is not None:
         step = _validate.step(step)
     rank = _validate.step(rank, "rank")
+    if since is not None:
+        since = _validate.step(since, "since")
+        if fmt == ".pt":
+            raise ValueError(
+                f"cannot export a delta to {str(out)!r}: a delta (since=) is a .safetensors or "
+                ".npz file"
+            )
     store = open_store(path)
     if step is None:
         step = committed_steps(store)[-1]
+    if since is not None:
+        return _export_delta(store, out_path, fmt, a=since, b=step, rank=rank)
     if is_dcp_version(store, step):
         if rank != 0:
             raise ValueError(
@@ -126,6 +153,40 @@ def export(
         skipped=tuple(skipped),
         bytes=out_path.stat().st_size,
         numpy_leaves=tuple(numpy_leaves) if fmt == ".pt" else (),
+    )
+
+
+def _export_delta(store: Store, out: Path, fmt: str, *, a: int, b: int, rank: int) -> ExportResult:
+    """Write the delta from step ``a`` to step ``b`` to ``out`` (see :func:`export`)."""
+    for step in (a, b):
+        if is_dcp_version(store, step):
+            raise ValueError(
+                f"step {step} of {store.url} was written through torch.distributed.checkpoint "
+                "(cryosnap.dcp): a delta compares cryosnap's own versions; export it whole"
+            )
+    parts = delta_parts(store, a, b, rank=rank)
+    doc = delta_document(parts, store.url)
+    if DELTA_KEY in doc["leaves"]:
+        raise ExportError(f"leaf {DELTA_KEY} has the name a delta keeps its document under")
+    arrays = [(p, v) for p, v in parts.values if doc["leaves"][p]["stored"] == "tensor"]
+    text = json.dumps(doc, separators=(",", ":"))
+    with _atomic_output(out) as tmp:
+        if fmt == ".safetensors":
+            _write_safetensors(arrays, tmp, extra={DELTA_KEY: text})
+        else:
+            document = np.frombuffer(text.encode("utf-8"), np.uint8)
+            _write_npz([*arrays, (DELTA_KEY, document)], tmp)
+    return ExportResult(
+        path=store.url,
+        step=b,
+        rank=rank,
+        out=out,
+        format=fmt.lstrip("."),
+        leaves=len(parts.values),
+        skipped=(),
+        bytes=out.stat().st_size,
+        since=a,
+        removed=parts.removed,
     )
 
 
@@ -304,7 +365,11 @@ def _json_leaf(value: Any) -> str:
     return json.dumps(value)
 
 
-def _write_safetensors(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, list[str]]:
+def _write_safetensors(
+    leaves: list[tuple[str, Any]], tmp: Path, *, extra: dict[str, str] | None = None
+) -> tuple[int, list[str]]:
+    """Write ``leaves`` to ``tmp``: tensors, and the other leaves as JSON in the metadata,
+    with ``extra`` (a delta's document)."""
     torch = _import_torch(".safetensors")
     from safetensors.torch import save_file
 
@@ -325,6 +390,7 @@ def _write_safetensors(leaves: list[tuple[str, Any]], tmp: Path) -> tuple[int, l
     written = len(tensors) + len(metadata)
     if "format" not in metadata:
         metadata["format"] = "pt"  # what transformers and others expect of a torch file
+    metadata.update(extra or {})
     try:
         save_file(tensors, str(tmp), metadata=metadata)
     except Exception as exc:

@@ -1,5 +1,6 @@
-"""``cryosnap.Run``: a handle on a run for reading it (list, describe, verify, diff, load) and
-for removing versions, and ``cryosnap.flush``: the API the command line is built on.
+"""``cryosnap.Run``: a handle on a run for reading it (list, describe, verify, diff, load; the
+lineage's history of a leaf and changes between versions, in ``_lineage.py``) and for
+removing versions, and ``cryosnap.flush``: the API the command line is built on.
 
 Reading takes no lock and writes nothing; opening a Run only lists the run. Given the run's
 scratch, ``verify`` checks every level: the persistent one and each rank's scratch part.
@@ -14,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cryosnap import engine
+from cryosnap import _lineage, engine
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
@@ -32,7 +33,7 @@ from cryosnap._inspect import (
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
-from cryosnap._validate import positive_int, seconds
+from cryosnap._validate import boolean, positive_int, seconds, wrong_type
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import load
 from cryosnap.dist import Coordinator
@@ -377,6 +378,64 @@ class Run:
             map_location=map_location,
         )
 
+    # -- lineage -------------------------------------------------------------------------------
+
+    def history(
+        self,
+        leaf: str,
+        steps: Sequence[int] | None = None,
+        *,
+        rank: int = 0,
+        allow_pickle: bool = False,
+    ) -> Iterator[tuple[int, Any]]:
+        """``(step, value)`` of one leaf, or of a subtree, across versions, ascending.
+
+        ``leaf``: a path as ``cryosnap inspect`` and :meth:`info` print them (``model/w``;
+        a container's path gives its subtree, built as :meth:`load` builds it; ``<root>``
+        the whole state). ``steps``: those versions only (default: every version). Only
+        the leaf's chunks are read, each verified; a version whose leaf has the chunk
+        hashes (and node) of the version yielded before it is not read again: **the same
+        value object is yielded again**, so copy a value before changing it. Values are
+        what :meth:`load` would return for that leaf: tensors, arrays, scalars; pickled
+        leaves only with ``allow_pickle=True`` (it runs code from the checkpoint).
+
+        Every manifest is read when this is called, before any data: a version of
+        ``steps`` without the leaf raises :class:`~cryosnap.errors.KeyNotFoundError`
+        naming the path, the step and the closest paths. With ``steps`` None the versions
+        without it are skipped, as long as one holds it (else the same error). A leaf
+        whose kind, dtype or shape changes between versions yields what each version
+        holds, with one ``UserWarning`` naming the steps where it changed. ``rank``: that
+        rank's part of each version (as :meth:`info`'s).
+        """
+        if not isinstance(leaf, str):
+            wrong_type(leaf, "leaf", "a leaf path (str) as `cryosnap inspect` prints it")
+        if not leaf:
+            raise ValueError("leaf='' names no leaf: give a path as `cryosnap inspect` prints")
+        return _lineage.history(
+            self._store,
+            leaf,
+            _steps_asked(steps),
+            rank=validate_step(rank, "rank"),
+            allow_pickle=boolean(allow_pickle, "allow_pickle"),
+        )
+
+    def changes(
+        self, a: int, b: int, *, rank: int = 0, allow_pickle: bool = False
+    ) -> Iterator[tuple[str, Any]]:
+        """``(leaf path, value in b)`` of each leaf that step ``b`` added or changed since
+        step ``a``, in ``b``'s tree order: found from the two versions' chunk hashes (as
+        :meth:`diff`, before this returns), then only those leaves are read, in batches.
+        Leaves of ``a`` that ``b`` removed are not yielded: :meth:`diff` lists them
+        (status ``removed``). Values as :meth:`history`'s."""
+        a, b = validate_step(a, "a"), validate_step(b, "b")
+        return _lineage.changes(
+            self._store,
+            a,
+            b,
+            rank=validate_step(rank, "rank"),
+            allow_pickle=boolean(allow_pickle, "allow_pickle"),
+        )
+
     # -- removing ------------------------------------------------------------------------------
 
     def remove(self, step: int, *, dry_run: bool = False) -> Removal:
@@ -458,6 +517,18 @@ class Run:
 
     def _not_found(self, step: int) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(f"step {step} not found in {self.url}")
+
+
+def _steps_asked(steps: Sequence[int] | None) -> list[int] | None:
+    """``steps=`` of :meth:`Run.history`, checked and ascending (None stays None)."""
+    if steps is None:
+        return None
+    if isinstance(steps, (str, bytes)) or not isinstance(steps, Sequence):
+        wrong_type(steps, "steps", "None or a sequence of steps (int)")
+    asked = [validate_step(s, "steps") for s in steps]
+    if len(set(asked)) != len(asked):
+        raise ValueError(f"steps={list(steps)!r:.120} names a step twice")
+    return sorted(asked)
 
 
 def flush(

@@ -187,6 +187,16 @@ def _add_export_command(app: typer.Typer) -> None:
             typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
         ] = None,
         rank: Annotated[int, RANK_OPT] = 0,
+        since: Annotated[
+            int | None,
+            typer.Option(
+                "--since",
+                min=0,
+                max=MAX_STEP,
+                help="Write a delta: only the leaves changed since this step (.safetensors or "
+                ".npz), with the roots cryosnap.apply_delta checks.",
+            ),
+        ] = None,
         force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
         allow_pickle: Annotated[
             bool,
@@ -198,12 +208,13 @@ def _add_export_command(app: typer.Typer) -> None:
         ] = False,
         json_output: Annotated[bool, JSON_OPT] = False,
     ) -> None:
-        """Write one version as a .pt, .safetensors or .npz file."""
+        """Write one version as a .pt, .safetensors or .npz file (--since: a delta)."""
         cmd_export(
             path,
             out,
             step=step,
             rank=rank,
+            since=since,
             force=force,
             as_json=json_output,
             allow_pickle=allow_pickle,

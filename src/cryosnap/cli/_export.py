@@ -1,7 +1,8 @@
-"""``cryosnap export``: one version as a ``.pt``, ``.safetensors`` or ``.npz`` file.
+"""``cryosnap export``: one version as a ``.pt``, ``.safetensors`` or ``.npz`` file; with
+``--since A``, a delta (the leaves changed since step A, for ``cryosnap.apply_delta``).
 
 Runs on the caller's thread, over :func:`cryosnap.export.export` (which reads the run through
-:func:`cryosnap.load` and takes no lock).
+:func:`cryosnap.load`, a delta only its changed leaves, and takes no lock).
 """
 
 from __future__ import annotations
@@ -19,39 +20,58 @@ def cmd_export(
     *,
     step: int | None = None,
     rank: int = 0,
+    since: int | None = None,
     force: bool = False,
     as_json: bool = False,
     allow_pickle: bool = False,
 ) -> None:
     """Write one version (default: the newest whose commit record reads); an existing OUT is
-    replaced only with ``force``."""
+    replaced only with ``force``. ``since``: the delta from that step."""
     try:
-        check_out(out, force=force)  # a bad OUT is refused before the run is even opened
+        _path, fmt = check_out(out, force=force)  # a bad OUT is refused before the run opens
     except (ValueError, TypeError) as exc:
         raise CliUsageError(str(exc)) from exc
+    if since is not None and fmt == ".pt":
+        raise CliUsageError(f"cannot export a delta to {out}: --since writes .safetensors or .npz")
     if not location:
         raise CliUsageError("PATH must not be empty")
     if step is None:
         step = newest_intact(open_run(location))
     try:
-        result = export(location, out, step=step, rank=rank, force=force, allow_pickle=allow_pickle)
+        result = export(
+            location,
+            out,
+            step=step,
+            rank=rank,
+            force=force,
+            allow_pickle=allow_pickle,
+            since=since,
+        )
     except (ExportError, ValueError) as exc:  # ValueError: --rank of a DCP version
         raise CliUsageError(str(exc)) from exc
     except CheckpointError as exc:
         raise _in_cli_words(exc) from None
     _export_notes(result)
     if as_json:
-        print_json(
-            {
-                "path": result.path,
-                "step": result.step,
-                "rank": result.rank,
-                "out": str(result.out),
-                "format": result.format,
-                "leaves": result.leaves,
-                "skipped": list(result.skipped),
-                "bytes": result.bytes,
-            }
+        doc = {
+            "path": result.path,
+            "step": result.step,
+            "rank": result.rank,
+            "out": str(result.out),
+            "format": result.format,
+            "leaves": result.leaves,
+            "skipped": list(result.skipped),
+            "bytes": result.bytes,
+        }
+        if result.since is not None:
+            doc |= {"since": result.since, "removed": list(result.removed)}
+        print_json(doc)
+        return
+    if result.since is not None:
+        print_line(
+            f"exported the changes of step {result.step} since step {result.since} of "
+            f"{result.path} to {result.out} ({plural(result.leaves, 'leaf', 'leaves')} added or "
+            f"changed, {len(result.removed)} removed, {human_bytes(result.bytes)})"
         )
         return
     print_line(

@@ -24,6 +24,7 @@ from cryosnap.engine._read import (
     read_blob,
     read_flat,
     read_part,
+    read_selection,
     resolve_part,
     verify_part,
 )
@@ -57,7 +58,14 @@ from cryosnap.engine._retire import (
     retire,
     version_space,
 )
-from cryosnap.engine._select import validate_keys
+from cryosnap.engine._select import (
+    ROOT_PATH,
+    closest_paths,
+    cut_part,
+    find_subtree,
+    renumbered,
+    validate_keys,
+)
 from cryosnap.engine.write import PartResult, PartWriter, assign_shares
 from cryosnap.engine.write import _split_pieces as _split_pieces
 
@@ -68,6 +76,7 @@ __all__ = [
     "PartNotFoundError",
     "PartResult",
     "PartWriter",
+    "ROOT_PATH",
     "ReadLimits",
     "ResolvedBlob",
     "ResolvedPart",
@@ -79,6 +88,9 @@ __all__ = [
     "caller_stacklevel",
     "chain_keys",
     "chain_manifests",
+    "closest_paths",
+    "cut_part",
+    "find_subtree",
     "ignore_files",
     "incomplete_files",
     "list_records",
@@ -91,6 +103,8 @@ __all__ = [
     "read_limits",
     "read_manifest",
     "read_part",
+    "read_selection",
+    "renumbered",
     "resolve",
     "resolve_part",
     "resolve_version",

@@ -71,6 +71,7 @@ __all__ = [
     "resolve_part",
     "caller_stacklevel",
     "read_part",
+    "read_selection",
     "verify_part",
 ]
 
@@ -358,6 +359,31 @@ def read_blob(
     one = dataclasses.replace(part, blobs=[part.blobs[blob]], _by_path={})
     read_blobs(store, one, [buf], direct=[False], limits=limits)
     return bytes(buf)
+
+
+def read_selection(
+    store: Store,
+    part: ResolvedPart,
+    skeleton: Any,
+    *,
+    allow_pickle: bool = False,
+    limits: ReadLimits | None = None,
+) -> Any:
+    """Build ``skeleton``, nodes of ``part``'s version whose blob references are numbered as
+    ``part``'s blobs (``renumbered`` and ``cut_part`` make both: the lineage's history and
+    changes), from those blobs alone: each read, every chunk verified, before the tree is
+    built. Nothing is mapped: the bytes come through the store's reads. ``limits``: as
+    :func:`read_part`'s."""
+    limits = limits if limits is not None else ReadLimits.current()
+    where = f"step {part.step}, tier {store.url}: {part.key}"
+    with located(step=part.step, path=store.url), paused_gc():
+        restorer = Restorer(skeleton, [b.nbytes for b in part.blobs], allow_pickle=allow_pickle)
+        views = _allocate(restorer, where, {})
+        read_blobs(store, part, views, direct=restorer.direct, limits=limits)
+        try:
+            return restorer.build()
+        except (MemoryError, RecursionError) as exc:
+            raise CheckpointFormatError(f"{where}: cannot build the leaves ({exc!r:.120})") from exc
 
 
 def resolve_part(

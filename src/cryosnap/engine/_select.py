@@ -1,5 +1,6 @@
 """Selective restore: some top-level keys of a saved state (``keys=``, or the keys saved as
-replicated) as a skeleton of their own whose blobs are numbered anew, with the indices of
+replicated), or one subtree named by its leaf path (:func:`find_subtree`, the lineage's
+``history``), as a skeleton of their own whose blobs are numbered anew, with the indices of
 the manifest's blobs they are, so that only those are resolved, read and verified.
 
 Pure (no I/O); the caller's thread.
@@ -8,15 +9,25 @@ Pure (no I/O); the caller's thread.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
 from cryosnap._format.columns import Columns
-from cryosnap._format.skeleton import dict_items, encode_key
+from cryosnap._format.skeleton import _key_text, dict_items, encode_key, iter_leaves
 from cryosnap.engine._resolved import ResolvedPart
 from cryosnap.errors import CheckpointFormatError, KeyNotFoundError, StateMismatchError
 
-__all__ = ["cut_part", "keys_skeleton", "renumbered", "spread_paths", "validate_keys"]
+__all__ = [
+    "ROOT_PATH",
+    "closest_paths",
+    "cut_part",
+    "find_subtree",
+    "keys_skeleton",
+    "renumbered",
+    "spread_paths",
+    "validate_keys",
+]
 
 Key = str | int
 
@@ -125,3 +136,69 @@ def spread_paths(paths: Sequence[str], index: Sequence[int], nblobs: int) -> lis
 def cut_part(part: ResolvedPart, index: Sequence[int]) -> ResolvedPart:
     """``part`` with only the blobs ``index`` selects, in that order (what is read)."""
     return dataclasses.replace(part, blobs=[part.blobs[i] for i in index], _by_path={})
+
+
+# The path of the whole state, as ``format_path`` prints the root.
+ROOT_PATH = "<root>"
+
+
+def find_subtree(skeleton: Any, leaf: str, where: str) -> Any | None:
+    """The node of ``skeleton`` at ``leaf``, a path as ``cryosnap inspect`` prints it (keys
+    joined by ``/``; :data:`ROOT_PATH` the whole state): a leaf, or a container (a subtree).
+    None when no node prints so. A stateful node is the state dict it holds, as in the paths.
+
+    Keys may hold ``/`` and an int key prints as the str of its digits: a path two nodes
+    print alike is a :class:`KeyNotFoundError` saying so (the walk follows every reading of
+    the path, so one of them is never picked silently)."""
+    if leaf == ROOT_PATH:
+        return _unwrap(skeleton)
+    found: list[Any] = []
+    stack: list[tuple[Any, str | None]] = [(skeleton, leaf)]
+    while stack:
+        node, rest = stack.pop()
+        node = _unwrap(node)
+        if rest is None:
+            found.append(node)
+            continue
+        for text, child in _children(node, where):
+            if rest == text:
+                stack.append((child, None))
+            elif rest.startswith(text + "/"):
+                stack.append((child, rest[len(text) + 1 :]))
+    if len(found) > 1:
+        raise KeyNotFoundError(
+            f"{where}: the path {leaf!r:.200} names {len(found)} nodes (a key holds '/', or "
+            "int and str keys print alike); the saved state cannot be read by it"
+        )
+    return found[0] if found else None
+
+
+def _unwrap(node: Any) -> Any:
+    # A stateful node adds no key to the paths of its state dict (iter_leaves).
+    while isinstance(node, dict) and node.get("t") == "stateful":
+        node = node.get("v")
+    return node
+
+
+def _children(node: Any, where: str) -> list[tuple[str, Any]]:
+    """``(key as printed, child)`` of a container node; none for a leaf."""
+    if not isinstance(node, dict):
+        return []
+    t = node.get("t")
+    if t in ("dict", "odict"):
+        return [(_key_text(k), v) for k, v in dict_items(node, where)]
+    if t in ("list", "tuple") and isinstance(node.get("v"), list):
+        return [(str(i), v) for i, v in enumerate(node["v"])]
+    return []
+
+
+def closest_paths(skeleton: Any, leaf: str, count: int = 3) -> list[str]:
+    """The leaf and container paths of ``skeleton`` nearest to ``leaf`` (for a message);
+    the first few paths when none is near."""
+    leaves = [path for path, _node in iter_leaves(skeleton)]
+    paths = dict.fromkeys(leaves)
+    for path in leaves:
+        parts = path.split("/")
+        paths.update(dict.fromkeys("/".join(parts[:i]) for i in range(1, len(parts))))
+    near = difflib.get_close_matches(leaf, list(paths), n=count, cutoff=0.5)
+    return near or leaves[:count]
