@@ -104,7 +104,9 @@ def _plan(parity: RSParity, lost: list[int], told: list[Any]) -> dict[str, Any] 
     targets: dict[str, list[list[Any]]] = {}
     for r in lost:
         newest = max((v[0] for v in told[r]["versions"]), default=-1)
-        covering = {f: k for k, idx in indexes.items() for f, _ in idx.members[r].files}
+        covering = {
+            f: k for k, idx in indexes.items() if r in idx.members for f, _ in idx.members[r].files
+        }
         for step, gen, fork in sorted(v for v in common if v[0] > newest):
             idx = indexes.get(index_key(step, Lineage(gen, fork) if gen else None))
             if idx is None or idx.ranks != parity.ranks or idx.m != parity.m:
@@ -140,7 +142,7 @@ def _schedule(plan: dict[str, Any]) -> list[_Round]:
     """Every window of ``plan``, the same on every rank: for each index, each lost rank's
     data segments in payload order, then its parity blocks, window after window."""
     n = len(plan["set"])
-    w = _partner.WINDOW_BYTES // max(1, n - plan["m"])
+    w = max(1, _partner.WINDOW_BYTES // max(1, n - plan["m"]))
     out: list[_Round] = []
     for e, entry in enumerate(plan["entries"]):
         seg = int(entry["segment_bytes"])
