@@ -107,6 +107,8 @@ def launch(tmp: Path, program: list[dict[str, Any]], redundancy: str) -> list[li
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (requirements-dev.txt)")
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}: the mpich wheel is not installed")
+    if redundancy == "rs":
+        pytest.importorskip("zfec", reason="zfec is not installed (the rs extra)")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

@@ -262,6 +262,27 @@ def test_parity_retention_follows_scratch_retention(tmp_path: Path) -> None:
         assert len(store.list("parity")) == 2  # M=1 file per kept version
 
 
+def test_incremental_versions_rebuild_through_their_chain(tmp_path: Path) -> None:
+    """A rebuilt incremental version needs its base's files too: their parity outlives the
+    base's commit record on scratch."""
+    kw: dict[str, Any] = {"keep_scratch": 2, "full_every": 3}
+    run_steps(tmp_path, "rs:2+1", 3, (1, 2, 3, 4, 5), **kw)
+    record = engine.read_commit(LocalStore(own_dir(tmp_path, 1)), 5)
+    assert record.incremental and len(record.chain) > 1
+    store = LocalStore(parity_dir(tmp_path, 1))
+    assert {int(k[6:18]) for k in store.list("index")} == {*record.chain, 4}
+    before = files_of(own_dir(tmp_path, 1))
+    shutil.rmtree(node(tmp_path, 1))
+    for step in (4, 5):
+        (tmp_path / "run" / commit_key(step)).unlink()
+    for rank, (steps, restored) in enumerate(run_steps(tmp_path, "rs:2+1", 3, (), **kw)):
+        assert list(steps)[-2:] == [4, 5]
+        assert same(restored, state_of(rank, 5))
+    after = files_of(own_dir(tmp_path, 1))
+    assert set(after) == set(before)
+    assert {k: v for k, v in after.items() if k in before} == before
+
+
 @pytest.mark.parametrize("where", ["parity", "index"])
 def test_damaged_parity_is_never_used_unverified(tmp_path: Path, where: str) -> None:
     run_steps(tmp_path, "rs:2+1", 3, (1, 2))
