@@ -18,7 +18,6 @@ import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from cryosnap import engine
 from cryosnap._format.keys import Lineage
@@ -29,11 +28,10 @@ from cryosnap._run.redundancy.xor import (
     Member,
     Payload,
     count,
-    layout,
+    exchange_layouts,
     members_from_json,
     members_to_json,
     retire,
-    to_member,
     version_name,
 )
 from cryosnap.dist import Coordinator
@@ -318,20 +316,7 @@ class RSParity:
         """Write this rank's M parity blocks of the version ``part`` belongs to, from the files
         the set's members wrote for it (collective on ``coord``: every rank calls it,
         ``record`` None when this rank has no commit record to protect). The failures."""
-        mine = layout(store, part, record)
-        body = json.dumps(mine).encode()
-        got = coord.exchange({r: body for r in self.ranks if r != self.rank})
-        told: dict[int, Any] = {self.rank: mine}
-        errors: list[str] = []
-        for src, raw in got.items():
-            try:
-                told[src] = json.loads(raw)
-            except ValueError:
-                errors.append(f"rank {src} sent no layout")
-        errors += [f"rank {r}: {t['error']}" for r, t in sorted(told.items()) if "error" in t]
-        if set(told) != set(self.ranks) and not errors:
-            errors.append(f"the set {self.ranks} did not all send their layout")
-        members = {} if errors else {r: to_member(t) for r, t in told.items()}
+        mine, members, errors = exchange_layouts(coord, self.ranks, store, part, record)
         seg = -(-max((x.nbytes for x in members.values()), default=0) // self.k)
         rounds = 0 if errors else -(-seg // self.window_bytes())
         everyone = max(coord.all_gather(rounds))

@@ -38,6 +38,7 @@ __all__ = [
     "ParityIndex",
     "Payload",
     "count",
+    "exchange_layouts",
     "index_key",
     "layout",
     "members_from_json",
@@ -334,20 +335,7 @@ class Parity:
         members wrote for it (collective on ``coord``: every rank calls it, ``record`` None
         when this rank has no commit record to protect). The failures (this set's), if any."""
         step = part.manifest.step
-        mine = layout(store, part, record)
-        body = json.dumps(mine).encode()
-        got = coord.exchange({r: body for r in self.ranks if r != self.rank})
-        told: dict[int, Any] = {self.rank: mine}
-        errors: list[str] = []
-        for src, raw in got.items():
-            try:
-                told[src] = json.loads(raw)
-            except ValueError:
-                errors.append(f"rank {src} sent no layout")
-        errors += [f"rank {r}: {t['error']}" for r, t in sorted(told.items()) if "error" in t]
-        if set(told) != set(self.ranks) and not errors:
-            errors.append(f"the set {self.ranks} did not all send their layout")
-        members = {} if errors else {r: to_member(t) for r, t in told.items()}
+        mine, members, errors = exchange_layouts(coord, self.ranks, store, part, record)
         k = len(self.ranks)
         seg = segment_bytes([m.nbytes for m in members.values()], k)
         w = window_bytes(k)
@@ -483,6 +471,33 @@ def layout(store: Store, part: engine.PartResult, record: bytes | None) -> dict[
         return {"error": f"reading {store.url}: {exc}"}
     needs = sorted({*part.used_files(), *part.chain_keys()})
     return {"files": files, "needs": needs, "record": record.decode()}
+
+
+def exchange_layouts(
+    coord: Coordinator,
+    ranks: Sequence[int],
+    store: Store,
+    part: engine.PartResult,
+    record: bytes | None,
+) -> tuple[dict[str, Any], dict[int, Member], list[str]]:
+    """The first exchange of an encode (collective): this rank's layout of the version (its
+    files on ``store``, needs and record) to the other members of its set ``ranks``, theirs
+    back. This rank's layout, every member's part (empty on failure) and the failures."""
+    mine = layout(store, part, record)
+    body = json.dumps(mine).encode()
+    got = coord.exchange({r: body for r in ranks if r != coord.rank})
+    told: dict[int, Any] = {coord.rank: mine}
+    errors: list[str] = []
+    for src, raw in got.items():
+        try:
+            told[src] = json.loads(raw)
+        except ValueError:
+            errors.append(f"rank {src} sent no layout")
+    errors += [f"rank {r}: {t['error']}" for r, t in sorted(told.items()) if "error" in t]
+    if set(told) != set(ranks) and not errors:
+        errors.append(f"the set {tuple(ranks)} did not all send their layout")
+    members = {} if errors else {r: to_member(t) for r, t in told.items()}
+    return mine, members, errors
 
 
 def to_member(told: Any) -> Member:
