@@ -283,10 +283,13 @@ def test_incremental_versions_rebuild_through_their_chain(tmp_path: Path) -> Non
     assert {k: v for k, v in after.items() if k in before} == before
 
 
-@pytest.mark.parametrize("where", ["parity", "index"])
-def test_damaged_parity_is_never_used_unverified(tmp_path: Path, where: str) -> None:
+@pytest.mark.parametrize(
+    ("where", "rank"), [("parity", 0), ("index", 0), ("parity", 2), ("index", 2)]
+)
+def test_damaged_parity_is_never_used_unverified(tmp_path: Path, where: str, rank: int) -> None:
+    """Rank 1 is lost; rank 0 plans its rebuild, rank 2 only sends."""
     run_steps(tmp_path, "rs:2+1", 3, (1, 2))
-    holder = parity_dir(tmp_path, 0)
+    holder = parity_dir(tmp_path, rank)
     idx = RSIndex.from_json(LocalStore(holder).read("index/000000000002.json"), "test")
     if where == "parity":
         path = holder / idx.parity_keys[0]
