@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Generic, Literal, NoReturn, TypeVar, overload
+from typing import Any, Generic, NoReturn, TypeVar, overload
 
 from cryosnap import _validate, engine
 from cryosnap._run.job import Job
@@ -227,6 +227,10 @@ class Checkpointer(_Opened):
         instead of a whole copy, XOR parity across sets of k participants on k distinct nodes
         (k at most ``$CRYOSNAP_XOR_SET_SIZE``, default 8): about 1/(k-1) of a part more per
         participant; one lost node per set is rebuilt at open, verified (docs/DISTRIBUTED.md).
+        ``"rs:K+M"`` (e.g. ``"rs:4+2"``): Reed-Solomon parity across sets of at least K+M
+        participants on as many distinct nodes (zfec: ``pip install 'cryosnap[rs]'``): about
+        M/K of a part more per participant; any M lost nodes of a set are rebuilt at open,
+        verified.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -269,7 +273,7 @@ class Checkpointer(_Opened):
         clock: Callable[[], float] = time.monotonic,
         run_id: str | None = None,
         device_diff: bool | None = None,
-        partner: bool | Literal["xor"] = False,
+        partner: bool | str = False,
     ) -> None:
         self._options = RunOptions(
             path=path,

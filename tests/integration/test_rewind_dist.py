@@ -107,6 +107,8 @@ def launch(tmp: Path, program: list[dict[str, Any]], redundancy: str) -> list[li
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (requirements-dev.txt)")
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}: the mpich wheel is not installed")
+    if redundancy == "rs":
+        pytest.importorskip("zfec", reason="zfec is not installed (the rs extra)")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -149,7 +151,7 @@ def test_rewinds_on_four_ranks_and_two_levels(
 
 
 @pytest.mark.deep
-@pytest.mark.parametrize("redundancy", ["none", "partner", "xor"])
+@pytest.mark.parametrize("redundancy", ["none", "partner", "xor", "rs"])
 @settings(_SETTINGS, max_examples=8)
 @given(program=programs(3, 6))
 def test_rewinds_on_four_ranks_and_two_levels_at_length(
@@ -187,7 +189,7 @@ def test_a_fallback_past_damage_on_every_level(tmp_path: Path, redundancy: str) 
     check(program, results)
 
 
-@pytest.mark.parametrize("redundancy", ["none", "partner", "xor"])
+@pytest.mark.parametrize("redundancy", ["none", "partner", "xor", "rs"])
 def test_a_restart_that_finds_scratch_ahead_of_persistent(tmp_path: Path, redundancy: str) -> None:
     """Step 3 reached scratch but not the persistent level (its record there is gone: a
     flush that never finished); the next job rewinds to 1: the open hands step 3 over, the
@@ -216,7 +218,7 @@ def test_the_model() -> None:
 
 
 def _node_of(rank: int, mode: str) -> int:
-    return rank if mode == "xor" else rank % 2  # XOR sets need a node per rank
+    return rank if mode in ("xor", "rs") else rank % 2  # XOR and RS sets: a node per rank
 
 
 def _open(out: Path, comm: Any, mode: str) -> Any:
@@ -226,7 +228,7 @@ def _open(out: Path, comm: Any, mode: str) -> Any:
     c = MPICoordinator(comm, timeout=60)
     node = _node_of(c.rank, mode)
     os.environ["CRYOSNAP_NODE"] = f"n{node}"
-    partner: Any = {"none": False, "partner": True, "xor": "xor"}[mode]
+    partner: Any = {"none": False, "partner": True, "xor": "xor", "rs": "rs:2+2"}[mode]
     return cryosnap.Checkpointer(
         out / "persistent",
         scratch=out / f"node-{node}",

@@ -79,6 +79,8 @@ def _or_none(kind: Callable[[Any, str, str], Any], *words: str) -> Callable[[Any
 def _partner(value: Any, key: str, where: str) -> bool | str:
     if isinstance(value, str) and value.strip().lower() == "xor":
         return "xor"
+    if isinstance(value, str) and value.strip().lower().startswith("rs:"):
+        return value.strip().lower()  # "rs:K+M", checked by RunOptions
     return _bool(value, key, where)
 
 

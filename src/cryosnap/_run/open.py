@@ -27,6 +27,8 @@ from cryosnap._run.lock import RunLock, acquire_run_lock
 from cryosnap._run.options import RunOptions
 from cryosnap._run.policy_room import PolicyRoom
 from cryosnap._run.redundancy.partner import Partners, rebuild
+from cryosnap._run.redundancy.rs import RSParity
+from cryosnap._run.redundancy.rs_rebuild import rebuild as rebuild_rs
 from cryosnap._run.redundancy.xor import Parity
 from cryosnap._run.redundancy.xor_rebuild import rebuild as rebuild_parity
 from cryosnap._run.restore import current_lineage
@@ -75,7 +77,7 @@ class OpenRun:
     scratch: StripedStore | None
     levels: Levels
     partners: Partners | None
-    parity: Parity | None
+    parity: Parity | RSParity | None
     capturer: Capturer
     writer: WriterThread
     lineage: Lineage | None
@@ -113,7 +115,7 @@ def open_run(options: RunOptions) -> OpenRun:
     with ExitStack() as undo:
         levels = open_levels(options, coord, persistent, scratch, chain, undo)
         partners = open_partners(options, coord, levels) if options.partner is True else None
-        parity = open_parity(options, coord, levels) if options.partner == "xor" else None
+        parity = open_parity(options, coord, levels)
         levels.observe = policies.reached
         capturer = Capturer(
             chunk_bytes=options.chunk_bytes,
@@ -288,11 +290,27 @@ def open_partners(options: RunOptions, coord: Coordinator, levels: Levels) -> Pa
     return partners
 
 
-def open_parity(options: RunOptions, coord: Coordinator, levels: Levels) -> Parity:
-    """Agree on the XOR sets, open this rank's parity store, and rebuild the lost rank of
-    each set from the others' files and parity."""
+def open_parity(
+    options: RunOptions, coord: Coordinator, levels: Levels
+) -> Parity | RSParity | None:
+    """With ``partner="xor"`` or ``"rs:K+M"``: agree on the sets, open this rank's parity
+    store, and rebuild the lost ranks of each set from the others' files and parity."""
+    rs = options.rs
+    if options.partner != "xor" and rs is None:
+        return None
     root = options.scratch_devices[0].path
     assert not isinstance(root, Store)  # refused by check_world
+    if rs is not None:
+        sets = RSParity.open(
+            coord,
+            os.fspath(root),
+            k=rs[0],
+            m=rs[1],
+            open_store=open_store,
+            timeout=options.storage_timeout_seconds,
+        )
+        rebuild_rs(coord, levels.first.store, sets)
+        return sets
     parity = Parity.open(
         coord, os.fspath(root), open_store=open_store, timeout=options.storage_timeout_seconds
     )

@@ -11,13 +11,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import cryosnap._run.signals as _signals
 from cryosnap import _validate
 from cryosnap._format.chunks import validate_chunk_bytes
 from cryosnap._format.commit import RUN_ID_PATTERN
 from cryosnap._run.capture.devdiff import DeviceDiff
+from cryosnap._run.redundancy.rs import parse_rs, require_zfec
 from cryosnap.dist import Coordinator
 from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention
 from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store
@@ -60,7 +61,7 @@ class RunOptions:
     clock: Callable[[], float] = field(default=time.monotonic)
     run_id: str | None = None
     device_diff: bool | None = None
-    partner: bool | Literal["xor"] = False
+    partner: bool | str = False  # False, True, "xor" or "rs:K+M"
 
     def __post_init__(self) -> None:
         # The order of the checks is the Checkpointer's of old: with several bad arguments,
@@ -113,13 +114,22 @@ class RunOptions:
 
     def _check_partner(self) -> None:
         partner: object = self.partner
-        if partner != "xor":
-            if isinstance(partner, str):
-                raise ValueError(f"partner={partner!r:.40} is invalid: give False, True or 'xor'")
+        if isinstance(partner, str) and partner != "xor":
+            k, m = parse_rs(partner)
+            partner = f"rs:{k}+{m}"
+        elif partner != "xor":
             partner = _validate.boolean(partner, "partner")
         _set(self, "partner", partner)
         if partner and self.scratch is None:
             raise _partner_error(partner)
+        if isinstance(partner, str) and partner.startswith("rs:"):
+            require_zfec(partner)
+
+    @property
+    def rs(self) -> tuple[int, int] | None:
+        """(K, M) of ``partner="rs:K+M"``; None with another partner."""
+        partner = self.partner
+        return parse_rs(partner) if isinstance(partner, str) and partner != "xor" else None
 
     def _check_storage(self) -> None:
         options = self.storage_options
@@ -187,7 +197,13 @@ def _set(options: RunOptions, name: str, value: object) -> None:
 
 
 def _partner_error(partner: bool | str) -> ValueError:
-    what = "copies" if partner is True else "protects with XOR parity on other nodes"
+    what = (
+        "copies"
+        if partner is True
+        else "protects with XOR parity on other nodes"
+        if partner == "xor"
+        else "protects with Reed-Solomon parity on other nodes"
+    )
     return ValueError(
         f"partner={partner!r} {what} each participant's scratch: it needs "
         "scratch= and several participants (comm=)"

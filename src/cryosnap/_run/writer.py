@@ -30,6 +30,7 @@ from cryosnap._run.chain import ChainIndex
 from cryosnap._run.job import END, Job
 from cryosnap._run.levels.levels import Level, Levels
 from cryosnap._run.redundancy.partner import Partners
+from cryosnap._run.redundancy.rs import RSParity
 from cryosnap._run.redundancy.xor import Parity
 from cryosnap._run.results import CaptureTracker, PendingSave, SaveInfo
 from cryosnap._state import FlatState
@@ -90,7 +91,7 @@ class VersionWriter:
         run_id: str | None = None,
         channel: str = "writer",
         partners: Partners | None = None,
-        parity: Parity | None = None,
+        parity: Parity | RSParity | None = None,
     ) -> None:
         self.level = level
         self.chain = chain
@@ -100,7 +101,8 @@ class VersionWriter:
         # once every rank's part is durable, and copies it to its partner.
         self.private = not level.shared and coordinator.world_size > 1
         self.partners = partners
-        self.parity = parity  # partner="xor": the version's parity before its commit record
+        # partner="xor" or "rs:K+M": the version's parity before its commit record
+        self.parity = parity
         self.chunk_bytes = chunk_bytes
         self.placement = placement
         self.fence = fence
@@ -357,7 +359,8 @@ class VersionWriter:
             lineage = job.lineage if job is not None else None
             errors = self.parity.encode(self.coord, self.store, part, lineage, body)
             if errors and not problem:
-                problem = f"XOR parity: {'; '.join(errors)}"
+                what = "XOR" if isinstance(self.parity, Parity) else "RS"
+                problem = f"{what} parity: {'; '.join(errors)}"
         if problem:
             return None, problem
         assert body is not None

@@ -161,7 +161,7 @@ def test_an_index_naming_a_file_outside_the_store_is_refused() -> None:
 def test_partner_xor_needs_scratch_and_two_nodes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="partner='xor'"):
         cryosnap.Checkpointer(tmp_path / "a", partner="xor")
-    with pytest.raises(ValueError, match="False, True or 'xor'"):
+    with pytest.raises(ValueError, match="False, True, 'xor' or 'rs:K\\+M'"):
         cryosnap.Checkpointer(tmp_path / "a", scratch=tmp_path / "s", partner="parity")
 
     def body(c: Coordinator) -> None:

@@ -16,7 +16,7 @@ import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,14 +32,25 @@ __all__ = [
     "SET_SIZE_ENV",
     "STATUS_FAILED",
     "STATUS_OK",
+    "Index",
     "Member",
     "Parity",
     "ParityIndex",
+    "Payload",
+    "count",
+    "exchange_layouts",
     "index_key",
+    "layout",
+    "members_from_json",
+    "members_to_json",
+    "payload_keys",
+    "retire",
     "segment_bytes",
     "segment_of",
     "set_size",
+    "to_member",
     "version_name",
+    "xor_into",
     "xor_sets",
 ]
 
@@ -173,14 +184,7 @@ class ParityIndex:
             "rank": self.rank,
             "segment_bytes": self.segment_bytes,
             "parity": {"key": self.parity_key, "nbytes": self.parity_bytes},
-            "members": {
-                str(r): {
-                    "files": [list(f) for f in m.files],
-                    "needs": list(m.needs),
-                    "record": m.record,
-                }
-                for r, m in sorted(self.members.items())
-            },
+            "members": members_to_json(self.members),
         }
         return json.dumps(doc, sort_keys=True).encode()
 
@@ -190,23 +194,15 @@ class ParityIndex:
             doc = json.loads(data)
             if doc["format"] != INDEX_FORMAT:
                 raise ValueError(f"format {doc['format']!r} is not {INDEX_FORMAT}")
-            members = {
-                int(r): Member(
-                    files=tuple((validate_key(k), _count(n)) for k, n in m["files"]),
-                    needs=tuple(validate_key(k) for k in m["needs"]),
-                    record=str(m["record"]),
-                )
-                for r, m in doc["members"].items()
-            }
             out = cls(
-                step=_count(doc["step"]),
-                generation=_count(doc["generation"]),
-                ranks=tuple(_count(r) for r in doc["ranks"]),
-                rank=_count(doc["rank"]),
-                segment_bytes=_count(doc["segment_bytes"]),
+                step=count(doc["step"]),
+                generation=count(doc["generation"]),
+                ranks=tuple(count(r) for r in doc["ranks"]),
+                rank=count(doc["rank"]),
+                segment_bytes=count(doc["segment_bytes"]),
                 parity_key=validate_key(doc["parity"]["key"]),
-                parity_bytes=_count(doc["parity"]["nbytes"]),
-                members=members,
+                parity_bytes=count(doc["parity"]["nbytes"]),
+                members=members_from_json(doc["members"]),
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise CheckpointFormatError(f"{where}: not an XOR parity index: {exc}") from None
@@ -214,8 +210,32 @@ class ParityIndex:
             raise CheckpointFormatError(f"{where}: its members are not its set {out.ranks}")
         return out
 
+    @property
+    def parity_keys(self) -> tuple[str, ...]:
+        return (self.parity_key,)
 
-def _count(value: Any) -> int:
+
+def members_to_json(members: Mapping[int, Member]) -> dict[str, Any]:
+    return {
+        str(r): {"files": [list(f) for f in m.files], "needs": list(m.needs), "record": m.record}
+        for r, m in sorted(members.items())
+    }
+
+
+def members_from_json(doc: Any) -> dict[int, Member]:
+    """The members of an index's JSON (raises ValueError, TypeError, KeyError)."""
+    return {
+        int(r): Member(
+            files=tuple((validate_key(k), count(n)) for k, n in m["files"]),
+            needs=tuple(validate_key(k) for k in m["needs"]),
+            record=str(m["record"]),
+        )
+        for r, m in doc.items()
+    }
+
+
+def count(value: Any) -> int:
+    """``value`` if it is a count (an int, not negative); else ValueError."""
     if type(value) is not int or value < 0:
         raise ValueError(f"{value!r:.40} is not a count")
     return value
@@ -315,20 +335,7 @@ class Parity:
         members wrote for it (collective on ``coord``: every rank calls it, ``record`` None
         when this rank has no commit record to protect). The failures (this set's), if any."""
         step = part.manifest.step
-        mine = _layout(store, part, record)
-        body = json.dumps(mine).encode()
-        got = coord.exchange({r: body for r in self.ranks if r != self.rank})
-        told: dict[int, Any] = {self.rank: mine}
-        errors: list[str] = []
-        for src, raw in got.items():
-            try:
-                told[src] = json.loads(raw)
-            except ValueError:
-                errors.append(f"rank {src} sent no layout")
-        errors += [f"rank {r}: {t['error']}" for r, t in sorted(told.items()) if "error" in t]
-        if set(told) != set(self.ranks) and not errors:
-            errors.append(f"the set {self.ranks} did not all send their layout")
-        members = {} if errors else {r: _member(t) for r, t in told.items()}
+        mine, members, errors = exchange_layouts(coord, self.ranks, store, part, record)
         k = len(self.ranks)
         seg = segment_bytes([m.nbytes for m in members.values()], k)
         w = window_bytes(k)
@@ -404,32 +411,47 @@ class Parity:
     # -- retention -----------------------------------------------------------------------------
 
     def retire(self, own: Store) -> None:
-        """Keep the parity of the versions on this rank's scratch (``own``) and of every older
-        version whose files they still read; delete the rest (indexes first, then the parity
-        files no kept index names). Any failure to read keeps everything, logged."""
-        try:
-            versions = engine.list_versions(own)
-            indexes = {k: self.read_index(k) for k in self.store.list("index")}
-            parities = self.store.list("parity")
-        except CheckpointError as exc:
-            log.warning("XOR parity kept: reading %s failed: %s", self.store.url, exc)
-            return
-        kept = {index_key(s, lin) for s, lin in versions.items()} & set(indexes)
-        needed = {f for k in kept for m in indexes[k].members.values() for f in m.needs}
-        kept |= {
-            k
-            for k, idx in indexes.items()
-            if any(f in needed for m in idx.members.values() for f, _ in m.files)
-        }
-        named = {indexes[k].parity_key for k in kept}
-        try:
-            for k in sorted(set(indexes) - kept):
-                self.store.delete(k)
-            for k in parities:
-                if k not in named:
-                    self.store.delete(k)
-        except CheckpointError as exc:
-            log.warning("retention of XOR parity on %s failed: %s", self.store.url, exc)
+        """Keep the parity of the versions on this rank's scratch (``own``): :func:`retire`."""
+        retire(self.store, own, self.read_index, "XOR")
+
+
+class Index(Protocol):
+    """What retention reads of a parity index (XOR's or Reed-Solomon's)."""
+
+    @property
+    def members(self) -> dict[int, Member]: ...
+
+    @property
+    def parity_keys(self) -> tuple[str, ...]: ...
+
+
+def retire(store: Store, own: Store, read_index: Callable[[str], Index], what: str) -> None:
+    """Keep the parity (on ``store``) of the versions on this rank's scratch (``own``) and of
+    every older version whose files they still read; delete the rest (indexes first, then the
+    parity files no kept index names). Any failure to read keeps everything, logged."""
+    try:
+        versions = engine.list_versions(own)
+        indexes = {k: read_index(k) for k in store.list("index")}
+        parities = store.list("parity")
+    except CheckpointError as exc:
+        log.warning("%s parity kept: reading %s failed: %s", what, store.url, exc)
+        return
+    kept = {index_key(s, lin) for s, lin in versions.items()} & set(indexes)
+    needed = {f for k in kept for m in indexes[k].members.values() for f in m.needs}
+    kept |= {
+        k
+        for k, idx in indexes.items()
+        if any(f in needed for m in idx.members.values() for f, _ in m.files)
+    }
+    named = {p for k in kept for p in indexes[k].parity_keys}
+    try:
+        for k in sorted(set(indexes) - kept):
+            store.delete(k)
+        for k in parities:
+            if k not in named:
+                store.delete(k)
+    except CheckpointError as exc:
+        log.warning("retention of %s parity on %s failed: %s", what, store.url, exc)
 
 
 def payload_keys(part: engine.PartResult) -> list[str]:
@@ -440,7 +462,7 @@ def payload_keys(part: engine.PartResult) -> list[str]:
     return [*new, part.ref.key]
 
 
-def _layout(store: Store, part: engine.PartResult, record: bytes | None) -> dict[str, Any]:
+def layout(store: Store, part: engine.PartResult, record: bytes | None) -> dict[str, Any]:
     if record is None:
         return {"error": "no commit record"}
     try:
@@ -451,7 +473,34 @@ def _layout(store: Store, part: engine.PartResult, record: bytes | None) -> dict
     return {"files": files, "needs": needs, "record": record.decode()}
 
 
-def _member(told: Any) -> Member:
+def exchange_layouts(
+    coord: Coordinator,
+    ranks: Sequence[int],
+    store: Store,
+    part: engine.PartResult,
+    record: bytes | None,
+) -> tuple[dict[str, Any], dict[int, Member], list[str]]:
+    """The first exchange of an encode (collective): this rank's layout of the version (its
+    files on ``store``, needs and record) to the other members of its set ``ranks``, theirs
+    back. This rank's layout, every member's part (empty on failure) and the failures."""
+    mine = layout(store, part, record)
+    body = json.dumps(mine).encode()
+    got = coord.exchange({r: body for r in ranks if r != coord.rank})
+    told: dict[int, Any] = {coord.rank: mine}
+    errors: list[str] = []
+    for src, raw in got.items():
+        try:
+            told[src] = json.loads(raw)
+        except ValueError:
+            errors.append(f"rank {src} sent no layout")
+    errors += [f"rank {r}: {t['error']}" for r, t in sorted(told.items()) if "error" in t]
+    if set(told) != set(ranks) and not errors:
+        errors.append(f"the set {tuple(ranks)} did not all send their layout")
+    members = {} if errors else {r: to_member(t) for r, t in told.items()}
+    return mine, members, errors
+
+
+def to_member(told: Any) -> Member:
     return Member(
         files=tuple((str(k), int(n)) for k, n in told["files"]),
         needs=tuple(str(k) for k in told["needs"]),

@@ -33,7 +33,7 @@ from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import BlobWriter, Store, WrapperStore
 
-__all__ = ["rebuild"]
+__all__ = ["Rebuilt", "commit_rebuilt", "rebuild"]
 
 log = logging.getLogger("cryosnap")
 
@@ -243,7 +243,7 @@ def _piece(
     return Payload(own, files).window(q * seg + r.offset, r.nbytes, (q + 1) * seg)
 
 
-class _Files:
+class Rebuilt:
     """The lost rank's files of one index, written in payload order (a file it still has at
     the right size is not written again)."""
 
@@ -293,7 +293,7 @@ class _Files:
             self._writer = None
 
 
-_Open = tuple[_Files, BlobWriter, ParityIndex]  # a lost rank's files, parity, index of one entry
+_Open = tuple[Rebuilt, BlobWriter, ParityIndex]  # a lost rank's files, parity, index of one entry
 
 
 def _has(store: Store, key: str, nbytes: int) -> bool:
@@ -344,13 +344,13 @@ def _receive(
     finally:
         for w in writers.values():
             _abort(w)
-    return _commit(own, plan, entries, broken)
+    return commit_rebuilt(own, plan["lost"], plan["targets"], broken, "XOR")
 
 
 def _start(
     own: Store, parity: Parity, idx: ParityIndex, writers: dict[int, _Open], entry: int
 ) -> _Open:
-    files = _Files(own, idx.members[parity.rank].files)
+    files = Rebuilt(own, idx.members[parity.rank].files)
     key = f"parity/{idx.name}-r{parity.rank:05d}.xor"
     writers[entry] = (files, parity.store.open_writer(key), idx)
     return writers[entry]
@@ -412,38 +412,42 @@ class _WithRecord(WrapperStore):
         return sorted({*keys, self._key}) if self._key.startswith(prefix) else keys
 
 
-def _commit(
-    own: Store, plan: dict[str, Any], entries: list[ParityIndex], broken: dict[int, str]
+def commit_rebuilt(
+    own: Store, lost: int, targets: Sequence[Sequence[Any]], broken: dict[int, str], what: str
 ) -> list[int]:
-    """Write the commit record of each rebuilt version whose part verifies (oldest first)."""
+    """Write the commit record of each rebuilt version (``targets``: [step, generation, fork,
+    record text], oldest first) whose part verifies on ``own``, the scratch of rank ``lost``;
+    ``broken``: the entries that failed, logged. The steps committed."""
     if broken:
-        log.warning("XOR rebuild of rank %d: %s", plan["lost"], "; ".join(broken.values()))
+        log.warning("%s rebuild of rank %d: %s", what, lost, "; ".join(broken.values()))
     out: list[int] = []
-    for step, gen, fork, text in plan["targets"]:
+    for step, gen, fork, text in targets:
         lineage = Lineage(gen, fork) if gen else None
         key = commit_key(step, lineage)
         body = text.encode()
         try:
-            record = CommitRecord.from_json(body, f"rank {plan['lost']}'s record of step {step}")
+            record = CommitRecord.from_json(body, f"rank {lost}'s record of step {step}")
             if record.step != step or record.lineage != lineage:
                 raise CheckpointError(f"it is the record of step {record.step}")
             engine.verify_part(_WithRecord(own, key, body), step)
             own.write(key, body)
         except CheckpointError as exc:
             log.warning(
-                "rank %d: step %d could not be rebuilt from XOR parity (%s); the persistent "
+                "rank %d: step %d could not be rebuilt from %s parity (%s); the persistent "
                 "level serves it",
-                plan["lost"],
+                lost,
                 step,
+                what,
                 exc,
             )
             continue
         out.append(step)
     if out:
         log.warning(
-            "rank %d: scratch %s lacked versions %s; rebuilt from XOR parity",
-            plan["lost"],
+            "rank %d: scratch %s lacked versions %s; rebuilt from %s parity",
+            lost,
             own.url,
             out,
+            what,
         )
     return out
