@@ -206,10 +206,15 @@ def test_loader_without_position_is_refused_or_restarts_its_epoch(tmp_path: Path
 
 
 @pytest.mark.timeout(60)
-def test_deepspeed_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deepspeed_without_one_engine_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a DeepSpeed plugin Checkpoints saves through the one prepared DeepSpeed engine
+    (test_deepspeed_routes.py); none prepared yet is refused before the run is opened."""
+    pytest.importorskip("deepspeed")
     accelerator = Accelerator(cpu=True)
     monkeypatch.setattr(accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
-    with pytest.raises(NotImplementedError, match="DeepSpeed plugin"):
+    with pytest.raises(NotImplementedError, match="one prepared model, a DeepSpeed engine"):
         Checkpoints(accelerator, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 

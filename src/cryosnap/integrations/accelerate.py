@@ -3,6 +3,8 @@
 
 :class:`Checkpoints` (made after ``accelerator.prepare``) saves what ``save_state`` saves, plus
 the exact data position of the prepared dataloaders; :class:`_Position` keeps that position.
+With a DeepSpeed plugin the engine's own files go through cryosnap's DeepSpeed checkpoint
+engine (cryosnap.integrations.deepspeed), in the same version as the rest.
 Runs on the training loop's thread (the dataloader hooks on the thread that iterates); the
 writes run on the Checkpointer's threads. docs/design/integrations.md has the rules.
 """
@@ -54,12 +56,11 @@ _REPLICATED = ["models", "optimizers", "schedulers", "scaler", "accelerator"]
 # sampler's own generator, or the epoch that DataLoaderShard.set_epoch gives it.
 _ORDERED = (RandomSampler, SeedableRandomSampler, SequentialSampler, DistributedSampler)
 
+# With a DeepSpeed plugin: the top-level key of a version that holds what Checkpoints saves
+# beside the DeepSpeed engine's files (cryosnap.integrations.deepspeed names its keys after them).
+_BESIDE_DEEPSPEED = "accelerate"
+
 _UNSUPPORTED = {
-    DistributedType.DEEPSPEED: (
-        "an Accelerate DeepSpeed plugin: the DeepSpeed engine saves the model and optimizer "
-        "itself, and cryosnap's DeepSpeed checkpoint engine (cryosnap.integrations.deepspeed) "
-        "is not wired into Checkpoints yet; use accelerator.save_state for now"
-    ),
     DistributedType.FSDP: (
         "FSDP: sharded model and optimizer state is not supported by Checkpoints yet "
         "(Accelerate runs FSDP only on accelerators, where it has not been tested); use "
@@ -88,11 +89,20 @@ class Checkpoints:
     (BatchNorm statistics differ per rank), generators, positions and registered objects
     are each rank's own.
 
+    With a DeepSpeed plugin (``Accelerator(deepspeed_plugin=...)``) the model, optimizer and
+    scheduler are the DeepSpeed engine's: cryosnap's DeepSpeed checkpoint engine is installed
+    on it, ``save(step)`` is ``engine.save_checkpoint(path, tag=f"step{step}")`` through it
+    (captured before ``save`` returns: ``lazy`` does not apply; written in the background,
+    the files every data-parallel rank holds alike 1/N by each) and the rest (the
+    accelerator's step, registered objects, RNG states, loader positions) lies in the same
+    version under ``"accelerate"``; ``restore`` is the engine's ``load_checkpoint`` of that
+    version, then the rest.
+
     Parameters
     ----------
     accelerator
-        The prepared ``accelerate.Accelerator`` (single process or DDP; not DeepSpeed, FSDP,
-        Megatron-LM or XLA yet).
+        The prepared ``accelerate.Accelerator`` (single process, DDP or DeepSpeed with one
+        model; not FSDP, Megatron-LM or XLA yet).
     path
         The run: a directory or an fsspec URL.
     exact
@@ -133,6 +143,7 @@ class Checkpoints:
                     "both say how many versions to keep: give one of them"
                 )
             options["keep"] = limit
+        deepspeed = _one_engine(accelerator)  # None: no DeepSpeed plugin
         self._positions = _positions(accelerator, self.path, exact)
         # Collective under DDP: every rank opens the run (comm=None: the torch.distributed job).
         try:
@@ -140,6 +151,16 @@ class Checkpoints:
         except BaseException:
             _release(self._positions)
             raise
+        self._engine: Any = None  # the DeepSpeed engine's cryosnap checkpoint engine
+        if deepspeed is not None:
+            from cryosnap.integrations.deepspeed import install_over
+
+            try:
+                self._engine = install_over(deepspeed, self.path, self._ckpt)
+            except BaseException:
+                self._ckpt.close()
+                _release(self._positions)
+                raise
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -165,8 +186,12 @@ class Checkpoints:
         ``lazy``: the copy runs in the background; the next ``optimizer.step()`` waits until
         the tensors it changes are copied. Anything else that changes saved tensors in place
         before then (an EMA of the weights, a registered object's tensors) must wait for
-        ``pending.wait_captured()`` first, or save with ``lazy=False``.
+        ``pending.wait_captured()`` first, or save with ``lazy=False``. With a DeepSpeed
+        plugin the version is captured before ``save`` returns, whatever ``lazy`` says.
         """
+        if self._engine is not None:
+            pending: PendingSave = self._engine.save_with(step, {_BESIDE_DEEPSPEED: self._own()})
+            return pending
         state = self._state()
         return self._ckpt.save(step, state, lazy=lazy, replicated=self._replicated())
 
@@ -181,6 +206,8 @@ class Checkpoints:
         (:func:`~cryosnap.integrations.torch.arm_ddp_resume`) so that it reduces exactly as
         the saved run did.
         """
+        if self._engine is not None:
+            return self._restore_deepspeed(step)
         state = self._state()
         self._ckpt.wait()  # this process's own saves count: the newest may still be in flight
         try:
@@ -193,10 +220,25 @@ class Checkpoints:
         arm_ddp_resume(self._modules())
         return self._ckpt.restored_step
 
+    def _restore_deepspeed(self, step: int | None) -> int | None:
+        """:meth:`restore` with a DeepSpeed plugin: the engine loads its files of the version
+        (collective), then the rest of it goes back."""
+        tag = None if step is None else f"step{step}"
+        load_path, _client = self.accelerator._models[0].load_checkpoint(self.path, tag=tag)
+        if load_path is None:
+            return None  # the run holds no version yet
+        restored = self._ckpt.restored_step
+        self._ckpt.restore(
+            restored, into={_BESIDE_DEEPSPEED: self._own()}, keys=[_BESIDE_DEEPSPEED]
+        )
+        return restored
+
     def close(self) -> None:
         """Wait until every version is durable, release the run and the dataloaders; raise the
         first failure of a save not yet received."""
         try:
+            if self._engine is not None:
+                self._engine.close()  # commits nothing: save() committed; closes the run
             self._ckpt.close()
         finally:
             _release(self._positions)
@@ -225,16 +267,8 @@ class Checkpoints:
 
     def _state(self) -> dict[str, Any]:
         """The tree saved (and restored into): live objects, read when it is flattened."""
+        self._check_loaders()
         acc = self.accelerator
-        found = list(acc._dataloaders)
-        tracked = [p.loader for p in self._positions]
-        if len(found) != len(tracked) or any(
-            a is not b for a, b in zip(found, tracked, strict=True)
-        ):
-            raise ValueError(
-                f"the accelerator prepared {len(found)} dataloader(s) and Checkpoints tracks "
-                f"{len(tracked)}: make Checkpoints after the last accelerator.prepare(...)"
-            )
         modules = self._modules()
         scaler = acc.scaler
         return {
@@ -249,10 +283,36 @@ class Checkpoints:
             "rng": RNGState(),
         }
 
+    def _own(self) -> dict[str, Any]:
+        """With a DeepSpeed plugin: what is saved beside the engine's files (live objects)."""
+        self._check_loaders()
+        acc = self.accelerator
+        engine = acc._models[0]
+        # A scheduler DeepSpeed does not know (Accelerate gives the engine its own types only).
+        schedulers = [_inner(s, "scheduler") for s in acc._schedulers]
+        return {
+            "schedulers": {i: s for i, s in enumerate(schedulers) if s is not engine.lr_scheduler},
+            "accelerator": _Step(acc),
+            "dataloaders": dict(enumerate(self._positions)),
+            "registered": dict(enumerate(acc._custom_objects)),
+            "rng": RNGState(),
+        }
+
     def _modules(self) -> list[torch.nn.Module]:
         """The prepared models, unwrapped (Accelerate lists a DDP's inner module already)."""
         acc = self.accelerator
         return [acc.unwrap_model(m, keep_torch_compile=False) for m in acc._models]
+
+    def _check_loaders(self) -> None:
+        found = list(self.accelerator._dataloaders)
+        tracked = [p.loader for p in self._positions]
+        if len(found) != len(tracked) or any(
+            a is not b for a, b in zip(found, tracked, strict=True)
+        ):
+            raise ValueError(
+                f"the accelerator prepared {len(found)} dataloader(s) and Checkpoints tracks "
+                f"{len(tracked)}: make Checkpoints after the last accelerator.prepare(...)"
+            )
 
     def _replicated(self) -> list[str] | None:
         return _REPLICATED if self.accelerator.num_processes > 1 else None
@@ -269,6 +329,24 @@ def _check_supported(accelerator: Accelerator) -> None:
                     f"cryosnap Checkpoints does not support sharded parameters yet ({name} is "
                     "a DTensor: FSDP2, tensor or context parallelism); use accelerator.save_state"
                 )
+
+
+def _one_engine(accelerator: Accelerator) -> Any:
+    """With a DeepSpeed plugin, the one prepared model: a DeepSpeed engine (None without the
+    plugin). DeepSpeed is imported here only: an optional extra."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    from deepspeed import DeepSpeedEngine
+
+    models = list(accelerator._models)
+    if len(models) != 1 or not isinstance(models[0], DeepSpeedEngine):
+        raise NotImplementedError(
+            "cryosnap Checkpoints with a DeepSpeed plugin saves one prepared model, a DeepSpeed "
+            f"engine; the accelerator prepared {len(models)} model(s) "
+            f"({', '.join(type(m).__name__ for m in models) or 'none'}): make Checkpoints "
+            "after accelerator.prepare(model, optimizer, ...) of the one model"
+        )
+    return models[0]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -51,7 +52,14 @@ from cryosnap.errors import (
     WorldSizeError,
 )
 
-__all__ = ["CONFIG_KEY", "CryosnapCheckpointEngine", "ENGINE_NAME", "install", "register"]
+__all__ = [
+    "CONFIG_KEY",
+    "CryosnapCheckpointEngine",
+    "ENGINE_NAME",
+    "install",
+    "install_over",
+    "register",
+]
 
 log = logging.getLogger("cryosnap")
 
@@ -169,6 +177,7 @@ class CryosnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._entries: dict[int, _Entry | None] = {}
         # The step a save must be above: the last one saved, or the one restored.
         self._floor: int | None = None
+        self._step_given: int | None = None  # save_with's step, over the engine's
         self._closed = False
 
     # -- what DeepSpeed asks of an engine ------------------------------------------------------
@@ -228,12 +237,17 @@ class CryosnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Capture and commit the collected files as one version (every rank; collective).
         Returns once captured; the version is written in the background."""
         c, self._collecting = self._collecting, None
-        if c is None:
-            return True
+        if c is not None:
+            self._commit(c, {})
+        return True
+
+    def _commit(self, c: _Collecting, extra: Mapping[str, Any]) -> PendingSave | None:
+        """The version of ``c``'s files, ``extra``'s top-level keys beside them (None: no rank
+        saved a file of a checkpoint, as ``save_16bit_model``'s commit)."""
         told = self._channel.all_gather([c.step, sorted(c.files)])
         steps = {s for s, names in told if names}
         if not steps:
-            return True  # no rank saved a file of a checkpoint (save_16bit_model's commit)
+            return None
         if len(steps) != 1 or None in steps:
             raise CoordinationError(
                 f"tag {c.info.tag!r}: the ranks saved it at different global steps {told!r:.200}",
@@ -251,11 +265,30 @@ class CryosnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             "files": files,
         }
         everyone = [n for n, owner in files.items() if owner == _EVERY_RANK]
-        state = {META: meta, **c.files}
+        state = {META: meta, **extra, **c.files}
         self._pending = self._ckpt.save(step, state, replicated=[META, *everyone])
         self._entries[step] = _Entry.read(step, meta)
         self._floor = step
-        return True
+        return self._pending
+
+    def save_with(self, step: int, extra: Mapping[str, Any]) -> PendingSave:
+        """``engine.save_checkpoint(run, tag=f"step{step}")`` as version ``step``, with
+        ``extra`` (top-level keys, none named like a DeepSpeed file) in the same version,
+        captured before it returns and written in the background (every rank; collective).
+        For a caller that keeps state of its own beside the engine's: Accelerate's
+        :class:`~cryosnap.integrations.accelerate.Checkpoints`."""
+        self._check_open()
+        self.commit_pending()
+        self._step_given = step
+        try:
+            self._deepspeed().save_checkpoint(self._run, tag=f"step{step}")
+        finally:
+            self._step_given = None
+        c, self._collecting = self._collecting, None
+        pending = None if c is None else self._commit(c, extra)
+        if pending is None:
+            raise CheckpointError(f"step {step}: DeepSpeed's save_checkpoint saved no file")
+        return pending
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """The dict of one file of a version, verified. Inside ``load_checkpoint``, from the
@@ -443,7 +476,8 @@ class CryosnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def _check_step(self, tag: str) -> int:
         """The step of a save of ``tag``: the engine's global step, above every step saved or
         restored before (one version per step; a new training does not mix with an old)."""
-        step = int(self._deepspeed().global_steps)
+        given = self._step_given
+        step = int(self._deepspeed().global_steps) if given is None else given
         if self._floor is not None and step <= self._floor:
             raise CheckpointExistsError(
                 f"tag {tag!r}: global step {step} is not above step {self._floor}, which "
@@ -558,6 +592,19 @@ def register() -> None:
     DeepSpeedEngine._configure_checkpointing = configure_checkpointing
 
 
+def install_over(
+    engine: DeepSpeedEngine, path: str | os.PathLike[str], checkpointer: Checkpointer
+) -> CryosnapCheckpointEngine:
+    """:func:`install` over ``checkpointer``, already open on the run ``path`` (every rank):
+    for a caller that saves its own state beside the engine's in the same versions
+    (:meth:`CryosnapCheckpointEngine.save_with`). Closing the engine closes ``checkpointer``."""
+
+    def opened(_coord: Coordinator) -> Checkpointer:
+        return checkpointer
+
+    return _attach(engine, os.fspath(path), opened, checkpointer.coordinator)
+
+
 def _install_from_config(engine: DeepSpeedEngine, section: Any) -> None:
     if not isinstance(section, Mapping) or not isinstance(section.get("path"), str):
         raise ConfigError(
@@ -597,6 +644,9 @@ def _attach(
     engine.save_non_zero_checkpoint = True
     # DeepSpeed copies zero_to_fp32.py into the save folder; it cannot read a cryosnap run.
     engine._copy_recovery_script = _nothing
+    # The model states file holds the tied weights' names; DeepSpeed lists them on rank 0 only,
+    # and the file is replicated: every rank must save the same.
+    engine._get_shared_params = types.MethodType(_shared_params, engine)
     engine.load_checkpoint = _load_through(ours, engine.load_checkpoint)
     atexit.register(_close_at_exit, weakref.ref(ours))
     return ours
@@ -662,6 +712,34 @@ def _close_at_exit(ref: weakref.ref[CryosnapCheckpointEngine]) -> None:
 
 def _nothing(*args: Any) -> None:
     return None
+
+
+def _shared_params(engine: DeepSpeedEngine) -> dict[str, str]:
+    """DeepSpeed's ``_get_shared_params`` on every rank (its own answers ``{}`` on all ranks but
+    0): each tied parameter's name -> the name of the parameter that holds its data, found in
+    the order DeepSpeed walks the module."""
+    zero3 = engine.zero_optimization_partition_weights() and any(
+        hasattr(p, "ds_id") for p in engine.module.parameters()
+    )
+    first: dict[Any, str] = {}
+    shared: dict[str, str] = {}
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if param is None or (zero3 and not hasattr(param, "ds_id")):
+                continue
+            key = prefix + name
+            identity = getattr(param, "ds_id", None) if zero3 else param.data_ptr()
+            if identity in first:
+                shared[key] = first[identity]
+            else:
+                first[identity] = key
+        for name, child in module.named_children():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(engine.module, "")
+    return shared
 
 
 # -- files and folders --------------------------------------------------------------------------

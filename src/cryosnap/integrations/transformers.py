@@ -84,7 +84,9 @@ class CryosnapCallback(TrainerCallback):
     gets its own back on resume. The path must then be one that every rank reaches (a shared
     file system or an object store; node-local fast storage goes in ``scratch=``). A Trainer
     with a DeepSpeed config, or one that shards the model (FSDP, tensor parallel), is refused
-    with :class:`~cryosnap.UnsupportedError`.
+    with :class:`~cryosnap.UnsupportedError`: with DeepSpeed the Trainer's own saves go
+    through cryosnap instead (:func:`cryosnap.integrations.deepspeed.register` and a
+    ``"cryosnap"`` section in the DeepSpeed config; the error says how).
     """
 
     def __init__(
@@ -242,10 +244,13 @@ def _refuse_unsupported(args: TrainingArguments, model: Any, trainer: Trainer | 
     )
     if deepspeed:
         raise UnsupportedError(
-            "CryosnapCallback does not support a Trainer with a DeepSpeed config yet: the "
-            "model, optimizer and scheduler live in DeepSpeed's engine and are saved by it. "
-            "Train without the callback (the Trainer's save_strategy saves through "
-            "DeepSpeed), or without DeepSpeed (DDP: every rank writes 1/N)"
+            "CryosnapCallback does not save a Trainer with a DeepSpeed config: the model, "
+            "optimizer and scheduler live in DeepSpeed's engine, which saves them itself. Let "
+            "the Trainer save through cryosnap's DeepSpeed checkpoint engine instead: drop the "
+            "callback, call cryosnap.integrations.deepspeed.register() before trainer.train(), "
+            'add a "cryosnap": {"path": "runs/exp1"} section (Checkpointer arguments) to the '
+            'DeepSpeed config, keep the Trainer\'s save_strategy="steps" with save_steps=N, '
+            "and resume with trainer.train(resume_from_checkpoint=True)"
         )
     if getattr(trainer, "is_fsdp_enabled", False) or (model is not None and _sharded(model)):
         raise UnsupportedError(
