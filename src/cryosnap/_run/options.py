@@ -61,6 +61,7 @@ class RunOptions:
     run_id: str | None = None
     device_diff: bool | None = None
     partner: bool | Literal["xor"] = False
+    stats: bool = True
 
     def __post_init__(self) -> None:
         # The order of the checks is the Checkpointer's of old: with several bad arguments,
@@ -96,6 +97,7 @@ class RunOptions:
         _set(self, "full_every", _validate.positive_int(self.full_every, "full_every"))
         _set(self, "incremental", _validate.boolean(self.incremental, "incremental"))
         _set(self, "allow_pickle", bool(self.allow_pickle))
+        _set(self, "stats", _validate.boolean(self.stats, "stats"))
         self._check_partner()
         self._check_storage()
         _check_device_diff(self.device_diff, self.incremental, chunk_bytes)
