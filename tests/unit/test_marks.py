@@ -151,3 +151,28 @@ def test_a_mark_survives_a_sigkill_and_a_kill_while_marking_damages_nothing(
     with cryosnap.Checkpointer(tmp_path) as ckpt:  # the next writer opens and marks as before
         ckpt.mark(1, "after")
     assert {"ok0", "after"} <= cryosnap.Run(tmp_path).marks(1)
+
+
+def test_ranks_agree_on_the_healthy_version(tmp_path: Path) -> None:
+    """A NaN in rank 1's part only: every rank skips that version (ranks are threads)."""
+    from cryosnap.dist import Coordinator
+    from tests.unit.distributed.test_coordinator import run_ranks
+
+    def save(c: Coordinator) -> None:
+        with cryosnap.Checkpointer(tmp_path, comm=c) as ckpt:
+            for step in (1, 2):
+                bad = step == 2 and c.rank == 1
+                ckpt.save(step, _state(float("nan") if bad else step + c.rank)).result()
+            ckpt.mark(1, "eval_ok")
+
+    run_ranks(3, save)
+    assert cryosnap.Run(tmp_path).marks(2) == {"unhealthy"}
+
+    def restore(c: Coordinator) -> tuple[int | None, float]:
+        with cryosnap.Checkpointer(tmp_path, comm=c) as ckpt:
+            state = ckpt.restore(healthy=True)
+            return ckpt.restored_step, float(state["w"][0])
+
+    # The warning filters are the process's: caught here, around every rank's thread.
+    with pytest.warns(UserWarning, match=r"past step\(s\) 2"):
+        assert run_ranks(3, restore) == [(1, 1.0), (1, 2.0), (1, 3.0)]
