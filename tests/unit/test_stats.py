@@ -176,3 +176,30 @@ def test_malformed_stats_field_is_a_format_error() -> None:
 
     assert decode_stats(encode_stats({"a": s}), "w") == {"a": s}
     assert s.to_json()["norm"] is None and not s.finite
+
+
+def test_a_leaf_equal_to_the_base_takes_its_row_unreduced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cryosnap.engine.write import _stats
+
+    reduced: list[str] = []
+    one = _stats.Recorder._one
+
+    def counting(self: _stats.Recorder, raw: Any, s: Any, dtype: str) -> None:
+        reduced.append(s.path)
+        one(self, raw, s, dtype)
+
+    monkeypatch.setattr(_stats.Recorder, "_one", counting)
+    rng = np.random.default_rng(2)
+    state = {"a": rng.standard_normal(50_000), "b": rng.standard_normal(50_000)}
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=1 << 16) as ckpt:
+        ckpt.save(1, state).result()
+        assert sorted(reduced) == ["a", "b"]
+        reduced.clear()
+        state["b"][7] = np.inf
+        ckpt.save(2, state).result()
+        assert reduced == ["b"]  # "a" hashed as in step 1: its row is step 1's
+    run = cryosnap.Run(tmp_path)
+    assert run.stats(2)["a"] == run.stats(1)["a"] and run.stats(2)["b"].inf == 1
+    check_run(tmp_path, 2)

@@ -4,14 +4,15 @@ bfloat16, float32, float64), accumulated piece by piece (a leaf may span batches
 leaf inside a pack of small tensors (segment reductions, not one numpy call per leaf).
 
 Runs on the writer thread, inside ``PartWriter.add``; numpy releases the GIL over the data.
-Reads no file; a leaf whose chunks were all found unchanged by the capture takes its base's
-statistics. docs/design/lineage.md ("Statistics and marks") says why and what is left out.
+Reads no file; a leaf whose chunks were all found unchanged by the capture, or whose whole
+blob hashes as the base's, takes its base's statistics (no reduction).
+docs/design/lineage.md ("Statistics and marks") says why and what is left out.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 from cryosnap._format.skeleton import iter_leaves
 from cryosnap._format.stats import LeafStats
 from cryosnap.engine.items import Item, Piece, Unchanged
+from cryosnap.engine.write._differ import Differ
 
 __all__ = ["Recorder", "leaf_spans"]
 
@@ -184,12 +186,55 @@ def _reduce_many(x: np.ndarray[Any, Any], bounds: list[tuple[int, int]], accs: l
 class Recorder:
     """The statistics of one part's floating-point leaves, from its pieces as they are added;
     :meth:`result` once every piece is (``base``: the base version's statistics, taken for a
-    leaf whose every chunk the capture found unchanged)."""
+    leaf whose every chunk the capture found unchanged, or whose whole blob equals the
+    base's)."""
 
     def __init__(self, skeleton: Any, sizes: list[int], chunk_bytes: int) -> None:
         self.spans = leaf_spans(skeleton, sizes)
+        self.sizes = sizes
         self.chunk_bytes = chunk_bytes
+        self._base_spans: dict[int, list[Span]] | None = None  # the base's, when first asked
         self.accs = {s.path: _Acc() for spans in self.spans.values() for s in spans}
+
+    def items(self, pieces: Sequence[Item], differ: Differ) -> None:
+        """The statistics of ``pieces``, once ``differ`` diffed them: a whole blob whose Merkle
+        root and leaves are the base's takes the base's rows (no reduction), any other piece
+        is reduced."""
+        base = differ.base
+        rows = None if base is None else base.manifest.stats
+        for p in pieces:
+            if type(p) is Piece and rows and self._as_base(p, differ, rows):
+                for s in self.spans[p.blob]:
+                    self.accs[s.path].unchanged += s.hi - s.lo
+            else:
+                self.item(p)
+
+    def _as_base(self, p: Piece, differ: Differ, rows: Mapping[str, LeafStats]) -> bool:
+        """Whether piece ``p`` is its whole blob, equal to the base's, with the same float
+        leaves at the same places, each with a row in the base."""
+        spans = self.spans.get(p.blob)
+        j = differ.base_blob(p.blob)
+        base = differ.base
+        if (
+            not spans
+            or j is None
+            or base is None
+            or p.offset
+            or p.view.nbytes != self.sizes[p.blob]
+        ):
+            return False
+        if self._base_spans is None:
+            sizes = [b.nbytes for b in base.manifest.blobs]
+            self._base_spans = leaf_spans(base.manifest.skeleton, sizes)
+        theirs = self._base_spans.get(j, [])
+        same = [(s.path, s.dtype, s.lo, s.hi) for s in spans] == [
+            (s.path, s.dtype, s.lo, s.hi) for s in theirs
+        ]
+        return (
+            same
+            and all(s.path in rows for s in spans)
+            and differ.root(p.blob) == base.manifest.blobs[j].root
+        )
 
     def item(self, p: Item) -> None:
         """A piece's bytes, or a run the capture found unchanged (a hashed run, whose bytes

@@ -298,10 +298,7 @@ class PartWriter:
         shares = self._shares
         blobs = self.flat.blobs
         ones: list[Piece] = []  # whole blobs of one chunk, not replicated: _diff_ones
-        recorder = self._stats
         for p in pieces:
-            if recorder is not None:
-                recorder.item(p)
             if type(p) is Piece:
                 n = p.view.nbytes
                 if (
@@ -323,6 +320,8 @@ class PartWriter:
                 self._diff_shared(p, out)
         if ones:
             self._diff_ones(ones, out)
+        if self._stats is not None:  # once diffed: a blob equal to the base's takes its rows
+            self._stats.items(pieces, self._differ)
         return out
 
     def _diff_shared(self, p: Piece, out: list[memoryview]) -> None:
