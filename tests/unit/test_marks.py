@@ -176,3 +176,16 @@ def test_ranks_agree_on_the_healthy_version(tmp_path: Path) -> None:
     # The warning filters are the process's: caught here, around every rank's thread.
     with pytest.warns(UserWarning, match=r"past step\(s\) 2"):
         assert run_ranks(3, restore) == [(1, 1.0), (1, 2.0), (1, 3.0)]
+
+
+def test_a_mark_reaches_the_persistent_level(tmp_path: Path) -> None:
+    """Given while the version may be on scratch only: the flush copies it after the commit
+    record (or the mark found the version there already)."""
+    persistent, scratch = tmp_path / "persistent", tmp_path / "scratch"
+    with cryosnap.Checkpointer(persistent, scratch=str(scratch)) as ckpt:
+        ckpt.save(1, _state(1)).result()
+        ckpt.mark(1, "eval_ok")
+        ckpt.save(2, _state(2)).result()
+    assert cryosnap.Run(persistent).marks(1) == {"eval_ok"}
+    with pytest.warns(UserWarning, match="without the mark"):
+        assert cryosnap.load(persistent, mark="eval_ok")["w"][0] == 1.0
