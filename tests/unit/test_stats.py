@@ -203,3 +203,18 @@ def test_a_leaf_equal_to_the_base_takes_its_row_unreduced(
     run = cryosnap.Run(tmp_path)
     assert run.stats(2)["a"] == run.stats(1)["a"] and run.stats(2)["b"].inf == 1
     check_run(tmp_path, 2)
+
+
+def test_leaves_split_across_batches_and_paths_as_inspect_prints_them(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal(400_000).astype(np.float32)  # 1.6 MB through 64 KiB of staging
+    big[123_456] = np.nan
+    model = torch.nn.Linear(8, 4)
+    state = {"big": big, "model": model.state_dict(), "a/b": np.ones(5, np.float16)}
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=4096, staging_bytes=1 << 16) as ckpt:
+        ckpt.save(1, state).result()
+    stats = cryosnap.Run(tmp_path).stats(1)
+    assert_close(stats["big"], expected(big), "big")
+    paths = {leaf.path for leaf in cryosnap.Run(tmp_path).info(1).leaves}
+    assert set(stats) <= paths and {"model/weight", "model/bias"} <= set(stats)
+    assert_close(stats["model/weight"], expected(model.weight.detach()), "model/weight")
