@@ -86,7 +86,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     app = typer.Typer(
         cls=_Group,
         name=PROG,
-        help="List, inspect, verify, diff, export, remove, garbage-collect and flush cryosnap "
+        help="List, inspect, verify, diff, log, export, remove, garbage-collect and flush cryosnap "
         "checkpoints; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
