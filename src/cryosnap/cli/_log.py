@@ -122,13 +122,26 @@ def _plot(rows: list[dict[str, Any]], leaf: str, out: str) -> str | None:
         top.plot(*zip(*normed, strict=True), marker=".", label="L2 norm")
     for step in unhealthy:
         top.axvline(step, color="red", alpha=0.3, lw=3)
-    top.set_ylabel("L2 norm (finite elements)")
-    top.set_title(f"{leaf}: norm and changed fraction per version (red: unhealthy)")
+    for r in rows:  # the user's marks, named where they are
+        labels = [m for m in r["marks"] if m != "unhealthy"]
+        if labels:
+            top.axvline(r["step"], color="green", ls="--", lw=1)
+            top.annotate(
+                ",".join(labels),
+                (r["step"], 1.0),
+                xycoords=("data", "axes fraction"),
+                ha="left",
+                va="top",
+                fontsize=8,
+                color="green",
+            )
+    top.set_ylabel("L2 norm")
+    top.set_title(f"{leaf}: norm of the finite elements; chunks changed (red: unhealthy)")
     if changed:
         steps, fractions = zip(*changed, strict=True)
         bottom.bar(steps, [100 * f for f in fractions], width=0.8 * _spacing(steps))
     bottom.set_ylim(0, 105)
-    bottom.set_ylabel("chunks changed since the version before (%)")
+    bottom.set_ylabel("changed since previous (%)")
     bottom.set_xlabel("step")
     try:
         fig.savefig(out)
