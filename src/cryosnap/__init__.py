@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from cryosnap._delta import apply_delta
+from cryosnap._format.stats import LeafStats
 from cryosnap._state.files import File
 from cryosnap.checkpointer import Checkpointer, PendingSave, SaveInfo, Status, load, run_id_of, save
 from cryosnap.errors import (
@@ -42,6 +43,7 @@ from cryosnap.errors import (
     RunLockedError,
     SourceDamagedError,
     StateMismatchError,
+    StatsNotRecordedError,
     StepOrderError,
     StorageError,
     StorageTimeoutError,
@@ -87,6 +89,7 @@ __all__ = [
     "InexactResumeError",
     "IntegrityError",
     "KeyNotFoundError",
+    "LeafStats",
     "LockFileError",
     "LockLostError",
     "MissingDependencyError",
@@ -99,6 +102,7 @@ __all__ = [
     "SaveInfo",
     "SourceDamagedError",
     "StateMismatchError",
+    "StatsNotRecordedError",
     "Status",
     "StepOrderError",
     "StorageError",

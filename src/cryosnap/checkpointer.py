@@ -17,6 +17,8 @@ from types import TracebackType
 from typing import Any, Generic, NoReturn, TypeVar, overload
 
 from cryosnap import _validate, engine
+from cryosnap._run.health import make_choice
+from cryosnap._run.health import write_mark as mark_version
 from cryosnap._run.job import Job
 from cryosnap._run.levels.levels import Levels
 from cryosnap._run.open import OpenRun, newest_record, open_run
@@ -144,6 +146,23 @@ class _Opened:
         return self._policies.should_save(validate_step(step))
 
 
+def _from_config(cls: type[Checkpointer], source: Any, /, **overrides: Any) -> Checkpointer:
+    """A Checkpointer whose arguments come from ``source`` (a TOML file's path, or a
+    mapping), overridden by ``CRYOSNAP_<ARGUMENT>`` environment variables (``CRYOSNAP_PATH``,
+    ``CRYOSNAP_SCRATCH=/nvme0,/nvme1``, ``CRYOSNAP_KEEP=3``, ``CRYOSNAP_INCREMENTAL=false``,
+    ``CRYOSNAP_FLUSH_RETRY_SECONDS=5m``...), overridden by ``overrides``.
+
+    The keys are the constructor's arguments, ``path`` included; ``scratch`` is a path, a
+    list of paths, or ``[[scratch]]`` tables of ``path`` and ``capacity_bytes``. Objects
+    (``policy``, ``comm``, ``clock``) are keywords only. An unknown key or a value of the
+    wrong type is a :class:`~cryosnap.ConfigError` naming the key and where it came from.
+    """
+    from cryosnap._run.config import config_arguments
+
+    args = config_arguments(source, overrides)
+    return cls(args.pop("path"), **args)
+
+
 class Checkpointer(_Opened):
     """A managed run: versions by step, saved in the background, restored on demand.
 
@@ -248,6 +267,10 @@ class Checkpointer(_Opened):
         32-bit words. Such a version builds on exactly the previous one: the first version of
         a session and one every ``full_every`` are full, and if a version fails, one captured
         against it meanwhile fails too (the next is captured in full).
+    stats
+        Record per float leaf its NaN and Inf counts, min, max, mean and L2 norm at save
+        (:meth:`cryosnap.Run.stats`; NaN or Inf marks a version "unhealthy"). False: none, for
+        the writer thread's time they take (docs/PERFORMANCE.md).
     """
 
     def __init__(
@@ -274,6 +297,7 @@ class Checkpointer(_Opened):
         run_id: str | None = None,
         device_diff: bool | None = None,
         partner: bool | str = False,
+        stats: bool = True,
     ) -> None:
         self._options = RunOptions(
             path=path,
@@ -297,6 +321,7 @@ class Checkpointer(_Opened):
             run_id=run_id,
             device_diff=device_diff,
             partner=partner,
+            stats=stats,
         )
         run = open_run(self._options)
         self._run = run
@@ -312,22 +337,7 @@ class Checkpointer(_Opened):
         self._closed = False
 
     # context manager ---------------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, source: Any, /, **overrides: Any) -> Checkpointer:
-        """A Checkpointer whose arguments come from ``source`` (a TOML file's path, or a
-        mapping), overridden by ``CRYOSNAP_<ARGUMENT>`` environment variables (``CRYOSNAP_PATH``,
-        ``CRYOSNAP_SCRATCH=/nvme0,/nvme1``, ``CRYOSNAP_KEEP=3``, ``CRYOSNAP_INCREMENTAL=false``,
-        ``CRYOSNAP_FLUSH_RETRY_SECONDS=5m``...), overridden by ``overrides``.
-
-        The keys are the constructor's arguments, ``path`` included; ``scratch`` is a path, a
-        list of paths, or ``[[scratch]]`` tables of ``path`` and ``capacity_bytes``. Objects
-        (``policy``, ``comm``, ``clock``) are keywords only. An unknown key or a value of the
-        wrong type is a :class:`~cryosnap.ConfigError` naming the key and where it came from.
-        """
-        from cryosnap._run.config import config_arguments
-
-        args = config_arguments(source, overrides)
-        return cls(args.pop("path"), **args)
+    from_config = classmethod(_from_config)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -469,9 +479,12 @@ class Checkpointer(_Opened):
         keys: Sequence[str | int] | None = None,
         replicated_only: bool = False,
         map_location: Any = None,
+        healthy: bool = False,
+        mark: str | None = None,
     ) -> Any:
         """The state of ``step`` (default: the newest version that verifies, the same on every
-        participant); see :func:`load` (``keys`` and ``map_location`` too).
+        participant); see :func:`load` (``keys``, ``map_location``, ``healthy`` and ``mark``
+        too: every participant chooses among the versions it finds allowed, and they agree).
 
         ``replicated_only``: only the keys saved as replicated (a dict of them; ``into``, a
         dict holding them, gets them filled and its other keys are left alone), on any number
@@ -491,9 +504,16 @@ class Checkpointer(_Opened):
             only=_validate.boolean(replicated_only, "replicated_only"),
             keys=engine.validate_keys(keys),
             device=device_for(map_location, into),
+            choice=make_choice(step, healthy, mark),
         )
         self._rewound(restored)
         return state
+
+    def mark(self, step: int, label: str) -> None:
+        """Label committed version ``step`` ``label`` (say ``"eval_ok"``), durably and safe
+        from kills, for ``restore(mark=)`` and :meth:`cryosnap.Run.marks` (docs/FORMAT.md,
+        "Marks"). The caller's thread; no collectives: any participant may mark."""
+        mark_version(self._levels.stores(), step, label, fence=self._levels.fence)
 
     @property
     def restored_step(self) -> int | None:
@@ -585,6 +605,8 @@ def load(
     rank: int | None = None,
     allow_pickle: bool = False,
     map_location: Any = None,
+    healthy: bool = False,
+    mark: str | None = None,
 ) -> Any:
     """Load version ``step`` (default: the newest that verifies) of the run at ``path``.
 
@@ -597,9 +619,15 @@ def load(
     ``torch.device``: ``"cuda"``, ``"cuda:1"``) puts every torch tensor of the returned tree
     on that device, once every chunk verified (not with ``into``). ``rank`` reads another
     rank's part of a distributed version (default: part 0). Takes no lock.
+
+    Without ``step``: ``healthy=True`` takes the newest version not marked "unhealthy" (no
+    NaN or Inf recorded in any float leaf when it was saved), ``mark="eval_ok"`` the newest
+    carrying that mark (``Checkpointer.mark``); a warning names the newer versions skipped.
+    Either with an explicit ``step`` is a ValueError.
     """
     if step is not None:
         validate_step(step)
+    choice = make_choice(step, healthy, mark)
     part = 0 if rank is None else validate_step(rank, "rank")
     ask = Ask(
         ranks=(part,),
@@ -608,6 +636,7 @@ def load(
         allow_pickle=allow_pickle,
         keys=engine.validate_keys(keys),
         device=device_for(map_location, into),
+        choice=choice,
     )
     return restore_one(open_store(path), step, into=into, ask=ask)
 

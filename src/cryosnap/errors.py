@@ -34,6 +34,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── KeyNotFoundError (+ KeyError)                    ``keys=`` names a top-level key the
     │                                                    version does not hold, or ``history``
     │                                                    a leaf path (names the closest)
+    ├── StatsNotRecordedError (+ LookupError)           ``Run.stats``: the version was saved
+    │                                                    without statistics (before cryosnap
+    │                                                    recorded them, or ``stats=False``)
     ├── StateMismatchError (+ ValueError)                ``into=`` does not match the saved tree;
     │                                                    ``apply_delta``'s state is not the
     │                                                    delta's base (nothing changed)
@@ -109,6 +112,7 @@ __all__ = [
     "RunLockedError",
     "SourceDamagedError",
     "StateMismatchError",
+    "StatsNotRecordedError",
     "StepOrderError",
     "StorageError",
     "StorageTimeoutError",
@@ -212,6 +216,12 @@ class KeyNotFoundError(CheckpointError, KeyError):
     def __str__(self) -> str:
         # KeyError's __str__ would quote the whole message.
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class StatsNotRecordedError(CheckpointError, LookupError):
+    """:meth:`cryosnap.Run.stats` of a version saved without per-leaf statistics: by a
+    cryosnap from before they were recorded (manifest format_version below 6) or with
+    ``Checkpointer(stats=False)``. The message names the step and the run."""
 
 
 class StateMismatchError(CheckpointError, ValueError):

@@ -23,6 +23,7 @@ from cryosnap import _lineage, engine
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
+from cryosnap._format.stats import LeafStats
 from cryosnap._inspect import (
     LeafInfo,
     VersionDiff,
@@ -30,6 +31,8 @@ from cryosnap._inspect import (
     diff_versions,
     scratch_parts,
 )
+from cryosnap._located import located
+from cryosnap._run import health
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
@@ -435,6 +438,29 @@ class Run:
             rank=validate_step(rank, "rank"),
             allow_pickle=boolean(allow_pickle, "allow_pickle"),
         )
+
+    def stats(self, step: int, *, rank: int = 0) -> dict[str, LeafStats]:
+        """Per floating-point leaf of ``step`` (paths as ``cryosnap inspect`` prints them), the
+        :class:`~cryosnap.LeafStats` recorded when it was saved (NaN and Inf counts, min, max,
+        mean, L2 norm), from rank ``rank``'s manifest: no data is read. Leaves left out:
+        views into a storage shared with other tensors, and leaves whose bytes another rank
+        hashed. A version saved without statistics raises
+        :class:`~cryosnap.errors.StatsNotRecordedError`."""
+        step = validate_step(step)
+        with located(step=step, path=self._store.url):
+            if not engine.step_exists(self._store, step):
+                raise self._not_found(step)
+            return health.version_stats(self._store, step, validate_step(rank, "rank"))
+
+    def marks(self, step: int) -> set[str]:
+        """The marks of version ``step``: the labels given with ``Checkpointer.mark``, and
+        "unhealthy" where a floating-point leaf held NaN or Inf when it was saved (from the
+        statistics of every rank's manifest). Reads mark records and manifests, no data."""
+        step = validate_step(step)
+        with located(step=step, path=self._store.url):
+            if not engine.step_exists(self._store, step):
+                raise self._not_found(step)
+            return health.version_marks([self._store], step)
 
     # -- removing ------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from cryosnap._format.document import (
 from cryosnap._format.limits import MAX_RANK, MAX_STEP
 from cryosnap._format.skeleton import check_depth, decode_key, encode_key
 from cryosnap._format.skeleton_text import SkeletonTextCache
+from cryosnap._format.stats import LeafStats, decode_stats, encode_stats
 
 __all__ = [
     "COLUMNS_FORMAT_VERSION",
@@ -34,6 +35,7 @@ __all__ = [
     "FORMAT_VERSION",
     "NUMPY_PACKED_FORMAT_VERSION",
     "PACKED_FORMAT_VERSION",
+    "STATS_FORMAT_VERSION",
     "BaseRef",
     "Manifest",
     "Replicated",
@@ -56,9 +58,13 @@ COLUMNS_FORMAT_VERSION = 4
 # this, whatever else it holds (packs, files, columns), so that a cryosnap from before numpy
 # packs refuses it by its version instead of taking the array's pack for damage.
 NUMPY_PACKED_FORMAT_VERSION = 5
+# A rank's manifest holding per-leaf statistics (the "stats" field, docs/FORMAT.md) says
+# this, whatever else it holds, so that a cryosnap from before statistics refuses it by its
+# version. A manifest without the field (Checkpointer(stats=False)) keeps the version it had.
+STATS_FORMAT_VERSION = 6
 # The manifest versions this cryosnap reads: every one up to the newest (each may hold what
 # the ones before it may).
-_MANIFEST_VERSIONS = tuple(range(FORMAT_VERSION, NUMPY_PACKED_FORMAT_VERSION + 1))
+_MANIFEST_VERSIONS = tuple(range(FORMAT_VERSION, STATS_FORMAT_VERSION + 1))
 # Top-level keys a manifest may name as replicated (a state has a handful).
 _MAX_REPLICATED_KEYS = 1 << 20
 
@@ -100,6 +106,9 @@ class Manifest:
     # files, PACKED_ with packed tensors, FORMAT_VERSION otherwise (COLUMNS_ is chosen by
     # encode() where the skeleton's text holds columns and nothing asks for more).
     format_version: int = FORMAT_VERSION
+    # Per floating-point leaf path, its statistics (None: none recorded, a manifest older than
+    # STATS_FORMAT_VERSION or saved with stats=False). Written only when set.
+    stats: dict[str, LeafStats] | None = None
     # What from_json already has of every blob at once (:class:`BlobTables`), so readers need
     # not gather it blob by blob again; None: :meth:`tables` builds it.
     _tables: BlobTables | None = field(default=None, compare=False, repr=False)
@@ -125,6 +134,8 @@ class Manifest:
         manifest = self
         if cols and self.format_version < COLUMNS_FORMAT_VERSION:
             manifest = dataclasses.replace(self, format_version=COLUMNS_FORMAT_VERSION)
+        if self.stats is not None and manifest.format_version < STATS_FORMAT_VERSION:
+            manifest = dataclasses.replace(manifest, format_version=STATS_FORMAT_VERSION)
         return manifest, manifest._text(tree)
 
     def _text(self, tree: str) -> bytes:
@@ -159,7 +170,7 @@ class Manifest:
             else {"step": self.base.step, "key": self.base.key, "xxh3_128": self.base.xxh3},
             "data_files": list(self.data_files),
         }
-        # The document's keys in this order: head, "blobs", "hashes", "tree", "replicated"
+        # The document's keys in this order: head, "blobs", "hashes", "tree", "replicated", "stats"
         # (the text of one json.dumps); the tree's text is kept by the writer's cache for the
         # next manifest of a skeleton sharing its nodes.
         dumps = _dumps
@@ -168,9 +179,10 @@ class Manifest:
         if self.replicated is not None:
             keys = True if self.replicated is True else [encode_key(k) for k in self.replicated]
             replicated = f',"replicated":{dumps(keys)}'
+        stats = "" if self.stats is None else f',"stats":{dumps(encode_stats(self.stats))}'
         text = (
             f'{dumps(head)[:-1]},"blobs":[{",".join(blobs)}],"hashes":{hashes_text},'
-            f'"tree":{tree}{replicated}}}'
+            f'"tree":{tree}{replicated}{stats}}}'
         )
         return text.encode()
 
@@ -225,8 +237,17 @@ class Manifest:
             base=base,
             replicated=_replicated(doc.get("replicated"), where),
             format_version=doc["format_version"],
+            stats=_stats(doc, where),
             _tables=tables,
         )
+
+
+def _stats(doc: dict[str, Any], where: str) -> dict[str, LeafStats] | None:
+    if "stats" not in doc:
+        return None
+    if doc["format_version"] < STATS_FORMAT_VERSION:
+        raise fail(where, f"field 'stats' in a manifest of format_version {doc['format_version']}")
+    return decode_stats(doc["stats"], where)
 
 
 def _replicated(raw: Any, where: str) -> Replicated:

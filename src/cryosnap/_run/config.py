@@ -170,6 +170,7 @@ _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "run_id": _text,
     "device_diff": _or_none(_bool, "auto"),
     "partner": _partner,
+    "stats": _bool,
 }
 
 

@@ -142,6 +142,7 @@ def open_run(options: RunOptions) -> OpenRun:
             run_id=options.run_id,
             partners=partners,
             parity=parity,
+            stats=options.stats,
         )
         writer = WriterThread(
             version,

@@ -62,6 +62,7 @@ class RunOptions:
     run_id: str | None = None
     device_diff: bool | None = None
     partner: bool | str = False  # False, True, "xor" or "rs:K+M"
+    stats: bool = True
 
     def __post_init__(self) -> None:
         # The order of the checks is the Checkpointer's of old: with several bad arguments,
@@ -97,6 +98,7 @@ class RunOptions:
         _set(self, "full_every", _validate.positive_int(self.full_every, "full_every"))
         _set(self, "incremental", _validate.boolean(self.incremental, "incremental"))
         _set(self, "allow_pickle", bool(self.allow_pickle))
+        _set(self, "stats", _validate.boolean(self.stats, "stats"))
         self._check_partner()
         self._check_storage()
         _check_device_diff(self.device_diff, self.incremental, chunk_bytes)

@@ -18,6 +18,7 @@ from typing import Any
 from cryosnap import engine
 from cryosnap._format.keys import Lineage, max_generation, version_prefix, visible_versions
 from cryosnap._run import ddp
+from cryosnap._run.health import ANY_VERSION, Choice
 from cryosnap._run.levels.levels import Levels
 from cryosnap._state.device import target_device
 from cryosnap.dist import Coordinator
@@ -55,6 +56,7 @@ def restore_run(
     only: bool,
     keys: tuple[str | int, ...] | None,
     device: Any,
+    choice: Choice = ANY_VERSION,
 ) -> tuple[Any, int]:
     """A managed run's restore (``Checkpointer.restore``): the state and the step restored.
     Per level, this participant reads its rank's part on a shared level, part 0 of its own
@@ -69,6 +71,7 @@ def restore_run(
         only=only,
         keys=keys,
         device=device,
+        choice=choice,
     )
     stores = levels.stores()
     restored: list[int] = []
@@ -115,7 +118,7 @@ class Ask:
     shares the tier (``shared``: its commit records say how many ranks saved a version);
     ``participants``: how many restore together (None: no world-size check, ``load``);
     ``only``, ``keys``, ``device``: engine.read_part's ``replicated_only``, ``keys``,
-    ``device``."""
+    ``device``; ``choice``: the versions a restore without a step may take (health.py)."""
 
     ranks: tuple[int, ...]
     shared: tuple[bool, ...]
@@ -124,6 +127,7 @@ class Ask:
     only: bool = False
     keys: tuple[str | int, ...] | None = None
     device: Any = None
+    choice: Choice = ANY_VERSION
 
 
 def restore_levels(
@@ -142,9 +146,12 @@ def restore_levels(
     restored is appended to ``restored``."""
     where = " + ".join(t.url for t in tiers)
     readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
+    # The versions the choice allows, decided once (its warning said which it skips).
+    allowed = _allowed(tiers, ask, where) if step is None and ask.choice.any else None
 
     def listed() -> list[int]:
-        return sorted(engine.list_versions(*tiers))
+        steps = sorted(engine.list_versions(*tiers))
+        return steps if allowed is None else [s for s in steps if s in allowed]
 
     def attempt(s: int) -> Any:
         _check_world(tiers, ask, s, where)
@@ -177,6 +184,19 @@ def restore_levels(
     if step is not None:
         return _explicit(where, attempt, listed, step)
     return newest_restorable(where, attempt, listed)
+
+
+def _allowed(tiers: Sequence[Store], ask: Ask, where: str) -> set[int]:
+    """The versions of ``tiers`` that ``ask.choice`` allows; none is a
+    CheckpointNotFoundError naming why."""
+    steps = sorted(engine.list_versions(*tiers))
+    allowed = set(ask.choice.filter(tiers, steps, where))
+    if steps and not allowed:
+        raise CheckpointNotFoundError(
+            f"no version of {where} is {ask.choice.describe()} (of {len(steps)} version(s))",
+            path=where,
+        )
+    return allowed
 
 
 def _check_world(tiers: Sequence[Store], ask: Ask, step: int, where: str) -> None:
@@ -279,9 +299,12 @@ def restore_agreed(
     for all, so they resume from the same step). A version saved by another number of ranks
     is a :class:`WorldSizeError` on every participant alike (none resumes alone); every
     version damaged an :class:`IntegrityError`, none at all a CheckpointNotFoundError."""
-    listed = coord.all_gather(sorted(engine.list_versions(*stores)))
-    common = sorted(set.intersection(*(set(steps) for steps in listed)))
     where = " + ".join(st.url for st in stores)
+    mine = sorted(engine.list_versions(*stores))
+    if ask.choice.any:  # each participant's own view; the intersection is the agreement
+        mine = ask.choice.filter(stores, mine, where)
+    listed = coord.all_gather(mine)
+    common = sorted(set.intersection(*(set(steps) for steps in listed)))
     damaged: dict[int, str] = {}
     for step in reversed(common):
         try:

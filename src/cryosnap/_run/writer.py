@@ -92,6 +92,7 @@ class VersionWriter:
         channel: str = "writer",
         partners: Partners | None = None,
         parity: Parity | RSParity | None = None,
+        stats: bool = True,
     ) -> None:
         self.level = level
         self.chain = chain
@@ -107,6 +108,7 @@ class VersionWriter:
         self.placement = placement
         self.fence = fence
         self.run_id = run_id  # recorded in every commit record this writer writes
+        self.stats = stats  # per-leaf statistics in every manifest (Checkpointer(stats=))
         # Steps whose commit record write timed out (it may still land): save them again under
         # another step only. Their files are reserved on the level.
         self.in_doubt: set[int] = set()
@@ -241,6 +243,7 @@ class VersionWriter:
             # Remnants are copied forward only where retention will drop versions.
             compact=self.level.keep is not None,
             skeleton_texts=self.skeleton_texts,
+            stats=self.stats,
         )
 
     def _tell_failure(self, job: Job, exc: BaseException, *, exchanged: bool, copied: bool) -> None:

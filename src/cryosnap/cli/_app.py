@@ -20,6 +20,7 @@ from cryosnap.cli._export import cmd_export
 from cryosnap.cli._flush import cmd_flush
 from cryosnap.cli._import_dcp import cmd_import_dcp
 from cryosnap.cli._inspect import cmd_inspect
+from cryosnap.cli._log import cmd_log
 from cryosnap.cli._ls import cmd_ls
 from cryosnap.cli._plan import cmd_plan
 from cryosnap.cli._remove import cmd_gc, cmd_rm
@@ -85,7 +86,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     app = typer.Typer(
         cls=_Group,
         name=PROG,
-        help="List, inspect, verify, diff, export, remove, garbage-collect and flush cryosnap "
+        help="List, inspect, verify, diff, log, export, remove, garbage-collect and flush cryosnap "
         "checkpoints; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
@@ -95,6 +96,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     _add_read_commands(app)
     _add_export_command(app)
     _add_diff_command(app)
+    _add_log_command(app)
     _add_remove_commands(app)
     _add_flush_command(app)
     _add_demo_command(app)
@@ -232,6 +234,30 @@ def _add_diff_command(app: typer.Typer) -> None:
     ) -> None:
         """Which leaves changed between two versions, and how many bytes (reads no data)."""
         cmd_diff(path, a, b, rank=rank, as_json=json_output)
+
+
+def _add_log_command(app: typer.Typer) -> None:
+    @app.command("log")
+    def log_command(
+        path: Annotated[str, PATH_ARG],
+        leaf: Annotated[
+            str | None,
+            typer.Option(
+                "--leaf", metavar="LEAF", help="A leaf path as `inspect` prints it: its stats."
+            ),
+        ] = None,
+        json_output: Annotated[bool, JSON_OPT] = False,
+        plot: Annotated[
+            str | None,
+            typer.Option(
+                "--plot",
+                metavar="FILE.png",
+                help="Draw the leaf's norm and changed fraction (needs matplotlib).",
+            ),
+        ] = None,
+    ) -> None:
+        """Per version: step and marks; with --leaf, its statistics and changed fraction."""
+        cmd_log(path, leaf=leaf, as_json=json_output, plot=plot)
 
 
 def _add_remove_commands(app: typer.Typer) -> None:

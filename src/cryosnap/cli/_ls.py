@@ -1,6 +1,7 @@
-"""``cryosnap ls``: one row per committed version, from the commit records (no manifest read),
-with the bytes of data files each keeps alive: written by it, read from earlier versions, and
-pinned (read from versions that are gone).
+"""``cryosnap ls``: one row per committed version, from the commit records, with the bytes of
+data files each keeps alive: written by it, read from earlier versions, and pinned (read from
+versions that are gone); and its marks (mark records, and "unhealthy" from the manifests'
+statistics).
 
 Runs on the caller's thread, over :meth:`cryosnap.Run.summary`; takes no lock.
 """
@@ -37,6 +38,10 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
             Column("pins", right=True),
         ]
     )
+    # A marks column only where a version has one: the table of an unmarked run fits as before.
+    marked = any(v.get("marks") for v in versions)
+    if marked:
+        table.columns.append(Column("marks"))
     for v in versions:
         if v["damaged"]:
             table.add(str(v["step"]), f"DAMAGED: {v['error']}")
@@ -52,6 +57,7 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
             human_bytes(v["owned_bytes"]),
             human_bytes(v["referenced_bytes"]),
             human_bytes(v["pinned_bytes"]),
+            *([",".join(v["marks"]) or "-"] if marked else []),
         )
     table.render()
 
@@ -69,7 +75,13 @@ def _versions(run: Run) -> list[dict[str, Any]]:
         except (CheckpointFormatError, IntegrityError) as exc:
             versions.append({"step": step, "damaged": True, "error": one_line(str(exc))})
             continue
-        versions.append(_version_doc(summary, space.get(step)))
+        try:
+            marks = sorted(run.marks(step))
+        except CheckpointNotFoundError:
+            continue
+        except (CheckpointFormatError, IntegrityError):
+            marks = []  # a damaged manifest: verify says so; the record's figures still show
+        versions.append({**_version_doc(summary, space.get(step)), "marks": marks})
     return versions
 
 

@@ -22,6 +22,7 @@ from cryosnap._format.keys import (
     step_of_data_key,
     visible_versions,
 )
+from cryosnap._format.marks import parse_mark_key
 from cryosnap.engine._records import _no_fence, list_records, read_commit
 from cryosnap.engine._resolved import chain_keys
 from cryosnap.errors import (
@@ -186,11 +187,17 @@ def _unneeded_manifests(
     the kept versions' chains are followed manifest by manifest to the exact keys (a version
     of a new lineage may build on one its lineage superseded: a flush that was behind)."""
     needed_steps = {s for r in kept for s in (r.chain or (r.step,))}
+    keys = store.list("versions")
+    # Mark records go with their version, even where its manifests stay for a later version's
+    # chain (docs/design/lineage.md, "Marks"): after its commit record, as manifests do.
+    kept_steps = {r.step for r in kept}
+    marks = [k for k in keys if (m := parse_mark_key(k)) is not None and m[0] not in kept_steps]
     listed = [
         (key, step)
-        for key in store.list("versions")
+        for key in keys
         if (step := _step_of_version_key(key)) is not None
         and step_of_commit_key(key) is None
+        and parse_mark_key(key) is None
         and key not in reserved
     ]
     mixed: set[int] = set()  # needed steps holding two manifests of one rank
@@ -202,7 +209,7 @@ def _unneeded_manifests(
             mixed.add(step)
         seen.add(one)
     exact = _chain_keys(store, [r for r in kept if mixed & set(r.chain)]) if mixed else None
-    return [
+    return marks + [
         key
         for key, step in listed
         if step not in needed_steps or (step in mixed and exact is not None and key not in exact)

@@ -81,8 +81,9 @@ def test_manifest_of_files_says_format_version_3_others_stay(tmp_path: Path) -> 
     torch = pytest.importorskip("torch")
     src = _write(tmp_path / "f", b"x" * 10)
     small = {"a": torch.arange(3), "b": torch.ones(2)}  # packed: files and packs say 3
-    cryosnap.save(tmp_path / "run", {"f": cryosnap.File(src), "t": small}, step=1)
-    cryosnap.save(tmp_path / "run", {"x": np.zeros(100_000)}, step=2)  # alone: stays 1
+    with cryosnap.Checkpointer(tmp_path / "run", stats=False) as ckpt:  # float stats say 6
+        ckpt.save(1, {"f": cryosnap.File(src), "t": small}).result()
+        ckpt.save(2, {"x": np.zeros(100_000)}).result()  # alone: stays 1
     versions = [
         json.loads((tmp_path / "run" / manifest_key(step, 0)).read_bytes())["format_version"]
         for step in (1, 2)

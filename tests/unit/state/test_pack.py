@@ -440,8 +440,11 @@ def test_diff_reads_a_changed_pack_once_per_version(
 def test_a_manifest_with_packs_says_format_version_2(tmp_path: Path) -> None:
     # Readers from before packs read format_version 1 only: they refuse such a manifest by its
     # version ("upgrade cryosnap") instead of taking a packed tensor for damage.
-    cryosnap.save(tmp_path / "packed", {"a": torch.ones(3), "b": torch.zeros(2)}, step=1)
-    cryosnap.save(tmp_path / "plain", {"a": b"abc", "w": torch.ones(100_000)}, step=1)
+    # stats=False: float leaves' statistics would say 6 (docs/FORMAT.md, "Statistics").
+    with cryosnap.Checkpointer(tmp_path / "packed", stats=False) as ckpt:
+        ckpt.save(1, {"a": torch.ones(3), "b": torch.zeros(2)}).result()
+    with cryosnap.Checkpointer(tmp_path / "plain", stats=False) as ckpt:
+        ckpt.save(1, {"a": b"abc", "w": torch.ones(100_000)}).result()
     assert _manifest(tmp_path / "packed", 1)["format_version"] == 2
     assert _manifest(tmp_path / "plain", 1)["format_version"] == 1
     for run in ("packed", "plain"):
@@ -535,7 +538,8 @@ def _small_arrays(seed: int = 0) -> dict[str, Any]:
 
 def test_small_arrays_share_packs_and_come_back_on_their_own(tmp_path: Path, reading: str) -> None:
     state = _small_arrays()
-    cryosnap.save(tmp_path, state, step=1, chunk_bytes=CHUNK)
+    with cryosnap.Checkpointer(tmp_path, chunk_bytes=CHUNK, stats=False) as ckpt:
+        ckpt.save(1, state).result()
     doc = _manifest(tmp_path, 1)
     assert doc["format_version"] == 5  # readers from before packed arrays refuse it
     nodes = dict(zip(doc["tree"]["k"], doc["tree"]["v"], strict=True))
@@ -648,7 +652,8 @@ def test_a_cryosnap_from_before_packed_arrays_refuses_them(tmp_path: Path) -> No
     upgrade, not taken for damage."""
     from cryosnap._format.document import parse_json
 
-    cryosnap.save(tmp_path, {"a": np.ones(3)}, step=1)
+    with cryosnap.Checkpointer(tmp_path, stats=False) as ckpt:  # float stats would say 6
+        ckpt.save(1, {"a": np.ones(3)}).result()
     body = (tmp_path / "versions" / f"{1:012d}" / "rank-00000.json").read_bytes()
     with pytest.raises(CheckpointFormatError, match=r"format_version 5 is not supported.*upgrade"):
         parse_json(body, "test", (1, 2, 3, 4))

@@ -21,6 +21,8 @@ import xxhash
 from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import HASH_BYTES, hash_chunks_released
 from cryosnap._format.commit import CommitRecord
+from cryosnap._format.keys import version_prefix
+from cryosnap._format.marks import parse_mark_key
 from cryosnap.engine import chain_keys, chain_manifests, read_commit, read_manifest
 from cryosnap.errors import (
     CheckpointError,
@@ -274,7 +276,23 @@ def flush_version(
     body = _from_src(step, src, lambda: src.read(record.key))
     fence()
     dst.write(record.key, body)
-    return copied + len(body)
+    return copied + len(body) + _copy_marks(src, dst, step)
+
+
+def _copy_marks(src: Store, dst: Store, step: int) -> int:
+    """The version's mark records, after its commit record (as ``Checkpointer.mark`` writes
+    them): bound to the commit record's bytes, copied as they are. A failure is logged: the
+    version is flushed; only a mark given before the flush is missing on ``dst``."""
+    copied = 0
+    try:
+        for key in src.list(version_prefix(step)):
+            if parse_mark_key(key) is not None:
+                data = src.read(key)
+                dst.write(key, data)
+                copied += len(data)
+    except CheckpointError as exc:
+        log.warning("step %d: copying its marks from %s failed: %s", step, src.url, exc)
+    return copied
 
 
 class CollectiveFlush(Protocol):

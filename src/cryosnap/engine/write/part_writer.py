@@ -44,6 +44,7 @@ from cryosnap.engine.write import _compact
 from cryosnap.engine.write._appender import Appender
 from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable, Segments
 from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
+from cryosnap.engine.write._stats import Recorder
 from cryosnap.errors import CheckpointError, CheckpointExistsError, StorageError
 from cryosnap.storage import Store
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
@@ -152,6 +153,7 @@ class PartWriter:
         compact: bool = False,
         skeleton_texts: SkeletonTextCache | None = None,
         limits: WriteLimits | None = None,
+        stats: bool = True,
     ) -> None:
         self.limits = limits if limits is not None else WriteLimits.current()
         if store.exists(commit_key(step, lineage)):
@@ -197,6 +199,10 @@ class PartWriter:
         self._device = 0  # the device taking the new bytes of the batch being diffed
         self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
         self._started = False  # whether a batch was added (the first is split: add)
+        # Per-leaf statistics of the float leaves, from the bytes hashed (None: stats=False).
+        self._stats = (
+            Recorder(flat.skeleton, [b.nbytes for b in flat.blobs], chunk_bytes) if stats else None
+        )
 
     @property
     def files(self) -> list[str]:
@@ -314,6 +320,8 @@ class PartWriter:
                 self._diff_shared(p, out)
         if ones:
             self._diff_ones(ones, out)
+        if self._stats is not None:  # once diffed: a blob equal to the base's takes its rows
+            self._stats.items(pieces, self._differ)
         return out
 
     def _diff_shared(self, p: Piece, out: list[memoryview]) -> None:
@@ -455,6 +463,9 @@ class PartWriter:
             created_unix=now_unix(),
             base=None if base is None else BaseRef(base.step, base.key, base.xxh3),
             replicated=self.replicated,
+            stats=None
+            if self._stats is None
+            else self._stats.result(None if base is None else base.manifest.stats),
             format_version=(
                 NUMPY_PACKED_FORMAT_VERSION
                 if flat.numpy_packed
