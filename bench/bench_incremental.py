@@ -83,9 +83,9 @@ HASH_RATIO = 0.7  # hash + diff >= 0.7x single-thread xxh3 at 1 MiB chunks
 
 
 cryosnap = h.import_cryosnap()
-from cryosnap._run.capture.staging import Piece  # noqa: E402
 from cryosnap._state import flatten  # noqa: E402
 from cryosnap.engine import PartWriter, resolve_version  # noqa: E402
+from cryosnap.engine.items import Piece  # noqa: E402
 from cryosnap.storage import FsspecStore, open_store  # noqa: E402
 
 

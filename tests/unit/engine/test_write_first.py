@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from cryosnap import engine
-from cryosnap._run.capture.staging import Batch, direct_batches
+from cryosnap._run.capture.staging import direct_batches
 from cryosnap._state import flatten
 from cryosnap.engine import WriteLimits
+from cryosnap.engine.items import Batch
 from cryosnap.engine.write import _appender
 from cryosnap.storage import LocalStore
 from cryosnap.storage._direct import BLOCK_BYTES

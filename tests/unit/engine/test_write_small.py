@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from cryosnap import engine
 from cryosnap._format.blobs import INHERITED, STORED
 from cryosnap._format.chunks import hash_bytes, merkle_root
-from cryosnap._run.capture.staging import Batch, Item, Piece, direct_batches
+from cryosnap._run.capture.staging import direct_batches
 from cryosnap._state import flatten
+from cryosnap.engine.items import Batch, Item, Piece
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import LocalStore
 

@@ -13,16 +13,10 @@ from hypothesis import strategies as st
 
 from cryosnap import engine
 from cryosnap._format.chunks import chunk_count, hash_chunks
-from cryosnap._run.capture.staging import (
-    Batch,
-    CaptureTracker,
-    Hashed,
-    Piece,
-    StagingPool,
-    Unchanged,
-    capture_to_slabs,
-)
+from cryosnap._run.capture.staging import StagingPool, capture_to_slabs
+from cryosnap._run.results import CaptureTracker
 from cryosnap._state import flatten
+from cryosnap.engine.items import Batch, Hashed, Piece, Unchanged
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import LocalStore
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cryosnap._run.capture.staging import Piece
 from cryosnap.engine import _split_pieces
+from cryosnap.engine.items import Piece
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore
 from cryosnap.storage.striped import Placement, StripedStore, device_of

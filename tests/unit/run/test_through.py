@@ -16,11 +16,12 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
-from cryosnap._run.capture.staging import Batch, Piece, StagingPool, capture_to_slabs
+from cryosnap._run.capture.staging import StagingPool, capture_to_slabs
 from cryosnap._run.capture.through import Chooser, Rates, WriteThrough, candidates
 from cryosnap._run.job import END, Job
 from cryosnap._run.results import CaptureTracker, PendingSave
 from cryosnap._state import flatten
+from cryosnap.engine.items import Batch, Piece
 from cryosnap.errors import StorageError
 from cryosnap.storage import LocalStore
 from cryosnap.testing import FaultyStore

@@ -377,8 +377,9 @@ def test_cli_inspect_and_diff_name_packed_leaves(
 
 
 def test_the_capture_writes_a_pack_from_where_it_lies() -> None:
-    from cryosnap._run.capture.staging import Piece, StagingPool, capture_to_slabs
+    from cryosnap._run.capture.staging import StagingPool, capture_to_slabs
     from cryosnap._run.results import CaptureTracker
+    from cryosnap.engine.items import Piece
 
     state = {"m": [torch.full((10,), float(i)) for i in range(5)], "big": torch.ones(2000)}
     flat = flatten(state, pack_bytes=CHUNK)

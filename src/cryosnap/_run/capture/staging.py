@@ -24,16 +24,7 @@ from cryosnap._state import Blob, FlatState
 from cryosnap.engine.items import Batch, Hashed, Item, Piece, Unchanged
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 
-# Batch, Hashed, Piece and Unchanged are the engine's (engine/items.py): re-exported here.
-__all__ = [
-    "Batch",
-    "Hashed",
-    "Piece",
-    "StagingPool",
-    "Unchanged",
-    "capture_to_slabs",
-    "direct_batches",
-]
+__all__ = ["StagingPool", "capture_to_slabs", "direct_batches"]
 
 # Pieces of this many bytes or more are copied one call each; smaller ones are gathered into one
 # torch.cat per slab, so 20,000 small tensors do not cost 20,000 Python-level copies.
