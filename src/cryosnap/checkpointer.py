@@ -513,7 +513,8 @@ class Checkpointer(_Opened):
         """Label committed version ``step`` ``label`` (say ``"eval_ok"``), durably and safe
         from kills, for ``restore(mark=)`` and :meth:`cryosnap.Run.marks` (docs/FORMAT.md,
         "Marks"). The caller's thread; no collectives: any participant may mark."""
-        mark_version(self._levels.stores(), step, label, fence=self._levels.fence)
+        with self._levels.files_lock:  # not while retention removes unfinished writes
+            mark_version(self._levels.stores(), step, label, fence=self._levels.fence)
 
     @property
     def restored_step(self) -> int | None:

@@ -189,3 +189,30 @@ def test_a_mark_reaches_the_persistent_level(tmp_path: Path) -> None:
     assert cryosnap.Run(persistent).marks(1) == {"eval_ok"}
     with pytest.warns(UserWarning, match="without the mark"):
         assert cryosnap.load(persistent, mark="eval_ok")["w"][0] == 1.0
+
+
+def test_a_mark_and_retention_never_touch_the_run_at_once(tmp_path: Path) -> None:
+    """Retention's last step removes every file a write in progress leaves (``.tmp``), and
+    ``mark`` writes from the caller's thread while the writer retires: both hold the levels'
+    files lock, so retention never takes a mark's temporary file for a killed write's (the
+    mark failed with FileNotFoundError when they met)."""
+    from cryosnap.storage import LocalStore
+    from cryosnap.testing import FaultyStore
+
+    held: list[tuple[str, bool]] = []
+    opened: list[cryosnap.Checkpointer] = []
+
+    def watch(op: str, key: str) -> None:
+        if opened and (op == "remove_incomplete" or "MARK-" in key):
+            held.append((op, opened[0]._levels.files_lock.locked()))
+
+    store = FaultyStore(LocalStore(tmp_path), fault=watch)
+    with cryosnap.Checkpointer(store, keep=1, chunk_bytes=4096) as ckpt:
+        opened.append(ckpt)
+        for step in range(1, 5):
+            ckpt.save(step, _state(step)).result()
+            ckpt.mark(step, "eval_ok")
+        ckpt.wait()
+    assert {op for op, _ in held} >= {"remove_incomplete", "write"}
+    assert all(locked for _, locked in held), held
+    assert cryosnap.Run(tmp_path).marks(4) == {"eval_ok"}

@@ -171,6 +171,11 @@ class Levels:
         # Per level written by a writer of its own, that writer's chain: retention makes it
         # forget files before deleting them (the first level's is ``chain``).
         self.chains: dict[int, ChainIndex] = {0: chain}
+        # Held while retention deletes files (its last step removes every file a write in
+        # progress leaves, ``Store.remove_incomplete``) and by ``Checkpointer.mark`` while it
+        # writes a mark record from the caller's thread: a mark's temporary file is not taken
+        # for a killed write's. Taken before the run lock's mutex (fence), never after.
+        self.files_lock = threading.Lock()
 
     def fence(self) -> None:
         """Raise :class:`LockLostError` unless this writer still holds every level's lock;
@@ -294,21 +299,8 @@ class Levels:
         chain = self.chains.get(index)
         forget = chain.forget_files if chain is not None else engine.ignore_files
         try:
-            if level.shared and self.coordinator.world_size > 1:
-                self._retire_shared(level, keep_also, forget)
-            else:
-                deferred: list[Callable[[], None]] | None = [] if later is not None else None
-                engine.retire(
-                    level.store,
-                    keep=level.keep,
-                    protect=keep_also,
-                    reserved=set(level.reserved),
-                    fence=self.fence,
-                    before_delete=forget,
-                    later=deferred,
-                )
-                if later is not None and deferred:
-                    later.append(lambda: self._finish_retire(level.store.url, deferred))
+            with self.files_lock:
+                self._retire_level(level, keep_also, forget, later)
         except LockLostError:
             return  # recorded by the fence; nothing was deleted
         except CoordinationError:
@@ -317,11 +309,35 @@ class Levels:
             # Versions are committed; a failed clean-up is finished by the next pass.
             log.warning("retention on %s failed: %s", level.store.url, exc)
 
-    @staticmethod
-    def _finish_retire(url: str, deferred: list[Callable[[], None]]) -> None:
+    def _retire_level(
+        self,
+        level: Level,
+        keep_also: set[int],
+        forget: Callable[[Collection[str]], None],
+        later: list[Callable[[], None]] | None,
+    ) -> None:
+        """One retention pass of ``level`` (under ``files_lock``; see :meth:`retire`)."""
+        if level.shared and self.coordinator.world_size > 1:
+            self._retire_shared(level, keep_also, forget)
+        else:
+            deferred: list[Callable[[], None]] | None = [] if later is not None else None
+            engine.retire(
+                level.store,
+                keep=level.keep,
+                protect=keep_also,
+                reserved=set(level.reserved),
+                fence=self.fence,
+                before_delete=forget,
+                later=deferred,
+            )
+            if later is not None and deferred:
+                later.append(lambda: self._finish_retire(level.store.url, deferred))
+
+    def _finish_retire(self, url: str, deferred: list[Callable[[], None]]) -> None:
         try:
-            for fn in deferred:
-                fn()
+            with self.files_lock:
+                for fn in deferred:
+                    fn()
         except LockLostError:
             return  # recorded by the fence; nothing more was deleted
         except CheckpointError as exc:
@@ -399,12 +415,13 @@ class Levels:
             return
         chain = self.chains.get(index)
         try:
-            engine.retire(
-                level.store,
-                reserved=set(level.reserved),
-                fence=self.fence,
-                before_delete=chain.forget_files if chain is not None else engine.ignore_files,
-            )
+            with self.files_lock:
+                engine.retire(
+                    level.store,
+                    reserved=set(level.reserved),
+                    fence=self.fence,
+                    before_delete=chain.forget_files if chain is not None else engine.ignore_files,
+                )
         except LockLostError:
             return  # recorded by the fence; nothing was deleted
         except CheckpointError as exc:
