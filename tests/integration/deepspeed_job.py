@@ -13,6 +13,9 @@ uninterrupted one sees. Scenarios:
              bytes, resume in process, bad input; each rank writes ``OUT/rank-N.json``
     world    load a version saved at another data-parallel size
     stage    load a version saved at another ZeRO stage
+    fp32     train, save tag "s3" and dump the live engine's full fp32 weights of that save
+             (``OUT/reference.pt``); rank 0 then consolidates the version into
+             ``OUT/by-step.safetensors`` and ``OUT/by-tag.safetensors`` (and reports errors)
 
     torchrun --nproc-per-node 2 deepspeed_job.py train RUN OUT --stage 2 --steps 12 --every 3
 """
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 import cryosnap
+from cryosnap.dist import LocalCoordinator
 from cryosnap.integrations import deepspeed as cs_ds
 
 IN, WIDTH, OUT_FEATURES, MICRO = 256, 1024, 8, 4
@@ -356,9 +360,55 @@ def stage(args: argparse.Namespace) -> None:
     report(args.out, result)
 
 
+# -- consolidation ------------------------------------------------------------------------------
+
+
+def full_fp32(engine: Any) -> dict[str, torch.Tensor]:
+    """The full fp32 master weights of every parameter, gathered from the live engine
+    (collective: every rank calls it)."""
+    return {
+        n: deepspeed.utils.safe_get_full_fp32_param(p).detach().clone()
+        for n, p in engine.module.named_parameters()
+    }
+
+
+def fp32(args: argparse.Namespace) -> None:
+    """Train to step 3, save "s3", dump the fp32 weights of that save; consolidate on rank 0."""
+    engine = make_engine(args.stage)
+    cs_ds.install(engine, args.run, chunk_bytes=args.chunk_bytes)
+    for _ in range(3):
+        train_step(engine)
+    engine.save_checkpoint(args.run, tag="s3")
+    reference = full_fp32(engine)  # the version is captured at the next step, before it
+    train_step(engine)
+    engine.save_checkpoint(args.run, tag="s4")
+    engine.destroy()
+    if rank() != 0:
+        return
+    torch.save(reference, args.out / "reference.pt")
+    result: dict[str, Any] = {
+        "by_step": cs_ds.consolidate(args.run, args.out / "by-step.safetensors", step=3),
+        "by_tag": cs_ds.consolidate(args.run, args.out / "by-tag.safetensors", tag="s3"),
+        "newest": cs_ds.consolidate(args.run, args.out / "newest.safetensors"),
+    }
+    plain = args.out / "plain"
+    with cryosnap.Checkpointer(plain, comm=LocalCoordinator()) as ckpt:  # rank 0 alone
+        ckpt.save(1, {"w": torch.zeros(3)}).result()
+    result["plain"] = expect(
+        cryosnap.CheckpointFormatError,
+        lambda: cs_ds.consolidate(plain, args.out / "plain.safetensors", step=1),
+    )
+    result["missing_tag"] = expect(
+        cryosnap.CheckpointNotFoundError,
+        lambda: cs_ds.consolidate(args.run, args.out / "x.safetensors", tag="nope"),
+    )
+    result["left"] = sorted(os.listdir(args.out))
+    report(args.out, result)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["train", "checks", "world", "stage"])
+    parser.add_argument("scenario", choices=["train", "checks", "world", "stage", "fp32"])
     parser.add_argument("run", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--stage", type=int, default=2)
@@ -372,7 +422,8 @@ def main(argv: list[str]) -> None:
     args.run = str(args.run)
     args.out.mkdir(parents=True, exist_ok=True)
     deepspeed.init_distributed(dist_backend="gloo")
-    {"train": train, "checks": checks, "world": world, "stage": stage}[args.scenario](args)
+    scenarios = {"train": train, "checks": checks, "world": world, "stage": stage, "fp32": fp32}
+    scenarios[args.scenario](args)
     torch.distributed.destroy_process_group()
 
 

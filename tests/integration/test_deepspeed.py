@@ -2,11 +2,12 @@
 cpu``) on 2 gloo ranks under ``torchrun``: deepspeed_job.py beside this file is the training.
 
 One job at ZeRO stage 2 runs in ``make test`` (the engine's contract in one training: lazy
-capture, 1/N bytes, incremental bytes, bad input); the other stages, the SIGKILL-and-resume
-runs, another data-parallel size and another stage are ``deep``. DeepSpeed builds a small
-shared-memory op with g++ and ninja the first time (cached in ~/.cache/torch_extensions); the
-``built_op`` fixture builds it once, under a file lock, after removing a stale build lock (a
-build killed midway leaves one, and DeepSpeed would then wait for it forever).
+capture, 1/N bytes, incremental bytes, bad input), and one consolidation (``zero_to_fp32``) at
+ZeRO 3; the other stages, the SIGKILL-and-resume runs, another data-parallel size and another
+stage are ``deep``. DeepSpeed builds a small shared-memory op with g++ and ninja the first time
+(cached in ~/.cache/torch_extensions); the ``built_op`` fixture builds it once, under a file
+lock, after removing a stale build lock (a build killed midway leaves one, and DeepSpeed would
+then wait for it forever).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -335,3 +337,45 @@ def test_killed_and_resumed_bit_for_bit(
     assert sorted(got) == list(range(int(resumed) + 1, 13))
     assert all(want_losses[s] == v for s, v in got.items())
     assert re.findall(r"^final (\w+)$", again, re.M) == re.findall(r"^final (\w+)$", want, re.M)
+
+
+# -- zero_to_fp32 from a version -------------------------------------------------------------------
+
+
+def _assert_consolidated(stage: int, out: Path) -> None:
+    """The safetensors consolidated from the version are the live engine's fp32 weights of
+    that save, bit for bit; the errors are clear; no temporary folder is left."""
+    import torch
+    from safetensors.torch import load_file
+
+    report = json.loads((out / "rank-0.json").read_text())
+    assert report["by_step"] == report["by_tag"] == 3 and report["newest"] == 4
+    assert report["plain"].startswith("CheckpointFormatError: step 1 of ")
+    assert "is not a DeepSpeed checkpoint" in report["plain"]
+    assert report["missing_tag"].startswith("CheckpointNotFoundError: no DeepSpeed checkpoint")
+    want = torch.load(out / "reference.pt")
+    assert len(want) == 6, sorted(want)
+    for name in ("by-step", "by-tag"):
+        got = load_file(out / f"{name}.safetensors")
+        assert sorted(got) == sorted(want), (stage, name)
+        for key, tensor in want.items():
+            assert got[key].dtype == torch.float32 and got[key].shape == tensor.shape, key
+            assert torch.equal(got[key].view(torch.int32), tensor.view(torch.int32)), key
+    newest = load_file(out / "newest.safetensors")
+    assert any(not torch.equal(newest[k], want[k]) for k in want)  # step 4 trained on
+    leftover = list(Path(tempfile.gettempdir()).glob("cryosnap-zero-to-fp32-*"))
+    assert not leftover, leftover
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_consolidate_at_zero_stage_3(built_op: None, tmp_path: Path) -> None:
+    _launch("fp32", tmp_path / "run", tmp_path / "out", "--stage", "3")
+    _assert_consolidated(3, tmp_path / "out")
+
+
+@pytest.mark.deep
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_consolidate(built_op: None, tmp_path: Path, stage: int) -> None:
+    _launch("fp32", tmp_path / "run", tmp_path / "out", "--stage", str(stage))
+    _assert_consolidated(stage, tmp_path / "out")

@@ -6,7 +6,8 @@ commit, before the optimizer step) and written in the background, each data-para
 writing 1/N of the files every rank holds alike; ``engine.load_checkpoint`` reads them back,
 verified. :func:`install` puts it on an engine, :func:`register` on every engine whose config
 has a ``"cryosnap"`` section. Runs on the training loop's thread of every rank (collectives on
-a channel of its own); the writes run on the Checkpointer's writer thread.
+a channel of its own); the writes run on the Checkpointer's writer thread. :func:`consolidate`
+is DeepSpeed's ``zero_to_fp32`` over a version (one process, no collectives).
 docs/design/integrations.md has how tags map to steps and what is not supported.
 """
 
@@ -35,6 +36,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 import cryosnap
 from cryosnap.checkpointer import Checkpointer, PendingSave
@@ -56,6 +58,7 @@ __all__ = [
     "CONFIG_KEY",
     "CryosnapCheckpointEngine",
     "ENGINE_NAME",
+    "consolidate",
     "install",
     "install_over",
     "register",
@@ -740,6 +743,127 @@ def _shared_params(engine: DeepSpeedEngine) -> dict[str, str]:
 
     walk(engine.module, "")
     return shared
+
+
+# -- consolidating ------------------------------------------------------------------------------
+
+
+def consolidate(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    tag: str | None = None,
+) -> int:
+    """DeepSpeed's ``zero_to_fp32`` over a cryosnap run: the full fp32 model state dict of one
+    DeepSpeed version written to ``out`` (a ``.safetensors`` file); returns its step.
+
+    The version is ``step``, else the newest tagged ``tag``, else the newest DeepSpeed
+    version of the run at ``path``. Every saved rank's part is read (each chunk verified),
+    DeepSpeed's files of the tag are written to a temporary folder as DeepSpeed's engine
+    writes them (``torch.save``), DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``
+    consolidates them, and the folder is removed. ZeRO stages 1-3; one process, no
+    collectives, no lock. A version that is not a DeepSpeed checkpoint is a
+    :class:`~cryosnap.CheckpointFormatError`. Tied weights are written once per name.
+    """
+    run, target = os.fspath(path), os.fspath(out)
+    if not target.endswith(".safetensors"):
+        raise ValueError(f"out must be a .safetensors file path, got {target!r}")
+    entry = _entry_of(run, step, tag)
+    if entry.zero_stage not in (1, 2, 3):
+        raise UnsupportedError(
+            f"tag {entry.tag!r} (step {entry.step} of {run}) was saved at ZeRO stage "
+            f"{entry.zero_stage}: DeepSpeed consolidates ZeRO 1-3 checkpoints. At stage 0 the "
+            f"model states file holds the full weights: cryosnap.load({run!r}, step="
+            f'{entry.step}, keys=["mp_rank_00_model_states.pt"])',
+            step=entry.step,
+            path=run,
+        )
+    folder = tempfile.mkdtemp(prefix="cryosnap-zero-to-fp32-")
+    try:
+        _write_files(run, entry, os.path.join(folder, entry.tag))
+        state = get_fp32_state_dict_from_zero_checkpoint(folder, tag=entry.tag)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    from safetensors.torch import save_file
+
+    save_file(_unshared(state), target, metadata={"format": "pt"})
+    return entry.step
+
+
+def _entry_of(run: str, step: int | None, tag: str | None) -> _Entry:
+    """The DeepSpeed version ``step`` (its tag ``tag`` if given), else the newest tagged
+    ``tag``, else the newest DeepSpeed version of ``run``."""
+    if step is not None:
+        entry = _entry_at(run, step)
+        if entry is None:
+            raise CheckpointFormatError(
+                f"step {step} of {run} is not a DeepSpeed checkpoint: it holds no {META!r} "
+                "key (versions saved by cryosnap's DeepSpeed engine do)",
+                step=step,
+                path=run,
+            )
+        if tag is not None and entry.tag != tag:
+            raise CheckpointNotFoundError(
+                f"step {step} of {run} is the DeepSpeed tag {entry.tag!r}, not {tag!r}",
+                step=step,
+                path=run,
+            )
+        return entry
+    tags = []
+    for s in reversed(cryosnap.Run(run).steps()):
+        found = _entry_at(run, s)
+        if found is not None and (tag is None or found.tag == tag):
+            return found
+        if found is not None:
+            tags.append(found.tag)
+    if not tags:
+        raise CheckpointFormatError(
+            f"{run} holds no DeepSpeed checkpoint (no version has a {META!r} key)", path=run
+        )
+    raise CheckpointNotFoundError(
+        f"no DeepSpeed checkpoint tagged {tag!r} in {run}: it holds the tags {tags[::-1]!r:.300}",
+        path=run,
+    )
+
+
+def _entry_at(run: str, step: int) -> _Entry | None:
+    """Version ``step``'s DeepSpeed description (None: not a DeepSpeed version)."""
+    try:
+        meta = cryosnap.load(run, step=step, keys=[META])[META]
+    except KeyNotFoundError:
+        return None
+    return _Entry.read(step, meta)
+
+
+def _write_files(run: str, entry: _Entry, folder: str) -> None:
+    """DeepSpeed's files of ``entry`` in ``folder``, as its engine's ``torch.save`` writes
+    them: each rank's part read in turn (a file every rank saved alike, from part 0)."""
+    os.makedirs(folder)
+    for rank in range(entry.dp_world_size):
+        names = [n for n, owner in entry.files.items() if max(owner, 0) == rank]
+        if not names:
+            continue
+        state = cryosnap.load(run, step=entry.step, keys=names, rank=rank)
+        for name in names:
+            target = os.path.join(folder, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            torch.save(_decode(state.pop(name)), target)
+
+
+def _unshared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as safetensors takes it: contiguous tensors, none sharing memory with
+    another (tied weights, ZeRO 1-2's views of one flat buffer): all but the first copied."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in state.items():
+        t = tensor.detach().contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in storages:
+            t = t.clone()
+        storages.add(ptr)
+        out[name] = t
+    return out
 
 
 # -- files and folders --------------------------------------------------------------------------
