@@ -367,6 +367,7 @@ def _assert_consolidated(stage: int, out: Path) -> None:
     assert not leftover, leftover
 
 
+@pytest.mark.deep
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
 def test_consolidate_at_zero_stage_3(built_op: None, tmp_path: Path) -> None:
     _launch("fp32", tmp_path / "run", tmp_path / "out", "--stage", "3")

@@ -14,6 +14,7 @@ docs/design/integrations.md has how tags map to steps and what is not supported.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -787,7 +788,14 @@ def consolidate(
         shutil.rmtree(folder, ignore_errors=True)
     from safetensors.torch import save_file
 
-    save_file(_unshared(state), target, metadata={"format": "pt"})
+    # Written beside ``out`` and renamed over it: a failure leaves no partial file there.
+    partial = f"{target}.{os.getpid()}.partial"
+    try:
+        save_file(_unshared(state), partial, metadata={"format": "pt"})
+        os.replace(partial, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
     return entry.step
 
 
