@@ -197,6 +197,8 @@ def main(argv: list[str]) -> None:
     if args.kill_at is not None:
         sys.exit(3)  # not reached: the signal ends the process
     report(args.out, job, final=digests(job.model))
+    if torch.distributed.is_initialized():  # its gloo threads joined, not torn down at exit
+        torch.distributed.destroy_process_group()
 
 
 def resume_in_process(run: Path, out: Path, cut: int, **options: Any) -> None:

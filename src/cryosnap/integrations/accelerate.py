@@ -626,7 +626,10 @@ class _Position:
         if not self.exact or not self.active or self.order is None:
             return {"epoch": epoch, "consumed": 0}
         if loader.end_of_dataloader:  # the epoch's last batch handed out: the next one is due
-            return {"epoch": epoch + 1, "consumed": 0}
+            # with the samplers' generators as they are now: the next epoch's order draws
+            # from them (torch's global generator is the RNG state's).
+            gens = [g.get_state() for g in self.generators()]
+            return {"epoch": epoch + 1, "consumed": 0, "generators": gens}
         return {**self.order, "consumed": self.consumed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -639,6 +642,8 @@ class _Position:
         self.loader.iteration = epoch
         self.resume = None
         if consumed == 0 or not self.exact:
+            if self.exact and "generators" in state:  # saved at an epoch's end
+                self._set_generators(list(state["generators"]))
             return
         order = dict(state)
         if set(order) != {"epoch", "consumed", "torch", "generators"} or len(
@@ -651,3 +656,15 @@ class _Position:
                 path=self.key,
             )
         self.resume = (order, consumed)
+
+    def _set_generators(self, states: list[Any]) -> None:
+        """The samplers' generators as an epoch's end left them (the next epoch draws)."""
+        gens = self.generators()
+        if len(states) != len(gens):
+            raise StateMismatchError(
+                f"dataloader position: {len(states)} saved generator(s), this loader has "
+                f"{len(gens)}",
+                path=self.key,
+            )
+        for g, state in zip(gens, states, strict=True):
+            g.set_state(state)
