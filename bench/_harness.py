@@ -249,3 +249,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def launch_ranks(
+    command: list[str],
+    out: Path,
+    *,
+    world: int = 2,
+    timeout_s: float = 3600.0,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``command`` as ``world`` gloo ranks (torchrun's environment plus ``env``), all killed
+    if one fails or ``timeout_s`` passes; each rank's ``out/rank-<r>.json``, read back."""
+    port = free_port()
+    out.mkdir()
+    procs = [
+        subprocess.Popen(command, env={**torchrun_env(rank, world, port), **(env or {})}, cwd=cwd)
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if code != 0:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"a rank exited {code}")
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]

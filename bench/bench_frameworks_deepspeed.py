@@ -39,7 +39,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,25 +195,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
-    port = h.free_port()
     command = [sys.executable, str(HERE), "--worker", str(folder / "out"), "--dir", str(folder)]
     for name in ("width", "layers", "rounds", "warmup", "stage"):
         command += [f"--{name}", str(getattr(args, name))]
-    (folder / "out").mkdir()
-    procs = [
-        subprocess.Popen(
-            command, env={**h.torchrun_env(rank, 2, port), "DS_ACCELERATOR": "cpu"}, cwd=HERE.parent
-        )
-        for rank in range(2)
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        if code != 0:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"a rank exited {code}")
-    return [json.loads((folder / "out" / f"rank-{r}.json").read_text()) for r in range(2)]
+    return h.launch_ranks(
+        command,
+        folder / "out",
+        timeout_s=LAUNCH_TIMEOUT_S,
+        cwd=HERE.parent,
+        env={"DS_ACCELERATOR": "cpu"},
+    )
 
 
 def _figures(ranks: list[dict[str, Any]], peer: str) -> dict[str, Any]:
