@@ -31,7 +31,7 @@ from cryosnap._validate import step as validate_step
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError
 from cryosnap.policy import RetentionPolicy, SavePolicy
-from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store
+from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store, open_run_store
 from cryosnap.storage.striped import Device, StripedStore
 
 __all__ = [
@@ -639,7 +639,7 @@ def load(
         device=device_for(map_location, into),
         choice=choice,
     )
-    return restore_one(open_store(path), step, into=into, ask=ask)
+    return restore_one(open_run_store(path), step, into=into, ask=ask)
 
 
 def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -648,7 +648,7 @@ def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) 
     Read-only, takes no lock. Raises :class:`~cryosnap.CheckpointNotFoundError` when the run
     holds no version. Resume a training with ``Checkpointer(path, run_id=run_id_of(path))``.
     """
-    store = path if isinstance(path, Store) else open_store(path, **(storage_options or {}))
+    store = path if isinstance(path, Store) else open_run_store(path, **(storage_options or {}))
     newest = newest_record(store)
     if newest is None:
         raise CheckpointNotFoundError(f"{store.url} holds no version")

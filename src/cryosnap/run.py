@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cryosnap import _lineage, engine
+from cryosnap import _forks, _lineage, engine
+from cryosnap._forks import RunLineage
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
@@ -48,7 +49,7 @@ from cryosnap.errors import (
     IntegrityError,
     RunLockedError,
 )
-from cryosnap.storage import Store, open_store
+from cryosnap.storage import Store, open_run_store, open_store
 
 __all__ = [
     "Damage",
@@ -59,6 +60,7 @@ __all__ = [
     "MAX_STEP",
     "Removal",
     "Run",
+    "RunLineage",
     "VerifyReport",
     "VersionCheck",
     "VersionInfo",
@@ -259,7 +261,7 @@ class Run:
     ) -> None:
         # Checked as the Checkpointer checks its scratch= (no I/O); found when verified.
         self._scratch = RunOptions(path=path, scratch=scratch).scratch_devices
-        self._store = open_store(path, **(storage_options or {}))
+        self._store = open_run_store(path, **(storage_options or {}))
         _check_is_run(self._store)
 
     def __repr__(self) -> str:
@@ -461,6 +463,36 @@ class Run:
             if not engine.step_exists(self._store, step):
                 raise self._not_found(step)
             return health.version_marks([self._store], step)
+
+    # -- forks ---------------------------------------------------------------------------------
+
+    def fork(
+        self,
+        step: int,
+        dest: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Run:
+        """A new run at ``dest`` whose first version is version ``step`` of this run, bit for
+        bit; a ``Checkpointer(dest)`` continues it, saving incrementally against it.
+
+        Where both runs are directories on one file system, the fork names this run's data
+        files instead of copying them (creating it writes its manifests only), and this run's
+        retention, ``remove`` and ``gc`` keep every file a fork still reads; elsewhere (another
+        file system, an object store) only the chunks the version reads are copied, once.
+        ``dest`` must be new or empty (:class:`~cryosnap.errors.CheckpointExistsError`);
+        ``storage_options`` are ``dest``'s. Takes ``dest``'s write lock while it is made;
+        this run's writer may go on meanwhile. docs/design/lineage.md has the protocol.
+        """
+        step = validate_step(step)
+        with located(step=step, path=self._store.url):
+            store, _shared = _forks.fork_run(self._store, step, dest, storage_options or {})
+        return Run(store)
+
+    def lineage(self) -> RunLineage:
+        """Where this run was forked from (its ancestors, the parent first) and the forks that
+        read its files: from ``FORK.json`` and the holds, no data read."""
+        return _forks.lineage_of(self._store)
 
     # -- removing ------------------------------------------------------------------------------
 

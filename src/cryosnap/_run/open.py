@@ -41,7 +41,14 @@ from cryosnap.errors import (
     CheckpointNotFoundError,
     RunLockedError,
 )
-from cryosnap.storage import Store, check_direct_io, join_location, open_store, unwrap
+from cryosnap.storage import (
+    Store,
+    check_direct_io,
+    join_location,
+    open_run_store,
+    open_store,
+    unwrap,
+)
 from cryosnap.storage.striped import Device, Placement, StripedStore
 
 __all__ = ["CHANNELS", "OpenRun", "flush_channel", "newest_record", "open_run", "resume_handoffs"]
@@ -195,7 +202,7 @@ def open_stores(options: RunOptions, coord: Coordinator) -> tuple[Store, Striped
     if devices and coord.world_size > 1:
         # Node-local: ranks of one node may share a scratch path, each keeps its own run.
         devices = [Device(_rank_dir(d, coord.rank), d.capacity_bytes, d.direct_io) for d in devices]
-    persistent = open_store(
+    persistent = open_run_store(
         options.path,
         timeout_seconds=timeout,
         direct_io=options.direct_io,

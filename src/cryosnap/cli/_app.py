@@ -18,6 +18,7 @@ from cryosnap.cli._demo import cmd_demo
 from cryosnap.cli._diff import cmd_diff
 from cryosnap.cli._export import cmd_export
 from cryosnap.cli._flush import cmd_flush
+from cryosnap.cli._fork import cmd_fork
 from cryosnap.cli._import_dcp import cmd_import_dcp
 from cryosnap.cli._inspect import cmd_inspect
 from cryosnap.cli._log import cmd_log
@@ -97,6 +98,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     _add_export_command(app)
     _add_diff_command(app)
     _add_log_command(app)
+    _add_fork_command(app)
     _add_remove_commands(app)
     _add_flush_command(app)
     _add_demo_command(app)
@@ -234,6 +236,22 @@ def _add_diff_command(app: typer.Typer) -> None:
     ) -> None:
         """Which leaves changed between two versions, and how many bytes (reads no data)."""
         cmd_diff(path, a, b, rank=rank, as_json=json_output)
+
+
+def _add_fork_command(app: typer.Typer) -> None:
+    @app.command("fork")
+    def fork_command(
+        path: Annotated[str, PATH_ARG],
+        dest: Annotated[str, typer.Argument(help="The new run: a new or empty directory or URL.")],
+        step: Annotated[
+            int | None,
+            typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
+        ] = None,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Make DEST a new run whose first version is a version of PATH: its data files shared
+        on one file system (PATH's retention keeps what DEST reads), else copied once."""
+        cmd_fork(path, dest, step=step, as_json=json_output)
 
 
 def _add_log_command(app: typer.Typer) -> None:
