@@ -55,6 +55,8 @@ def fork_run(
             _copy(source, step, store, lock.check)
     finally:
         lock.release()
+        if isinstance(store, LinkedStore):
+            store.forget_fork_record()
     return store, shared
 
 

@@ -11,6 +11,7 @@ Runs on the calling thread (``Run.fork``) or the run's writer (retention); no co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -120,7 +121,7 @@ def _fork_gone(hold: Hold) -> bool:
 def release_holds(
     store: Store, needed: Collection[str], *, before_release: Callable[[list[str]], None]
 ) -> list[str]:
-    """Delete the holds of the fork on ``store`` in each ancestor that none of ``needed`` (the
+    """Empty the holds of the fork on ``store`` in each ancestor that none of ``needed`` (the
     data files its remaining versions read) names; returns the ancestors released.
     ``before_release`` is told the fork's keys of the files given back first."""
     if not isinstance(store, LinkedStore):
@@ -141,8 +142,13 @@ def release_holds(
             hold = Hold.from_json(ancestor.read(key), f"{url}/{key}")
         except CheckpointNotFoundError:
             continue
+        if not hold.data_files:
+            continue  # released before
         before_release([ancestor_key(index, f) for f in hold.data_files])
-        ancestor.delete(key)
+        # Emptied, not deleted: an older manifest of a kept version's chain may still name
+        # one of the files (no chunk of it read), and a reader sizes it; the hold still
+        # answers for this fork, so the name is "no such file", not an edited reference.
+        ancestor.write(key, dataclasses.replace(hold, data_files=()).to_json())
         released.append(url)
     return released
 

@@ -73,6 +73,9 @@ class RetirePlan:
     # Every data file the remaining versions read (a fork's ancestors' included): a fork
     # releases its hold on an ancestor none of them names.
     needed: frozenset[str] = frozenset()
+    # The data files no remaining version reads that a fork's hold kept when planned: they go
+    # with the others if the hold is gone (released, or its fork deleted) when they are.
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +168,9 @@ def plan_retire(
     kept = [records.get(s) or read_commit(store, s, versions[s]) for s in steps if s not in dropped]
     manifests = _unneeded_manifests(store, kept, reserved)
     needed_files = {f for r in kept for f in r.data_files}
-    held = held_files(store)  # the forks' (checked again when the files go)
-    listed_files = store.list("data") if held is not None else []
-    data_files = [
-        k for k in listed_files if k not in needed_files and k not in reserved and k not in held
-    ]
+    unneeded = [k for k in store.list("data") if k not in needed_files and k not in reserved]
+    held = held_files(store)  # the forks' (listed again when the files go)
+    data_files = [] if held is None else [k for k in unneeded if k not in held]
     superseded = [
         commit_key(s, lin) for s, lin in sorted(listed, key=_order) if versions.get(s, 0) != lin
     ]
@@ -180,6 +181,7 @@ def plan_retire(
         superseded=superseded,
         records=[commit_key(s, versions[s]) for s in dropped],
         needed=frozenset(needed_files | set(reserved)),
+        held=[k for k in unneeded if k not in data_files],
     )
 
 
@@ -303,8 +305,9 @@ def _delete_files(
     # Listed again now that the dropped versions' commit records are gone: a fork created
     # since the plan wrote its hold before it saw its version still committed
     # (docs/design/lineage.md, "Forks").
-    held = held_files(store, release_stale=True) if plan.data_files else set()
-    doomed = [] if held is None else [k for k in plan.data_files if k not in held]
+    held = held_files(store, release_stale=True)  # also when nothing goes: a deleted fork
+    candidates = [*plan.data_files, *plan.held]
+    doomed = [] if held is None else [k for k in candidates if k not in held]
     if doomed:
         before_delete(doomed)
         for key in doomed:

@@ -34,6 +34,7 @@ class LinkedStore(WrapperStore):
         self._opener = opener
         self._lock = threading.Lock()
         self._record: ForkRecord | None = None
+        self._read_record = False
         self._ancestors: dict[int, tuple[Store, frozenset[str]]] = {}
 
     def _route(self, key: str) -> tuple[Store, str]:
@@ -67,13 +68,22 @@ class LinkedStore(WrapperStore):
     def fork_record(self) -> ForkRecord | None:
         """This run's ``FORK.json`` (None: the run is no fork), read once."""
         with self._lock:
-            if self._record is None:
+            if not self._read_record:
                 try:
                     data = self.inner.read(FORK_KEY)
                 except CheckpointNotFoundError:
-                    return None
-                self._record = ForkRecord.from_json(data, f"{self.url}/{FORK_KEY}")
+                    data = None
+                if data is not None:
+                    self._record = ForkRecord.from_json(data, f"{self.url}/{FORK_KEY}")
+                self._read_record = True
             return self._record
+
+    def forget_fork_record(self) -> None:
+        """Read ``FORK.json`` again when next asked (it was written through this store)."""
+        with self._lock:
+            self._read_record = False
+            self._record = None
+            self._ancestors.clear()
 
     def ancestor(self, index: int) -> tuple[Store, frozenset[str]]:
         """Ancestor ``index``'s store and the data files it holds for this fork, checked."""
