@@ -11,6 +11,7 @@ Runs on the calling thread (``Run.fork``) or the run's writer (retention); no co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -182,7 +183,12 @@ def plan_fork(source: Store, step: int, *, source_location: str, fork_location: 
         parsed = split_ancestor_key(k)
         return ancestor_key(0, k) if parsed is None else ancestor_key(parsed[0] + 1, parsed[1])
 
-    documents, refs = _manifests(source, record, rename)
+    try:
+        documents, refs = _manifests(source, record, rename)
+    except (IntegrityError, CheckpointNotFoundError):
+        if not source.exists(key):  # retention retired it while its chain was read
+            raise _retired(source, step) from None
+        raise
     files = tuple(sorted(rename(f) for f in record.data_files))
     held: dict[int, list[str]] = {}
     for f in files:
@@ -225,11 +231,15 @@ def _read(store: Store, key: str, step: int) -> bytes:
     try:
         return store.read(key)
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(
-            f"step {step} not found in {store.url} (retired while it was forked?)",
-            step=step,
-            path=store.url,
-        ) from None
+        raise _retired(store, step) from None
+
+
+def _retired(store: Store, step: int) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"step {step} not found in {store.url} (retired while it was forked?)",
+        step=step,
+        path=store.url,
+    )
 
 
 def _manifests(
@@ -287,27 +297,46 @@ def _chain(source: Store, key: str, xxh3: str, step: int) -> list[tuple[str, dic
 
 def create_fork(source: Store, plan: ForkPlan, fork: Store) -> None:
     """Write ``plan``: ``FORK.json``, the holds, then (the source's commit record still the
-    one planned, every data file still there) the manifests and the commit record."""
+    one planned, every data file still there) the manifests and the commit record. A failure
+    before the commit record takes back what was written (the holds first); a crash leaves
+    an unfinished fork that ``Run.fork`` makes again, or whose holds the ancestor releases
+    once its directory is gone."""
     fork.write(FORK_KEY, plan.record.to_json())
     stores = _ancestor_stores(source, plan)
-    for index, files in plan.holds.items():
-        hold = Hold(
-            plan.record.token,
-            _location(fork),
-            plan.record.parent,
-            plan.record.step,
-            tuple(files),
-            plan.record.created_unix,
-        )
-        stores[index].write(hold.key, hold.to_json())
-    # The holds are durable: a retention pass of an ancestor that deletes the version's commit
-    # record from now on lists them before it deletes a file. The version still committed
-    # now means no pass deleted any of its files before seeing the holds.
+    written: list[Store] = []
+    try:
+        for index, files in plan.holds.items():
+            hold = Hold(
+                plan.record.token,
+                _location(fork),
+                plan.record.parent,
+                plan.record.step,
+                tuple(files),
+                plan.record.created_unix,
+            )
+            written.append(stores[index])
+            stores[index].write(hold.key, hold.to_json())
+        _check_still_there(source, plan, stores)
+        for key, text in plan.documents:
+            fork.write(key, text)
+    except BaseException:
+        for store in written:
+            with contextlib.suppress(CheckpointError):
+                store.delete(hold_key(plan.record.token))
+        with contextlib.suppress(CheckpointError):
+            fork.delete(FORK_KEY)
+        raise
+
+
+def _check_still_there(source: Store, plan: ForkPlan, stores: dict[int, Store]) -> None:
+    """The holds are durable: a retention pass of an ancestor that deletes the version's
+    commit record from now on lists them before it deletes a file. The version still
+    committed now means no pass deleted any of its files before seeing the holds."""
     step = plan.record.step
     again = _read(source, commit_key(step, _lineage_at(source, step)), step)
     if xxhash.xxh3_128_hexdigest(again) != plan.source_commit:
         raise CheckpointNotFoundError(
-            f"step {step} of {source.url} changed while it was forked", step=step
+            f"step {step} of {source.url} was saved again while it was forked", step=step
         )
     for index, files in plan.holds.items():
         for f in files:
@@ -317,8 +346,6 @@ def create_fork(source: Store, plan: ForkPlan, fork: Store) -> None:
                     step=step,
                     path=f,
                 )
-    for key, text in plan.documents:
-        fork.write(key, text)
 
 
 def _ancestor_stores(source: Store, plan: ForkPlan) -> dict[int, Store]:
