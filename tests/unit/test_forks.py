@@ -268,3 +268,29 @@ def test_a_manifest_edited_to_name_another_ancestor_file_fails_its_hash(tmp_path
     key.write_text(json.dumps(doc))
     with _damaged(), pytest.raises(IntegrityError, match="recorded hash"):
         cryosnap.load(dest)
+
+
+def test_a_fork_of_a_fork_whose_chain_names_an_ancestor_it_no_longer_reads(
+    tmp_path: Path,
+) -> None:
+    """f1's step 3 rewrites every chunk of the ancestor's, but its chain's older manifest still
+    names the ancestor's files: a fork of it reads them as "no such file", never as an edited
+    reference (examples/population_based_training.py found this)."""
+    anc, f1, f2 = tmp_path / "anc", tmp_path / "f1", tmp_path / "f2"
+    _save(anc, range(1, 2))
+    cryosnap.Run(anc).fork(1, f1)
+    with cryosnap.Checkpointer(f1, chunk_bytes=CHUNK) as ckpt:
+        state = ckpt.restore()
+        new = {
+            "w": state["w"] + 1,
+            "t": state["t"] + 1,
+            "small": {"b": state["small"]["b"] + 1, "s": "other", "f": 9.0},
+            "blob": b"other",
+            "step": 3,
+        }
+        ckpt.save(3, new).result()
+    assert _record(f1, 3).incremental
+    assert not any(f.startswith("ancestors/") for f in _record(f1, 3).data_files)
+    cryosnap.Run(f1).fork(3, f2)
+    _same(cryosnap.load(f2), new)
+    assert cryosnap.Run(f2).verify().ok

@@ -195,6 +195,14 @@ def plan_fork(source: Store, step: int, *, source_location: str, fork_location: 
         parsed = split_ancestor_key(f)
         assert parsed is not None
         held.setdefault(parsed[0], []).append(parsed[1])
+    # An older manifest of a chain may name an ancestor none of whose files the version reads:
+    # an empty hold there lets a reader size such a file as "no such file", not an edited
+    # reference (as a released hold does).
+    for _key, text in documents:
+        for f in json.loads(text)["data_files"]:
+            parsed = split_ancestor_key(f)
+            if parsed is not None:
+                held.setdefault(parsed[0], [])
     fork = CommitRecord(
         step=record.step,
         world_size=record.world_size,
