@@ -40,6 +40,140 @@ def _train(run: Path, mode: str, steps: int, kill_at: int = -1) -> tuple[str, ..
     return (str(run), mode, str(steps), "2", str(kill_at), str(CHUNK))
 
 
+# -- in this process: a world of one --------------------------------------------------------------
+
+
+def _digests(built: tuple[Any, ...], state: Any) -> dict[str, str]:
+    from tests.integration import torchtitan_job as job
+
+    return job.digests(*built[:3], state)
+
+
+def _trained(run: Path, steps: int, **fields: Any) -> tuple[Any, ...]:
+    """A training of ``steps`` steps saved every 2 into ``run``: its parts and train state."""
+    from tests.integration import torchtitan_job as job
+
+    built, state = job.parts("single"), job.TrainState()
+    ckpt = job.manager(str(run), built, state, interval=2, chunk_bytes=CHUNK, **fields)
+    assert ckpt.load() is False  # a fresh start
+    job.loop(built, state, ckpt, steps)
+    ckpt.close()
+    return built, state
+
+
+def test_config_refuses_what_the_manager_cannot_honour(tmp_path: Path) -> None:
+    import cryosnap
+    from cryosnap.integrations.torchtitan import CryosnapCheckpointManager
+    from tests.integration import torchtitan_job as job
+
+    Config = CryosnapCheckpointManager.Config
+    with pytest.raises(cryosnap.ConfigError, match=r"keep_latest_k=1: torchtitan refuses it"):
+        Config(enable=True, keep_latest_k=1)
+    with pytest.raises(cryosnap.UnsupportedError, match=r"last_save_in_hf.*cryosnap export"):
+        Config(enable=True, last_save_in_hf=True)
+    with pytest.raises(cryosnap.UnsupportedError, match=r"create_seed_checkpoint.*initial_load"):
+        Config(enable=True, create_seed_checkpoint=True)
+    with pytest.raises(ValueError, match="interval needs to be at least 1"):
+        Config(enable=True, interval=0)  # torchtitan's own checks still run
+    built, state = job.parts("single"), job.TrainState()
+    with pytest.raises(cryosnap.ConfigError, match=r"exclude_from_loading names 'optimiser'"):
+        job.manager(str(tmp_path / "run"), built, state, exclude_from_loading=["optimiser"])
+    assert not (tmp_path / "run").exists()  # refused before the run was opened
+    disabled = Config(enable=False, folder=str(tmp_path / "off")).build(
+        dataloader=None,
+        model_parts=[built[0]],
+        optimizers=built[1],
+        lr_schedulers=built[2],
+        states={},
+        sd_adapter=None,
+    )
+    assert disabled.save(2) is False and disabled.load() is False
+    assert not (tmp_path / "off").exists()
+
+
+def test_resume_into_a_different_model_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    import cryosnap
+    from tests.integration import torchtitan_job as job
+
+    run = tmp_path / "run"
+    _trained(run, 2, keep_latest_k=0)
+    other, state = job.parts("single", hidden=32), job.TrainState()
+    ckpt = job.manager(str(run), other, state, interval=2)
+    before = _digests(other, state)
+    with pytest.raises(cryosnap.StateMismatchError, match=r"step 2 of .* does not fit") as exc:
+        ckpt.load()
+    assert "initial_load_path" in str(exc.value)  # the way to another model or mesh
+    assert _digests(other, state) == before  # nothing half-restored
+    with pytest.raises(cryosnap.CheckpointNotFoundError, match=r"load_step=7: .* holds steps 2"):
+        ckpt.load(step=7)
+    ckpt.close()
+
+
+def test_resume_is_bit_exact_and_honours_exclude_and_last_model_only(tmp_path: Path) -> None:
+    from tests.integration import torchtitan_job as job
+
+    run = tmp_path / "run"
+    whole, whole_state = _trained(tmp_path / "whole", 6, last_save_model_only=False)
+    _trained(run, 3, last_save_model_only=False)  # versions 2 and 3 (the last step)
+    built, state = job.parts("single"), job.TrainState()
+    ckpt = job.manager(str(run), built, state, interval=2, last_save_model_only=False)
+    assert ckpt.load() is True and state.step == 3
+    job.loop(built, state, ckpt, 6)
+    ckpt.close()
+    assert _digests(built, state) == _digests(whole, whole_state)
+    # exclude_from_loading: the dataloader's position stays where it is.
+    built, state = job.parts("single"), job.TrainState()
+    ckpt = job.manager(str(run), built, state, interval=2, exclude_from_loading=["dataloader"])
+    assert ckpt.load(step=4) is True and state.step == 4
+    assert built[3].state_dict() == job.parts("single")[3].state_dict()
+    ckpt.close()
+    # last_save_model_only (torchtitan's default): the last version holds the model alone,
+    # and loading it loads the model alone.
+    model_only = tmp_path / "model-only"
+    trained, _ = _trained(model_only, 3)
+    built, state = job.parts("single"), job.TrainState()
+    ckpt = job.manager(str(model_only), built, state, interval=2)
+    assert ckpt.load() is True and state.step == 0  # the train state was not in it
+    got = _digests(built, state)
+    want = _digests(trained, state)
+    assert {k: v for k, v in got.items() if k.startswith("model/")} == {
+        k: v for k, v in want.items() if k.startswith("model/")
+    }
+    assert got != want  # the optimizer is the fresh one
+    ckpt.close()
+
+
+def test_initial_load_path_from_torchtitans_own_dcp_checkpoint(tmp_path: Path) -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from tests.integration import torchtitan_job as job
+
+    trained, trained_state = _trained(tmp_path / "first", 2)
+    dcp_manager = CheckpointManager.Config(
+        enable=True, folder=str(tmp_path / "dcp"), interval=2, keep_latest_k=0
+    ).build(
+        dataloader=trained[3],
+        model_parts=[trained[0]],
+        optimizers=trained[1],
+        lr_schedulers=trained[2],
+        states={"train_state": trained_state},
+        sd_adapter=None,
+    )
+    assert dcp_manager.save(2)
+    dcp_manager.close()
+    built, state = job.parts("single"), job.TrainState()
+    ckpt = job.manager(
+        str(tmp_path / "second"),
+        built,
+        state,
+        initial_load_path=str(tmp_path / "dcp" / "step-2"),
+        initial_load_model_only=False,
+    )
+    assert ckpt.load() is True
+    assert _digests(built, state) == _digests(trained, trained_state)
+    ckpt.close()
+
+
 # -- on 2 gloo ranks ------------------------------------------------------------------------------
 
 

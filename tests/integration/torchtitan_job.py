@@ -52,13 +52,13 @@ def tokens(rank: int) -> Any:
     """An endless, stateful dataset: sample i of rank r is drawn from a generator seeded (r, i)."""
     from torch.utils.data import IterableDataset
 
-    class Tokens(Tokens_, IterableDataset):  # type: ignore[misc]
+    class Tokens(_Tokens, IterableDataset):  # type: ignore[misc]
         pass
 
     return Tokens(rank)
 
 
-class Tokens_:
+class _Tokens:
     def __init__(self, rank: int) -> None:
         self.rank, self.i = rank, 0
 
@@ -92,7 +92,8 @@ class TrainState:
 
 
 def parts(mode: str, hidden: int = HIDDEN) -> tuple[Any, Any, Any, Any]:
-    """Model, optimizers, schedulers and dataloader, built as torchtitan builds them."""
+    """Model, optimizers, schedulers and dataloader, built as torchtitan builds them
+    (``MODE`` ``single``: one process, no process group, no FSDP)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -100,22 +101,22 @@ def parts(mode: str, hidden: int = HIDDEN) -> tuple[Any, Any, Any, Any]:
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if mode == "fsdp":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    else:  # torchtitan's DDP: FSDP2 over dp_replicate x fsdp with an fsdp degree of 1
-        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_replicate", "fsdp"))
     model = _model(0, hidden)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    world, rank = (1, 0) if mode == "single" else (dist.get_world_size(), dist.get_rank())
+    if mode != "single":
+        if mode == "fsdp":
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        else:  # torchtitan's DDP: FSDP2 over dp_replicate x fsdp with an fsdp degree of 1
+            shape = (world, 1)
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "fsdp"))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizers = default_adamw(lr=1e-2, foreach=False).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
         optimizers=optimizers, training_steps=100
     )
-    loader = ParallelAwareDataloader(
-        tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4
-    )
+    loader = ParallelAwareDataloader(tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
     return model, optimizers, schedulers, loader
 
 
@@ -155,18 +156,12 @@ def digests(model: Any, optimizers: Any, schedulers: Any, state: Any) -> dict[st
     return out
 
 
-def train(out: Path, run: str, mode: str, steps: int, interval: int, kill_at: int, chunk: int):
+def loop(built: tuple[Any, ...], state: Any, ckpt: Any, steps: int, kill_at: int = -1) -> list:
+    """torchtitan's ``Trainer.train`` loop (without its CUDA parts) up to ``steps``: the
+    ``(step, pending save)`` of each save."""
     import torch
-    import torch.distributed as dist
 
-    built = parts(mode)
     model, optimizers, schedulers, loader = built
-    state = TrainState()
-    ckpt = manager(run, built, state, interval=interval, chunk_bytes=chunk, keep_latest_k=0,
-                   last_save_model_only=False)
-    got: dict[str, Any] = {"saves": {}}
-    ckpt.load(step=-1)
-    got["resumed_at"] = state.step
     batches = iter(loader)
     pending = []
     while state.step < steps:
@@ -183,11 +178,35 @@ def train(out: Path, run: str, mode: str, steps: int, interval: int, kill_at: in
             pending.append((state.step, ckpt.save_future))
         if state.step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+    return pending
+
+
+def train(
+    out: Path, run: str, mode: str, steps: int, interval: int, kill_at: int, chunk: int
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    built = parts(mode)
+    state = TrainState()
+    ckpt = manager(
+        run,
+        built,
+        state,
+        interval=interval,
+        chunk_bytes=chunk,
+        keep_latest_k=0,
+        last_save_model_only=False,
+    )
+    got: dict[str, Any] = {"saves": {}}
+    ckpt.load(step=-1)
+    got["resumed_at"] = state.step
+    pending = loop(built, state, ckpt, steps, kill_at)
     ckpt.close()
     for step, p in pending:
         info = p.result()
         got["saves"][str(step)] = {"written": info.written_bytes, "logical": info.logical_bytes}
-    got["final"] = digests(model, optimizers, schedulers, state)
+    model = built[0]
+    got["final"] = digests(*built[:3], state)
     got["steps"] = ckpt_steps(run)
     got["local_param_bytes"] = {
         k: (v.to_local() if hasattr(v, "to_local") else v).nbytes

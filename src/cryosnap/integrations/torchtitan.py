@@ -316,7 +316,7 @@ class CryosnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     def _initial_load(self) -> bool:
         """A run with no version: start from ``initial_load_path`` (or the model's Hugging Face
         weights with ``initial_load_in_hf``), through DCP's planner (it reshards)."""
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         config = self.config
         path = config.initial_load_path
@@ -329,7 +329,7 @@ class CryosnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
                 )
             hf = adapter.to_hf(self.states[MODEL].state_dict())
             reader = adapter.get_hf_storage_reader(path, config.initial_load_in_hf_quantized)
-            dcp.load(hf, storage_reader=reader)
+            dcp_load(hf, storage_reader=reader)
             self.states[MODEL].load_state_dict(adapter.from_hf(hf))
             return True
         if not path:
@@ -338,7 +338,7 @@ class CryosnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             )
             return False
         state = self._flat(model_only=config.initial_load_model_only)
-        dcp.load(state, **_reader_of(path))
+        dcp_load(state, **_reader_of(path))
         self.states[MODEL].load_state_dict(state)
         for name, obj in self.states.items():
             if name != MODEL and name in state and obj is not None:
