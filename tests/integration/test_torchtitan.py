@@ -46,7 +46,7 @@ def _train(run: Path, mode: str, steps: int, kill_at: int = -1) -> tuple[str, ..
 def _digests(built: tuple[Any, ...], state: Any) -> dict[str, str]:
     from tests.integration import torchtitan_job as job
 
-    return job.digests(*built[:3], state)
+    return job.digests(built[0], built[1], built[2], state)
 
 
 def _trained(run: Path, steps: int, **fields: Any) -> tuple[Any, ...]:
@@ -171,6 +171,27 @@ def test_initial_load_path_from_torchtitans_own_dcp_checkpoint(tmp_path: Path) -
     )
     assert ckpt.load() is True
     assert _digests(built, state) == _digests(trained, trained_state)
+    ckpt.close()
+
+
+def test_initial_load_path_from_a_run_written_through_cryosnap_dcp(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    import cryosnap.dcp
+    from tests.integration import torchtitan_job as job
+
+    trained, trained_state = _trained(tmp_path / "first", 2)
+    save(trained[0].state_dict(), storage_writer=cryosnap.dcp.StorageWriter(tmp_path / "dcp"))
+    built, state = job.parts("single"), job.TrainState()
+    ckpt = job.manager(
+        str(tmp_path / "second"), built, state, initial_load_path=str(tmp_path / "dcp")
+    )
+    assert ckpt.load() is True  # the model alone (initial_load_model_only's default)
+    got, want = _digests(built, state), _digests(trained, trained_state)
+    assert {k: v for k, v in got.items() if k.startswith("model/")} == {
+        k: v for k, v in want.items() if k.startswith("model/")
+    }
+    assert got["train_state/step"] == "0"
     ckpt.close()
 
 

@@ -52,7 +52,7 @@ def tokens(rank: int) -> Any:
     """An endless, stateful dataset: sample i of rank r is drawn from a generator seeded (r, i)."""
     from torch.utils.data import IterableDataset
 
-    class Tokens(_Tokens, IterableDataset):  # type: ignore[misc]
+    class Tokens(_Tokens, IterableDataset[tuple[Any, Any]]):
         pass
 
     return Tokens(rank)
@@ -156,7 +156,9 @@ def digests(model: Any, optimizers: Any, schedulers: Any, state: Any) -> dict[st
     return out
 
 
-def loop(built: tuple[Any, ...], state: Any, ckpt: Any, steps: int, kill_at: int = -1) -> list:
+def loop(
+    built: tuple[Any, ...], state: Any, ckpt: Any, steps: int, kill_at: int = -1
+) -> list[tuple[int, Any]]:
     """torchtitan's ``Trainer.train`` loop (without its CUDA parts) up to ``steps``: the
     ``(step, pending save)`` of each save."""
     import torch
@@ -168,7 +170,7 @@ def loop(built: tuple[Any, ...], state: Any, ckpt: Any, steps: int, kill_at: int
         state.step += 1
         tokens, labels = next(batches)
         loss = torch.nn.functional.cross_entropy(model(tokens), labels)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         state.ntokens_seen += tokens.numel()
         ckpt.maybe_wait_for_staging()  # the trainer's capture barrier
         optimizers.step()
@@ -206,7 +208,7 @@ def train(
         info = p.result()
         got["saves"][str(step)] = {"written": info.written_bytes, "logical": info.logical_bytes}
     model = built[0]
-    got["final"] = digests(*built[:3], state)
+    got["final"] = digests(built[0], built[1], built[2], state)
     got["steps"] = ckpt_steps(run)
     got["local_param_bytes"] = {
         k: (v.to_local() if hasattr(v, "to_local") else v).nbytes
