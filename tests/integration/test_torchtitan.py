@@ -91,6 +91,15 @@ def test_config_refuses_what_the_manager_cannot_honour(tmp_path: Path) -> None:
     assert not (tmp_path / "off").exists()
 
 
+def test_the_schedule_fields_decide_which_steps_are_saved(tmp_path: Path) -> None:
+    import cryosnap
+
+    _trained(tmp_path / "first", 5, enable_first_step_checkpoint=True)
+    assert cryosnap.Run(tmp_path / "first").steps() == [1, 2, 4, 5]  # 5: the last step
+    _trained(tmp_path / "none", 5, load_only=True)
+    assert not cryosnap.Run(tmp_path / "none").steps()
+
+
 def test_resume_into_a_different_model_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     import cryosnap
     from tests.integration import torchtitan_job as job

@@ -292,7 +292,13 @@ class CryosnapCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         model_only = meta[_META]["contents"] == _MODEL_ONLY
         excluded = set(self.config.exclude_from_loading)
         names = [n for n in self.states if n not in excluded and self.states[n] is not None]
-        if model_only:
+        if model_only:  # a last save with last_save_model_only: the model alone
+            log.warning(
+                "cryosnap: step %d of %s holds the model only (last_save_model_only): the "
+                "optimizers, schedulers, dataloader and train state start afresh",
+                restored,
+                self.folder,
+            )
             names = [MODEL]
         tree, _, states = self._tree(names, model_only=model_only)
         keys = [k for k in tree if k != _META]
