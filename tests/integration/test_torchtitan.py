@@ -241,6 +241,20 @@ def test_fsdp_ranks_write_their_own_shards(tmp_path: Path) -> None:
     assert results[0]["final"] != results[1]["final"]  # each rank's own shards
 
 
+def test_resume_on_another_mesh_is_refused_naming_the_way(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _launch(tmp_path, "saved", *_train(run, "fsdp", 2))
+    results = ranks.launch(JOB, "mismatch", 2, tmp_path / "other", str(run), "ddp")
+    for got in results:
+        assert got["type"] == "StateMismatchError", got
+        assert "does not fit this trainer's state" in got["error"]
+        # FSDP2's shards are each rank's own, DDP's parameters replicated: other keys
+        assert "at model: keys missing from into=: ['tok.weight'" in got["error"]
+        assert "the model, optimizers and mesh the run was saved with" in got["error"]
+        assert "initial_load_path" in got["error"]
+        assert got["unchanged"]
+
+
 @pytest.mark.deep
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_sigkill_mid_training_then_resume_is_bit_exact(tmp_path: Path, mode: str) -> None:

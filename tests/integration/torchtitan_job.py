@@ -218,6 +218,25 @@ def train(
     return got
 
 
+def mismatch(run: str, mode: str) -> dict[str, Any]:
+    """Load the run (saved under another mode: another mesh) into ``mode``'s parts: the error,
+    and whether the parts were left as they were."""
+    import cryosnap
+
+    built = parts(mode)
+    state = TrainState()
+    ckpt = manager(run, built, state, interval=2)
+    before = digests(built[0], built[1], built[2], state)
+    got: dict[str, Any] = {"error": "", "type": ""}
+    try:
+        ckpt.load()
+    except cryosnap.CheckpointError as exc:
+        got = {"error": str(exc), "type": type(exc).__name__}
+    got["unchanged"] = digests(built[0], built[1], built[2], state) == before
+    ckpt.close()
+    return got
+
+
 def ckpt_steps(run: str) -> list[int]:
     import cryosnap
 
@@ -232,6 +251,8 @@ def main(scenario: str, out: Path, *args: str) -> None:
     if scenario == "train":
         run, mode, steps, interval, kill_at, chunk = args
         got = train(out, run, mode, int(steps), int(interval), int(kill_at), int(chunk))
+    elif scenario == "mismatch":
+        got = mismatch(*args)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))
