@@ -6,8 +6,8 @@ In this process (a world of one): the configuration refused (``keep_latest_k=1``
 ``load_step``, and ``initial_load_path`` from a DCP checkpoint written by torchtitan's own
 manager. On 2 gloo ranks (torchtitan_job.py beside this file): FSDP2 on a CPU mesh and
 torchtitan's DDP (FSDP2 over ``dp_replicate``), the bytes each rank writes (replicated state
-1/N, the second save only what changed), and SIGKILL mid-training then resume, bit-exact
-against an uninterrupted run (``deep``).
+1/N, the second save only what changed), a resume on another mesh refused (``deep``), and
+SIGKILL mid-training then resume, bit-exact against an uninterrupted run (``deep``).
 """
 
 from __future__ import annotations
@@ -241,6 +241,7 @@ def test_fsdp_ranks_write_their_own_shards(tmp_path: Path) -> None:
     assert results[0]["final"] != results[1]["final"]  # each rank's own shards
 
 
+@pytest.mark.deep
 def test_resume_on_another_mesh_is_refused_naming_the_way(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _launch(tmp_path, "saved", *_train(run, "fsdp", 2))
