@@ -32,8 +32,10 @@ JOB = Path(__file__).resolve().parent / "torchtitan_job.py"
 CHUNK = 4096
 
 
-def _launch(tmp_path: Path, name: str, *args: str, **options: Any) -> list[dict[str, Any]]:
-    return ranks.launch(JOB, "train", 2, tmp_path / name, *args, **options)
+def _launch(
+    tmp_path: Path, name: str, *args: str, world: int = 2, **options: Any
+) -> list[dict[str, Any]]:
+    return ranks.launch(JOB, "train", world, tmp_path / name, *args, **options)
 
 
 def _train(run: Path, mode: str, steps: int, kill_at: int = -1) -> tuple[str, ...]:
@@ -227,6 +229,17 @@ def test_ddp_ranks_write_half_of_the_replicated_state_and_then_only_what_changed
     assert sum(second) <= changed + 4 * CHUNK, (second, changed)
     assert sum(second) >= changed - 4 * CHUNK
     assert results[0]["final"] == results[1]["final"]  # replicated: the same everywhere
+
+
+@pytest.mark.deep
+def test_four_ddp_ranks_write_a_quarter_each(tmp_path: Path) -> None:
+    results = _launch(tmp_path, "out", *_train(tmp_path / "run", "ddp", 2), world=4)
+    replicated = sum(results[0]["local_param_bytes"].values())
+    whole = replicated + 2 * (replicated - 512 * 64 * 4)  # the model and AdamW's moments
+    written = [got["saves"]["2"]["written"] for got in results]
+    for w in written:
+        assert whole // 4 - 2 * CHUNK <= w <= whole // 4 + 2 * CHUNK, (written, whole)
+    assert sum(written) >= whole
 
 
 def test_fsdp_ranks_write_their_own_shards(tmp_path: Path) -> None:
