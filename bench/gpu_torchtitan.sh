@@ -36,8 +36,9 @@ train() {  # train DUMP_FOLDER LOG
     --dump_folder "$1") >"$2" 2>&1
 }
 
-losses() {  # the "step N loss X" pairs of a log, one per line
-  grep -oE 'step: *[0-9]+ +loss: *[0-9.]+' "$1" | sed -E 's/step: *([0-9]+) +loss: *([0-9.]+)/\1 \2/'
+losses() {  # the "step N loss X" pairs of a log, one per line (torchtitan colours its lines)
+  sed -E 's/\x1b\[[0-9;]*m//g' "$1" | grep -oE 'step: *[0-9]+ +loss: *[0-9.]+' |
+    sed -E 's/step: *([0-9]+) +loss: *([0-9.]+)/\1 \2/'
 }
 
 echo "stage 1: the reference"
@@ -57,8 +58,8 @@ kill -KILL -- "-$PID" 2>/dev/null; wait "$PID" 2>/dev/null
 
 echo "stage 3: resumed"
 train "$OUT/resumed" "$OUT/resumed.log" || { echo "stage 3 failed"; tail -30 "$OUT/resumed.log"; exit 1; }
-losses "$OUT/reference.log" | sort -n >"$OUT/reference-losses.txt"
-losses "$OUT/resumed.log" | sort -n >"$OUT/resumed-losses.txt"
+losses "$OUT/reference.log" | sort -k1,1 >"$OUT/reference-losses.txt"
+losses "$OUT/resumed.log" | sort -k1,1 >"$OUT/resumed-losses.txt"
 if [ -s "$OUT/resumed-losses.txt" ] && join "$OUT/resumed-losses.txt" "$OUT/reference-losses.txt" | awk '$2 != $3 {bad=1} END {exit bad}'; then
   echo "PASS: the resumed run's losses match the reference's"
   exit 0

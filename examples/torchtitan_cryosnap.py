@@ -26,6 +26,9 @@ def cryosnap_debugmodel() -> Trainer.Config:
     """torchtitan's ``llama3_debugmodel``, saved every 5 steps into ``dump_folder/cryosnap``."""
     config = llama3_debugmodel()
     config.training.steps = int(os.environ.get("CRYOSNAP_STEPS", "20"))
+    # A resumed run is compared with an uninterrupted one, loss for loss.
+    config.debug.seed = 0
+    config.debug.deterministic = True
     config.checkpoint = CryosnapCheckpointManager.Config(
         enable=True,
         folder="cryosnap",
