@@ -93,6 +93,22 @@ def test_config_refuses_what_the_manager_cannot_honour(tmp_path: Path) -> None:
     assert not (tmp_path / "off").exists()
 
 
+def test_torchtitans_config_manager_parses_the_managers_fields() -> None:
+    from torchtitan.config.manager import ConfigManager
+
+    from cryosnap.integrations.torchtitan import CryosnapCheckpointManager
+
+    args = ["--module", "tests.integration.torchtitan_job", "--config", "cli_config"]
+    args += ["--dump_folder", "/tmp/x", "--checkpoint.interval", "7"]
+    args += ["--checkpoint.chunk_bytes", "4096", "--checkpoint.partner", "xor"]
+    config = ConfigManager().parse_args(args)
+    checkpoint = config.checkpoint
+    assert type(checkpoint) is CryosnapCheckpointManager.Config
+    assert (checkpoint.enable, checkpoint.interval) == (True, 7)
+    assert (checkpoint.chunk_bytes, checkpoint.partner) == (4096, "xor")
+    assert checkpoint._owner is CryosnapCheckpointManager  # what config.build() constructs
+
+
 def test_the_schedule_fields_decide_which_steps_are_saved(tmp_path: Path) -> None:
     import cryosnap
 

@@ -135,6 +135,29 @@ def manager(run: str, optimizers_etc: tuple[Any, ...], train_state: Any, **field
     )
 
 
+def cli_config() -> Any:
+    """A config function for torchtitan's ``--module/--config`` (ConfigManager): a stand-in for
+    ``Trainer.Config`` (whose module imports tensorboard, not installed here) with its
+    ``dump_folder``, ``hf_assets_path`` and ``checkpoint`` fields, the checkpoint cryosnap's."""
+    from dataclasses import field, make_dataclass
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+
+    from cryosnap.integrations.torchtitan import CryosnapCheckpointManager
+
+    fields = [  # the types themselves, not strings: tyro reads them
+        ("dump_folder", str, field(default="./outputs")),
+        ("hf_assets_path", str, field(default=".")),  # ConfigManager checks that it exists
+        (
+            "checkpoint",
+            BaseCheckpointManager.Config,
+            field(default_factory=CheckpointManager.Config),
+        ),
+    ]
+    trainer_like = make_dataclass("TrainerLike", fields, kw_only=True, slots=True)
+    return trainer_like(checkpoint=CryosnapCheckpointManager.Config(enable=True, interval=5))
+
+
 def digests(model: Any, optimizers: Any, schedulers: Any, state: Any) -> dict[str, str]:
     import torch
 
