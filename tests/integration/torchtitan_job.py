@@ -263,7 +263,8 @@ def mismatch(run: str, mode: str) -> dict[str, Any]:
 def ckpt_steps(run: str) -> list[int]:
     import cryosnap
 
-    return cryosnap.Run(run).steps()
+    steps: list[int] = cryosnap.Run(run).steps()
+    return steps
 
 
 def main(scenario: str, out: Path, *args: str) -> None:
