@@ -51,11 +51,14 @@ catch one class. Where a builtin already means the same thing, the error derives
     │                                                    loader or a run it cannot resume exactly
     ├── ConfigError (+ ValueError)                       ``Checkpointer.from_config``: an unknown
     │                                                    key or a value of the wrong type (names
-    │                                                    the key and the file or variable)
+    │                                                    the key and the file or variable); a
+    │                                                    framework's checkpoint configuration
+    │                                                    cryosnap refuses (torchtitan's)
     ├── UnsupportedError (+ NotImplementedError)         a framework setup a cryosnap integration
     │                                                    cannot checkpoint yet (the HF Trainer
-    │                                                    with DeepSpeed or FSDP): names it and
-    │                                                    what to do instead
+    │                                                    with DeepSpeed or FSDP, torchtitan's
+    │                                                    HF last save): names it and what to do
+    │                                                    instead
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     ├── CoordinationError                                a collective among the run's participants
     │                                                    failed or timed out (a rank died or
@@ -253,13 +256,16 @@ class InexactResumeError(CheckpointError, ValueError):
 
 class ConfigError(CheckpointError, ValueError):
     """A configuration (``Checkpointer.from_config``) names an unknown argument or gives one a
-    value of the wrong type; the message names the key and the file or variable."""
+    value of the wrong type; the message names the key and the file or variable. Also a
+    framework's checkpoint configuration that cryosnap's manager refuses (torchtitan's
+    ``keep_latest_k=1``), naming the field and what to give instead."""
 
 
 class UnsupportedError(CheckpointError, NotImplementedError):
     """A framework setup that a cryosnap integration cannot checkpoint yet (the Hugging Face
-    ``Trainer`` with a DeepSpeed config, or with FSDP): raised before anything is saved; the
-    message names the setup and what to do instead."""
+    ``Trainer`` with a DeepSpeed config, or with FSDP; torchtitan's ``last_save_in_hf`` and
+    ``create_seed_checkpoint``): raised before anything is saved; the message names the setup
+    and what to do instead."""
 
 
 class StorageError(CheckpointError, OSError):
