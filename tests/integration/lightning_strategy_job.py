@@ -47,6 +47,7 @@ class Net(LightningModule):
     def __init__(self, lr: float = 0.02, hidden: int = 64) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.lr = lr
         self.embed = torch.nn.Linear(FEATURES, 256)
         self.embed.requires_grad_(False)
         self.norm = torch.nn.BatchNorm1d(256)
@@ -66,7 +67,7 @@ class Net(LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.hparams.lr)
+        opt = torch.optim.AdamW(params, lr=self.lr)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

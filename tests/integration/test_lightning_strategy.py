@@ -13,13 +13,16 @@ go, and a job SIGKILLed mid-epoch resumes bit for bit in a new one.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("lightning")
 
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
@@ -60,8 +63,6 @@ def _assert_same_weights(a: Path, b: Path) -> None:
 
 def _named(run: Path) -> dict[str, int]:
     """The files of the ModelCheckpoint beside ``run``: the version each names."""
-    import json
-
     named = {}
     for path in sorted(job.files(run).iterdir()):
         told = json.loads(path.read_text())
@@ -99,10 +100,18 @@ def test_one_process_saves_names_versions_and_resumes_from_last(tmp_path: Path) 
 def test_bad_inputs_are_refused_with_cryosnaps_errors(tmp_path: Path) -> None:
     out, run = tmp_path / "out", tmp_path / "run"
     out.mkdir()
-    job.fit(run, out, "first", devices=1)
+    first = job.trainer(run, out, devices=1)
+    first.fit(job.Net(), job.loader())
     steps = cryosnap.Run(run).steps()
+    # After fit, a save of the step the run holds names it; a weights-only one is refused.
+    first.save_checkpoint(tmp_path / "after.ckpt")
+    assert json.loads((tmp_path / "after.ckpt").read_text())["step"] == job.TOTAL
+    with pytest.raises(UnsupportedError, match="weights-only"):
+        first.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
 
-    def fit(target: str, *callbacks: object, ckpt_path: str | None = None, **options: object):
+    def fit(
+        target: str, *callbacks: Callback, ckpt_path: str | None = None, **options: Any
+    ) -> None:
         trainer = job.trainer(tmp_path / target, out, *callbacks, devices=1, **options)
         trainer.fit(job.Net(), job.loader(), ckpt_path=ckpt_path)
 
@@ -126,7 +135,7 @@ def test_bad_inputs_are_refused_with_cryosnaps_errors(tmp_path: Path) -> None:
         trainer.fit(job.Net(hidden=32), job.loader(), ckpt_path=str(run))
     # Nothing lost, nothing written beside.
     assert cryosnap.Run(run).steps() == steps
-    assert not any((tmp_path / name).exists() for name in "abdefg")
+    assert not any((tmp_path / name).exists() for name in ["a", "b", "d", "e", "g", "weights.ckpt"])
 
 
 # -- two processes --------------------------------------------------------------------------------
@@ -135,7 +144,7 @@ def test_bad_inputs_are_refused_with_cryosnaps_errors(tmp_path: Path) -> None:
 def _leaf_bytes(run: Path, step: int, rank: int) -> tuple[int, int]:
     """(replicated, own) bytes of rank ``rank``'s part of version ``step``."""
     info = cryosnap.Run(run).info(step, rank=rank)
-    assert set(info.replicated or ()) == set(REPLICATED)
+    assert isinstance(info.replicated, tuple) and set(info.replicated) == set(REPLICATED)
     replicated = own = 0
     for leaf in info.leaves:
         if leaf.shared_with is not None:

@@ -1,7 +1,8 @@
 """Lightning integration: checkpoints of a ``lightning.pytorch.Trainer`` written by cryosnap.
 
-Two ways in, both without pickle: :class:`CryosnapCheckpointIO`, a ``CheckpointIO`` plugin,
-and :class:`CryosnapCallback`, a ``Callback``; :func:`load_from_checkpoint` builds a module.
+Three ways in, all without pickle: :class:`CryosnapCheckpointIO`, a ``CheckpointIO`` plugin;
+:class:`CryosnapCallback`, a ``Callback``; :class:`CryosnapDDPStrategy`, a ``DDPStrategy``
+whose checkpoints every rank writes its part of. :func:`load_from_checkpoint` builds a module.
 Runs on the training loop's thread; the writes run on each Checkpointer's writer thread.
 docs/design/integrations.md has how each works, what is stored and what is not supported.
 """
@@ -1140,9 +1141,10 @@ class CryosnapDDPStrategy(_CryosnapStrategy, DDPStrategy):
         The strategy's own schedule: every N optimizer steps, or a save policy from
         :mod:`cryosnap.policy`; neither (the default): only when Lightning saves.
     keep
-        Among the versions of the schedule, which to keep (an int n: the newest n; a retention
-        policy; None: all). A version a Lightning checkpoint file names (a ModelCheckpoint's
-        top-k, best, last) is kept while the file is; the newest is always kept.
+        Which versions to keep among those no Lightning checkpoint file names (an int n: the
+        newest n; a retention policy; None: all). A version a file names (a ModelCheckpoint's
+        top-k, best, last) is kept while the file is; one whose files ModelCheckpoint removed
+        goes at the next save unless the schedule chose it too; the newest is always kept.
     save_on_train_end, resume, exact, handle_signals, run_id, allow_pickle
         As :class:`CryosnapCallback`'s.
     ddp_options
