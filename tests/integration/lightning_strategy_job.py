@@ -8,6 +8,7 @@ buffers), dropout with each rank's own generators and an LR scheduler.
 
     python lightning_strategy_job.py train OUT RUN [--kill-at K]  # K: each rank SIGKILLs itself
     python lightning_strategy_job.py slice OUT DIR                 # three fits in one job
+    python lightning_strategy_job.py fsdp-slice OUT DIR            # the same under FSDP
 
 ``train`` fits to ``TOTAL`` steps (resuming from RUN when it holds versions); ``slice`` fits an
 uninterrupted reference into DIR/ref, a training stopped at ``STOP`` into DIR/run (its last
@@ -32,7 +33,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from cryosnap.integrations.lightning import CryosnapDDPStrategy
+from cryosnap.integrations.lightning import CryosnapDDPStrategy, CryosnapFSDPStrategy
 
 # 32 samples over 2 ranks, batches of 4: 4 steps per epoch. The strategy saves at 3, 6, 9
 # (mid-epoch) and 10 (the end), the ModelCheckpoint at 4 and 8.
@@ -72,6 +73,16 @@ class Net(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class Plain(Net):
+    """For FSDP (FSDP1 cannot flatten frozen and trained parameters together): all trained,
+    no BatchNorm."""
+
+    def __init__(self, lr: float = 0.02, hidden: int = 64) -> None:
+        super().__init__(lr, hidden)
+        self.embed.requires_grad_(True)
+        self.norm = torch.nn.Identity()  # type: ignore[assignment]
+
+
 def dataset(samples: int = SAMPLES) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, FEATURES, generator=g)
@@ -106,6 +117,18 @@ class RankSeed(Callback):
         torch.manual_seed(1000 + trainer.global_rank)
 
 
+class Shards(Callback):
+    """Saves this rank's flat parameter shards when training ends (FSDP)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        model = trainer.strategy.model
+        assert model is not None
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, self.path)
+
+
 class Halt(Callback):
     """At the start of optimizer step ``step``: SIGKILL this rank (``kill``), or stop fit."""
 
@@ -136,16 +159,27 @@ def trainer(
     *callbacks: Callback,
     devices: int = 2,
     save_on_train_end: bool = True,
+    fsdp: bool = False,
     **options: Any,
 ) -> Trainer:
     """The user's Trainer: the strategy, a ModelCheckpoint into ``files(run)``."""
-    strategy = CryosnapDDPStrategy(
-        run,
-        every_n_steps=EVERY,
-        chunk_bytes=CHUNK,
-        save_on_train_end=save_on_train_end,
-        ddp_options={"process_group_backend": "gloo"},
-    )
+    strategy: CryosnapDDPStrategy | CryosnapFSDPStrategy
+    if fsdp:
+        strategy = CryosnapFSDPStrategy(
+            run,
+            every_n_steps=EVERY,
+            chunk_bytes=CHUNK,
+            save_on_train_end=save_on_train_end,
+            fsdp_options={"process_group_backend": "gloo"},
+        )
+    else:
+        strategy = CryosnapDDPStrategy(
+            run,
+            every_n_steps=EVERY,
+            chunk_bytes=CHUNK,
+            save_on_train_end=save_on_train_end,
+            ddp_options={"process_group_backend": "gloo"},
+        )
     best = ModelCheckpoint(
         dirpath=files(run), monitor="loss", every_n_train_steps=BEST_EVERY, save_last=True
     )
@@ -169,16 +203,21 @@ def fit(
     name: str,
     *callbacks: Callback,
     ckpt_path: str | None = None,
+    fsdp: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
-    """One fit into ``run`` (resumed when it holds versions); what it started from."""
+    """One fit into ``run`` (resumed when it holds versions); what it started from. Under
+    FSDP the weights saved are this rank's flat parameter shards."""
     seed_everything(0, verbose=False)
     rank = int(os.environ.get("RANK", "0"))
     losses = Losses(out / f"losses-{rank}-{name}.txt")
-    t = trainer(run, out, losses, *callbacks, **options)
-    model = Net()
+    weights = out / f"weights-{rank}-{name}.pt"
+    shards = [Shards(weights)] if fsdp else []
+    t = trainer(run, out, losses, *shards, *callbacks, fsdp=fsdp, **options)
+    model = Plain() if fsdp else Net()
     t.fit(model, loader(), ckpt_path=ckpt_path)
-    torch.save(model.state_dict(), out / f"weights-{rank}-{name}.pt")
+    if not fsdp:
+        torch.save(model.state_dict(), weights)
     best = t.checkpoint_callback
     assert isinstance(best, ModelCheckpoint)
     return {
@@ -195,13 +234,17 @@ def main(scenario: str, out: Path, target: Path, *args: str) -> None:
     if scenario == "train":
         kill = [Halt(int(args[1]), kill=True)] if args[:1] == ("--kill-at",) else []
         got["train"] = fit(target, out, "train", *kill)
-    elif scenario == "slice":
-        got["ref"] = fit(target / "ref", out, "ref")
+    else:
+        assert scenario in ("slice", "fsdp-slice")
+        fsdp = scenario == "fsdp-slice"
+        got["ref"] = fit(target / "ref", out, "ref", fsdp=fsdp)
         # Stopped without a save at the end: the resume is from the last save mid-epoch (6),
         # as after a kill; "last" is the run's newest version.
         stop = Halt(STOP, kill=False)
-        got["stopped"] = fit(target / "run", out, "stopped", stop, save_on_train_end=False)
-        got["resumed"] = fit(target / "run", out, "resumed", ckpt_path="last")
+        got["stopped"] = fit(
+            target / "run", out, "stopped", stop, save_on_train_end=False, fsdp=fsdp
+        )
+        got["resumed"] = fit(target / "run", out, "resumed", ckpt_path="last", fsdp=fsdp)
     (out / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(got))
 
 

@@ -8,7 +8,8 @@ bit for bit from ``ckpt_path="last"``, and the bad inputs are refused with cryos
 weights-only ModelCheckpoint, a ``CheckpointIO`` plugin, another model). On 2 gloo processes
 with torchrun's environment (deep): each rank writes 1/N of the model and optimizer (+ one
 chunk) and its own state, a later save writes what changed, the versions ModelCheckpoint drops
-go, and a job SIGKILLed mid-epoch resumes bit for bit in a new one.
+go, and a job SIGKILLed mid-epoch resumes bit for bit in a new one. Under
+``CryosnapFSDPStrategy`` (deep) each rank writes its own shards and gets them back in place.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from cryosnap.errors import CheckpointNotFoundError, StateMismatchError, Unsuppo
 from cryosnap.integrations.lightning import (
     CryosnapCallback,
     CryosnapDDPStrategy,
+    CryosnapFSDPStrategy,
     load_from_checkpoint,
 )
 from tests.integration import lightning_strategy_job as job
@@ -127,6 +129,8 @@ def test_bad_inputs_are_refused_with_cryosnaps_errors(tmp_path: Path) -> None:
         fit("e", plugins=[AsyncCheckpointIO()])
     with pytest.raises(TypeError, match=r"unexpected argument.*every_n_epochs"):
         CryosnapDDPStrategy(tmp_path / "f", every_n_epochs=2)
+    with pytest.raises(UnsupportedError, match="use_orig_params=False is not supported"):
+        CryosnapFSDPStrategy(tmp_path / "f", fsdp_options={"use_orig_params": False})
     # Another model (a narrower head): named, before anything is loaded.
     trainer = job.trainer(tmp_path / "g", out, devices=1)
     with pytest.raises(
@@ -231,3 +235,29 @@ def test_a_job_sigkilled_mid_epoch_resumes_bit_exact(tmp_path: Path) -> None:
         _assert_same_weights(
             ref / f"weights-{rank}-train.pt", tmp_path / "resumed" / f"weights-{rank}-train.pt"
         )
+
+
+@pytest.mark.deep
+@pytest.mark.timeout(300)
+def test_fsdp_ranks_write_their_own_shards_and_restore_them_in_place(tmp_path: Path) -> None:
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    got = ranks.launch(JOB, "fsdp-slice", WORLD, out, str(runs), elastic=True)
+    for rank in range(WORLD):
+        assert [got[rank][fit]["start"] for fit in ("ref", "stopped", "resumed")] == [0, 0, 6]
+        ref = _losses(out, rank, "ref")
+        assert _losses(out, rank, "stopped") == ref[: job.STOP]
+        assert _losses(out, rank, "resumed") == ref[6:]
+        # The rank's own shards, bit for bit those of the uninterrupted run.
+        _assert_same_weights(out / f"weights-{rank}-ref.pt", out / f"weights-{rank}-resumed.pt")
+    run = runs / "run"
+    full = sum(p.numel() * 4 for p in job.Plain().parameters())
+    for step in cryosnap.Run(run).steps():
+        infos = [cryosnap.Run(run).info(step, rank=r) for r in range(WORLD)]
+        assert all(i.replicated is None for i in infos)  # nothing the same on every rank
+        shards = [
+            sum(x.nbytes for x in i.leaves if x.path.startswith("state_dict/")) for i in infos
+        ]
+        assert sum(shards) == full and min(shards) > 0, (step, shards)  # each its own part
+    for rank in range(WORLD):  # a full version: each rank wrote its shards, not the model
+        own = sum(x.nbytes for x in cryosnap.Run(run).info(3, rank=rank).leaves)
+        assert manifests.written(run, 3, rank) <= own, rank

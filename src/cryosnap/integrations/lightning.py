@@ -24,7 +24,7 @@ from fsspec.core import url_to_fs
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ParallelStrategy, Strategy
 
 from cryosnap import engine
 from cryosnap._validate import step as validate_step
@@ -48,6 +48,7 @@ __all__ = [
     "CryosnapCallback",
     "CryosnapCheckpointIO",
     "CryosnapDDPStrategy",
+    "CryosnapFSDPStrategy",
     "InexactResumeError",
     "InexactResumeWarning",
     "load_checkpoint",
@@ -820,7 +821,7 @@ class _StrategySaves(CryosnapCallback):
         self._strategy._find_names(trainer)
 
     def _replicated(self, trainer: Trainer) -> list[str] | None:
-        return list(_REPLICATED) if trainer.world_size > 1 else None
+        return self._strategy._replicated_keys()
 
     def _read_runs_through(self, trainer: Trainer) -> None:
         pass  # the strategy's load_checkpoint reads runs and Lightning's files
@@ -997,9 +998,7 @@ class _CryosnapStrategy(ParallelStrategy):
         """What every rank saves of Lightning's ``checkpoint``: the model's parameters apart
         from its buffers (each rank's own, and a forward changes them: copied here, as a lazy
         capture does not wait for forwards)."""
-        module = self.lightning_module
-        assert module is not None
-        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        params = self._parameter_names()
         weights = checkpoint["state_dict"]
         state = dict(checkpoint)
         state["state_dict"] = {k: v for k, v in weights.items() if k in params}
@@ -1009,6 +1008,16 @@ class _CryosnapStrategy(ParallelStrategy):
             if k not in params
         }
         return to_plain(state, allow_pickle=self._saves.allow_pickle)
+
+    def _parameter_names(self) -> set[str]:
+        """The keys of the saved ``state_dict`` that are parameters (the rest: buffers)."""
+        module = self.lightning_module
+        assert module is not None
+        return {name for name, _ in module.named_parameters(remove_duplicate=False)}
+
+    def _replicated_keys(self) -> list[str] | None:
+        """The top-level keys of a saved state that are the same on every rank."""
+        return list(_REPLICATED) if self.world_size > 1 else None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
@@ -1034,10 +1043,7 @@ class _CryosnapStrategy(ParallelStrategy):
         saver = self._saves._saver
         opened = saver.ckpt is None  # outside fit: the run is opened for this save
         if opened:
-            distributed = self.world_size > 1
-            saver.begin(
-                step, distributed=distributed, replicated=_REPLICATED if distributed else None
-            )
+            saver.begin(step, distributed=self.world_size > 1, replicated=self._replicated_keys())
         try:
             saver.save(step, lambda: self._saved_state(checkpoint))
         finally:
@@ -1116,7 +1122,7 @@ class _CryosnapStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if strict:
-            _check_model(module, checkpoint["state_dict"], self._loaded_from)
+            _check_model(module.state_dict(), checkpoint["state_dict"], self._loaded_from, module)
         super().load_model_state_dict(checkpoint, strict=strict)
 
 
@@ -1260,10 +1266,11 @@ def _resolve(path: str, trainer: Trainer) -> tuple[str | None, int | None]:
     )
 
 
-def _check_model(module: torch.nn.Module, saved: Mapping[str, Any], where: str) -> None:
-    """Refuse a saved ``state_dict`` that does not fit ``module`` (names and shapes), naming
-    the differences, before anything is loaded."""
-    own = module.state_dict()
+def _check_model(
+    own: Mapping[str, Any], saved: Mapping[str, Any], where: str, module: torch.nn.Module
+) -> None:
+    """Refuse a saved ``state_dict`` that does not fit ``own`` (the state of ``module``: names
+    and shapes), naming the differences, before anything is loaded."""
     missing = sorted(set(own) - set(saved))
     unexpected = sorted(set(saved) - set(own))
     shapes = [
@@ -1286,8 +1293,128 @@ def _check_model(module: torch.nn.Module, saved: Mapping[str, Any], where: str) 
         if names
     ]
     raise StateMismatchError(
-        f"cannot restore {where} into {type(module).__name__}: its saved weights are another "
-        f"model's ({'; '.join(parts)}); resume with the model that saved it, or start a new "
-        "run",
+        f"cannot restore {where} into {type(module).__name__}: the saved weights do not fit it "
+        f"({'; '.join(parts)}); resume with the model that saved it (under FSDP, with the same "
+        "wrapping and number of ranks too), or start a new run",
         path=where,
     )
+
+
+class CryosnapFSDPStrategy(_CryosnapStrategy, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) whose checkpoints every rank writes into one cryosnap
+    run: its own shards, restored in place.
+
+    What a rank saves is what it holds: its shard of each parameter (with
+    ``use_orig_params=True``, Lightning's default, the parameters are views of the rank's part
+    of FSDP's flat parameters; a parameter wholly on other ranks has no elements here), its
+    buffers, and its optimizer's own ``state_dict()`` (the state of those shards), with its
+    generators and data position; no gather, no ``ShardedTensor``. A version restores into
+    the same wrapping on the same number of ranks, each shard copied into place (another
+    layout: a :class:`StateMismatchError` naming the parameters). Saves are lazy, as
+    :class:`CryosnapDDPStrategy`'s. On the CPU (gloo) torch's FSDP needs a device, which
+    Lightning does not pass: this strategy passes the CPU (and Lightning's check that FSDP
+    runs on a GPU applies to its own class only).
+
+    Parameters are :class:`CryosnapDDPStrategy`'s, with ``fsdp_options`` (``FSDPStrategy``'s
+    own arguments: ``auto_wrap_policy``, ``sharding_strategy``...) for ``ddp_options``.
+    Versions hold shards: :func:`load_from_checkpoint` cannot build a module from them.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        every_n_steps: int | None = None,
+        policy: SavePolicy | None = None,
+        *,
+        keep: int | RetentionPolicy | None = None,
+        save_on_train_end: bool = True,
+        resume: bool = True,
+        exact: bool = False,
+        handle_signals: Sequence[int] | None = None,
+        run_id: str | None = None,
+        allow_pickle: bool = False,
+        fsdp_options: Mapping[str, Any] | None = None,
+        **checkpointer_options: Any,
+    ) -> None:
+        fsdp = dict(fsdp_options or {})
+        if fsdp.get("use_orig_params") is False or "state_dict_type" in fsdp:
+            raise UnsupportedError(
+                "CryosnapFSDPStrategy saves each rank's shard of each parameter "
+                "(use_orig_params=True, Lightning's default): use_orig_params=False is not "
+                "supported, and state_dict_type does not apply",
+                path=os.fspath(path),
+            )
+        FSDPStrategy.__init__(self, **fsdp)
+        options = {
+            "keep": keep,
+            "save_on_train_end": save_on_train_end,
+            "resume": resume,
+            "exact": exact,
+            "handle_signals": handle_signals,
+            "run_id": run_id,
+            "allow_pickle": allow_pickle,
+        }
+        self._init_cryosnap(path, every_n_steps, policy, options, checkpointer_options)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
+            wrapped: torch.nn.Module = super()._setup_model(model)
+            return wrapped
+        # Lightning passes device_id=None for the CPU, and torch's FSDP then looks for an
+        # accelerator ("FSDP needs a non-CPU accelerator device"): name the CPU.
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+    def _wrapped_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards and buffers, by the wrapped model's names."""
+        model = self.model
+        assert model is not None
+        state = {name: p.detach() for name, p in model.named_parameters()}
+        state.update((name, b) for name, b in model.named_buffers())
+        return state
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._wrapped_state()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        state: dict[str, Any] = inner.state_dict()
+        return state
+
+    def _parameter_names(self) -> set[str]:
+        model = self.model
+        assert model is not None
+        return {name for name, _ in model.named_parameters()}
+
+    def _replicated_keys(self) -> list[str] | None:
+        return None  # every rank's shards are its own
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy each saved shard into this rank's (the wrapping and ranks of the save)."""
+        own = self._wrapped_state()
+        saved = checkpoint["state_dict"]
+        module = self.lightning_module
+        assert module is not None
+        _check_model(own, saved, self._loaded_from, module)
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(saved[name])
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True  # FSDPStrategy's load_checkpoint loads them; this one's returns them
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # FSDPStrategy's does nothing (its load_checkpoint loaded them): Strategy's loads
+        # each optimizer's own state_dict, the state of this rank's shards.
+        Strategy.load_optimizer_state_dict(self, checkpoint)
