@@ -264,8 +264,9 @@ class ConfigError(CheckpointError, ValueError):
 class UnsupportedError(CheckpointError, NotImplementedError):
     """A framework setup that a cryosnap integration cannot checkpoint yet (the Hugging Face
     ``Trainer`` with a DeepSpeed config, or with FSDP; torchtitan's ``last_save_in_hf`` and
-    ``create_seed_checkpoint``): raised before anything is saved; the message names the setup
-    and what to do instead."""
+    ``create_seed_checkpoint``; a Lightning strategy of cryosnap's beside a second
+    checkpointing callback or a ``CheckpointIO`` plugin): raised before anything is saved; the
+    message names the setup and what to do instead."""
 
 
 class StorageError(CheckpointError, OSError):
