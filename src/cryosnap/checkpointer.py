@@ -250,6 +250,18 @@ class Checkpointer(_Opened):
         participants on as many distinct nodes (zfec: ``pip install 'cryosnap[rs]'``): about
         M/K of a part more per participant; any M lost nodes of a set are rebuilt at open,
         verified.
+    memory
+        A memory level above the others: each participant's newest version kept in node RAM,
+        in shared memory (``/dev/shm``, or ``$CRYOSNAP_MEMORY_ROOT``) so that it outlives a
+        killed process, within this many bytes per participant (an int or a size such as
+        ``"4GiB"``, the copies and parity it holds for other nodes included). Each version is
+        copied there by the writer thread once committed on the first level, and protected
+        as that level is (``partner``). A version that does not fit the budget, the free
+        shared memory or the system's available memory is not kept there, with a warning
+        (never an OOM kill). :meth:`restore` reads it first, and :attr:`restored_from` says
+        from which level; :meth:`close` removes it (``cryosnap memory --clean`` removes what a
+        killed run that never reopened left). With several participants it needs
+        ``scratch``. None: no memory level.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -298,6 +310,7 @@ class Checkpointer(_Opened):
         device_diff: bool | None = None,
         partner: bool | str = False,
         stats: bool = True,
+        memory: int | str | None = None,
     ) -> None:
         self._options = RunOptions(
             path=path,
@@ -322,6 +335,7 @@ class Checkpointer(_Opened):
             device_diff=device_diff,
             partner=partner,
             stats=stats,
+            memory=memory,
         )
         run = open_run(self._options)
         self._run = run
@@ -334,6 +348,7 @@ class Checkpointer(_Opened):
         # once a restore rewound the run (docs/FORMAT.md, "Superseding").
         self._lineage = run.lineage
         self._restored: int | None = None
+        self._restored_from: str | None = None
         self._closed = False
 
     # context manager ---------------------------------------------------------------------------
@@ -495,7 +510,8 @@ class Checkpointer(_Opened):
         self._check_open()
         if step is not None:
             validate_step(step)
-        state, restored = restore_run(
+        memory = self._run.memory
+        state, restored, store = restore_run(
             self._levels,
             self._run.restore_channel,
             step,
@@ -505,7 +521,13 @@ class Checkpointer(_Opened):
             keys=engine.validate_keys(keys),
             device=device_for(map_location, into),
             choice=make_choice(step, healthy, mark),
+            memory=memory.store if memory is not None else None,
         )
+        if memory is not None and store is memory.store:
+            self._restored_from = memory.level_of(restored)
+        else:
+            self._restored_from = self._levels.name_of(store)
+        log.info("step %d restored from the %s level", restored, self._restored_from)
         self._rewound(restored)
         return state
 
@@ -520,6 +542,15 @@ class Checkpointer(_Opened):
     def restored_step(self) -> int | None:
         """The step the last :meth:`restore` returned (None: none yet)."""
         return self._restored
+
+    @property
+    def restored_from(self) -> str | None:
+        """The level this participant's part of the last :meth:`restore` was read from
+        (None: none yet): ``"memory"``; ``"partner-memory"`` (its memory as rebuilt at open
+        from the other nodes' memory, after this node lost it); ``"scratch"``;
+        ``"persistent"``. The fastest level holding the version verified: a damaged copy
+        falls back to the next."""
+        return self._restored_from
 
     def _rewound(self, step: int) -> None:
         """After restoring ``step``: the lineage of the next versions (restore.py)."""
@@ -555,6 +586,8 @@ class Checkpointer(_Opened):
             finally:
                 self._levels.release_locks()
                 self._run.release_signals()
+                if self._run.memory is not None:
+                    self._run.memory.close()
         self._saves.raise_undelivered()
 
     def _check_open(self) -> None:

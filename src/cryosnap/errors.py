@@ -106,6 +106,7 @@ __all__ = [
     "KeyNotFoundError",
     "LockFileError",
     "LockLostError",
+    "MemoryLevelError",
     "MissingDependencyError",
     "PartNotFoundError",
     "ReplicaDivergenceError",
@@ -281,6 +282,12 @@ class LockLostError(CheckpointError):
 class LockFileError(CheckpointError):
     """The run's write lock is not a file cryosnap writes through (a symbolic link, not a
     regular file, or hard-linked elsewhere); ``path`` names it."""
+
+
+class MemoryLevelError(CheckpointError):
+    """The memory level (``Checkpointer(memory=...)``) cannot be used where it was asked for:
+    its root (``$CRYOSNAP_MEMORY_ROOT``, default ``/dev/shm``) is missing, not a directory, or
+    its per-user directory is not this user's alone."""
 
 
 class RunLockedError(CheckpointError):
