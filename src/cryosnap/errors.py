@@ -69,6 +69,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── LockFileError                                    the run's write lock is a symbolic
     │                                                    link, not a regular file, or
     │                                                    hard-linked: never written through
+    ├── MemoryLevelError                                 ``memory=``: the memory root is missing,
+    │                                                    or its per-user directory is not this
+    │                                                    user's alone (mode 0700)
     ├── RunLockedError                                   another writer holds the run's write
     │                                                    lock (a Checkpointer is open on it), or
     │                                                    took it while this one was opening

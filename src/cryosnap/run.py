@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cryosnap import _lineage, engine
+from cryosnap._run.memory import MemoryRun, memory_root, memory_runs, remove_orphans
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
@@ -57,6 +58,7 @@ __all__ = [
     "FlushedVersion",
     "LevelCheck",
     "MAX_STEP",
+    "MemoryRun",
     "Removal",
     "Run",
     "VerifyReport",
@@ -67,6 +69,9 @@ __all__ = [
     "committed_steps",
     "flush",
     "is_dcp_version",
+    "memory_levels",
+    "memory_root",
+    "remove_orphaned_memory",
     "runs_inside",
 ]
 
@@ -761,3 +766,19 @@ def is_dcp_version(store: Store, step: int) -> bool:
     if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
         return False
     return skeleton.get("k") == [_DCP_ROOT]
+
+
+# -- memory levels --------------------------------------------------------------------------------
+
+
+def memory_levels() -> list[MemoryRun]:
+    """This user's memory levels (``Checkpointer(memory=...)``) on this node, under
+    ``$CRYOSNAP_MEMORY_ROOT`` (default ``/dev/shm``): each one's run, bytes, live holders, and
+    whether it is an orphan."""
+    return memory_runs(memory_root())
+
+
+def remove_orphaned_memory() -> list[MemoryRun]:
+    """Delete the memory levels no live process holds (a run killed and never opened again:
+    its next open would have taken its level over); the ones removed."""
+    return remove_orphans(memory_root())

@@ -50,7 +50,9 @@ __all__ = [
     "MEMORY_ROOT_ENV",
     "PARTNER_MEMORY",
     "MemoryLevel",
+    "MemoryRun",
     "memory_root",
+    "memory_runs",
     "orphans",
     "remove_orphans",
 ]
@@ -526,13 +528,16 @@ def _write_owner(directory: Path, url: str) -> None:
 
 @dataclass(frozen=True)
 class MemoryRun:
-    """A run directory in this user's memory root: the run it belongs to (its persistent
-    level's url, '' if unknown), its bytes, and the live processes holding it."""
+    """A memory level in this user's memory root: its directory, the run it belongs to (its
+    persistent level's url, '' if unknown), its bytes, the live processes holding it, and
+    whether it is an orphan (no live holder: left by a run killed and never opened again,
+    whose next open would have taken it over)."""
 
     path: Path
     run: str
     nbytes: int
     holders: tuple[int, ...]
+    orphan: bool
 
 
 def memory_runs(root: Path | None = None) -> list[MemoryRun]:
@@ -550,8 +555,20 @@ def memory_runs(root: Path | None = None) -> list[MemoryRun]:
             run = str(json.loads((path / _OWNER_FILE).read_text()).get("run", ""))
         except (OSError, ValueError, AttributeError):
             run = ""
-        out.append(MemoryRun(path, run, _size_of(path), _holders(path)))
+        holders = _holders(path)
+        out.append(MemoryRun(path, run, _size_of(path), holders, not holders and _left(path)))
     return out
+
+
+def _left(path: Path) -> bool:
+    """Whether a run directory without a live holder was left (not just being opened: one
+    without any write lock is young for a while)."""
+    if any(path.rglob(LOCK_KEY)):
+        return True
+    try:
+        return time.time() - path.stat().st_mtime > _UNLOCKED_GRACE_SECONDS
+    except OSError:
+        return False
 
 
 def _holders(path: Path) -> tuple[int, ...]:
@@ -582,21 +599,8 @@ def _alive(pid: int) -> bool:
 
 
 def orphans(root: Path | None = None) -> list[MemoryRun]:
-    """The memory levels no live process holds: left by a run killed and not opened again
-    (its next open would have taken them over)."""
-    now = time.time()
-    out = []
-    for run in memory_runs(root):
-        if run.holders:
-            continue
-        locked = any(run.path.rglob(LOCK_KEY))
-        try:
-            age = now - run.path.stat().st_mtime
-        except OSError:
-            continue
-        if locked or age > _UNLOCKED_GRACE_SECONDS:
-            out.append(run)
-    return out
+    """The memory levels no live process holds (:attr:`MemoryRun.orphan`)."""
+    return [run for run in memory_runs(root) if run.orphan]
 
 
 def remove_orphans(root: Path | None = None) -> list[MemoryRun]:

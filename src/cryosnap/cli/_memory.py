@@ -1,26 +1,27 @@
 """``cryosnap memory``: this user's memory levels on this node, and ``--clean`` to remove
 the orphans a killed run that was never opened again left in shared memory.
 
-Runs on the caller's thread over :mod:`cryosnap._run.memory` (the same test of a live holder
-the next open uses: the write locks' processes).
+Runs on the caller's thread over :func:`cryosnap.run.memory_levels` and
+:func:`cryosnap.run.remove_orphaned_memory` (a level is held while a live process holds one of
+its write locks).
 """
 
 from __future__ import annotations
 
-from cryosnap._run.memory import memory_root, memory_runs, orphans, remove_orphans
 from cryosnap.cli._render import plural, print_json, print_line
 from cryosnap.progress import human_bytes
+from cryosnap.run import memory_levels, memory_root, remove_orphaned_memory
 
 
 def cmd_memory(*, clean: bool = False, as_json: bool = False) -> None:
     """List the memory levels (run, bytes, holders; orphans marked), or remove the orphans."""
-    root = memory_root()
+    root = str(memory_root())
     if clean:
-        removed = remove_orphans(root)
+        removed = remove_orphaned_memory()
         if as_json:
             print_json(
                 {
-                    "root": str(root),
+                    "root": root,
                     "removed": [
                         {"path": str(r.path), "run": r.run, "bytes": r.nbytes} for r in removed
                     ],
@@ -35,12 +36,12 @@ def cmd_memory(*, clean: bool = False, as_json: bool = False) -> None:
         for r in removed:
             print_line(f"  {r.path}  {r.run or '?'}")
         return
-    runs = memory_runs(root)
-    lost = {r.path for r in orphans(root)}
+    runs = memory_levels()
+    lost = {r.path for r in runs if r.orphan}
     if as_json:
         print_json(
             {
-                "root": str(root),
+                "root": root,
                 "levels": [
                     {
                         "path": str(r.path),
