@@ -292,7 +292,7 @@ class MemoryLevel:
             return False
         keys: list[str] = mine["keys"]
         record_key: str = mine["record"]
-        self._drop_except(self.store, {*keys, record_key})
+        self._drop_except(self.store, {*keys, record_key, *self._parity_files()})
         if self.partners is not None:
             for owner, store in self.partners.held.items():
                 self._drop_except(store, set(told[owner]["keys"]))
@@ -318,6 +318,13 @@ class MemoryLevel:
             self._warn(step, failed)
             return False
         self.rebuilt.discard(step)
+        if self.parity is not None:
+            # Once the version's record is in memory: the parity of what it no longer reads
+            # goes (that of the versions it inherits files from stays).
+            try:
+                self.parity.retire(self.store)
+            except CheckpointError as exc:
+                log.warning("retention of the memory level's parity failed: %s", exc)
         log.debug("step %d in memory (%s)", step, self.store.url)
         return True
 
@@ -343,12 +350,22 @@ class MemoryLevel:
         elif self.parity is not None:
             got = self.parity.encode(self.coord, self.store, part, lineage, body)
             errors += [f"parity: {e}" for e in got]
-            if not got:
-                try:
-                    self.parity.retire(self.store)
-                except CheckpointError as exc:
-                    log.warning("retention of the memory level's parity failed: %s", exc)
         return errors
+
+    def _parity_files(self) -> set[str]:
+        """This rank's files that the parity it and its set hold still covers: a lost
+        member's file is decoded from the others' files of the same version, so they stay
+        while that parity does (xor.retire keeps it while some member's newest version reads
+        a file it covers)."""
+        if self.parity is None:
+            return set()
+        me = self.coord.rank
+        try:
+            indexes = [self.parity.read_index(k) for k in self.parity.store.list("index")]
+        except CheckpointError as exc:
+            log.warning("the memory level keeps its older files: %s", exc)
+            return {k for k in self.store.list() if parse_commit_key(k) is None}
+        return {f for idx in indexes if me in idx.members for f, _ in idx.members[me].files}
 
     def _room_problem(self, step: int, told: list[dict[str, Any]]) -> str:
         """Why version ``step`` does not fit this rank's memory ('' when it does): its part,

@@ -315,3 +315,22 @@ def test_memory_with_several_participants_needs_scratch(tmp_path: Path, nodes: N
 
     with pytest.raises(ValueError, match="needs scratch="), warnings.catch_warnings():
         run_ranks(2, body)
+
+
+def test_the_default_root_is_dev_shm_and_nothing_stays_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    monkeypatch.delenv(_memory.MEMORY_ROOT_ENV, raising=False)
+    before = set(run_dirs(Path("/dev/shm")))
+    with cryosnap.Checkpointer(tmp_path / "run", memory="16MiB") as c:
+        c.save(0, state_of(0)).result()
+        c.wait()
+        (mine,) = set(run_dirs(Path("/dev/shm"))) - before
+        assert [r.run for r in cryosnap.run.memory_levels() if r.path == mine] == [
+            str(tmp_path / "run")
+        ]
+        c.restore()
+        assert c.restored_from == "memory"
+    assert not mine.exists()
