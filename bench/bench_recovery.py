@@ -20,14 +20,16 @@ with less left:
 - ``torch.load``: each rank's part saved with ``torch.save`` beside, dropped from the page
   cache, read with ``torch.load``.
 
-Each restart runs ``--repeat`` times (medians). Per restart: the seconds from the launch of the processes to the last rank's state
-restored (interpreter, imports and gloo's rendezvous included), and in each rank from
-before ``Checkpointer(...)`` (whose open rebuilds) to after ``restore()``: the slowest
-rank's. The baseline ``memcpy`` is each rank copying its part once into a fresh buffer
+Each restart runs ``--repeat`` times (medians). Per restart: the seconds from the launch of
+the processes to the last rank's state restored (interpreter, imports and gloo's
+rendezvous included), and in each rank from before ``Checkpointer(...)`` (whose open
+rebuilds) to after ``restore()``: the slowest rank's. The baseline ``memcpy`` is each rank
+copying its part once into a fresh buffer
 (``np.copy``: page faults included, as a restore into fresh buffers pays them) in the same
 process, a moment after the restore; "vs memcpy" is the median over the restarts of the
 slowest rank's open-to-restored over the slowest rank's memcpy (both are slowed alike when
-the machine is busy). Every restored part is checked bit for bit against what was saved (after timing).
+the machine is busy). Every restored part is checked bit for bit against what was saved
+(after timing).
 
 Run: ``.venv/bin/python bench/bench_recovery.py --size 1GiB [--dir DIR] [--json OUT]``
 """
@@ -245,9 +247,7 @@ def launch(args: argparse.Namespace, role: str, level: str, out: Path) -> list[d
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
 
 
-def restart(
-    args: argparse.Namespace, level: str, out: Path, before: Any = None
-) -> dict[str, Any]:
+def restart(args: argparse.Namespace, level: str, out: Path, before: Any = None) -> dict[str, Any]:
     """``--repeat`` restarts from ``level`` (``before()`` first, each time: what is lost);
     the medians of each figure, and the restore to memcpy ratio of each restart (both taken
     in the same processes, a moment apart) as its median."""
@@ -365,8 +365,15 @@ def main() -> None:
     print(f"state {args.size} on {WORLD} ranks; medians of {args.repeat} restarts per level")
     print(
         format_table(
-            ["restart from", "each rank's part from", "restart->restored s", "open->restored s",
-             "of which open s", "memcpy s", "vs memcpy"],
+            [
+                "restart from",
+                "each rank's part from",
+                "restart->restored s",
+                "open->restored s",
+                "of which open s",
+                "memcpy s",
+                "vs memcpy",
+            ],
             table,
         )
     )

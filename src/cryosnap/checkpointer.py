@@ -124,6 +124,21 @@ class _Opened:
     max_inflight = _Option[int]("max_inflight")
     allow_pickle = _Option[bool]("allow_pickle")
 
+    # what the last restore read ----------------------------------------------------------------
+    _restored: int | None = None
+    _restored_from: str | None = None
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` returned (None: none yet)."""
+        return self._restored
+
+    @property
+    def restored_from(self) -> str | None:
+        """The level this participant's part of the last :meth:`restore` came from: "memory",
+        "partner-memory" (rebuilt at open from the other nodes'), "scratch", "persistent"."""
+        return self._restored_from
+
     # policies and preemption ----------------------------------------------------------------
     @property
     def policy(self) -> SavePolicy | None:
@@ -251,17 +266,9 @@ class Checkpointer(_Opened):
         M/K of a part more per participant; any M lost nodes of a set are rebuilt at open,
         verified.
     memory
-        A memory level above the others: each participant's newest version kept in node RAM,
-        in shared memory (``/dev/shm``, or ``$CRYOSNAP_MEMORY_ROOT``) so that it outlives a
-        killed process, within this many bytes per participant (an int or a size such as
-        ``"4GiB"``, the copies and parity it holds for other nodes included). Each version is
-        copied there by the writer thread once committed on the first level, and protected
-        as that level is (``partner``). A version that does not fit the budget, the free
-        shared memory or the system's available memory is not kept there, with a warning
-        (never an OOM kill). :meth:`restore` reads it first, and :attr:`restored_from` says
-        from which level; :meth:`close` removes it (``cryosnap memory --clean`` removes what a
-        killed run that never reopened left). With several participants it needs
-        ``scratch``. None: no memory level.
+        Bytes per participant (an int or ``"4GiB"``) of a memory level: its newest version in
+        shared memory (``/dev/shm``), protected as ``partner`` says, read first by
+        :meth:`restore`, removed by :meth:`close` (README, "Memory level"). None: none.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -347,8 +354,6 @@ class Checkpointer(_Opened):
         # The lineage new versions are committed in: the run's newest generation, or a new one
         # once a restore rewound the run (docs/FORMAT.md, "Superseding").
         self._lineage = run.lineage
-        self._restored: int | None = None
-        self._restored_from: str | None = None
         self._closed = False
 
     # context manager ---------------------------------------------------------------------------
@@ -510,7 +515,6 @@ class Checkpointer(_Opened):
         self._check_open()
         if step is not None:
             validate_step(step)
-        memory = self._run.memory
         state, restored, store = restore_run(
             self._levels,
             self._run.restore_channel,
@@ -521,13 +525,9 @@ class Checkpointer(_Opened):
             keys=engine.validate_keys(keys),
             device=device_for(map_location, into),
             choice=make_choice(step, healthy, mark),
-            memory=memory.store if memory is not None else None,
+            memory=self._run.memory_store,
         )
-        if memory is not None and store is memory.store:
-            self._restored_from = memory.level_of(restored)
-        else:
-            self._restored_from = self._levels.name_of(store)
-        log.info("step %d restored from the %s level", restored, self._restored_from)
+        self._restored_from = self._run.level_of(store, restored)
         self._rewound(restored)
         return state
 
@@ -537,20 +537,6 @@ class Checkpointer(_Opened):
         "Marks"). The caller's thread; no collectives: any participant may mark."""
         with self._levels.files_lock:  # not while retention removes unfinished writes
             mark_version(self._levels.stores(), step, label, fence=self._levels.fence)
-
-    @property
-    def restored_step(self) -> int | None:
-        """The step the last :meth:`restore` returned (None: none yet)."""
-        return self._restored
-
-    @property
-    def restored_from(self) -> str | None:
-        """The level this participant's part of the last :meth:`restore` was read from
-        (None: none yet): ``"memory"``; ``"partner-memory"`` (its memory as rebuilt at open
-        from the other nodes' memory, after this node lost it); ``"scratch"``;
-        ``"persistent"``. The fastest level holding the version verified: a damaged copy
-        falls back to the next."""
-        return self._restored_from
 
     def _rewound(self, step: int) -> None:
         """After restoring ``step``: the lineage of the next versions (restore.py)."""
@@ -586,8 +572,7 @@ class Checkpointer(_Opened):
             finally:
                 self._levels.release_locks()
                 self._run.release_signals()
-                if self._run.memory is not None:
-                    self._run.memory.close()
+                self._run.close_memory()
         self._saves.raise_undelivered()
 
     def _check_open(self) -> None:

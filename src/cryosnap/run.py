@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cryosnap import _lineage, engine
-from cryosnap._run.memory import MemoryRun, memory_root, memory_runs, remove_orphans
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
@@ -35,6 +34,7 @@ from cryosnap._inspect import (
 from cryosnap._located import located
 from cryosnap._run import health
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
+from cryosnap._run.memory import MemoryRun, memory_root, memory_runs, remove_orphans
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
 from cryosnap._validate import boolean, positive_int, seconds, wrong_type

@@ -147,11 +147,16 @@ def _private_store(location: str | Path, **_ignored: Any) -> LocalStore:
 def _lock(store: Store) -> RunLock:
     """The write lock of a memory store, its file readable by its owner only."""
     lock = acquire_run_lock(store)
+    _private_lock_file(store)
+    return lock
+
+
+def _private_lock_file(store: Store) -> None:
+    """The write lock's file (made 0644 by lock.py) readable by its owner only."""
     root = store.capabilities.local_path
     if root is not None:
         with contextlib.suppress(OSError):
             os.chmod(root / LOCK_KEY, 0o600)
-    return lock
 
 
 def _size_of(path: Path) -> int:
@@ -243,10 +248,7 @@ class MemoryLevel:
             self.locks.extend(self.partners.locks)
             self.partners.locks = []
             for store in self.partners.held.values():
-                root = store.capabilities.local_path
-                if root is not None:
-                    with contextlib.suppress(OSError):
-                        os.chmod(root / LOCK_KEY, 0o600)
+                _private_lock_file(store)
             steps = self._rebuild(lambda: rebuild_partner(coord, self.store, self.partners))
         elif rs is not None:
             self.parity = RSParity.open(
@@ -274,9 +276,7 @@ class MemoryLevel:
 
     # -- the writer thread: one version into memory ----------------------------------------------
 
-    def keep(
-        self, src: Store, step: int, part: engine.PartResult, lineage: Lineage | None
-    ) -> bool:
+    def keep(self, src: Store, step: int, part: engine.PartResult, lineage: Lineage | None) -> bool:
         """Copy version ``step`` of the first level (``src``) into memory, with its partner
         copy or parity (collective on the writer's channel; every rank calls it once per
         committed version). A version that does not fit some rank's budget, or the free
@@ -344,9 +344,7 @@ class MemoryLevel:
                 self.partners.copy_files(self.coord, src, step, keys if body is not None else [])
             except CheckpointError as exc:
                 errors.append(str(exc))
-            errors += self.partners.copy_record(
-                self.coord, step, body if not errors else None
-            )
+            errors += self.partners.copy_record(self.coord, step, body if not errors else None)
         elif self.parity is not None:
             got = self.parity.encode(self.coord, self.store, part, lineage, body)
             errors += [f"parity: {e}" for e in got]

@@ -86,6 +86,25 @@ class OpenRun:
     pending: list[PendingSave] = field(default_factory=list)
     signals: list[int] = field(default_factory=list)
 
+    @property
+    def memory_store(self) -> Store | None:
+        """The memory level's store (restore reads it first), None without one."""
+        return self.memory.store if self.memory is not None else None
+
+    def level_of(self, store: Store, step: int) -> str:
+        """The name of the level whose ``store`` a restore of ``step`` read."""
+        if self.memory is not None and store is self.memory.store:
+            name = self.memory.level_of(step)
+        else:
+            name = self.levels.name_of(store)
+        log.info("step %d restored from the %s level", step, name)
+        return name
+
+    def close_memory(self) -> None:
+        """Remove this participant's memory level (at close)."""
+        if self.memory is not None:
+            self.memory.close()
+
     def release_signals(self) -> None:
         """Put the program's own handlers back (where this was the last run using them)."""
         signals, self.signals = self.signals, []

@@ -233,7 +233,9 @@ def _memory(memory: object) -> int | None:
     if memory is None:
         return None
     if isinstance(memory, bool) or not isinstance(memory, int | str):
-        raise TypeError(f"memory must be None, a number of bytes or a size like '4GiB', got {memory!r}")
+        raise TypeError(
+            f"memory must be None, a number of bytes or a size like '4GiB', got {memory!r}"
+        )
     nbytes = parse_bytes(memory) if isinstance(memory, str) else memory
     if nbytes is None:
         raise ValueError(

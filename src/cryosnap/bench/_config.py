@@ -30,6 +30,7 @@ TRAIN_EVERY = (1, 10)
 
 # ---------------------------------------------------------------------------------- arguments
 
+
 def parse_size(text: str, *, option: str = "--size") -> int:
     """``"1GiB"``, ``"512MiB"``, ``"300MB"``, ``"4M"`` (binary), ``"1048576"`` as bytes."""
     size = parse_bytes(text)

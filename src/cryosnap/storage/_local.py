@@ -115,9 +115,7 @@ class LocalStore:
     :meth:`check_direct_io`), buffered elsewhere; True: direct, and a file system that refuses
     it is a :class:`~cryosnap.DirectIOError`; False: through the page cache. Small files
     (``write``) always go through the page cache. ``syscalls``: the calls direct writes make
-    (tests inject faults with :class:`cryosnap.testing.FaultySyscalls`). ``private``: the
-    files it creates are readable by their owner only (mode 0600, directories 0700), as the
-    memory level's in shared memory are (the root itself is its creator's to make so)."""
+    (faults: :class:`cryosnap.testing.FaultySyscalls`). ``private``: files 0600, dirs 0700."""
 
     def __init__(
         self,
@@ -136,8 +134,7 @@ class LocalStore:
         self._direct: bool | None = None if direct_io is not False else False
         # Whether a cold restore reads data files with O_DIRECT: until a file system refuses.
         self._direct_reads = direct_io is not False
-        self.file_mode = 0o600 if private else 0o644
-        self.dir_mode = 0o700 if private else 0o777
+        self.file_mode, self.dir_mode = (0o600, 0o700) if private else (0o644, 0o777)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"

@@ -117,7 +117,9 @@ def test_a_budget_smaller_than_one_part_skips_the_level_with_a_warning(
     tmp_path: Path, shm: Path
 ) -> None:
     with cryosnap.Checkpointer(tmp_path / "run", scratch=tmp_path / "scratch", memory="1MiB") as c:
-        with pytest.warns(RuntimeWarning, match=r"step 0 is not kept in the memory level.*1\.0 MiB"):
+        with pytest.warns(
+            RuntimeWarning, match=r"step 0 is not kept in the memory level.*1\.0 MiB"
+        ):
             c.save(0, state_of(0)).result()
             c.wait()
         c.restore()
