@@ -5,6 +5,7 @@ tests/integration/test_memory_dist.py runs it with gloo processes, SIGKILL and l
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -244,6 +245,12 @@ def test_orphans_of_a_run_never_reopened_are_removed_by_the_cli(
         assert main(["memory"]) == 0
         listed = capsys.readouterr().out
         assert "orphan" in listed and str(tmp_path / "run") in listed
+        assert main(["memory", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert sorted((lv["run"], lv["orphan"]) for lv in doc["levels"]) == [
+            (str(tmp_path / "other"), False),
+            (str(tmp_path / "run"), True),
+        ]
         assert main(["memory", "--clean"]) == 0
         capsys.readouterr()
         # The live run's level stays; the orphan is gone.
