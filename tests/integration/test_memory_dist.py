@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[2]))
+from tests.integration.test_dist_torch import launch
 
-from tests.integration.test_dist_torch import launch  # noqa: E402
+HERE = Path(__file__).resolve()
 
 
 def state_of(rank: int, step: int) -> dict[str, Any]:
