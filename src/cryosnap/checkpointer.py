@@ -266,9 +266,8 @@ class Checkpointer(_Opened):
         M/K of a part more per participant; any M lost nodes of a set are rebuilt at open,
         verified.
     memory
-        Bytes per participant (an int or ``"4GiB"``) of a memory level: its newest version in
-        shared memory (``/dev/shm``), protected as ``partner`` says, read first by
-        :meth:`restore`, removed by :meth:`close` (README, "Memory level"). None: none.
+        Bytes per participant (``"4GiB"``) of a memory level: its newest version in shared
+        memory, read first by :meth:`restore` (README, "Memory level"). None: none.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -372,7 +371,8 @@ class Checkpointer(_Opened):
             self.close()
             return
         # Drain and release, but do not mask the exception already propagating, and do not
-        # keep retrying flushes to an unreachable persistent tier meanwhile.
+        # keep retrying flushes to an unreachable persistent tier meanwhile. The memory level
+        self._run.keep_memory = True  # stays for the restart, as after a kill
         self._levels.abandon()
         try:
             self.close()

@@ -85,6 +85,8 @@ class OpenRun:
     lineage: Lineage | None
     pending: list[PendingSave] = field(default_factory=list)
     signals: list[int] = field(default_factory=list)
+    # Set when the run closes on an exception: its memory level stays for the restart.
+    keep_memory: bool = False
 
     @property
     def memory_store(self) -> Store | None:
@@ -101,8 +103,11 @@ class OpenRun:
         return name
 
     def close_memory(self) -> None:
-        """Remove this participant's memory level (at close)."""
-        if self.memory is not None:
+        """Remove this participant's memory level (at close), or only release it when the
+        run closes on an exception (``keep_memory``): the restart reads it, as after a kill."""
+        if self.memory is not None and self.keep_memory:
+            self.memory.release()
+        elif self.memory is not None:
             self.memory.close()
 
     def release_signals(self) -> None:

@@ -98,6 +98,22 @@ def test_a_version_is_restored_from_memory_private_to_its_owner_and_removed_at_c
     assert run_dirs(shm) == []
 
 
+def test_an_exception_leaving_the_run_keeps_its_memory_level_for_the_restart(
+    tmp_path: Path, shm: Path
+) -> None:
+    with (
+        pytest.raises(RuntimeError, match="the training failed"),
+        cryosnap.Checkpointer(tmp_path / "run", memory="64MiB") as c,
+    ):
+        c.save(3, state_of(3)).result()
+        c.wait()
+        raise RuntimeError("the training failed")
+    (kept,) = run_dirs(shm)
+    with cryosnap.Checkpointer(tmp_path / "run", memory="64MiB") as c:
+        assert c.restore()["step"] == 3 and c.restored_from == "memory"
+    assert not kept.exists()
+
+
 def test_a_damaged_memory_copy_falls_back_to_scratch(
     tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
