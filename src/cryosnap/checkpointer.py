@@ -124,6 +124,21 @@ class _Opened:
     max_inflight = _Option[int]("max_inflight")
     allow_pickle = _Option[bool]("allow_pickle")
 
+    # what the last restore read ----------------------------------------------------------------
+    _restored: int | None = None
+    _restored_from: str | None = None
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` returned (None: none yet)."""
+        return self._restored
+
+    @property
+    def restored_from(self) -> str | None:
+        """The level this participant's part of the last :meth:`restore` came from: "memory",
+        "partner-memory" (rebuilt at open from the other nodes'), "scratch", "persistent"."""
+        return self._restored_from
+
     # policies and preemption ----------------------------------------------------------------
     @property
     def policy(self) -> SavePolicy | None:
@@ -250,6 +265,9 @@ class Checkpointer(_Opened):
         participants on as many distinct nodes (zfec: ``pip install 'cryosnap[rs]'``): about
         M/K of a part more per participant; any M lost nodes of a set are rebuilt at open,
         verified.
+    memory
+        Bytes per participant (``"4GiB"``) of a memory level: its newest version in shared
+        memory, read first by :meth:`restore` (README, "Memory level"). None: none.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -298,6 +316,7 @@ class Checkpointer(_Opened):
         device_diff: bool | None = None,
         partner: bool | str = False,
         stats: bool = True,
+        memory: int | str | None = None,
     ) -> None:
         self._options = RunOptions(
             path=path,
@@ -322,6 +341,7 @@ class Checkpointer(_Opened):
             device_diff=device_diff,
             partner=partner,
             stats=stats,
+            memory=memory,
         )
         run = open_run(self._options)
         self._run = run
@@ -333,7 +353,6 @@ class Checkpointer(_Opened):
         # The lineage new versions are committed in: the run's newest generation, or a new one
         # once a restore rewound the run (docs/FORMAT.md, "Superseding").
         self._lineage = run.lineage
-        self._restored: int | None = None
         self._closed = False
 
     # context manager ---------------------------------------------------------------------------
@@ -352,7 +371,8 @@ class Checkpointer(_Opened):
             self.close()
             return
         # Drain and release, but do not mask the exception already propagating, and do not
-        # keep retrying flushes to an unreachable persistent tier meanwhile.
+        # keep retrying flushes to an unreachable persistent tier meanwhile. The memory level
+        self._run.keep_memory = True  # stays for the restart, as after a kill
         self._levels.abandon()
         try:
             self.close()
@@ -495,7 +515,7 @@ class Checkpointer(_Opened):
         self._check_open()
         if step is not None:
             validate_step(step)
-        state, restored = restore_run(
+        state, restored, store = restore_run(
             self._levels,
             self._run.restore_channel,
             step,
@@ -505,7 +525,9 @@ class Checkpointer(_Opened):
             keys=engine.validate_keys(keys),
             device=device_for(map_location, into),
             choice=make_choice(step, healthy, mark),
+            memory=self._run.memory_store,
         )
+        self._restored_from = self._run.level_of(store, restored)
         self._rewound(restored)
         return state
 
@@ -515,11 +537,6 @@ class Checkpointer(_Opened):
         "Marks"). The caller's thread; no collectives: any participant may mark."""
         with self._levels.files_lock:  # not while retention removes unfinished writes
             mark_version(self._levels.stores(), step, label, fence=self._levels.fence)
-
-    @property
-    def restored_step(self) -> int | None:
-        """The step the last :meth:`restore` returned (None: none yet)."""
-        return self._restored
 
     def _rewound(self, step: int) -> None:
         """After restoring ``step``: the lineage of the next versions (restore.py)."""
@@ -555,6 +572,7 @@ class Checkpointer(_Opened):
             finally:
                 self._levels.release_locks()
                 self._run.release_signals()
+                self._run.close_memory()
         self._saves.raise_undelivered()
 
     def _check_open(self) -> None:

@@ -72,6 +72,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── LockFileError                                    the run's write lock is a symbolic
     │                                                    link, not a regular file, or
     │                                                    hard-linked: never written through
+    ├── MemoryLevelError                                 ``memory=``: the memory root is missing,
+    │                                                    or its per-user directory is not this
+    │                                                    user's alone (mode 0700)
     ├── RunLockedError                                   another writer holds the run's write
     │                                                    lock (a Checkpointer is open on it), or
     │                                                    took it while this one was opening
@@ -109,6 +112,7 @@ __all__ = [
     "KeyNotFoundError",
     "LockFileError",
     "LockLostError",
+    "MemoryLevelError",
     "MissingDependencyError",
     "PartNotFoundError",
     "ReplicaDivergenceError",
@@ -288,6 +292,12 @@ class LockLostError(CheckpointError):
 class LockFileError(CheckpointError):
     """The run's write lock is not a file cryosnap writes through (a symbolic link, not a
     regular file, or hard-linked elsewhere); ``path`` names it."""
+
+
+class MemoryLevelError(CheckpointError):
+    """The memory level (``Checkpointer(memory=...)``) cannot be used where it was asked for:
+    its root (``$CRYOSNAP_MEMORY_ROOT``, default ``/dev/shm``) is missing, not a directory, or
+    its per-user directory is not this user's alone."""
 
 
 class RunLockedError(CheckpointError):

@@ -35,6 +35,7 @@ from cryosnap._inspect import (
 from cryosnap._located import located
 from cryosnap._run import health
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
+from cryosnap._run.memory import MemoryRun, memory_root, memory_runs, remove_orphans
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
 from cryosnap._validate import boolean, positive_int, seconds, wrong_type
@@ -58,6 +59,7 @@ __all__ = [
     "FlushedVersion",
     "LevelCheck",
     "MAX_STEP",
+    "MemoryRun",
     "Removal",
     "Run",
     "RunLineage",
@@ -69,6 +71,9 @@ __all__ = [
     "committed_steps",
     "flush",
     "is_dcp_version",
+    "memory_levels",
+    "memory_root",
+    "remove_orphaned_memory",
     "runs_inside",
 ]
 
@@ -793,3 +798,19 @@ def is_dcp_version(store: Store, step: int) -> bool:
     if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
         return False
     return skeleton.get("k") == [_DCP_ROOT]
+
+
+# -- memory levels --------------------------------------------------------------------------------
+
+
+def memory_levels() -> list[MemoryRun]:
+    """This user's memory levels (``Checkpointer(memory=...)``) on this node, under
+    ``$CRYOSNAP_MEMORY_ROOT`` (default ``/dev/shm``): each one's run, bytes, live holders, and
+    whether it is an orphan."""
+    return memory_runs(memory_root())
+
+
+def remove_orphaned_memory() -> list[MemoryRun]:
+    """Delete the memory levels no live process holds (a run killed and never opened again:
+    its next open would have taken its level over); the ones removed."""
+    return remove_orphans(memory_root())

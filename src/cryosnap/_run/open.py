@@ -24,6 +24,7 @@ from cryosnap._run.capture.capturer import Capturer
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.levels.levels import Level, Levels
 from cryosnap._run.lock import RunLock, acquire_run_lock
+from cryosnap._run.memory import MemoryLevel
 from cryosnap._run.options import RunOptions
 from cryosnap._run.policy_room import PolicyRoom
 from cryosnap._run.redundancy.partner import Partners, rebuild
@@ -85,11 +86,36 @@ class OpenRun:
     levels: Levels
     partners: Partners | None
     parity: Parity | RSParity | None
+    memory: MemoryLevel | None
     capturer: Capturer
     writer: WriterThread
     lineage: Lineage | None
     pending: list[PendingSave] = field(default_factory=list)
     signals: list[int] = field(default_factory=list)
+    # Set when the run closes on an exception: its memory level stays for the restart.
+    keep_memory: bool = False
+
+    @property
+    def memory_store(self) -> Store | None:
+        """The memory level's store (restore reads it first), None without one."""
+        return self.memory.store if self.memory is not None else None
+
+    def level_of(self, store: Store, step: int) -> str:
+        """The name of the level whose ``store`` a restore of ``step`` read."""
+        if self.memory is not None and store is self.memory.store:
+            name = self.memory.level_of(step)
+        else:
+            name = self.levels.name_of(store)
+        log.info("step %d restored from the %s level", step, name)
+        return name
+
+    def close_memory(self) -> None:
+        """Remove this participant's memory level (at close), or only release it when the
+        run closes on an exception (``keep_memory``): the restart reads it, as after a kill."""
+        if self.memory is not None and self.keep_memory:
+            self.memory.release()
+        elif self.memory is not None:
+            self.memory.close()
 
     def release_signals(self) -> None:
         """Put the program's own handlers back (where this was the last run using them)."""
@@ -123,6 +149,7 @@ def open_run(options: RunOptions) -> OpenRun:
         levels = open_levels(options, coord, persistent, scratch, chain, undo)
         partners = open_partners(options, coord, levels) if options.partner is True else None
         parity = open_parity(options, coord, levels)
+        memory = open_memory(options, coord, persistent, undo)
         levels.observe = policies.reached
         capturer = Capturer(
             chunk_bytes=options.chunk_bytes,
@@ -157,6 +184,7 @@ def open_run(options: RunOptions) -> OpenRun:
             policy_event=policies.event,
             clock=options.clock,
             inflight=inflight,
+            keep_in_memory=memory_keeper(memory, levels),
         )
         undo.pop_all()
     return OpenRun(
@@ -168,6 +196,7 @@ def open_run(options: RunOptions) -> OpenRun:
         levels=levels,
         partners=partners,
         parity=parity,
+        memory=memory,
         capturer=capturer,
         writer=writer,
         lineage=lineage,
@@ -324,6 +353,33 @@ def open_parity(
     )
     rebuild_parity(coord, levels.first.store, parity)
     return parity
+
+
+def open_memory(
+    options: RunOptions, coord: Coordinator, persistent: Store, undo: ExitStack
+) -> MemoryLevel | None:
+    """With ``memory=``: open this participant's memory level (collective), protected as the
+    first level is, and get back what its node lost from the others' memory; ``undo``
+    releases its locks (and keeps its files: they may be all that is left of a version)."""
+    budget = options.memory_bytes
+    if budget is None:
+        return None
+    memory = MemoryLevel.open(coord, persistent.url, budget, partner=options.partner, rs=options.rs)
+    undo.callback(memory.release)
+    return memory
+
+
+def memory_keeper(
+    memory: MemoryLevel | None, levels: Levels
+) -> Callable[[int, engine.PartResult, Lineage | None], bool] | None:
+    """What the writer calls after each commit on the first level: the copy into memory."""
+    if memory is None:
+        return None
+
+    def keep(step: int, part: engine.PartResult, lineage: Lineage | None) -> bool:
+        return memory.keep(levels.first.store, step, part, lineage)
+
+    return keep
 
 
 # -- the run id --------------------------------------------------------------------------------

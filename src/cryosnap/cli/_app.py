@@ -23,6 +23,7 @@ from cryosnap.cli._import_dcp import cmd_import_dcp
 from cryosnap.cli._inspect import cmd_inspect
 from cryosnap.cli._log import cmd_log
 from cryosnap.cli._ls import cmd_ls
+from cryosnap.cli._memory import cmd_memory
 from cryosnap.cli._plan import cmd_plan
 from cryosnap.cli._remove import cmd_gc, cmd_rm
 from cryosnap.cli._render import PROG, Invocation, print_line
@@ -88,7 +89,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
         cls=_Group,
         name=PROG,
         help="List, inspect, verify, diff, log, export, remove, garbage-collect and flush cryosnap "
-        "checkpoints; plan intervals; benchmark against the peers.",
+        "checkpoints; clean shared memory; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
@@ -101,6 +102,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
     _add_fork_command(app)
     _add_remove_commands(app)
     _add_flush_command(app)
+    _add_memory_command(app)
     _add_demo_command(app)
     _add_plan_command(app)
     _add_bench_command(app, invocation)
@@ -303,6 +305,24 @@ def _add_remove_commands(app: typer.Typer) -> None:
         """Delete one version and every file no remaining version needs (a later version
         built on it still restores)."""
         cmd_rm(path, step=step, dry_run=dry_run, as_json=json_output)
+
+
+def _add_memory_command(app: typer.Typer) -> None:
+    @app.command("memory")
+    def memory_command(
+        clean: Annotated[
+            bool,
+            typer.Option(
+                "--clean",
+                help="Remove the memory levels no live process holds (a killed run's, never "
+                "opened again).",
+            ),
+        ] = False,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """This user's memory levels in shared memory ($CRYOSNAP_MEMORY_ROOT, default
+        /dev/shm) on this node: run, bytes, holders; --clean removes the orphans."""
+        cmd_memory(clean=clean, as_json=json_output)
 
 
 def _add_flush_command(app: typer.Typer) -> None:
