@@ -294,3 +294,25 @@ def test_a_fork_of_a_fork_whose_chain_names_an_ancestor_it_no_longer_reads(
     cryosnap.Run(f1).fork(3, f2)
     _same(cryosnap.load(f2), new)
     assert cryosnap.Run(f2).verify().ok
+
+
+@pytest.mark.parametrize("at", ["forks/", "rank-", "COMMIT"])
+def test_a_fork_that_fails_on_a_full_disk_takes_back_what_it_wrote(tmp_path: Path, at: str) -> None:
+    from cryosnap.errors import StorageError
+    from cryosnap.testing import FaultyStore
+
+    anc, dest = tmp_path / "anc", tmp_path / "fork"
+    _save(anc, range(1, 3))
+
+    def full(op: str, key: str) -> None:
+        if op == "write" and at in key:
+            raise StorageError(f"writing {key}: [Errno 28] No space left on device")
+
+    source = cryosnap.Run(FaultyStore(LocalStore(anc), fault=full))
+    with pytest.raises(StorageError, match="No space left"):
+        source.fork(2, FaultyStore(LocalStore(dest), fault=full))
+    assert not (anc / "forks").exists() or not os.listdir(anc / "forks")
+    assert not (dest / FORK_KEY).exists()
+    assert not any(p.name.startswith("COMMIT") for p in dest.rglob("*"))
+    cryosnap.Run(anc).fork(2, dest)  # room again: the same dest takes the fork
+    _same(cryosnap.load(dest), _state(2))
