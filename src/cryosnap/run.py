@@ -529,6 +529,8 @@ class Run:
         except RunLockedError as exc:
             raise RunLockedError(f"cannot {what}: {exc}") from None
         try:
+            # A deleted fork's holds go first, so that the report counts what they kept.
+            engine.held_files(store, release_stale=True)
             plan = engine.plan_retire(store, **options)
             missing = [s for s in expect if s not in plan.dropped]
             if missing:  # retired by a writer between our listing and the lock
