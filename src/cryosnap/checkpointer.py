@@ -193,8 +193,8 @@ class Checkpointer(_Opened):
     chunk_bytes
         Chunk size for hashing and verification, 4 KiB to 64 MiB.
     staging_bytes
-        Host memory budget for captured state (None: as much as the state needs, kept for reuse).
-        With less than the state, capture streams and blocks until the writer frees buffers.
+        Host memory budget for captured state (None: as much as the state needs, kept for
+        reuse); with less, capture streams and blocks until the writer frees buffers.
     direct_io
         How data files reach a level's disk. None (default): with ``O_DIRECT`` (from the
         page-aligned staging buffers, bypassing the page cache) on every level whose file
@@ -209,13 +209,11 @@ class Checkpointer(_Opened):
         Pickle leaves of unsupported types on save, and allow unpickling them on restore.
     policy
         When to save: a save policy from :mod:`cryosnap.policy` (``EveryNSteps``,
-        ``EveryNSeconds``, ``Adaptive``), asked by :meth:`should_save` and told what each save
-        cost.
+        ``EveryNSeconds``, ``Adaptive``), asked by :meth:`should_save`, told each save's cost.
     handle_signals
         Signals (e.g. ``(signal.SIGTERM, signal.SIGUSR1)``) that mark the run as preempted
         instead of killing it: :attr:`preempted` becomes true, :meth:`should_save` says yes,
-        and the loop saves and exits. Handlers are installed on open and restored on close
-        (main thread only).
+        and the loop saves and exits. Installed on open, restored on close (main thread).
     storage_options
         Options for fsspec when ``path`` is a URL (endpoint, credentials); the usual
         ``AWS_*`` environment variables work too.
@@ -271,6 +269,9 @@ class Checkpointer(_Opened):
         Record per float leaf its NaN and Inf counts, min, max, mean and L2 norm at save
         (:meth:`cryosnap.Run.stats`; NaN or Inf marks a version "unhealthy"). False: none, for
         the writer thread's time they take (docs/PERFORMANCE.md).
+    codec
+        The persistent level's data files as the flush from ``scratch`` writes them: None,
+        ``"zstd"`` or ``"auto"`` (byte shuffle + zstd; docs/design/levels.md, "Codecs").
     """
 
     def __init__(
@@ -298,6 +299,7 @@ class Checkpointer(_Opened):
         device_diff: bool | None = None,
         partner: bool | str = False,
         stats: bool = True,
+        codec: str | None = None,
     ) -> None:
         self._options = RunOptions(
             path=path,
@@ -322,6 +324,7 @@ class Checkpointer(_Opened):
             device_diff=device_diff,
             partner=partner,
             stats=stats,
+            codec=codec,
         )
         run = open_run(self._options)
         self._run = run

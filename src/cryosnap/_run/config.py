@@ -171,6 +171,7 @@ _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "device_diff": _or_none(_bool, "auto"),
     "partner": _partner,
     "stats": _bool,
+    "codec": _or_none(_text, "none"),
 }
 
 

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from cryosnap.errors import DirectIOError
+from cryosnap.storage._codec import CodedWriter, DecodedStore, coded_size, decoded, read_index
 from cryosnap.storage._fsspec import FsspecStore
 from cryosnap.storage._local import LocalStore
 from cryosnap.storage._timeout import TimeoutStore
@@ -27,9 +28,11 @@ from cryosnap.storage.base import (
 
 __all__ = [
     "BlobWriter",
+    "CodedWriter",
     "ConditionalWrites",
     "ConditionalWritesUnsupported",
     "DEFAULT_TIMEOUT_SECONDS",
+    "DecodedStore",
     "FsspecStore",
     "LocalStore",
     "Store",
@@ -38,8 +41,11 @@ __all__ = [
     "TruncatedError",
     "WrapperStore",
     "check_direct_io",
+    "coded_size",
+    "decoded",
     "join_location",
     "open_store",
+    "read_index",
     "unwrap",
     "validate_key",
 ]
