@@ -89,7 +89,9 @@ class FrameEncoder:
 
     def __init__(self) -> None:
         zstd = require_zstd("codec='zstd'")
-        self._zstd = zstd.ZstdCompressor(level=ZSTD_LEVEL)
+        # With zstd's checksum of each frame's content: a damaged frame fails to inflate,
+        # naming its file, before the chunk hashes would catch it.
+        self._zstd = zstd.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
         self._probe = zstd.ZstdCompressor(level=1)
 
     def _element(self, frame: memoryview) -> int:
