@@ -62,14 +62,29 @@ def require_zstd(what: str) -> Any:
     return zstandard
 
 
-def shuffle(data: memoryview, elem: int) -> bytes | memoryview:
+# Element sizes shuffled with integer shifts (one pass per byte plane: about twice the rate
+# of numpy's byte transpose here); 8-byte elements are transposed.
+_WORDS: dict[int, type[np.unsignedinteger[Any]]] = {2: np.uint16, 4: np.uint32}
+
+
+def shuffle(data: memoryview, elem: int) -> memoryview:
     """``data`` with the i-th byte of every ``elem``-byte element gathered together (the
     bytes past the last whole element stay at the end)."""
     if elem == 1:
         return data
     a = np.frombuffer(data, np.uint8)
-    n = len(a) // elem * elem
-    return a[:n].reshape(-1, elem).T.tobytes() + a[n:].tobytes()
+    k = len(a) // elem
+    n = k * elem
+    out = np.empty(len(a), np.uint8)
+    word = _WORDS.get(elem)
+    if word is None:
+        out[:n].reshape(elem, k)[:] = a[:n].reshape(k, elem).T
+    else:
+        words = a[:n].view(word)
+        for i in range(elem):
+            np.copyto(out[i * k : (i + 1) * k], words >> (8 * i), casting="unsafe")
+    out[n:] = a[n:]
+    return memoryview(out)
 
 
 def unshuffle(data: bytes, elem: int, out: memoryview) -> None:
@@ -79,8 +94,17 @@ def unshuffle(data: bytes, elem: int, out: memoryview) -> None:
     if elem == 1:
         dst[:] = a
         return
-    n = len(a) // elem * elem
-    dst[:n].reshape(-1, elem)[:] = a[:n].reshape(elem, -1).T
+    k = len(a) // elem
+    n = k * elem
+    planes = a[:n].reshape(elem, k)
+    word = _WORDS.get(elem)
+    if word is None:
+        dst[:n].reshape(k, elem)[:] = planes.T
+    else:
+        words = dst[:n].view(word)
+        np.copyto(words, planes[0])
+        for i in range(1, elem):
+            words |= planes[i].astype(word) << (8 * i)
     dst[n:] = a[n:]
 
 
