@@ -30,6 +30,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from _harness import load_average, print_load
+
 import cryosnap
 from cryosnap.storage import CodedWriter, LocalStore, decoded
 
@@ -169,6 +171,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    before = load_average()
     result = {
         "demo": codec_rates(demo_state(a.demo_steps), a.repeat),
         "gpt2_adamw": codec_rates(gpt_state(a.layers, a.width, a.gpt_steps), a.repeat),
@@ -177,6 +180,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(result, indent=1))
         return
+    print_load(before)
     for name in ("demo", "gpt2_adamw"):
         r = result[name]
         print(
