@@ -9,8 +9,9 @@ Each state is saved plain with cryosnap; its data files are then coded as the fl
 them (storage/_codec.py's CodedWriter, frames of 4 MiB) and read back through DecodedStore:
 the ratio is plain bytes over stored bytes, the rates plain MB per second of the codec alone
 (one thread; medians of ``--repeat``). Time to durable: ``save(step, state).result()`` of the
-GPT-2 state with scratch on a local directory and the persistent level on moto, codec None
-and "zstd" alternated, ``--repeat`` times each, a full version each time (new weights).
+GPT-2 state with scratch on a local directory and the persistent level on moto, codec None,
+"zstd" and "auto" (three runs open at once, saves alternated, ``--repeat`` + 1 full versions
+each, the first left out: "auto" calibrates on it), and the rates "auto" measured.
 
 Run: ``.venv/bin/python bench/bench_codec.py --repeat 3``
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -30,8 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _harness import load_average, print_load
-
+import _harness as h
 import cryosnap
 from cryosnap.storage import CodedWriter, LocalStore, decoded
 
@@ -73,7 +72,7 @@ def codec_rates(state: dict[str, Any], repeat: int) -> dict[str, float]:
         datas = {k: plain.read(k) for k in keys}
         encode, decode, stored = [], [], 0
         for _ in range(repeat):
-            t = stored = 0
+            t, stored = 0.0, 0
             for k, data in datas.items():
                 writer = CodedWriter(coded.open_writer(k))
                 writer.write([memoryview(data)])
@@ -120,7 +119,11 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def durable_seconds(layers: int, width: int, steps: int, repeat: int) -> dict[str, Any]:
-    """Seconds from save() to durable on the S3 level, codec None and "zstd" alternated."""
+    """Seconds from save() to durable on the S3 level: codec None, "zstd" and "auto", three
+    runs open at once, their saves alternated; each run's first version (auto's calibration)
+    is left out of the medians."""
+    import contextlib
+
     import s3fs
 
     proc, endpoint = _moto()
@@ -129,37 +132,51 @@ def durable_seconds(layers: int, width: int, steps: int, repeat: int) -> dict[st
         "secret": "testing",
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket="bench")
-    out: dict[str, list[float]] = {"none": [], "zstd": []}
-    stored: dict[str, int] = {}
+    codecs = ("none", "zstd", "auto")
+    out: dict[str, list[float]] = {c: [] for c in codecs}
+    result: dict[str, Any] = {}
     try:
-        states = [gpt_state(layers, width, steps, seed) for seed in range(repeat)]
-        with tempfile.TemporaryDirectory() as d:
-            for i, state in enumerate(states):
-                for codec in ("none", "zstd"):
-                    url = f"s3://bench/{codec}"
-                    with cryosnap.Checkpointer(
-                        url,
-                        scratch=f"{d}/{codec}",
+        states = [gpt_state(layers, width, steps, seed) for seed in range(repeat + 1)]
+        with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+            runs = {
+                c: stack.enter_context(
+                    cryosnap.Checkpointer(
+                        f"s3://bench/{c}",
+                        scratch=f"{d}/{c}",
                         storage_options=options,
-                        codec=None if codec == "none" else codec,
+                        codec=None if c == "none" else c,
                         incremental=False,
                         keep=1,
-                    ) as ckpt:
-                        t0 = time.perf_counter()
-                        ckpt.save(i + 1, state).result()
-                        out[codec].append(time.perf_counter() - t0)
-                    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-                    stored[codec] = sum(fs.du(f"bench/{codec}/data", total=False).values())
+                    )
+                )
+                for c in codecs
+            }
+            for i, state in enumerate(states):
+                for c in codecs:
+                    t0 = time.perf_counter()
+                    runs[c].save(i + 1, state).result()
+                    if i:
+                        out[c].append(time.perf_counter() - t0)
+            for c in ("zstd", "auto"):
+                codec = runs[c]._levels.levels[-1].codec
+                assert codec is not None
+                rates = codec.snapshot()
+                result[f"rates_{c}"] = {
+                    "level_mb_s": (rates.write_bytes_per_s or 0) / 1e6,
+                    "codec_mb_s": (rates.codec_bytes_per_s or 0) / 1e6,
+                    "ratio": rates.ratio,
+                    "coded_files": rates.coded_files,
+                    "plain_files": rates.plain_files,
+                }
+        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        for c in codecs:
+            result[f"stored_mb_{c}"] = sum(fs.du(f"bench/{c}/data", total=False).values()) / 1e6
+            result[f"durable_s_{c}"] = statistics.median(out[c])
     finally:
         proc.terminate()
         proc.wait()
-    return {
-        **{f"durable_s_{k}": statistics.median(v) for k, v in out.items()},
-        **{f"stored_mb_{k}": v / 1e6 for k, v in stored.items()},
-    }
+    return result
 
 
 def main() -> None:
@@ -171,7 +188,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    before = load_average()
+    before = h.load_average()
     result = {
         "demo": codec_rates(demo_state(a.demo_steps), a.repeat),
         "gpt2_adamw": codec_rates(gpt_state(a.layers, a.width, a.gpt_steps), a.repeat),
@@ -180,7 +197,7 @@ def main() -> None:
     if a.json:
         print(json.dumps(result, indent=1))
         return
-    print_load(before)
+    h.print_load(before)
     for name in ("demo", "gpt2_adamw"):
         r = result[name]
         print(
@@ -189,11 +206,13 @@ def main() -> None:
             f"{r['decompress_mb_s']:6.0f} MB/s"
         )
     s = result["s3"]
-    print(
-        f"S3 (moto) time to durable: codec=None {s['durable_s_none']:.2f} s "
-        f"({s['stored_mb_none']:.1f} MB), codec='zstd' {s['durable_s_zstd']:.2f} s "
-        f"({s['stored_mb_zstd']:.1f} MB)"
-    )
+    for c in ("none", "zstd", "auto"):
+        print(
+            f"S3 (moto) time to durable, codec={c}: {s[f'durable_s_{c}']:.2f} s "
+            f"({s[f'stored_mb_{c}']:.1f} MB in the bucket)"
+        )
+    for c in ("zstd", "auto"):
+        print(f"  {c} measured: {s[f'rates_{c}']}")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def shuffle(data: memoryview, elem: int) -> memoryview:
         for i in range(elem):
             np.copyto(out[i * k : (i + 1) * k], words >> (8 * i), casting="unsafe")
     out[n:] = a[n:]
-    return memoryview(out)
+    return out.data
 
 
 def unshuffle(data: bytes, elem: int, out: memoryview) -> None:

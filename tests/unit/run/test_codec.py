@@ -68,7 +68,7 @@ def test_round_trip_from_a_coded_persistent_level(state: Any) -> None:
 
 
 def _two_versions(tmp_path: Path, **options: Any) -> tuple[Path, dict[str, Any]]:
-    state = {"w": _floats(1, 256 * 1024), "step": 1}
+    state: dict[str, Any] = {"w": _floats(1, 256 * 1024), "step": 1}
     with cryosnap.Checkpointer(
         tmp_path / "run", scratch=tmp_path / "scratch", chunk_bytes=CHUNK, **options
     ) as ckpt:
