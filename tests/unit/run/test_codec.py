@@ -231,3 +231,35 @@ def test_pays() -> None:
     assert pays(10e6, 500e6, 1.2)  # 10 MB/s link, codec 500 MB/s saving 1/6: yes
     assert not pays(200e6, 500e6, 1.2)  # 200 MB/s > 500 * (1 - 1/1.2) = 83 MB/s
     assert not pays(1e3, 500e6, 1.0)  # nothing saved: never
+
+
+def test_the_readers_of_a_run_read_coded_files(tmp_path: Path) -> None:
+    """diff, history, a selective load and export go through the same decoded reads."""
+    from cryosnap.export import export
+
+    run, state = _two_versions(tmp_path, codec="zstd")
+    shutil.rmtree(tmp_path / "scratch")
+    reader = cryosnap.Run(run)
+    diff = reader.diff(1, 2)
+    assert {c.path for c in diff.leaves} == {"w", "step"} and diff.changed_bytes >= CHUNK
+    values = dict(reader.history("w"))
+    assert sorted(values) == [1, 2]
+    np.testing.assert_array_equal(values[2], state["w"])
+    assert not np.array_equal(values[1], state["w"])
+    assert cryosnap.load(run, step=2, keys=["w"])["w"].tobytes() == state["w"].tobytes()
+    export(run, tmp_path / "out.npz", step=2)
+    with np.load(tmp_path / "out.npz") as npz:
+        np.testing.assert_array_equal(npz["w"], state["w"])
+
+
+def test_a_mark_given_before_the_flush_is_bound_to_the_coded_record(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    slow = ThrottledStore(LocalStore(tmp_path / "run"), 1e6)  # the flush takes about 1 s
+    with cryosnap.Checkpointer(slow, scratch=tmp_path / "scratch", codec="zstd") as ckpt:
+        pending = ckpt.save(1, {"w": _floats(4, 256 * 1024)})
+        pending.result(tier="scratch")
+        ckpt.mark(1, "eval_ok")  # on scratch only: the flush copies it
+        pending.result()
+    assert _coded_files(tmp_path / "run", 1)
+    shutil.rmtree(tmp_path / "scratch")
+    assert "eval_ok" in cryosnap.Run(tmp_path / "run").marks(1)
