@@ -43,7 +43,8 @@ class CodedWriter:
     """A :class:`BlobWriter` that stores what it is given as a coded file through ``inner``.
 
     ``tell()`` counts plain bytes (the offsets segments name). Frames are compressed on the
-    calling thread as soon as :data:`FRAME_BYTES` have arrived."""
+    calling thread as soon as :data:`FRAME_BYTES` have arrived (whole frames of a large
+    buffer straight from it, without a copy)."""
 
     def __init__(self, inner: BlobWriter) -> None:
         self.key = inner.key
@@ -55,30 +56,38 @@ class CodedWriter:
 
     def write(self, buffers: Sequence[BytesLike]) -> None:
         for b in buffers:
-            self._pending += b
-        self.stats.plain_bytes += sum(memoryview(b).nbytes for b in buffers)
-        while len(self._pending) >= FRAME_BYTES:
-            self._frame(FRAME_BYTES)
+            view = memoryview(b).cast("B")
+            self.stats.plain_bytes += view.nbytes
+            if self._pending:  # fill the frame begun by an earlier write first
+                take = FRAME_BYTES - len(self._pending)
+                self._pending += view[:take]
+                view = view[take:]
+                if len(self._pending) < FRAME_BYTES:
+                    continue
+                self._frame(memoryview(self._pending))
+                self._pending = bytearray()
+            while view.nbytes >= FRAME_BYTES:  # whole frames straight from the caller's buffer
+                self._frame(view[:FRAME_BYTES])
+                view = view[FRAME_BYTES:]
+            self._pending += view
 
     def tell(self) -> int:
         return self.stats.plain_bytes
 
-    def _frame(self, n: int) -> None:
-        view = memoryview(self._pending)[:n]
+    def _frame(self, frame: memoryview) -> None:
         t0 = time.perf_counter()
-        stored, elem, how = self._encoder.encode(view)
+        stored, elem, how = self._encoder.encode(frame)
         t1 = time.perf_counter()
         self._inner.write([stored])
         self.stats.encode_seconds += t1 - t0
         self.stats.write_seconds += time.perf_counter() - t1
         self.stats.stored_bytes += len(stored)
-        self._rows.append((n, len(stored), elem, how))
-        del view, stored
-        del self._pending[:n]
+        self._rows.append((frame.nbytes, len(stored), elem, how))
 
     def commit(self) -> None:
         if self._pending:
-            self._frame(len(self._pending))
+            self._frame(memoryview(self._pending))
+            self._pending = bytearray()
         tail = FrameIndex.tail(self._rows)
         t0 = time.perf_counter()
         self._inner.write([tail])
