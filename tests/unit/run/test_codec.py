@@ -5,7 +5,9 @@ only where the level is slow, and a reader that cannot read codecs refuses by ve
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -263,3 +265,40 @@ def test_a_mark_given_before_the_flush_is_bound_to_the_coded_record(tmp_path: Pa
     assert _coded_files(tmp_path / "run", 1)
     shutil.rmtree(tmp_path / "scratch")
     assert "eval_ok" in cryosnap.Run(tmp_path / "run").marks(1)
+
+
+# The last commit before codecs: its cryosnap reads manifest versions 1 to 6.
+_BEFORE_CODECS = "799bd3f"
+
+
+@pytest.mark.timeout(120)
+def test_a_cryosnap_from_before_codecs_refuses_by_version(tmp_path: Path) -> None:
+    """The real thing: that commit's cryosnap, from git, loads a coded run in a subprocess."""
+    repo = Path(__file__).resolve().parents[3]
+    git = shutil.which("git")
+    if (
+        git is None
+        or subprocess.run(
+            [git, "-C", str(repo), "cat-file", "-e", f"{_BEFORE_CODECS}^{{commit}}"],
+            capture_output=True,
+        ).returncode
+    ):
+        pytest.skip(f"git or commit {_BEFORE_CODECS} not available")
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(
+        [git, "-C", str(repo), "archive", _BEFORE_CODECS, "src/cryosnap"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    run, _ = _two_versions(tmp_path, codec="zstd")
+    shutil.rmtree(tmp_path / "scratch")
+    code = f"import cryosnap; cryosnap.load({str(run)!r}, step=2)"
+    env = {**os.environ, "PYTHONPATH": str(old / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=100
+    )
+    assert proc.returncode != 0
+    assert "format_version 8 is not supported by this cryosnap" in proc.stderr
+    assert str(old / "src") in proc.stderr  # it was that cryosnap that refused
