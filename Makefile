@@ -48,8 +48,11 @@ endif
 	$(PIP) -r requirements.txt -e .
 	touch $(RUNTIME)
 
-$(DEV): $(RUNTIME) requirements-dev.txt
+# requirements-nodeps.txt: packages installed without their declared dependencies (torchtitan's
+# would downgrade fsspec); the file says why.
+$(DEV): $(RUNTIME) requirements-dev.txt requirements-nodeps.txt
 	$(PIP) -r requirements-dev.txt
+	$(PIP) --no-deps -r requirements-nodeps.txt
 	touch $(DEV)
 
 # tools/guards.py: no function over 100 lines or class over 400 (its ALLOWED list says why

@@ -1,5 +1,6 @@
-"""The lineage of a run (issue 56, parts 2 and 4): what ``Run.history`` of one leaf and a delta
-(``export(since=)`` + ``cryosnap.apply_delta``) read and write, against the state.
+"""The lineage of a run (issue 56): what ``Run.history`` of one leaf, a delta
+(``export(since=)`` + ``cryosnap.apply_delta``) and a fork (``Run.fork``) read and write,
+against the state.
 
 1. history: a state of ``--state-mib`` (default 256 MiB; the issue's figure is for 1 GiB:
    ``--state-mib 1024``) holding one ``--leaf-mib`` leaf (4 MiB) and float32 tensors of 16
@@ -15,6 +16,11 @@
    file of B since A against the changed leaves' bytes, the chunks that changed (``Run.diff``)
    and the state; checked: the delta <= the changed leaves' bytes + 1 MiB. Then
    ``apply_delta`` on version A, timed, and compared with B.
+
+3. fork: a ``--fork-mib`` version (1 GiB) forked: the bytes its creation writes (the fork's
+   manifests and record, the ancestor's hold) against the version (checked < 1%), the time,
+   a load of the fork beside one of the ancestor's version, and the fork's first save after
+   one 16 MiB leaf changed (checked: incremental, about that leaf).
 
 Checks print PASS / FAIL and never fail the script. Run::
 
@@ -159,6 +165,58 @@ def bench_delta(base: Path, args: argparse.Namespace) -> list[h.Check]:
     return [h.Check("a delta holds about the changed leaves' bytes", ok, detail)]
 
 
+def bench_fork(base: Path, args: argparse.Namespace) -> list[h.Check]:
+    """Fork a ``--fork-mib`` version (two versions saved, the second incremental): bytes the
+    fork's creation writes (in the fork and the ancestor's hold) against the version's, its
+    time, a cold-ish restore of the fork against one of the ancestor, and the first save of
+    the fork after a change of one leaf."""
+    anc, dest = base / "fork-ancestor", base / "fork"
+    gen = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(4 * MIB, generator=gen) for i in range(args.fork_mib // 16)}
+    with cryosnap.Checkpointer(anc) as ckpt:
+        ckpt.save(0, {**state, "step": 0}).result()
+        state["w0"] += 1.0
+        ckpt.save(1, {**state, "step": 1}).result()
+    before = _tree_bytes(anc)
+    fork_s, fork = h.timed(lambda: cryosnap.Run(anc).fork(1, dest))
+    written = _tree_bytes(dest) + _tree_bytes(anc) - before
+    logical = fork.summary(1).logical_bytes
+    load_fork_s, _ = h.timed(lambda: cryosnap.load(dest))
+    load_anc_s, _ = h.timed(lambda: cryosnap.load(anc, step=1))
+    with cryosnap.Checkpointer(dest) as ckpt:
+        resumed = ckpt.restore()
+        assert isinstance(resumed, dict)
+        resumed["w1"] = resumed["w1"] * 2
+        save_s, info = h.timed(lambda: ckpt.save(2, resumed).result())
+    rows = [
+        ["version", h.format_bytes(logical)],
+        ["fork: bytes written (fork + hold)", h.format_bytes(written)],
+        ["fork: share of the version", f"{100 * written / logical:.3f}%"],
+        ["fork: time", h.format_s(fork_s)],
+        [
+            "load the fork / the ancestor's version",
+            f"{h.format_s(load_fork_s)} / {h.format_s(load_anc_s)}",
+        ],
+        ["fork's first save, one 16 MiB leaf changed", h.format_bytes(info.written_bytes)],
+        ["fork's first save: time", h.format_s(save_s)],
+    ]
+    print(h.format_table([f"fork of a {h.format_bytes(logical)} version", "figure"], rows))
+    return [
+        h.Check(
+            "a fork writes < 1% of its version", written < logical / 100, h.format_bytes(written)
+        ),
+        h.Check(
+            "the fork's first save writes what changed",
+            info.incremental and info.written_bytes <= 16 * MIB + MIB,
+            h.format_bytes(info.written_bytes),
+        ),
+    ]
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-mib", type=int, default=256)
@@ -166,15 +224,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versions", type=int, default=100)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--emb-mib", type=int, default=64)
+    parser.add_argument("--fork-mib", type=int, default=1024, help="the forked version's size")
     parser.add_argument("--quick", action="store_true", help="a smoke run (small, 20 versions)")
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     args = parser.parse_args(argv)
     if args.quick:
-        args.state_mib, args.versions, args.emb_mib = 36, 20, 16
+        args.state_mib, args.versions, args.emb_mib, args.fork_mib = 36, 20, 16, 64
     before = h.load_average()
     print(h.environment())
     with h.scratch_dir("cryosnap-lineage-", args.dir) as base:
-        checks = bench_history(base, args) + bench_delta(base, args)
+        checks = bench_history(base, args) + bench_delta(base, args) + bench_fork(base, args)
     for check in checks:
         print(check.line())
     h.print_load(before)

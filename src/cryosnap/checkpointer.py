@@ -31,7 +31,7 @@ from cryosnap._validate import step as validate_step
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError
 from cryosnap.policy import RetentionPolicy, SavePolicy
-from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store, open_store
+from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store, open_run_store
 from cryosnap.storage.striped import Device, StripedStore
 
 __all__ = [
@@ -124,6 +124,21 @@ class _Opened:
     max_inflight = _Option[int]("max_inflight")
     allow_pickle = _Option[bool]("allow_pickle")
 
+    # what the last restore read ----------------------------------------------------------------
+    _restored: int | None = None
+    _restored_from: str | None = None
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last :meth:`restore` returned (None: none yet)."""
+        return self._restored
+
+    @property
+    def restored_from(self) -> str | None:
+        """The level this participant's part of the last :meth:`restore` came from: "memory",
+        "partner-memory" (rebuilt at open from the other nodes'), "scratch", "persistent"."""
+        return self._restored_from
+
     # policies and preemption ----------------------------------------------------------------
     @property
     def policy(self) -> SavePolicy | None:
@@ -178,15 +193,12 @@ class Checkpointer(_Opened):
     keep
         Versions to keep on the persistent tier: an int (the newest N), a retention policy from
         :mod:`cryosnap.policy` (``KeepEvery``, ``KeepBest`` by a metric given to ``save``,
-        ``KeepAny`` of several), or None (all). The newest version is always kept. Others are
-        deleted after each commit; a data file or manifest goes only when no kept version
-        needs it.
+        ``KeepAny`` of several), or None (all). The newest version is always kept. Others go
+        after each commit; a data file or manifest only when no kept version needs it.
     keep_scratch
-        Versions to keep on scratch (default 2; only with ``scratch``); a version leaves
-        scratch only once it is persistent.
+        Versions to keep on scratch (default 2; with ``scratch``), each until it is persistent.
     incremental
-        Write only chunks whose content is new since the previous version (True), or every
-        version in full (False).
+        Write only chunks new since the previous version (True), or every version in full.
     full_every
         With ``incremental``, a full (self-contained) version at least every N versions, which
         bounds the chain a restore has to resolve.
@@ -248,6 +260,9 @@ class Checkpointer(_Opened):
         participants on as many distinct nodes (zfec: ``pip install 'cryosnap[rs]'``): about
         M/K of a part more per participant; any M lost nodes of a set are rebuilt at open,
         verified.
+    memory
+        Bytes per participant (``"4GiB"``) of a memory level: its newest version in shared
+        memory, read first by :meth:`restore` (README, "Memory level"). None: none.
     clock
         The monotonic clock (seconds) the save policy is told the time by; tests pass a fake.
     run_id
@@ -270,8 +285,8 @@ class Checkpointer(_Opened):
         (:meth:`cryosnap.Run.stats`; NaN or Inf marks a version "unhealthy"). False: none, for
         the writer thread's time they take (docs/PERFORMANCE.md).
     codec
-        The persistent level's data files as the flush from ``scratch`` writes them: None,
-        ``"zstd"`` or ``"auto"`` (byte shuffle + zstd; docs/design/levels.md, "Codecs").
+        The persistent level's data files, as the flush from ``scratch`` writes them: None,
+        ``"zstd"``, ``"auto"`` (README, "Compressing the persistent level").
     """
 
     def __init__(
@@ -299,6 +314,7 @@ class Checkpointer(_Opened):
         device_diff: bool | None = None,
         partner: bool | str = False,
         stats: bool = True,
+        memory: int | str | None = None,
         codec: str | None = None,
     ) -> None:
         self._options = RunOptions(
@@ -324,6 +340,7 @@ class Checkpointer(_Opened):
             device_diff=device_diff,
             partner=partner,
             stats=stats,
+            memory=memory,
             codec=codec,
         )
         run = open_run(self._options)
@@ -336,7 +353,6 @@ class Checkpointer(_Opened):
         # The lineage new versions are committed in: the run's newest generation, or a new one
         # once a restore rewound the run (docs/FORMAT.md, "Superseding").
         self._lineage = run.lineage
-        self._restored: int | None = None
         self._closed = False
 
     # context manager ---------------------------------------------------------------------------
@@ -355,7 +371,8 @@ class Checkpointer(_Opened):
             self.close()
             return
         # Drain and release, but do not mask the exception already propagating, and do not
-        # keep retrying flushes to an unreachable persistent tier meanwhile.
+        # keep retrying flushes to an unreachable persistent tier meanwhile. The memory level
+        self._run.keep_memory = True  # stays for the restart, as after a kill
         self._levels.abandon()
         try:
             self.close()
@@ -498,7 +515,7 @@ class Checkpointer(_Opened):
         self._check_open()
         if step is not None:
             validate_step(step)
-        state, restored = restore_run(
+        state, restored, store = restore_run(
             self._levels,
             self._run.restore_channel,
             step,
@@ -508,7 +525,9 @@ class Checkpointer(_Opened):
             keys=engine.validate_keys(keys),
             device=device_for(map_location, into),
             choice=make_choice(step, healthy, mark),
+            memory=self._run.memory_store,
         )
+        self._restored_from = self._run.level_of(store, restored)
         self._rewound(restored)
         return state
 
@@ -518,11 +537,6 @@ class Checkpointer(_Opened):
         "Marks"). The caller's thread; no collectives: any participant may mark."""
         with self._levels.files_lock:  # not while retention removes unfinished writes
             mark_version(self._levels.stores(), step, label, fence=self._levels.fence)
-
-    @property
-    def restored_step(self) -> int | None:
-        """The step the last :meth:`restore` returned (None: none yet)."""
-        return self._restored
 
     def _rewound(self, step: int) -> None:
         """After restoring ``step``: the lineage of the next versions (restore.py)."""
@@ -558,6 +572,7 @@ class Checkpointer(_Opened):
             finally:
                 self._levels.release_locks()
                 self._run.release_signals()
+                self._run.close_memory()
         self._saves.raise_undelivered()
 
     def _check_open(self) -> None:
@@ -642,7 +657,7 @@ def load(
         device=device_for(map_location, into),
         choice=choice,
     )
-    return restore_one(open_store(path), step, into=into, ask=ask)
+    return restore_one(open_run_store(path), step, into=into, ask=ask)
 
 
 def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -651,7 +666,7 @@ def run_id_of(path: PathLike, *, storage_options: dict[str, Any] | None = None) 
     Read-only, takes no lock. Raises :class:`~cryosnap.CheckpointNotFoundError` when the run
     holds no version. Resume a training with ``Checkpointer(path, run_id=run_id_of(path))``.
     """
-    store = path if isinstance(path, Store) else open_store(path, **(storage_options or {}))
+    store = path if isinstance(path, Store) else open_run_store(path, **(storage_options or {}))
     newest = newest_record(store)
     if newest is None:
         raise CheckpointNotFoundError(f"{store.url} holds no version")

@@ -51,11 +51,14 @@ catch one class. Where a builtin already means the same thing, the error derives
     │                                                    loader or a run it cannot resume exactly
     ├── ConfigError (+ ValueError)                       ``Checkpointer.from_config``: an unknown
     │                                                    key or a value of the wrong type (names
-    │                                                    the key and the file or variable)
+    │                                                    the key and the file or variable); a
+    │                                                    framework's checkpoint configuration
+    │                                                    cryosnap refuses (torchtitan's)
     ├── UnsupportedError (+ NotImplementedError)         a framework setup a cryosnap integration
     │                                                    cannot checkpoint yet (the HF Trainer
-    │                                                    with DeepSpeed or FSDP): names it and
-    │                                                    what to do instead
+    │                                                    with DeepSpeed or FSDP, torchtitan's
+    │                                                    HF last save): names it and what to do
+    │                                                    instead
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     ├── CoordinationError                                a collective among the run's participants
     │                                                    failed or timed out (a rank died or
@@ -69,6 +72,9 @@ catch one class. Where a builtin already means the same thing, the error derives
     ├── LockFileError                                    the run's write lock is a symbolic
     │                                                    link, not a regular file, or
     │                                                    hard-linked: never written through
+    ├── MemoryLevelError                                 ``memory=``: the memory root is missing,
+    │                                                    or its per-user directory is not this
+    │                                                    user's alone (mode 0700)
     ├── RunLockedError                                   another writer holds the run's write
     │                                                    lock (a Checkpointer is open on it), or
     │                                                    took it while this one was opening
@@ -106,6 +112,7 @@ __all__ = [
     "KeyNotFoundError",
     "LockFileError",
     "LockLostError",
+    "MemoryLevelError",
     "MissingDependencyError",
     "PartNotFoundError",
     "ReplicaDivergenceError",
@@ -253,12 +260,16 @@ class InexactResumeError(CheckpointError, ValueError):
 
 class ConfigError(CheckpointError, ValueError):
     """A configuration (``Checkpointer.from_config``) names an unknown argument or gives one a
-    value of the wrong type; the message names the key and the file or variable."""
+    value of the wrong type; the message names the key and the file or variable. Also a
+    framework's checkpoint configuration that cryosnap's manager refuses (torchtitan's
+    ``keep_latest_k=1``), naming the field and what to give instead."""
 
 
 class UnsupportedError(CheckpointError, NotImplementedError):
     """A framework setup that a cryosnap integration cannot checkpoint yet (the Hugging Face
-    ``Trainer`` with a DeepSpeed config, or with FSDP): raised before anything is saved; the
+    ``Trainer`` with a DeepSpeed config, or with FSDP; torchtitan's ``last_save_in_hf`` and
+    ``create_seed_checkpoint``; a Lightning strategy of cryosnap's beside a second
+    checkpointing callback or a ``CheckpointIO`` plugin): raised before anything is saved; the
     message names the setup and what to do instead."""
 
 
@@ -281,6 +292,12 @@ class LockLostError(CheckpointError):
 class LockFileError(CheckpointError):
     """The run's write lock is not a file cryosnap writes through (a symbolic link, not a
     regular file, or hard-linked elsewhere); ``path`` names it."""
+
+
+class MemoryLevelError(CheckpointError):
+    """The memory level (``Checkpointer(memory=...)``) cannot be used where it was asked for:
+    its root (``$CRYOSNAP_MEMORY_ROOT``, default ``/dev/shm``) is missing, not a directory, or
+    its per-user directory is not this user's alone."""
 
 
 class RunLockedError(CheckpointError):

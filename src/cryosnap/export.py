@@ -37,7 +37,7 @@ from cryosnap._state.torch_import import import_torch, loaded_torch
 from cryosnap.checkpointer import load
 from cryosnap.errors import ExportError
 from cryosnap.run import committed_steps, is_dcp_version
-from cryosnap.storage import Store, open_store
+from cryosnap.storage import Store, open_run_store
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -114,7 +114,7 @@ def export(
                 f"cannot export a delta to {str(out)!r}: a delta (since=) is a .safetensors or "
                 ".npz file"
             )
-    store = open_store(path)
+    store = open_run_store(path)
     if step is None:
         step = committed_steps(store)[-1]
     if since is not None:

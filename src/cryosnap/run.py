@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cryosnap import _lineage, engine
+from cryosnap import _forks, _lineage, engine
+from cryosnap._forks import RunLineage
 from cryosnap._format.keys import commit_key
 from cryosnap._format.limits import MAX_STEP
 from cryosnap._format.manifest import Replicated
@@ -34,6 +35,7 @@ from cryosnap._inspect import (
 from cryosnap._located import located
 from cryosnap._run import health
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
+from cryosnap._run.memory import MemoryRun, memory_root, memory_runs, remove_orphans
 from cryosnap._run.options import PathLike, RunOptions, ScratchLike
 from cryosnap._run.scavenge import FlushedVersion, FlushFailure, FlushReport, flush_run
 from cryosnap._validate import boolean, positive_int, seconds, wrong_type
@@ -48,7 +50,7 @@ from cryosnap.errors import (
     IntegrityError,
     RunLockedError,
 )
-from cryosnap.storage import Store, open_store
+from cryosnap.storage import Store, open_run_store, open_store
 
 __all__ = [
     "Damage",
@@ -57,8 +59,10 @@ __all__ = [
     "FlushedVersion",
     "LevelCheck",
     "MAX_STEP",
+    "MemoryRun",
     "Removal",
     "Run",
+    "RunLineage",
     "VerifyReport",
     "VersionCheck",
     "VersionInfo",
@@ -67,6 +71,9 @@ __all__ = [
     "committed_steps",
     "flush",
     "is_dcp_version",
+    "memory_levels",
+    "memory_root",
+    "remove_orphaned_memory",
     "runs_inside",
 ]
 
@@ -259,7 +266,7 @@ class Run:
     ) -> None:
         # Checked as the Checkpointer checks its scratch= (no I/O); found when verified.
         self._scratch = RunOptions(path=path, scratch=scratch).scratch_devices
-        self._store = open_store(path, **(storage_options or {}))
+        self._store = open_run_store(path, **(storage_options or {}))
         _check_is_run(self._store)
 
     def __repr__(self) -> str:
@@ -461,6 +468,36 @@ class Run:
             if not engine.step_exists(self._store, step):
                 raise self._not_found(step)
             return health.version_marks([self._store], step)
+
+    # -- forks ---------------------------------------------------------------------------------
+
+    def fork(
+        self,
+        step: int,
+        dest: str | os.PathLike[str] | Store,
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Run:
+        """A new run at ``dest`` whose first version is version ``step`` of this run, bit for
+        bit; a ``Checkpointer(dest)`` continues it, saving incrementally against it.
+
+        Where both runs are directories on one file system, the fork names this run's data
+        files instead of copying them (creating it writes its manifests only), and this run's
+        retention, ``remove`` and ``gc`` keep every file a fork still reads; elsewhere (another
+        file system, an object store) only the chunks the version reads are copied, once.
+        ``dest`` must be new or empty (:class:`~cryosnap.errors.CheckpointExistsError`);
+        ``storage_options`` are ``dest``'s. Takes ``dest``'s write lock while it is made;
+        this run's writer may go on meanwhile. docs/design/lineage.md has the protocol.
+        """
+        step = validate_step(step)
+        with located(step=step, path=self._store.url):
+            store, _shared = _forks.fork_run(self._store, step, dest, storage_options or {})
+        return Run(store)
+
+    def lineage(self) -> RunLineage:
+        """Where this run was forked from (its ancestors, the parent first) and the forks that
+        read its files: from ``FORK.json`` and the holds, no data read."""
+        return _forks.lineage_of(self._store)
 
     # -- removing ------------------------------------------------------------------------------
 
@@ -761,3 +798,19 @@ def is_dcp_version(store: Store, step: int) -> bool:
     if not isinstance(skeleton, dict) or skeleton.get("t") != "dict":
         return False
     return skeleton.get("k") == [_DCP_ROOT]
+
+
+# -- memory levels --------------------------------------------------------------------------------
+
+
+def memory_levels() -> list[MemoryRun]:
+    """This user's memory levels (``Checkpointer(memory=...)``) on this node, under
+    ``$CRYOSNAP_MEMORY_ROOT`` (default ``/dev/shm``): each one's run, bytes, live holders, and
+    whether it is an orphan."""
+    return memory_runs(memory_root())
+
+
+def remove_orphaned_memory() -> list[MemoryRun]:
+    """Delete the memory levels no live process holds (a run killed and never opened again:
+    its next open would have taken its level over); the ones removed."""
+    return remove_orphans(memory_root())

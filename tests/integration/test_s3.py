@@ -633,3 +633,27 @@ def test_run_handle_over_s3(s3_bucket: S3Bucket) -> None:
     assert_same(states[1], run.load())
     with pytest.raises(cryosnap.CheckpointNotFoundError, match="no checkpoint at"):
         cryosnap.Run(s3_bucket.url("none"), storage_options=s3_bucket.storage_options)
+
+
+def test_a_fork_onto_s3_copies_only_what_the_version_reads(
+    s3_bucket: S3Bucket, tmp_path: Any
+) -> None:
+    """A local run forked into a bucket: a full version of its own there, each chunk the
+    version reads copied once (less than the ancestor's files hold: an incremental chain)."""
+    anc = tmp_path / "anc"
+    w = np.arange(200_000, dtype=np.float64)
+    with cryosnap.Checkpointer(anc, chunk_bytes=64 << 10) as ckpt:
+        for s in range(1, 5):
+            w[: s * 10_000] += 1.0
+            ckpt.save(s, {"w": w, "step": s}).result()
+    url, options = s3_bucket.url("fork"), s3_bucket.storage_options
+    fork = cryosnap.Run(anc).fork(4, url, storage_options=options)
+    got = fork.load()
+    assert got["step"] == 4 and got["w"].tobytes() == w.tobytes()
+    assert fork.lineage().step == 4 and fork.lineage().ancestors == ()
+    summary = fork.summary(4)
+    reads = cryosnap.Run(anc).info(4)
+    held = sum(p.stat().st_size for p in (anc / "data").iterdir())
+    assert summary.data_files == 1 and reads.base_step is not None
+    assert summary.written_bytes <= summary.logical_bytes < held
+    assert fork.verify().ok

@@ -14,18 +14,15 @@ through cryosnap).
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -34,7 +31,7 @@ pytest.importorskip("torch.distributed")
 
 import cryosnap
 from tests import forkserver
-from tests.integration import ranks, transformers_job
+from tests.integration import manifests, ranks, transformers_job
 from tests.integration.test_dist_torch import free_port
 from tests.integration.test_example_train import _signal_tree
 
@@ -47,33 +44,6 @@ REPLICATED = ("lr_scheduler", "model", "optimizer", "trainer_state")
 
 
 # -- bytes per rank, from the version's manifests ----------------------------------------------
-
-
-def _segments(blob: list[Any]) -> list[list[int]]:
-    """A blob's segments, whether JSON rows or packed (docs/FORMAT.md)."""
-    rows = blob[2]
-    if isinstance(rows, dict):  # {"rows": n, "zlib_i64": ...}: n rows of 4 int64
-        flat = np.frombuffer(zlib.decompress(base64.b64decode(rows["zlib_i64"])), "<i8")
-        return flat.reshape(rows["rows"], 4).tolist()
-    return list(rows)
-
-
-def _written(run: Path, step: int, rank: int) -> int:
-    """The bytes of chunks rank ``rank`` wrote for version ``step``: the stored segments of its
-    manifest that lie in its own data file of that version (padding not counted)."""
-    manifest = json.loads((run / f"versions/{step:012d}/rank-{rank:05d}.json").read_text())
-    mine = {
-        i
-        for i, name in enumerate(manifest["data_files"])
-        if Path(name).name.startswith(f"{step:012d}-r{rank:05d}-")
-    }
-    ranges = {
-        (seg[2], seg[3])
-        for blob in manifest["blobs"]
-        for seg in _segments(blob)
-        if seg[0] == 0 and seg[1] in mine
-    }
-    return sum(nbytes for _, nbytes in ranges)
 
 
 def _leaf_bytes(run: Path, step: int, rank: int) -> tuple[int, int]:
@@ -97,13 +67,13 @@ def _assert_split(run: Path) -> None:
     for step in STEPS:
         for rank in range(WORLD):
             replicated, own = _leaf_bytes(run, step, rank)
-            written = _written(run, step, rank)
+            written = manifests.written(run, step, rank)
             assert written <= replicated / WORLD + CHUNK + own, (step, rank, written, replicated)
             if step == STEPS[0]:  # a full version: every rank writes its share of it
                 assert written >= replicated / WORLD - CHUNK + own, (rank, written, replicated)
     # Written once in total: rank 0 alone would have written all of it.
     replicated, own = _leaf_bytes(run, STEPS[0], 0)
-    total = sum(_written(run, STEPS[0], r) for r in range(WORLD))
+    total = sum(manifests.written(run, STEPS[0], r) for r in range(WORLD))
     assert replicated + own <= total <= replicated + WORLD * own
 
 

@@ -20,6 +20,7 @@ from cryosnap._format.document import (
     data_file,
     fail,
     int_field,
+    names_ancestor,
     now_unix,
     parse_json,
     unix_field,
@@ -30,6 +31,7 @@ from cryosnap._format.limits import MAX_COUNT, MAX_JSON_DEPTH, MAX_RANK, MAX_STE
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
+    "FORK_COMMIT_FORMAT_VERSION",
     "RUN_ID_PATTERN",
     "CommitRecord",
     "ManifestRef",
@@ -39,6 +41,9 @@ __all__ = [
 # Every commit record says this, whatever its manifests say (their versions grow with what
 # their skeletons hold: manifest.py; a commit record's fields are the same in all of them).
 COMMIT_FORMAT_VERSION = 1
+# A commit record naming a data file of an ancestor run (a fork's version, docs/FORMAT.md
+# "Forks") says this, so that a cryosnap from before forks refuses it by its version.
+FORK_COMMIT_FORMAT_VERSION = 2
 # A run id (which training wrote a version): letters, digits and ._:- only, 1 to 128 of them,
 # so it is safe in a log line, a file name or a shell command.
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -186,7 +191,9 @@ class CommitRecord:
 
     def to_json(self) -> bytes:
         doc: dict[str, Any] = {
-            "format_version": COMMIT_FORMAT_VERSION,
+            "format_version": FORK_COMMIT_FORMAT_VERSION
+            if names_ancestor(self.data_files)
+            else COMMIT_FORMAT_VERSION,
             "kind": "cryosnap.commit",
             "step": self.step,
             "world_size": self.world_size,
@@ -218,7 +225,7 @@ class CommitRecord:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> CommitRecord:
-        doc = parse_json(data, where, (COMMIT_FORMAT_VERSION,))
+        doc = parse_json(data, where, (COMMIT_FORMAT_VERSION, FORK_COMMIT_FORMAT_VERSION))
         if doc.get("kind") != "cryosnap.commit":
             raise fail(where, "not a cryosnap commit record")
         # A commit record is small and flat: its whole document is checked, so the checksum's
@@ -249,6 +256,9 @@ class CommitRecord:
         files = doc.get("data_files")
         if not isinstance(files, list):
             raise fail(where, "field 'data_files' must be a list")
+        data_files = tuple(data_file(f, where) for f in files)
+        if doc["format_version"] < FORK_COMMIT_FORMAT_VERSION and names_ancestor(data_files):
+            raise fail(where, "an ancestor's data file in a commit record of format_version 1")
         created = unix_field(doc, "created_unix", where)
         if not isinstance(doc.get("root"), str):
             raise fail(where, "field 'root' must be a string")
@@ -256,7 +266,7 @@ class CommitRecord:
             step=int_field(doc, "step", where, hi=MAX_STEP),
             world_size=world_size,
             manifests=tuple(sorted(refs, key=lambda r: r.rank)),
-            data_files=tuple(data_file(f, where) for f in files),
+            data_files=data_files,
             logical_bytes=int_field(doc, "logical_bytes", where),
             written_bytes=int_field(doc, "written_bytes", where),
             leaves=int_field(doc, "leaves", where),

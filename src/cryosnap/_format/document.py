@@ -8,6 +8,7 @@ Pure: validation only, no I/O. Runs on whichever thread calls it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -16,9 +17,11 @@ from cryosnap._format.limits import MAX_COUNT, MAX_UNIX
 from cryosnap.errors import CheckpointFormatError
 
 __all__ = [
+    "ANCESTOR_KEY",
     "data_file",
     "fail",
     "int_field",
+    "names_ancestor",
     "now_unix",
     "parse_json",
     "show",
@@ -60,13 +63,27 @@ def unix_field(doc: dict[str, Any], name: str, where: str) -> float:
 
 
 def data_file(key: Any, where: str) -> str:
-    """``key``, a safe key under ``data/``."""
-    if not isinstance(key, str) or not key.startswith("data/"):
+    """``key``, a safe key under ``data/``, or ``ancestors/<i>/data/...`` (a fork's name for a
+    data file of one of its ancestors, docs/FORMAT.md "Forks")."""
+    if isinstance(key, str) and key.startswith("ancestors/"):
+        if ANCESTOR_KEY.fullmatch(key) is None:
+            raise fail(where, f"malformed ancestor data file {key!r:.80}")
+    elif not isinstance(key, str) or not key.startswith("data/"):
         raise fail(where, f"data file {key!r:.80} is not under data/")
     try:
         return validate_key(key)
     except ValueError as exc:
         raise fail(where, f"unsafe data file name {key!r:.80}") from exc
+
+
+# A fork's name for data file ``data/...`` of its ancestor ``i`` (_format/forks.py).
+ANCESTOR_KEY = re.compile(r"ancestors/(?:0|[1-9][0-9]{0,3})/data/[^/]+\.dat")
+
+
+def names_ancestor(files: Any) -> bool:
+    """Whether any of the data file keys ``files`` names an ancestor's file (a document that
+    does is written in the format version that says so)."""
+    return any(f.startswith("ancestors/") for f in files)
 
 
 def version_file(key: Any, where: str) -> str:

@@ -21,6 +21,7 @@ from cryosnap._format.document import (
     data_file,
     fail,
     int_field,
+    names_ancestor,
     parse_json,
     unix_field,
     version_file,
@@ -34,6 +35,7 @@ __all__ = [
     "CODEC_FORMAT_VERSION",
     "COLUMNS_FORMAT_VERSION",
     "FILES_FORMAT_VERSION",
+    "FORK_FORMAT_VERSION",
     "FORMAT_VERSION",
     "NUMPY_PACKED_FORMAT_VERSION",
     "PACKED_FORMAT_VERSION",
@@ -65,13 +67,18 @@ NUMPY_PACKED_FORMAT_VERSION = 5
 # this, whatever else it holds, so that a cryosnap from before statistics refuses it by its
 # version. A manifest without the field (Checkpointer(stats=False)) keeps the version it had.
 STATS_FORMAT_VERSION = 6
+# A rank's manifest naming a data file of an ancestor run ("ancestors/<i>/data/...": a fork,
+# docs/FORMAT.md "Forks") says this, whatever else it holds, so that a cryosnap from before
+# forks refuses it by its version.
+FORK_FORMAT_VERSION = 7
 # A rank's manifest naming data files stored with the persistent level's codec (the "codec"
 # and "coded" fields, docs/FORMAT.md "Coded data files") says this, whatever else it holds, so
 # that a cryosnap from before codecs refuses it by its version instead of reading compressed
 # frames as chunks. A manifest naming no coded file keeps the version it had.
 CODEC_FORMAT_VERSION = 8
-# The manifest versions this cryosnap reads (each may hold what the ones before it may).
-_MANIFEST_VERSIONS = (*range(FORMAT_VERSION, STATS_FORMAT_VERSION + 1), CODEC_FORMAT_VERSION)
+# The manifest versions this cryosnap reads: every one up to the newest (each may hold what
+# the ones before it may).
+_MANIFEST_VERSIONS = tuple(range(FORMAT_VERSION, CODEC_FORMAT_VERSION + 1))
 # Top-level keys a manifest may name as replicated (a state has a handful).
 _MAX_REPLICATED_KEYS = 1 << 20
 
@@ -146,6 +153,8 @@ class Manifest:
             manifest = dataclasses.replace(self, format_version=COLUMNS_FORMAT_VERSION)
         if self.stats is not None and manifest.format_version < STATS_FORMAT_VERSION:
             manifest = dataclasses.replace(manifest, format_version=STATS_FORMAT_VERSION)
+        if manifest.format_version < FORK_FORMAT_VERSION and names_ancestor(self.data_files):
+            manifest = dataclasses.replace(manifest, format_version=FORK_FORMAT_VERSION)
         if self.coded and manifest.format_version < CODEC_FORMAT_VERSION:
             manifest = dataclasses.replace(manifest, format_version=CODEC_FORMAT_VERSION)
         return manifest, manifest._text(tree)
@@ -214,6 +223,8 @@ class Manifest:
         if not isinstance(files, list):
             raise fail(where, "field 'data_files' must be a list")
         data_files = tuple(data_file(f, where) for f in files)
+        if doc["format_version"] < FORK_FORMAT_VERSION and names_ancestor(data_files):
+            raise fail(where, f"an ancestor's data file in a manifest of {doc['format_version']=}")
         raw_base = doc.get("base")
         base = None
         if raw_base is not None:

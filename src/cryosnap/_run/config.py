@@ -84,6 +84,16 @@ def _partner(value: Any, key: str, where: str) -> bool | str:
     return _bool(value, key, where)
 
 
+def _size(value: Any, key: str, where: str) -> int | str:
+    """A byte count or a size such as ``"4GiB"`` (checked by RunOptions)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip():
+        text = value.strip()
+        return int(text) if text.isdigit() else text
+    raise ConfigError(f"{key} from {where}: a size is needed (e.g. 4GiB), got {value!r:.80}")
+
+
 def _text(value: Any, key: str, where: str) -> str:
     if isinstance(value, str) and value:
         return value
@@ -171,6 +181,7 @@ _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "device_diff": _or_none(_bool, "auto"),
     "partner": _partner,
     "stats": _bool,
+    "memory": _or_none(_size),
     "codec": _or_none(_text, "none"),
 }
 

@@ -25,6 +25,7 @@ from cryosnap._run.chain import ChainIndex
 from cryosnap._run.levels.codec import LevelCodec
 from cryosnap._run.levels.levels import Level, Levels
 from cryosnap._run.lock import RunLock, acquire_run_lock
+from cryosnap._run.memory import MemoryLevel
 from cryosnap._run.options import RunOptions
 from cryosnap._run.policy_room import PolicyRoom
 from cryosnap._run.redundancy.partner import Partners, rebuild
@@ -42,7 +43,14 @@ from cryosnap.errors import (
     CheckpointNotFoundError,
     RunLockedError,
 )
-from cryosnap.storage import Store, check_direct_io, join_location, open_store, unwrap
+from cryosnap.storage import (
+    Store,
+    check_direct_io,
+    join_location,
+    open_run_store,
+    open_store,
+    unwrap,
+)
 from cryosnap.storage.striped import Device, Placement, StripedStore
 
 __all__ = ["CHANNELS", "OpenRun", "flush_channel", "newest_record", "open_run", "resume_handoffs"]
@@ -79,11 +87,36 @@ class OpenRun:
     levels: Levels
     partners: Partners | None
     parity: Parity | RSParity | None
+    memory: MemoryLevel | None
     capturer: Capturer
     writer: WriterThread
     lineage: Lineage | None
     pending: list[PendingSave] = field(default_factory=list)
     signals: list[int] = field(default_factory=list)
+    # Set when the run closes on an exception: its memory level stays for the restart.
+    keep_memory: bool = False
+
+    @property
+    def memory_store(self) -> Store | None:
+        """The memory level's store (restore reads it first), None without one."""
+        return self.memory.store if self.memory is not None else None
+
+    def level_of(self, store: Store, step: int) -> str:
+        """The name of the level whose ``store`` a restore of ``step`` read."""
+        if self.memory is not None and store is self.memory.store:
+            name = self.memory.level_of(step)
+        else:
+            name = self.levels.name_of(store)
+        log.info("step %d restored from the %s level", step, name)
+        return name
+
+    def close_memory(self) -> None:
+        """Remove this participant's memory level (at close), or only release it when the
+        run closes on an exception (``keep_memory``): the restart reads it, as after a kill."""
+        if self.memory is not None and self.keep_memory:
+            self.memory.release()
+        elif self.memory is not None:
+            self.memory.close()
 
     def release_signals(self) -> None:
         """Put the program's own handlers back (where this was the last run using them)."""
@@ -117,6 +150,7 @@ def open_run(options: RunOptions) -> OpenRun:
         levels = open_levels(options, coord, persistent, scratch, chain, undo)
         partners = open_partners(options, coord, levels) if options.partner is True else None
         parity = open_parity(options, coord, levels)
+        memory = open_memory(options, coord, persistent, undo)
         levels.observe = policies.reached
         capturer = Capturer(
             chunk_bytes=options.chunk_bytes,
@@ -151,6 +185,7 @@ def open_run(options: RunOptions) -> OpenRun:
             policy_event=policies.event,
             clock=options.clock,
             inflight=inflight,
+            keep_in_memory=memory_keeper(memory, levels),
         )
         undo.pop_all()
     return OpenRun(
@@ -162,6 +197,7 @@ def open_run(options: RunOptions) -> OpenRun:
         levels=levels,
         partners=partners,
         parity=parity,
+        memory=memory,
         capturer=capturer,
         writer=writer,
         lineage=lineage,
@@ -196,7 +232,7 @@ def open_stores(options: RunOptions, coord: Coordinator) -> tuple[Store, Striped
     if devices and coord.world_size > 1:
         # Node-local: ranks of one node may share a scratch path, each keeps its own run.
         devices = [Device(_rank_dir(d, coord.rank), d.capacity_bytes, d.direct_io) for d in devices]
-    persistent = open_store(
+    persistent = open_run_store(
         options.path,
         timeout_seconds=timeout,
         direct_io=options.direct_io,
@@ -319,6 +355,33 @@ def open_parity(
     )
     rebuild_parity(coord, levels.first.store, parity)
     return parity
+
+
+def open_memory(
+    options: RunOptions, coord: Coordinator, persistent: Store, undo: ExitStack
+) -> MemoryLevel | None:
+    """With ``memory=``: open this participant's memory level (collective), protected as the
+    first level is, and get back what its node lost from the others' memory; ``undo``
+    releases its locks (and keeps its files: they may be all that is left of a version)."""
+    budget = options.memory_bytes
+    if budget is None:
+        return None
+    memory = MemoryLevel.open(coord, persistent.url, budget, partner=options.partner, rs=options.rs)
+    undo.callback(memory.release)
+    return memory
+
+
+def memory_keeper(
+    memory: MemoryLevel | None, levels: Levels
+) -> Callable[[int, engine.PartResult, Lineage | None], bool] | None:
+    """What the writer calls after each commit on the first level: the copy into memory."""
+    if memory is None:
+        return None
+
+    def keep(step: int, part: engine.PartResult, lineage: Lineage | None) -> bool:
+        return memory.keep(levels.first.store, step, part, lineage)
+
+    return keep
 
 
 # -- the run id --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from cryosnap._format.codec import require_zstd
 from cryosnap._format.commit import RUN_ID_PATTERN
 from cryosnap._run.capture.devdiff import DeviceDiff
 from cryosnap._run.redundancy.rs import parse_rs, require_zfec
+from cryosnap._units import parse_bytes
 from cryosnap.dist import Coordinator
 from cryosnap.policy import RetentionPolicy, SavePolicy, as_retention
 from cryosnap.storage import DEFAULT_TIMEOUT_SECONDS, Store
@@ -30,6 +31,7 @@ __all__ = ["DEFAULT_KEEP_SCRATCH", "PathLike", "RunOptions"]
 PathLike = str | os.PathLike[str] | Store
 
 DEFAULT_KEEP_SCRATCH = 2
+MIN_MEMORY_BYTES = 1 << 20
 
 ScratchLike = PathLike | Device | Sequence[PathLike | Device] | None
 
@@ -64,6 +66,7 @@ class RunOptions:
     device_diff: bool | None = None
     partner: bool | str = False  # False, True, "xor" or "rs:K+M"
     stats: bool = True
+    memory: int | str | None = None  # the memory level's byte budget per participant
     codec: str | None = None  # None, "zstd" or "auto": the persistent level's data files
 
     def __post_init__(self) -> None:
@@ -102,6 +105,7 @@ class RunOptions:
         _set(self, "allow_pickle", bool(self.allow_pickle))
         _set(self, "stats", _validate.boolean(self.stats, "stats"))
         self._check_partner()
+        _set(self, "memory", _memory(self.memory))
         _check_codec(self.codec, self.scratch)
         self._check_storage()
         _check_device_diff(self.device_diff, self.incremental, chunk_bytes)
@@ -129,6 +133,12 @@ class RunOptions:
             raise _partner_error(partner)
         if isinstance(partner, str) and partner.startswith("rs:"):
             require_zfec(partner)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The memory level's budget per participant (None: no memory level)."""
+        assert self.memory is None or isinstance(self.memory, int)
+        return self.memory
 
     @property
     def rs(self) -> tuple[int, int] | None:
@@ -176,6 +186,11 @@ class RunOptions:
         partner copies need several; several need scratch given as paths or URLs."""
         if self.partner and world_size == 1:
             raise _partner_error(self.partner)
+        if self.memory is not None and world_size > 1 and not self.scratch_devices:
+            raise ValueError(
+                f"memory={self.memory} with several participants needs scratch=: each "
+                "participant's memory holds its whole part, as node-local scratch does"
+            )
         if world_size > 1:
             for tier in self.scratch_devices:
                 if isinstance(tier.path, Store):
@@ -213,6 +228,28 @@ def _partner_error(partner: bool | str) -> ValueError:
         f"partner={partner!r} {what} each participant's scratch: it needs "
         "scratch= and several participants (comm=)"
     )
+
+
+def _memory(memory: object) -> int | None:
+    """The memory level's budget in bytes: an int, or a size such as ``"4GiB"``; at least
+    one chunk's worth makes no sense below 1 MiB, so less is refused."""
+    if memory is None:
+        return None
+    if isinstance(memory, bool) or not isinstance(memory, int | str):
+        raise TypeError(
+            f"memory must be None, a number of bytes or a size like '4GiB', got {memory!r}"
+        )
+    nbytes = parse_bytes(memory) if isinstance(memory, str) else memory
+    if nbytes is None:
+        raise ValueError(
+            f"memory={memory!r} is not a size (a number and a unit: B, KiB, MiB, GiB, TiB, "
+            "or KB, MB, GB, TB; e.g. '4GiB')"
+        )
+    if nbytes < MIN_MEMORY_BYTES:
+        raise ValueError(
+            f"memory={memory!r} is below the smallest memory level, 1 MiB (None: no memory level)"
+        )
+    return nbytes
 
 
 def _run_id(run_id: object) -> str | None:

@@ -57,15 +57,18 @@ def restore_run(
     keys: tuple[str | int, ...] | None,
     device: Any,
     choice: Choice = ANY_VERSION,
-) -> tuple[Any, int]:
-    """A managed run's restore (``Checkpointer.restore``): the state and the step restored.
-    Per level, this participant reads its rank's part on a shared level, part 0 of its own
-    run on a private one (a distributed run's node-local scratch); without a step and with
-    several participants, the step is agreed on ``channel``."""
+    memory: Store | None = None,
+) -> tuple[Any, int, Store]:
+    """A managed run's restore (``Checkpointer.restore``): the state, the step restored and
+    the store this participant's part was read from. Per level, this participant reads its
+    rank's part on a shared level, part 0 of its own run on a private one (a distributed run's
+    node-local scratch, its ``memory`` level: read first); without a step and with several
+    participants, the step is agreed on ``channel``."""
     me = channel.rank
+    private = [False] if memory is not None else []
     ask = Ask(
-        ranks=tuple(me if level.shared else 0 for level in levels.levels),
-        shared=tuple(level.shared for level in levels.levels),
+        ranks=tuple(me if shared else 0 for shared in [*private, *levels.shared()]),
+        shared=(*private, *levels.shared()),
         participants=channel.world_size,
         allow_pickle=allow_pickle,
         only=only,
@@ -73,13 +76,16 @@ def restore_run(
         device=device,
         choice=choice,
     )
-    stores = levels.stores()
+    stores = [*([memory] if memory is not None else []), *levels.stores()]
     restored: list[int] = []
+    served: list[Store] = []
     if step is not None or channel.world_size == 1:
-        state = restore_levels(stores, step, into=into, ask=ask, restored=restored)
+        state = restore_levels(stores, step, into=into, ask=ask, restored=restored, served=served)
     else:
-        state = restore_agreed(channel, stores, into=into, ask=ask, restored=restored)
-    return state, restored[-1]
+        state = restore_agreed(
+            channel, stores, into=into, ask=ask, restored=restored, served=served
+        )
+    return state, restored[-1], served[-1]
 
 
 def rewound_lineage(
@@ -137,13 +143,14 @@ def restore_levels(
     into: Any,
     ask: Ask,
     restored: list[int] | None = None,
+    served: list[Store] | None = None,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
     one that verifies, without ``step``); a damaged copy falls back to the next tier. A
     version saved by another number of ranks than ``ask.participants`` is a
     :class:`WorldSizeError` before any tier is read (:func:`_check_world`). The versions are
     those of every tier's records together (a rewind on one supersedes on all); the step
-    restored is appended to ``restored``."""
+    restored is appended to ``restored``, the tier it was read from to ``served``."""
     where = " + ".join(t.url for t in tiers)
     readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
     # The versions the choice allows, decided once (its warning said which it skips).
@@ -173,6 +180,8 @@ def restore_levels(
                 state = read(store, s)
                 if restored is not None:
                     restored.append(s)
+                if served is not None:
+                    served.append(store)
                 return state
             except CheckpointError as exc:
                 if store is not stores[-1][0]:
@@ -293,6 +302,7 @@ def restore_agreed(
     into: Any,
     ask: Ask,
     restored: list[int] | None = None,
+    served: list[Store] | None = None,
 ) -> Any:
     """The newest version every participant can restore: the steps complete for all of them,
     tried newest first until every participant read its part (damage on any one falls back
@@ -307,8 +317,9 @@ def restore_agreed(
     common = sorted(set.intersection(*(set(steps) for steps in listed)))
     damaged: dict[int, str] = {}
     for step in reversed(common):
+        probe: list[Store] = []
         try:
-            state = restore_levels(stores, step, into=None, ask=ask)
+            state = restore_levels(stores, step, into=None, ask=ask, served=probe)
             error, kind = "", ""
         except WorldSizeError as exc:
             state, error, kind = None, str(exc), "world"
@@ -325,8 +336,10 @@ def restore_agreed(
             if restored is not None:
                 restored.append(step)
             if into is None:
+                if served is not None:
+                    served.extend(probe)
                 return state
-            return restore_levels(stores, step, into=into, ask=ask)
+            return restore_levels(stores, step, into=into, ask=ask, served=served)
         if any(k == "damage" for _e, k in errors):
             damaged[step] = next(e for e, k in errors if k == "damage")
         log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0][0])

@@ -21,7 +21,7 @@ import cryosnap._run.replicated as _replicated
 from cryosnap import engine
 from cryosnap._format.chunks import merkle_root
 from cryosnap._format.commit import CommitRecord, PartSummary
-from cryosnap._format.keys import commit_key
+from cryosnap._format.keys import Lineage, commit_key
 from cryosnap._format.manifest import Manifest, Replicated
 from cryosnap._format.skeleton_text import SkeletonTextCache
 from cryosnap._located import located
@@ -442,8 +442,11 @@ class WriterThread:
         clock: Callable[[], float],
         inflight: threading.BoundedSemaphore,
         index: int = 0,
+        keep_in_memory: Callable[[int, engine.PartResult, Lineage | None], bool] | None = None,
     ) -> None:
         self.version = version
+        # The memory level's copy of each committed version (collective: _run/memory.py).
+        self.keep_in_memory = keep_in_memory
         self.levels = levels
         self.index = index
         self.policy_event = policy_event
@@ -551,6 +554,13 @@ class WriterThread:
         except Exception:
             log.exception("retention after step %d", job.step)
             chain.forget()
+        if self.keep_in_memory is not None and self.version.disagreed is None:
+            try:
+                self.keep_in_memory(job.step, part, job.lineage)
+            except Exception as exc:
+                # The version is durable below; the memory level only misses it.
+                log.exception("keeping step %d in memory", job.step)
+                self.version.note_disagreement(exc)
 
 
 class Rewriter:

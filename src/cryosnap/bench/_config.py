@@ -8,11 +8,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryosnap._units import parse_bytes
 from cryosnap.errors import BenchError, MissingDependencyError
 
 WORKLOADS = ("dense", "many-small", "sparse", "training")
@@ -30,35 +30,15 @@ TRAIN_EVERY = (1, 10)
 
 # ---------------------------------------------------------------------------------- arguments
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-
 
 def parse_size(text: str, *, option: str = "--size") -> int:
     """``"1GiB"``, ``"512MiB"``, ``"300MB"``, ``"4M"`` (binary), ``"1048576"`` as bytes."""
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    size = parse_bytes(text)
+    if size is None:
         raise BenchError(
             f"{option} {text!r} is not a size (a number and a unit: B, KiB, MiB, GiB, TiB, "
             "or KB, MB, GB, TB; e.g. 512MiB, 1GiB, 300MB)"
         )
-    size = int(float(match.group(1)) * _UNITS[unit])
     if size < MIN_SIZE_BYTES:
         raise BenchError(f"{option} {text!r} is below the smallest state, 1 MiB")
     return size

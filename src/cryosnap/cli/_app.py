@@ -18,10 +18,12 @@ from cryosnap.cli._demo import cmd_demo
 from cryosnap.cli._diff import cmd_diff
 from cryosnap.cli._export import cmd_export
 from cryosnap.cli._flush import cmd_flush
+from cryosnap.cli._fork import cmd_fork
 from cryosnap.cli._import_dcp import cmd_import_dcp
 from cryosnap.cli._inspect import cmd_inspect
 from cryosnap.cli._log import cmd_log
 from cryosnap.cli._ls import cmd_ls
+from cryosnap.cli._memory import cmd_memory
 from cryosnap.cli._plan import cmd_plan
 from cryosnap.cli._remove import cmd_gc, cmd_rm
 from cryosnap.cli._render import PROG, Invocation, print_line
@@ -87,7 +89,7 @@ def build_app(invocation: Invocation) -> typer.Typer:
         cls=_Group,
         name=PROG,
         help="List, inspect, verify, diff, log, export, remove, garbage-collect and flush cryosnap "
-        "checkpoints; plan intervals; benchmark against the peers.",
+        "checkpoints; clean shared memory; plan intervals; benchmark against the peers.",
         add_completion=False,
         pretty_exceptions_enable=False,
         context_settings={"help_option_names": ["-h", "--help"]},
@@ -97,8 +99,10 @@ def build_app(invocation: Invocation) -> typer.Typer:
     _add_export_command(app)
     _add_diff_command(app)
     _add_log_command(app)
+    _add_fork_command(app)
     _add_remove_commands(app)
     _add_flush_command(app)
+    _add_memory_command(app)
     _add_demo_command(app)
     _add_plan_command(app)
     _add_bench_command(app, invocation)
@@ -236,6 +240,22 @@ def _add_diff_command(app: typer.Typer) -> None:
         cmd_diff(path, a, b, rank=rank, as_json=json_output)
 
 
+def _add_fork_command(app: typer.Typer) -> None:
+    @app.command("fork")
+    def fork_command(
+        path: Annotated[str, PATH_ARG],
+        dest: Annotated[str, typer.Argument(help="The new run: a new or empty directory or URL.")],
+        step: Annotated[
+            int | None,
+            typer.Option("--step", min=0, max=MAX_STEP, help="The version (default: latest)."),
+        ] = None,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """Make DEST a new run whose first version is a version of PATH: its data files shared
+        on one file system (PATH's retention keeps what DEST reads), else copied once."""
+        cmd_fork(path, dest, step=step, as_json=json_output)
+
+
 def _add_log_command(app: typer.Typer) -> None:
     @app.command("log")
     def log_command(
@@ -285,6 +305,24 @@ def _add_remove_commands(app: typer.Typer) -> None:
         """Delete one version and every file no remaining version needs (a later version
         built on it still restores)."""
         cmd_rm(path, step=step, dry_run=dry_run, as_json=json_output)
+
+
+def _add_memory_command(app: typer.Typer) -> None:
+    @app.command("memory")
+    def memory_command(
+        clean: Annotated[
+            bool,
+            typer.Option(
+                "--clean",
+                help="Remove the memory levels no live process holds (a killed run's, never "
+                "opened again).",
+            ),
+        ] = False,
+        json_output: Annotated[bool, JSON_OPT] = False,
+    ) -> None:
+        """This user's memory levels in shared memory ($CRYOSNAP_MEMORY_ROOT, default
+        /dev/shm) on this node: run, bytes, holders; --clean removes the orphans."""
+        cmd_memory(clean=clean, as_json=json_output)
 
 
 def _add_flush_command(app: typer.Typer) -> None:

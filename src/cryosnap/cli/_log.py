@@ -1,6 +1,7 @@
 """``cryosnap log``: per version, its step and marks; with ``--leaf``, that leaf's statistics
 recorded at save and the fraction of its chunks changed since the version before; with
-``--plot``, the leaf's norm and changed fraction over the steps (matplotlib).
+``--plot``, the leaf's norm and changed fraction over the steps (matplotlib); first the run's
+lineage (where it was forked from, and the forks that read its files).
 
 Runs on the caller's thread, over :meth:`cryosnap.Run.marks`, :meth:`~cryosnap.Run.stats` and
 :meth:`~cryosnap.Run.diff` (chunk hashes from the manifests; a small tensor packed with others
@@ -13,6 +14,7 @@ import itertools
 from typing import Any
 
 from cryosnap.cli._common import CliUsageError, check_image_out, committed, open_run
+from cryosnap.cli._fork import lineage_doc, print_lineage
 from cryosnap.cli._render import Column, Table, iso_time, print_json, print_line
 from cryosnap.errors import CheckpointNotFoundError, StatsNotRecordedError
 from cryosnap.run import Run
@@ -28,9 +30,11 @@ def cmd_log(location: str, *, leaf: str | None, as_json: bool, plot: str | None)
     rows = _rows(run, leaf)
     if leaf is not None and not any(r["stats"] or r["changed_fraction"] is not None for r in rows):
         raise CliUsageError(f"--leaf {leaf}: no version of {run.url} holds that leaf")
+    lineage = run.lineage()
     if as_json:
-        print_json({"path": run.url, "leaf": leaf, "versions": rows})
+        print_json({"path": run.url, "leaf": leaf, **lineage_doc(lineage), "versions": rows})
     else:
+        print_lineage(run, lineage, forks=True)
         _table(rows, leaf)
     if plot is not None and leaf is not None:
         written = _plot(rows, leaf, plot)

@@ -1,7 +1,7 @@
 """``cryosnap ls``: one row per committed version, from the commit records, with the bytes of
 data files each keeps alive: written by it, read from earlier versions, and pinned (read from
 versions that are gone); and its marks (mark records, and "unhealthy" from the manifests'
-statistics).
+statistics); and where the run was forked from.
 
 Runs on the caller's thread, over :meth:`cryosnap.Run.summary`; takes no lock.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from cryosnap.cli._common import committed, open_run
+from cryosnap.cli._fork import lineage_doc, print_lineage
 from cryosnap.cli._render import Column, Table, iso_time, one_line, print_json
 from cryosnap.errors import CheckpointFormatError, CheckpointNotFoundError, IntegrityError
 from cryosnap.progress import human_bytes
@@ -21,9 +22,11 @@ def cmd_ls(location: str, *, as_json: bool) -> None:
     """One row per committed version; a damaged commit record is a row, not an abort."""
     run = open_run(location)
     versions = _versions(run)
+    lineage = run.lineage()
     if as_json:
-        print_json({"path": run.url, "versions": versions})
+        print_json({"path": run.url, **lineage_doc(lineage), "versions": versions})
         return
+    print_lineage(run, lineage, forks=False)
     table = Table(
         [
             Column("step", right=True),

@@ -24,7 +24,7 @@ from cryosnap.dcp._parts import BYTES, TENSORS, PartReader, metadata_text
 from cryosnap.dcp._schema import DcpError, DcpFormatError, ItemKey, decode, item_key, leaf_name
 from cryosnap.dcp._writer import is_step_id, step_of
 from cryosnap.run import committed_steps
-from cryosnap.storage import open_store
+from cryosnap.storage import open_run_store
 
 __all__ = ["StorageReader", "read_version_metadata"]
 
@@ -34,7 +34,7 @@ def read_version_metadata(
 ) -> tuple[Metadata, dict[ItemKey, int], int]:
     """The DCP ``Metadata`` of version ``step`` (None: the newest), where each item lies and
     the step; :class:`~cryosnap.dcp.DcpFormatError` if it is no DCP version."""
-    store = open_store(path)
+    store = open_run_store(path)
     if step is None:
         step = committed_steps(store)[-1]
     text, parts = metadata_text(store, step)
@@ -57,7 +57,7 @@ class StorageReader(_DcpStorageReader):
     """
 
     def __init__(self, path: PathLike, step: int | None = None) -> None:
-        self._store = open_store(path)
+        self._store = open_run_store(path)
         self._asked = None if step is None else _validate.step(step)
         self._step: int | None = None
         self._located: dict[ItemKey, int] = {}

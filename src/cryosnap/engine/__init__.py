@@ -10,6 +10,16 @@ docs/design/engine.md lists the modules.
 
 from __future__ import annotations
 
+from cryosnap.engine._copy import copy_version
+from cryosnap.engine._fork import (
+    ForkPlan,
+    create_fork,
+    fork_record,
+    held_files,
+    holds,
+    plan_fork,
+    release_holds,
+)
 from cryosnap.engine._limits import (
     IO_BATCH_BYTES,
     ReadLimits,
@@ -71,6 +81,7 @@ from cryosnap.engine.write import _split_pieces as _split_pieces
 
 __all__ = [
     "FlatPart",
+    "ForkPlan",
     "IO_BATCH_BYTES",
     "MAX_CHAIN",
     "PartNotFoundError",
@@ -89,13 +100,19 @@ __all__ = [
     "chain_keys",
     "chain_manifests",
     "closest_paths",
+    "copy_version",
+    "create_fork",
     "cut_part",
     "find_subtree",
+    "fork_record",
+    "held_files",
+    "holds",
     "ignore_files",
     "incomplete_files",
     "list_records",
     "list_steps",
     "list_versions",
+    "plan_fork",
     "plan_retire",
     "read_blob",
     "read_commit",
@@ -104,6 +121,7 @@ __all__ = [
     "read_manifest",
     "read_part",
     "read_selection",
+    "release_holds",
     "renumbered",
     "resolve",
     "resolve_part",

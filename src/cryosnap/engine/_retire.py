@@ -23,6 +23,7 @@ from cryosnap._format.keys import (
     visible_versions,
 )
 from cryosnap._format.marks import parse_mark_key
+from cryosnap.engine._fork import held_files, release_holds
 from cryosnap.engine._records import _no_fence, list_records, read_commit
 from cryosnap.engine._resolved import chain_keys
 from cryosnap.errors import (
@@ -69,6 +70,12 @@ class RetirePlan:
     superseded: list[str] = field(default_factory=list)
     # The commit records of ``dropped``, in the same order.
     records: list[str] = field(default_factory=list)
+    # Every data file the remaining versions read (a fork's ancestors' included): a fork
+    # releases its hold on an ancestor none of them names.
+    needed: frozenset[str] = frozenset()
+    # The data files no remaining version reads that a fork's hold kept when planned: they go
+    # with the others if the hold is gone (released, or its fork deleted) when they are.
+    held: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +168,9 @@ def plan_retire(
     kept = [records.get(s) or read_commit(store, s, versions[s]) for s in steps if s not in dropped]
     manifests = _unneeded_manifests(store, kept, reserved)
     needed_files = {f for r in kept for f in r.data_files}
-    data_files = [k for k in store.list("data") if k not in needed_files and k not in reserved]
+    unneeded = [k for k in store.list("data") if k not in needed_files and k not in reserved]
+    held = held_files(store)  # the forks' (listed again when the files go)
+    data_files = [] if held is None else [k for k in unneeded if k not in held]
     superseded = [
         commit_key(s, lin) for s, lin in sorted(listed, key=_order) if versions.get(s, 0) != lin
     ]
@@ -171,6 +180,8 @@ def plan_retire(
         data_files,
         superseded=superseded,
         records=[commit_key(s, versions[s]) for s in dropped],
+        needed=frozenset(needed_files | set(reserved)),
+        held=[k for k in unneeded if k not in data_files],
     )
 
 
@@ -291,10 +302,17 @@ def _delete_files(
     fence()  # deferred (retire's later): the lock may have gone meanwhile
     for key in plan.manifests:
         store.delete(key)
-    if plan.data_files:
-        before_delete(plan.data_files)
-        for key in plan.data_files:
+    # Listed again now that the dropped versions' commit records are gone: a fork created
+    # since the plan wrote its hold before it saw its version still committed
+    # (docs/design/lineage.md, "Forks").
+    held = held_files(store, release_stale=True)  # also when nothing goes: a deleted fork
+    candidates = [*plan.data_files, *plan.held]
+    doomed = [] if held is None else [k for k in candidates if k not in held]
+    if doomed:
+        before_delete(doomed)
+        for key in doomed:
             store.delete(key)
+    release_holds(store, plan.needed, before_release=before_delete)
     for prefix in _PREFIXES:
         for name in store.remove_incomplete(prefix):
             log.info("removed %s from %s: left by a write that never committed", name, store.url)

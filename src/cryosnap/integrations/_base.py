@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import cryosnap._run.signals as _signals
 from cryosnap import engine
 from cryosnap._validate import positive_int
-from cryosnap.checkpointer import Checkpointer, run_id_of
+from cryosnap.checkpointer import Checkpointer, PendingSave, run_id_of
 from cryosnap.dist import LocalCoordinator
 from cryosnap.errors import CheckpointExistsError
 from cryosnap.policy import EveryNSteps, SavePolicy
@@ -73,6 +73,12 @@ class RunSaver:
         How to resume in the framework's words, for the error messages.
     checkpointer_options
         Passed to :class:`~cryosnap.Checkpointer` (``keep``, ``allow_pickle``, ``scratch``...).
+    scheduled
+        Whether a schedule is required (one of ``every_n_steps`` and ``policy``); False: none
+        may be given, and the run saves only when :meth:`save` is called.
+    lazy
+        Saves return before the state is copied (``Checkpointer.save(lazy=True)``): the caller
+        waits for :meth:`wait_captured` before it mutates the saved leaves.
     """
 
     def __init__(
@@ -87,15 +93,20 @@ class RunSaver:
         resume_hint: str,
         checkpointer_options: dict[str, Any],
         steps_name: str = "every_n_steps",
+        scheduled: bool = True,
+        lazy: bool = False,
     ) -> None:
-        if (every_n_steps is None) == (policy is None):
+        if every_n_steps is not None and policy is not None:
+            raise TypeError(f"give one of {steps_name}= and policy= (when to save), not both")
+        if scheduled and every_n_steps is None and policy is None:
             raise TypeError(f"give one of {steps_name}= and policy= (when to save)")
         self.path = os.fspath(path)
+        self.policy: SavePolicy | None = policy
         if every_n_steps is not None:
-            self.policy: SavePolicy = EveryNSteps(positive_int(every_n_steps, steps_name))
-        else:
-            assert policy is not None
-            self.policy = policy
+            self.policy = EveryNSteps(positive_int(every_n_steps, steps_name))
+        self.lazy = bool(lazy)
+        self.pending: PendingSave | None = None
+        self.chosen: set[int] = set()  # the steps the schedule chose (saved then or before)
         self.save_on_train_end = bool(save_on_train_end)
         self.handle_signals = _signals.parse_signals(
             DEFAULT_SIGNALS if handle_signals is None else handle_signals
@@ -186,20 +197,30 @@ class RunSaver:
         self._asked = step
         if not ckpt.should_save(step):
             return False
+        self.chosen.add(step)
         if ckpt.preempted:
             self._preempt(step, state)
             return True
         self.save(step, state)
         return False
 
-    def save(self, step: int, state: Callable[[], Any]) -> None:
-        """Save ``step`` (asynchronously) unless this training saved it already."""
+    def save(self, step: int, state: Callable[[], Any]) -> bool:
+        """Save ``step`` (asynchronously) unless this training saved it already; whether it
+        did."""
         if self.ckpt is None or step <= 0:
-            return
+            return False
         if self.last_saved is not None and step <= self.last_saved:
-            return  # this training saved (or resumed from) it: the same state
-        self.ckpt.save(step, state(), replicated=self.replicated)
+            return False  # this training saved (or resumed from) it: the same state
+        self.wait_captured()
+        self.pending = self.ckpt.save(step, state(), lazy=self.lazy, replicated=self.replicated)
         self.last_saved = step
+        return True
+
+    def wait_captured(self) -> None:
+        """Block until the last save's state is copied (a lazy save's leaves may change)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait_captured()
 
     def end(self, step: int, state: Callable[[], Any]) -> None:
         """Training ended: save the last step (``save_on_train_end``), wait until every
@@ -224,6 +245,7 @@ class RunSaver:
         ckpt, self.ckpt = self.ckpt, None
         if ckpt is None:
             return
+        self.pending = None  # close() waits for it
         signals, self._subscribed = self._subscribed, []
         for signum in signals:  # before the Checkpointer puts the previous handlers back
             _signals.unsubscribe(signum, self._arrived)

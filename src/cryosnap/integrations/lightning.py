@@ -1,13 +1,16 @@
 """Lightning integration: checkpoints of a ``lightning.pytorch.Trainer`` written by cryosnap.
 
-Two ways in, both without pickle: :class:`CryosnapCheckpointIO`, a ``CheckpointIO`` plugin,
-and :class:`CryosnapCallback`, a ``Callback``; :func:`load_from_checkpoint` builds a module.
+Three ways in, all without pickle: :class:`CryosnapCheckpointIO`, a ``CheckpointIO`` plugin;
+:class:`CryosnapCallback`, a ``Callback``; :class:`CryosnapDDPStrategy`, a ``DDPStrategy``
+whose checkpoints every rank writes its part of. :func:`load_from_checkpoint` builds a module.
 Runs on the training loop's thread; the writes run on each Checkpointer's writer thread.
 docs/design/integrations.md has how each works, what is stored and what is not supported.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import os
 import pathlib
@@ -20,23 +23,32 @@ import torch
 from fsspec.core import url_to_fs
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ParallelStrategy, Strategy
 
 from cryosnap import engine
 from cryosnap._validate import step as validate_step
 from cryosnap.checkpointer import Checkpointer, PendingSave, load
 from cryosnap.dist import LocalCoordinator
-from cryosnap.errors import CheckpointError, CheckpointNotFoundError, InexactResumeError
+from cryosnap.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InexactResumeError,
+    StateMismatchError,
+    UnsupportedError,
+)
 from cryosnap.integrations import _loaders
-from cryosnap.integrations._base import RunSaver, split_step
+from cryosnap.integrations._base import RunSaver, rank_zeros, split_step
 from cryosnap.integrations.torch import RNGState
-from cryosnap.policy import SavePolicy
+from cryosnap.policy import RetentionPolicy, SavePolicy, VersionInfo, as_retention
 from cryosnap.run import Run
 from cryosnap.storage import open_store
 
 __all__ = [
     "CryosnapCallback",
     "CryosnapCheckpointIO",
+    "CryosnapDDPStrategy",
+    "CryosnapFSDPStrategy",
     "InexactResumeError",
     "InexactResumeWarning",
     "load_checkpoint",
@@ -109,11 +121,25 @@ def load_checkpoint(
     """The Lightning checkpoint dict stored at ``path`` (a run of either class here).
 
     ``step`` None: the newest version that verifies. For weights outside a Trainer:
-    ``model.load_state_dict(load_checkpoint(path)["state_dict"])``.
+    ``model.load_state_dict(load_checkpoint(path)["state_dict"])``. A version a cryosnap
+    strategy saved holds each rank's checkpoint: this is rank 0's.
     """
-    checkpoint = load(os.fspath(path), step=step, allow_pickle=allow_pickle)
+    return _with_buffers(_stored(os.fspath(path), step, 0, allow_pickle))
+
+
+def _with_buffers(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A strategy's ``checkpoint`` as Lightning's: its buffers back in the ``state_dict``."""
+    if _BUFFERS in checkpoint:
+        checkpoint["state_dict"] = {**checkpoint["state_dict"], **checkpoint.pop(_BUFFERS)}
+    return checkpoint
+
+
+def _stored(path: str, step: int | None, rank: int, allow_pickle: bool) -> dict[str, Any]:
+    """Part ``rank`` of version ``step`` of ``path`` as stored (a strategy's: with its buffers
+    apart from the ``state_dict``)."""
+    checkpoint = load(path, step=step, rank=rank or None, allow_pickle=allow_pickle)
     if not isinstance(checkpoint, dict):
-        raise TypeError(f"{os.fspath(path)} does not hold a Lightning checkpoint (a dict)")
+        raise TypeError(f"{path} does not hold a Lightning checkpoint (a dict)")
     return checkpoint
 
 
@@ -350,6 +376,10 @@ class CryosnapCallback(Callback):
                 **checkpointer_options,
             },
         )
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The rest of the constructor, once ``self._saver`` is set."""
         self.path = self._saver.path
         self.restored_step: int | None = None
         self._rng: Any = None  # generator states to put back when training starts
@@ -420,7 +450,16 @@ class CryosnapCallback(Callback):
                 self._start_next_epoch(trainer)
         # Opened here, after Lightning installed its signal handlers: cryosnap's goes in front.
         # Under DDP on every rank (collective): each saves its own part of every version.
-        self._saver.begin(trainer.global_step, distributed=trainer.world_size > 1)
+        self._saver.begin(
+            trainer.global_step,
+            distributed=trainer.world_size > 1,
+            replicated=self._replicated(trainer),
+        )
+
+    def _replicated(self, trainer: Trainer) -> list[str] | None:
+        """The top-level keys of the saved state that every rank holds alike (None: rank 0
+        saves the checkpoint, each other rank its own state of this callback)."""
+        return None
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -713,3 +752,669 @@ def _epoch_order(loader: object) -> _loaders.EpochOrder | None:
 def _batch_size(loader: object) -> int:
     size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return size if isinstance(size, int) else 1
+
+
+# -- the strategies: every rank saves its part --------------------------------------------------
+
+_BUFFERS = "cryosnap_buffers"  # a rank's own module buffers, beside the replicated parameters
+_REPLICATED = ["optimizer_states", "state_dict"]  # the same on every DDP rank: written 1/N each
+_POINTER = "cryosnap_run"  # the key of a checkpoint file the strategy writes for Lightning
+_POINTER_MAX_BYTES = 4096
+_STRATEGY_HINT = (
+    "run it with the same strategy (resume=True, the default) or trainer.fit(..., ckpt_path=path)"
+)
+# The Checkpointer's arguments the strategy sets itself.
+_STRATEGY_SETS = frozenset(
+    {"path", "policy", "handle_signals", "comm", "run_id", "keep", "allow_pickle"}
+)
+
+
+class _Named:
+    """The strategies' retention. A version a checkpoint file of Lightning names (a
+    ``ModelCheckpoint``'s top-k, best and last) is kept while the file is; one whose files
+    were all removed, and that the strategy's schedule did not choose, goes; among the others
+    ``keep`` chooses (None: all). Asked on the writer thread: the sets are replaced on the
+    training loop's thread, never changed in place."""
+
+    def __init__(self, keep: RetentionPolicy | None) -> None:
+        self.keep = keep
+        self.named: frozenset[int] = frozenset()
+        self.dropped: frozenset[int] = frozenset()
+
+    def select(self, versions: Sequence[VersionInfo]) -> set[int]:
+        rest = [v for v in versions if v.step not in self.named and v.step not in self.dropped]
+        kept = {v.step for v in rest} if self.keep is None else self.keep.select(rest)
+        return kept | {v.step for v in versions if v.step in self.named}
+
+    def __repr__(self) -> str:
+        return f"_Named(keep={self.keep!r}, named={sorted(self.named)})"
+
+
+class _StrategySaves(CryosnapCallback):
+    """The :class:`CryosnapCallback` a cryosnap strategy installs in its Trainer: its schedule,
+    preemption, generators, data positions and resume, except that every rank saves its whole
+    checkpoint (the replicated keys 1/N each, its own generators, data position and buffers)
+    and restores its own part. Runs on the training loop's thread."""
+
+    def __init__(
+        self,
+        strategy: _CryosnapStrategy,
+        saver: RunSaver,
+        *,
+        resume: bool,
+        exact: bool,
+        allow_pickle: bool,
+    ) -> None:
+        Callback.__init__(self)
+        self.resume, self.exact, self.allow_pickle = resume, exact, allow_pickle
+        self._saver = saver
+        self._strategy = strategy
+        self._init_state()
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._strategy._check_trainer(trainer)
+        super().setup(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._strategy._find_names(trainer)
+
+    def _replicated(self, trainer: Trainer) -> list[str] | None:
+        return self._strategy._replicated_keys()
+
+    def _read_runs_through(self, trainer: Trainer) -> None:
+        pass  # the strategy's load_checkpoint reads runs and Lightning's files
+
+    def _dump(self, trainer: Trainer) -> Any:
+        return self._strategy._saved_state(
+            trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        )
+
+    def _checkpoint_of_rank(
+        self, trainer: Trainer, run: str, step: int | None, allow_pickle: bool
+    ) -> dict[str, Any]:
+        """This rank's own part of version ``step`` of ``run`` (None: the newest that verifies,
+        as rank 0 finds it); collective: every rank calls it at the same point."""
+        world, rank = trainer.world_size, trainer.global_rank
+        checkpoint: dict[str, Any] | None = None
+        failed: Exception | None = None
+        if world == 1:
+            return self._part(run, step, (1, 0), allow_pickle)
+        if step is None and rank == 0:
+            checkpoint, failed = _attempt(lambda: self._part(run, None, (world, 0), allow_pickle))
+            if checkpoint is not None:
+                step = int(checkpoint.get("global_step", 0))
+        step = _agree(run, step, failed)
+        failed = None
+        if checkpoint is None:
+            checkpoint, failed = _attempt(
+                lambda: self._part(run, step, (world, rank), allow_pickle)
+            )
+        _agree(run, step, failed)
+        assert checkpoint is not None
+        return checkpoint
+
+    def _part(
+        self, run: str, step: int | None, where: tuple[int, int], allow_pickle: bool
+    ) -> dict[str, Any]:
+        """Part ``rank`` of version ``step`` (None: the newest that verifies) as Lightning's
+        checkpoint: the buffers back in the ``state_dict``. A version saved by another number
+        of processes gives each rank part ``rank % saved`` (inexact: warned or refused)."""
+        world, rank = where
+        checkpoint = _stored(run, step, 0, allow_pickle)
+        at = int(checkpoint.get("global_step", 0)) if step is None else step
+        try:
+            saved = Run(run).info(at).world_size
+        except CheckpointNotFoundError:  # a run@step whose step is not the global step
+            saved = 1
+        ours = _BUFFERS in checkpoint
+        if saved != world or not ours:
+            why = (
+                f"step {at} of {run}, saved by {saved} process(es), cannot resume {world} "
+                "process(es)"
+                if ours
+                else f"step {at} of {run} was saved by CryosnapCallback, not a strategy"
+            )
+            self._inexact(
+                why,
+                "every rank takes the random number generators and data position "
+                "of another rank; resume with as many processes as saved",
+            )
+        part = rank % saved if ours else 0
+        if part:
+            checkpoint = _stored(run, at, part, allow_pickle)
+        return _with_buffers(checkpoint)
+
+
+class _CryosnapStrategy(ParallelStrategy):
+    """What both cryosnap strategies add to Lightning's: ``save_checkpoint``,
+    ``load_checkpoint`` and ``remove_checkpoint`` on every rank, into one cryosnap run; the
+    schedule and resume of :class:`_StrategySaves`; the lazy capture's barrier before each
+    optimizer update. Runs on the training loop's thread."""
+
+    path: str
+    _saves: _StrategySaves
+    _kept: _Named
+    _names: dict[str, int]  # a checkpoint file Lightning asked for -> the version it names
+    _loaded_from: str
+
+    def _init_cryosnap(
+        self,
+        path: str | os.PathLike[str],
+        every_n_steps: int | None,
+        policy: SavePolicy | None,
+        options: dict[str, Any],
+        checkpointer_options: dict[str, Any],
+    ) -> None:
+        cls = type(self).__name__
+        unknown = sorted(set(checkpointer_options) - _CHECKPOINTER_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"{cls} got unexpected argument(s) {', '.join(unknown)}: not a Checkpointer "
+                f"option ({', '.join(sorted(_CHECKPOINTER_OPTIONS))}); the parent strategy's "
+                "go in its own options argument"
+            )
+        allow_pickle = bool(options["allow_pickle"])
+        self._kept = _Named(as_retention(options["keep"]))
+        saver = RunSaver(
+            path,
+            every_n_steps=every_n_steps,
+            policy=policy,
+            save_on_train_end=options["save_on_train_end"],
+            handle_signals=options["handle_signals"],
+            run_id=options["run_id"],
+            resume_hint=_STRATEGY_HINT,
+            checkpointer_options={
+                "keep": self._kept,
+                "allow_pickle": allow_pickle,
+                **checkpointer_options,
+            },
+            scheduled=False,
+            lazy=True,
+        )
+        self.path = saver.path
+        self._saves = _StrategySaves(
+            self,
+            saver,
+            resume=bool(options["resume"]),
+            exact=bool(options["exact"]),
+            allow_pickle=allow_pickle,
+        )
+        self._names = {}
+        self._loaded_from = self.path
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last ``fit`` resumed from by itself (None: it did not)."""
+        return self._saves.restored_step
+
+    @property
+    def preempted_at(self) -> int | None:
+        """The step saved on preemption in the last ``fit`` (None: not preempted)."""
+        return self._saves.preempted_at
+
+    # -- the Trainer ------------------------------------------------------------------------
+
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        callbacks = [] if trainer is None else _callbacks(trainer)
+        if trainer is not None and all(cb is not self._saves for cb in callbacks):
+            # Last, after the checkpoint callbacks: a step a ModelCheckpoint saves holds the
+            # state of the ModelCheckpoint that saved it, as in a torch file of its own.
+            callbacks.append(self._saves)
+
+    def _check_trainer(self, trainer: Trainer) -> None:
+        """Refuse what would checkpoint beside the strategy or be ignored by it."""
+        cls = type(self).__name__
+        for cb in _callbacks(trainer):
+            if isinstance(cb, CryosnapCallback) and cb is not self._saves:
+                raise UnsupportedError(
+                    f"{cls} saves the training itself and CryosnapCallback({cb.path!r}) would "
+                    "save it again (two runs, the same steps): remove the callback; the "
+                    "strategy's every_n_steps= or policy= is its schedule",
+                    path=self.path,
+                )
+            if isinstance(cb, ModelCheckpoint) and cb.save_weights_only:
+                raise UnsupportedError(
+                    f"ModelCheckpoint(save_weights_only=True) with {cls}: a version of the run "
+                    "must resume training, and a weights-only one cannot; drop "
+                    "save_weights_only (cryosnap.integrations.lightning.load_from_checkpoint "
+                    "reads the weights of any version)",
+                    path=self.path,
+                )
+        io = self._checkpoint_io
+        if io is not None and type(io) is not TorchCheckpointIO:
+            raise UnsupportedError(
+                f"{cls} writes every checkpoint itself, on every rank: the CheckpointIO plugin "
+                f"{type(io).__name__} would never be called; remove it from the Trainer",
+                path=self.path,
+            )
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def _saved_state(self, checkpoint: dict[str, Any]) -> Any:
+        """What every rank saves of Lightning's ``checkpoint``: the model's parameters apart
+        from its buffers (each rank's own, and a forward changes them: copied here, as a lazy
+        capture does not wait for forwards)."""
+        params = self._parameter_names()
+        weights = checkpoint["state_dict"]
+        state = dict(checkpoint)
+        state["state_dict"] = {k: v for k, v in weights.items() if k in params}
+        state[_BUFFERS] = {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in weights.items()
+            if k not in params
+        }
+        return to_plain(state, allow_pickle=self._saves.allow_pickle)
+
+    def _parameter_names(self) -> set[str]:
+        """The keys of the saved ``state_dict`` that are parameters (the rest: buffers)."""
+        module = self.lightning_module
+        assert module is not None
+        return {name for name, _ in module.named_parameters(remove_duplicate=False)}
+
+    def _replicated_keys(self) -> list[str] | None:
+        """The top-level keys of a saved state that are the same on every rank."""
+        return list(_REPLICATED) if self.world_size > 1 else None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """Save ``checkpoint`` as the run's version ``global_step`` (every rank its part, at
+        once: the copy runs in the background) and write at ``filepath`` a small file naming
+        it, for Lightning (``ModelCheckpoint``'s top-k, best and last, ``ckpt_path=``)."""
+        cls = type(self).__name__
+        if storage_options is not None:
+            raise TypeError(f"{cls}.save_checkpoint takes no storage_options")
+        if "optimizer_states" not in checkpoint:
+            raise UnsupportedError(
+                f"{cls} saves whole training states: a weights-only checkpoint "
+                f"({os.fspath(filepath)}) cannot resume training",
+                path=self.path,
+            )
+        step = validate_step(checkpoint.get("global_step", 0), "checkpoint['global_step']")
+        if step == 0:
+            raise UnsupportedError(
+                f"{cls} saves trained states, from step 1: {os.fspath(filepath)} at step 0",
+                path=self.path,
+            )
+        saver = self._saves._saver
+        opened = saver.ckpt is None  # outside fit: the run is opened for this save
+        if opened:
+            saver.begin(step, distributed=self.world_size > 1, replicated=self._replicated_keys())
+        try:
+            saver.save(step, lambda: self._saved_state(checkpoint))
+        finally:
+            if opened:
+                saver.close()
+        key = _file_key(filepath)
+        self._names[key] = step
+        self._kept.named = frozenset(self._names.values())
+        if self.is_global_zero:
+            _write_pointer(key, self.path, step)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Forget ``filepath``: its version goes at the run's next save unless another file
+        names it or the strategy's schedule chose it too (then ``keep`` decides)."""
+        key = _file_key(filepath)
+        step = self._names.pop(key, None)
+        self._kept.named = frozenset(self._names.values())
+        if step is not None and step not in self._saves._saver.chosen:
+            self._kept.dropped = self._kept.dropped | {step}
+        if self.is_global_zero and _read_pointer(key) is not None:
+            fs, fs_path = url_to_fs(key)
+            fs.rm(fs_path)
+
+    def _find_names(self, trainer: Trainer) -> None:
+        """The versions the ModelCheckpoints of ``trainer`` name after a resume (their top-k,
+        best and last files that point into this run), as global rank 0 reads them."""
+        names: dict[str, int] = {}
+        if trainer.is_global_zero:
+            run = _run_key(self.path)
+            for cb in trainer.checkpoint_callbacks:
+                if not isinstance(cb, ModelCheckpoint):
+                    continue
+                for path in [*cb.best_k_models, cb.best_model_path, cb.last_model_path]:
+                    pointer = _read_pointer(_file_key(path)) if path else None
+                    if pointer is not None and pointer[0] == run:
+                        names[_file_key(path)] = pointer[1]
+        if trainer.world_size > 1:
+            names = rank_zeros(names)
+        self._names = {**names, **self._names}
+        self._kept.named = frozenset(self._names.values())
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's, with the capture barrier between the closure (forward and backward:
+        they overlap the copy of the last save) and the update that changes what it copies."""
+        saver = self._saves._saver
+
+        def closure_then_captured() -> Any:
+            result = closure()
+            saver.wait_captured()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_captured, model, **kwargs)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """``checkpoint_path``: a file this strategy wrote (a ``last`` file of a
+        ModelCheckpoint stands for the run's newest version), a run (``path`` or
+        ``path@step``) or a Lightning checkpoint file; every rank reads its own part."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        self._saves._saver.wait_captured()
+        path = os.fspath(checkpoint_path)
+        run, step = _resolve(path, trainer)
+        if run is None:
+            self._loaded_from = path
+            return super().load_checkpoint(path, weights_only=weights_only)
+        self._loaded_from = run if step is None else f"{run}@{step}"
+        allow = self._saves.allow_pickle and not weights_only
+        return self._saves._checkpoint_of_rank(trainer, run, step, allow)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if strict:
+            _check_model(module.state_dict(), checkpoint["state_dict"], self._loaded_from, module)
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+
+class CryosnapDDPStrategy(_CryosnapStrategy, DDPStrategy):
+    """Lightning's ``DDPStrategy`` whose checkpoints every rank writes into one cryosnap run.
+
+    ``Trainer(strategy=CryosnapDDPStrategy(path, every_n_steps=100))`` is all a script adds:
+    the strategy saves on its schedule (as :class:`CryosnapCallback` does, no callback to add)
+    and whenever Lightning saves (``ModelCheckpoint``, ``trainer.save_checkpoint``); each rank
+    writes 1/N of the model and optimizer (the same on every rank) and its own generators,
+    data position and buffers. Saves are lazy: ``save`` returns before the copy, which runs
+    while the next batch's forward and backward do, and the next optimizer update waits for
+    it. ``fit`` resumes from the run's newest version by itself (``resume``);
+    ``fit(ckpt_path=...)`` takes a file it wrote, ``"last"``, a run or ``run@step``, or a
+    Lightning checkpoint file.
+
+    Parameters
+    ----------
+    path
+        The run: a directory or an fsspec URL.
+    every_n_steps, policy
+        The strategy's own schedule: every N optimizer steps, or a save policy from
+        :mod:`cryosnap.policy`; neither (the default): only when Lightning saves.
+    keep
+        Which versions to keep among those no Lightning checkpoint file names (an int n: the
+        newest n; a retention policy; None: all). A version a file names (a ModelCheckpoint's
+        top-k, best, last) is kept while the file is; one whose files ModelCheckpoint removed
+        goes at the next save unless the schedule chose it too; the newest is always kept.
+    save_on_train_end, resume, exact, handle_signals, run_id, allow_pickle
+        As :class:`CryosnapCallback`'s.
+    ddp_options
+        ``DDPStrategy``'s own arguments (``process_group_backend``, ``timeout``,
+        ``find_unused_parameters``...).
+    checkpointer_options
+        Passed to :class:`~cryosnap.Checkpointer` (``chunk_bytes``, ``scratch``, ``partner``,
+        ``incremental``...).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        every_n_steps: int | None = None,
+        policy: SavePolicy | None = None,
+        *,
+        keep: int | RetentionPolicy | None = None,
+        save_on_train_end: bool = True,
+        resume: bool = True,
+        exact: bool = False,
+        handle_signals: Sequence[int] | None = None,
+        run_id: str | None = None,
+        allow_pickle: bool = False,
+        ddp_options: Mapping[str, Any] | None = None,
+        **checkpointer_options: Any,
+    ) -> None:
+        DDPStrategy.__init__(self, **dict(ddp_options or {}))
+        options = {
+            "keep": keep,
+            "save_on_train_end": save_on_train_end,
+            "resume": resume,
+            "exact": exact,
+            "handle_signals": handle_signals,
+            "run_id": run_id,
+            "allow_pickle": allow_pickle,
+        }
+        self._init_cryosnap(path, every_n_steps, policy, options, checkpointer_options)
+
+
+_CHECKPOINTER_OPTIONS = frozenset(inspect.signature(Checkpointer.__init__).parameters) - {
+    "self",
+    *_STRATEGY_SETS,
+}
+
+
+def _callbacks(trainer: Trainer) -> list[Callback]:
+    """The Trainer's list of callbacks (set by its callback connector, untyped)."""
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    return callbacks
+
+
+def _file_key(path: Any) -> str:
+    """A checkpoint file's path as the strategies key it (local: absolute, normalized)."""
+    text = str(os.fspath(path))
+    return text if "://" in text else os.path.normpath(os.path.abspath(text))
+
+
+def _run_key(path: str) -> str:
+    return _file_key(path)
+
+
+def _write_pointer(key: str, run: str, step: int) -> None:
+    """Write at ``key`` the file naming version ``step`` of ``run`` (replaced whole)."""
+    fs, fs_path = url_to_fs(key)
+    fs.makedirs(fs.sep.join(fs_path.split(fs.sep)[:-1]) or ".", exist_ok=True)
+    body = json.dumps({_POINTER: _run_key(run), "step": step}).encode()
+    tmp = f"{fs_path}.tmp-{os.getpid()}"
+    fs.pipe_file(tmp, body)
+    fs.mv(tmp, fs_path)
+
+
+def _read_pointer(key: str) -> tuple[str, int] | None:
+    """(run, step) of the file at ``key`` if a cryosnap strategy wrote it, else None."""
+    fs, fs_path = url_to_fs(key)
+    try:
+        if not fs.isfile(fs_path) or fs.size(fs_path) > _POINTER_MAX_BYTES:
+            return None
+        told = json.loads(fs.cat_file(fs_path))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(told, dict) or not isinstance(told.get(_POINTER), str):
+        return None
+    step = told.get("step")
+    if type(step) is not int:
+        return None
+    return told[_POINTER], step
+
+
+def _resolve(path: str, trainer: Trainer) -> tuple[str | None, int | None]:
+    """What ``fit(ckpt_path=path)`` names: (run, step or None for the newest), or (None,
+    None) for a Lightning checkpoint file."""
+    key = _file_key(path)
+    pointer = _read_pointer(key)
+    if pointer is not None:
+        run, step = pointer
+        last = any(
+            key in {_file_key(p) for p in cb._find_last_checkpoints(trainer)}
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint)
+        )
+        return run, None if last else step
+    run_path, at = split_step(path)
+    if _holds_versions(run_path):
+        return run_path, at
+    fs, fs_path = url_to_fs(path)
+    if fs.isfile(fs_path):
+        return None, None
+    raise CheckpointNotFoundError(
+        f"ckpt_path={path!r} is neither a checkpoint file (Lightning's, or one a cryosnap "
+        "strategy wrote) nor a cryosnap run holding versions (a run's directory or URL, or "
+        "run@step)",
+        path=path,
+    )
+
+
+def _check_model(
+    own: Mapping[str, Any], saved: Mapping[str, Any], where: str, module: torch.nn.Module
+) -> None:
+    """Refuse a saved ``state_dict`` that does not fit ``own`` (the state of ``module``: names
+    and shapes), naming the differences, before anything is loaded."""
+    missing = sorted(set(own) - set(saved))
+    unexpected = sorted(set(saved) - set(own))
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} (the model's: {tuple(own[k].shape)})"
+        for k in own
+        if k in saved
+        and isinstance(saved[k], torch.Tensor)
+        and isinstance(own[k], torch.Tensor)
+        and saved[k].shape != own[k].shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    parts = [
+        f"{label}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+        for label, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("other shapes", shapes),
+        )
+        if names
+    ]
+    raise StateMismatchError(
+        f"cannot restore {where} into {type(module).__name__}: the saved weights do not fit it "
+        f"({'; '.join(parts)}); resume with the model that saved it (under FSDP, with the same "
+        "wrapping and number of ranks too), or start a new run",
+        path=where,
+    )
+
+
+class CryosnapFSDPStrategy(_CryosnapStrategy, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) whose checkpoints every rank writes into one cryosnap
+    run: its own shards, restored in place.
+
+    What a rank saves is what it holds: its shard of each parameter (with
+    ``use_orig_params=True``, Lightning's default, the parameters are views of the rank's part
+    of FSDP's flat parameters; a parameter wholly on other ranks has no elements here), its
+    buffers, and its optimizer's own ``state_dict()`` (the state of those shards), with its
+    generators and data position; no gather, no ``ShardedTensor``. A version restores into
+    the same wrapping on the same number of ranks, each shard copied into place (another
+    layout: a :class:`StateMismatchError` naming the parameters). Saves are lazy, as
+    :class:`CryosnapDDPStrategy`'s. On the CPU (gloo) torch's FSDP needs a device, which
+    Lightning does not pass: this strategy passes the CPU (and Lightning's check that FSDP
+    runs on a GPU applies to its own class only).
+
+    Parameters are :class:`CryosnapDDPStrategy`'s, with ``fsdp_options`` (``FSDPStrategy``'s
+    own arguments: ``auto_wrap_policy``, ``sharding_strategy``...) for ``ddp_options``.
+    Versions hold shards: :func:`load_from_checkpoint` cannot build a module from them.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        every_n_steps: int | None = None,
+        policy: SavePolicy | None = None,
+        *,
+        keep: int | RetentionPolicy | None = None,
+        save_on_train_end: bool = True,
+        resume: bool = True,
+        exact: bool = False,
+        handle_signals: Sequence[int] | None = None,
+        run_id: str | None = None,
+        allow_pickle: bool = False,
+        fsdp_options: Mapping[str, Any] | None = None,
+        **checkpointer_options: Any,
+    ) -> None:
+        fsdp = dict(fsdp_options or {})
+        if fsdp.get("use_orig_params") is False or "state_dict_type" in fsdp:
+            raise UnsupportedError(
+                "CryosnapFSDPStrategy saves each rank's shard of each parameter "
+                "(use_orig_params=True, Lightning's default): use_orig_params=False is not "
+                "supported, and state_dict_type does not apply",
+                path=os.fspath(path),
+            )
+        FSDPStrategy.__init__(self, **fsdp)
+        options = {
+            "keep": keep,
+            "save_on_train_end": save_on_train_end,
+            "resume": resume,
+            "exact": exact,
+            "handle_signals": handle_signals,
+            "run_id": run_id,
+            "allow_pickle": allow_pickle,
+        }
+        self._init_cryosnap(path, every_n_steps, policy, options, checkpointer_options)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
+            wrapped: torch.nn.Module = super()._setup_model(model)
+            return wrapped
+        # Lightning passes device_id=None for the CPU, and torch's FSDP then looks for an
+        # accelerator ("FSDP needs a non-CPU accelerator device"): name the CPU.
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+    def _wrapped_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameter shards and buffers, by the wrapped model's names."""
+        model = self.model
+        assert model is not None
+        state = {name: p.detach() for name, p in model.named_parameters()}
+        state.update((name, b) for name, b in model.named_buffers())
+        return state
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._wrapped_state()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        state: dict[str, Any] = inner.state_dict()
+        return state
+
+    def _parameter_names(self) -> set[str]:
+        model = self.model
+        assert model is not None
+        return {name for name, _ in model.named_parameters()}
+
+    def _replicated_keys(self) -> list[str] | None:
+        return None  # every rank's shards are its own
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Copy each saved shard into this rank's (the wrapping and ranks of the save)."""
+        own = self._wrapped_state()
+        saved = checkpoint["state_dict"]
+        module = self.lightning_module
+        assert module is not None
+        _check_model(own, saved, self._loaded_from, module)
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(saved[name])
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True  # FSDPStrategy's load_checkpoint loads them; this one's returns them
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # FSDPStrategy's does nothing (its load_checkpoint loaded them): Strategy's loads
+        # each optimizer's own state_dict, the state of this rank's shards.
+        Strategy.load_optimizer_state_dict(self, checkpoint)

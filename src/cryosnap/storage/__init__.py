@@ -13,6 +13,7 @@ from typing import Any
 from cryosnap.errors import DirectIOError
 from cryosnap.storage._codec import CodedWriter, DecodedStore, coded_size, decoded, read_index
 from cryosnap.storage._fsspec import FsspecStore
+from cryosnap.storage._linked import LinkedStore, linked
 from cryosnap.storage._local import LocalStore
 from cryosnap.storage._timeout import TimeoutStore
 from cryosnap.storage._wrap import WrapperStore, unwrap
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
     "DecodedStore",
     "FsspecStore",
+    "LinkedStore",
     "LocalStore",
     "Store",
     "StoreCapabilities",
@@ -44,6 +46,7 @@ __all__ = [
     "coded_size",
     "decoded",
     "join_location",
+    "open_run_store",
     "open_store",
     "read_index",
     "unwrap",
@@ -81,6 +84,12 @@ def open_store(
     if timeout_seconds is None:
         return backend
     return TimeoutStore(backend, timeout_seconds)
+
+
+def open_run_store(location: str | os.PathLike[str] | Store, **options: Any) -> Store:
+    """:func:`open_store` for a run: a :class:`LinkedStore`, which reads the data files a fork
+    shares with its ancestors from them (``options`` as for :func:`open_store`)."""
+    return linked(open_store(location, **options), open_store)
 
 
 # What isinstance(x, Store) checks, for the message when it fails on a would-be store.

@@ -115,7 +115,7 @@ class LocalStore:
     :meth:`check_direct_io`), buffered elsewhere; True: direct, and a file system that refuses
     it is a :class:`~cryosnap.DirectIOError`; False: through the page cache. Small files
     (``write``) always go through the page cache. ``syscalls``: the calls direct writes make
-    (tests inject faults with :class:`cryosnap.testing.FaultySyscalls`)."""
+    (faults: :class:`cryosnap.testing.FaultySyscalls`). ``private``: files 0600, dirs 0700."""
 
     def __init__(
         self,
@@ -123,6 +123,7 @@ class LocalStore:
         *,
         direct_io: bool | None = None,
         syscalls: Syscalls | None = None,
+        private: bool = False,
     ) -> None:
         if direct_io is not None and not isinstance(direct_io, bool):
             raise TypeError(f"direct_io must be None, True or False, got {direct_io!r}")
@@ -133,6 +134,7 @@ class LocalStore:
         self._direct: bool | None = None if direct_io is not False else False
         # Whether a cold restore reads data files with O_DIRECT: until a file system refuses.
         self._direct_reads = direct_io is not False
+        self.file_mode, self.dir_mode = (0o600, 0o700) if private else (0o644, 0o777)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -226,7 +228,7 @@ class LocalStore:
             mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
             raise self._not_a_dir(key, where, mode, reading=reading) from exc
         try:
-            os.mkdir(name, 0o777, dir_fd=parent)
+            os.mkdir(name, self.dir_mode, dir_fd=parent)
         except FileExistsError:
             pass  # made by someone else meanwhile; opened and checked below like any other
         else:
@@ -407,7 +409,7 @@ class LocalStore:
         with self._errors(key, "writing"), self._dirs(parts[:-1], key, create=True) as fds:
             parent = fds[-1]
             try:
-                fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=parent)
+                fd = os.open(tmp, _CREATE_FLAGS, self.file_mode, dir_fd=parent)
                 try:
                     _writev_all(fd, [data])
                     os.fsync(fd)
@@ -520,7 +522,7 @@ class _LocalWriter:
         with suppress(FileNotFoundError):
             os.unlink(self._partial, dir_fd=parent)  # a crashed writer's, or a planted name
         flags = _CREATE_FLAGS | (O_DIRECT if direct else 0)
-        self._fd: int | None = os.open(self._partial, flags, 0o644, dir_fd=parent)
+        self._fd: int | None = os.open(self._partial, flags, store.file_mode, dir_fd=parent)
         self._direct = DirectFile(self._fd, key, store.syscalls) if direct else None
         self._written = 0
 

@@ -207,6 +207,14 @@ class Levels:
     def stores(self) -> list[Store]:
         return [level.store for level in self.levels]
 
+    def name_of(self, store: Store) -> str:
+        """The name of the level whose store ``store`` is."""
+        return next(level.name for level in self.levels if level.store is store)
+
+    def shared(self) -> list[bool]:
+        """Per level, fastest first, whether every participant shares it."""
+        return [level.shared for level in self.levels]
+
     def start_handoffs(
         self,
         *,
