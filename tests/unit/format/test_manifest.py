@@ -131,7 +131,7 @@ MANIFEST_CASES = [
     ("tree", MISSING, "'tree'"),
     ("kind", "cryosnap.commit", "not a cryosnap manifest"),
     ("hash", "sha256", "hash algorithm"),
-    ("format_version", 8, "format_version"),
+    ("format_version", 9, "format_version"),
     ("format_version", True, "format_version"),
     ("format_version", MISSING, "format_version"),
 ]
