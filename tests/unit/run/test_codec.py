@@ -302,3 +302,11 @@ def test_a_cryosnap_from_before_codecs_refuses_by_version(tmp_path: Path) -> Non
     assert proc.returncode != 0
     assert "format_version 8 is not supported by this cryosnap" in proc.stderr
     assert str(old / "src") in proc.stderr  # it was that cryosnap that refused
+
+
+def test_a_fork_of_a_coded_run_reads_its_coded_files(tmp_path: Path) -> None:
+    run, state = _two_versions(tmp_path, codec="zstd")
+    shutil.rmtree(tmp_path / "scratch")
+    fork = cryosnap.Run(run).fork(2, tmp_path / "fork")
+    assert_same(state, fork.load(step=2))
+    assert fork.verify().ok
