@@ -193,23 +193,20 @@ class Checkpointer(_Opened):
     keep
         Versions to keep on the persistent tier: an int (the newest N), a retention policy from
         :mod:`cryosnap.policy` (``KeepEvery``, ``KeepBest`` by a metric given to ``save``,
-        ``KeepAny`` of several), or None (all). The newest version is always kept. Others are
-        deleted after each commit; a data file or manifest goes only when no kept version
-        needs it.
+        ``KeepAny`` of several), or None (all). The newest version is always kept. Others go
+        after each commit; a data file or manifest only when no kept version needs it.
     keep_scratch
-        Versions to keep on scratch (default 2; only with ``scratch``); a version leaves
-        scratch only once it is persistent.
+        Versions to keep on scratch (default 2; with ``scratch``), each until it is persistent.
     incremental
-        Write only chunks whose content is new since the previous version (True), or every
-        version in full (False).
+        Write only chunks new since the previous version (True), or every version in full.
     full_every
         With ``incremental``, a full (self-contained) version at least every N versions, which
         bounds the chain a restore has to resolve.
     chunk_bytes
         Chunk size for hashing and verification, 4 KiB to 64 MiB.
     staging_bytes
-        Host memory budget for captured state (None: as much as the state needs, kept for reuse).
-        With less than the state, capture streams and blocks until the writer frees buffers.
+        Host memory budget for captured state (None: as much as the state needs, kept for
+        reuse); with less, capture streams and blocks until the writer frees buffers.
     direct_io
         How data files reach a level's disk. None (default): with ``O_DIRECT`` (from the
         page-aligned staging buffers, bypassing the page cache) on every level whose file
@@ -224,13 +221,11 @@ class Checkpointer(_Opened):
         Pickle leaves of unsupported types on save, and allow unpickling them on restore.
     policy
         When to save: a save policy from :mod:`cryosnap.policy` (``EveryNSteps``,
-        ``EveryNSeconds``, ``Adaptive``), asked by :meth:`should_save` and told what each save
-        cost.
+        ``EveryNSeconds``, ``Adaptive``), asked by :meth:`should_save`, told each save's cost.
     handle_signals
         Signals (e.g. ``(signal.SIGTERM, signal.SIGUSR1)``) that mark the run as preempted
         instead of killing it: :attr:`preempted` becomes true, :meth:`should_save` says yes,
-        and the loop saves and exits. Handlers are installed on open and restored on close
-        (main thread only).
+        and the loop saves and exits. Installed on open, restored on close (main thread).
     storage_options
         Options for fsspec when ``path`` is a URL (endpoint, credentials); the usual
         ``AWS_*`` environment variables work too.
@@ -289,6 +284,9 @@ class Checkpointer(_Opened):
         Record per float leaf its NaN and Inf counts, min, max, mean and L2 norm at save
         (:meth:`cryosnap.Run.stats`; NaN or Inf marks a version "unhealthy"). False: none, for
         the writer thread's time they take (docs/PERFORMANCE.md).
+    codec
+        The persistent level's data files, as the flush from ``scratch`` writes them: None,
+        ``"zstd"``, ``"auto"`` (README, "Compressing the persistent level").
     """
 
     def __init__(
@@ -317,6 +315,7 @@ class Checkpointer(_Opened):
         partner: bool | str = False,
         stats: bool = True,
         memory: int | str | None = None,
+        codec: str | None = None,
     ) -> None:
         self._options = RunOptions(
             path=path,
@@ -342,6 +341,7 @@ class Checkpointer(_Opened):
             partner=partner,
             stats=stats,
             memory=memory,
+            codec=codec,
         )
         run = open_run(self._options)
         self._run = run

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from cryosnap._format.blobs import BlobEntry, BlobTables, parse_blobs
 from cryosnap._format.chunks import HASH_NAME, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from cryosnap._format.codec import CODEC_NAME
 from cryosnap._format.document import (
     data_file,
     fail,
@@ -31,6 +32,7 @@ from cryosnap._format.skeleton_text import SkeletonTextCache
 from cryosnap._format.stats import LeafStats, decode_stats, encode_stats
 
 __all__ = [
+    "CODEC_FORMAT_VERSION",
     "COLUMNS_FORMAT_VERSION",
     "FILES_FORMAT_VERSION",
     "FORK_FORMAT_VERSION",
@@ -41,6 +43,7 @@ __all__ = [
     "BaseRef",
     "Manifest",
     "Replicated",
+    "with_codec",
 ]
 
 FORMAT_VERSION = 1
@@ -68,9 +71,14 @@ STATS_FORMAT_VERSION = 6
 # docs/FORMAT.md "Forks") says this, whatever else it holds, so that a cryosnap from before
 # forks refuses it by its version.
 FORK_FORMAT_VERSION = 7
+# A rank's manifest naming data files stored with the persistent level's codec (the "codec"
+# and "coded" fields, docs/FORMAT.md "Coded data files") says this, whatever else it holds, so
+# that a cryosnap from before codecs refuses it by its version instead of reading compressed
+# frames as chunks. A manifest naming no coded file keeps the version it had.
+CODEC_FORMAT_VERSION = 8
 # The manifest versions this cryosnap reads: every one up to the newest (each may hold what
 # the ones before it may).
-_MANIFEST_VERSIONS = tuple(range(FORMAT_VERSION, FORK_FORMAT_VERSION + 1))
+_MANIFEST_VERSIONS = tuple(range(FORMAT_VERSION, CODEC_FORMAT_VERSION + 1))
 # Top-level keys a manifest may name as replicated (a state has a handful).
 _MAX_REPLICATED_KEYS = 1 << 20
 
@@ -115,6 +123,9 @@ class Manifest:
     # Per floating-point leaf path, its statistics (None: none recorded, a manifest older than
     # STATS_FORMAT_VERSION or saved with stats=False). Written only when set.
     stats: dict[str, LeafStats] | None = None
+    # The data files (of data_files) stored with the codec CODEC_NAME: read through
+    # storage/_codec.py's DecodedStore. Written only when set (then format_version 8).
+    coded: frozenset[str] = frozenset()
     # What from_json already has of every blob at once (:class:`BlobTables`), so readers need
     # not gather it blob by blob again; None: :meth:`tables` builds it.
     _tables: BlobTables | None = field(default=None, compare=False, repr=False)
@@ -144,6 +155,8 @@ class Manifest:
             manifest = dataclasses.replace(manifest, format_version=STATS_FORMAT_VERSION)
         if manifest.format_version < FORK_FORMAT_VERSION and names_ancestor(self.data_files):
             manifest = dataclasses.replace(manifest, format_version=FORK_FORMAT_VERSION)
+        if self.coded and manifest.format_version < CODEC_FORMAT_VERSION:
+            manifest = dataclasses.replace(manifest, format_version=CODEC_FORMAT_VERSION)
         return manifest, manifest._text(tree)
 
     def _text(self, tree: str) -> bytes:
@@ -188,9 +201,13 @@ class Manifest:
             keys = True if self.replicated is True else [encode_key(k) for k in self.replicated]
             replicated = f',"replicated":{dumps(keys)}'
         stats = "" if self.stats is None else f',"stats":{dumps(encode_stats(self.stats))}'
+        coded = ""
+        if self.coded:
+            files = [i for i, f in enumerate(self.data_files) if f in self.coded]
+            coded = f',"codec":{dumps(CODEC_NAME)},"coded":{dumps(files)}'
         text = (
             f'{dumps(head)[:-1]},"blobs":[{",".join(blobs)}],"hashes":{hashes_text},'
-            f'"tree":{tree}{replicated}{stats}}}'
+            f'"tree":{tree}{replicated}{stats}{coded}}}'
         )
         return text.encode()
 
@@ -248,6 +265,7 @@ class Manifest:
             replicated=_replicated(doc.get("replicated"), where),
             format_version=doc["format_version"],
             stats=_stats(doc, where),
+            coded=_coded(doc, data_files, where),
             _tables=tables,
         )
 
@@ -258,6 +276,43 @@ def _stats(doc: dict[str, Any], where: str) -> dict[str, LeafStats] | None:
     if doc["format_version"] < STATS_FORMAT_VERSION:
         raise fail(where, f"field 'stats' in a manifest of format_version {doc['format_version']}")
     return decode_stats(doc["stats"], where)
+
+
+def _coded(doc: dict[str, Any], files: tuple[str, ...], where: str) -> frozenset[str]:
+    if "coded" not in doc and "codec" not in doc:
+        return frozenset()
+    if doc["format_version"] < CODEC_FORMAT_VERSION:
+        raise fail(where, f"field 'coded' in a manifest of format_version {doc['format_version']}")
+    if doc.get("codec") != CODEC_NAME:
+        raise fail(
+            where,
+            f"data files stored with codec {doc.get('codec')!r:.40}, which this cryosnap does "
+            f"not know (it reads {CODEC_NAME!r}); upgrade cryosnap to read it",
+        )
+    raw = doc.get("coded")
+    if not isinstance(raw, list) or len(set(map(repr, raw))) != len(raw):
+        raise fail(where, f"malformed field 'coded' {raw!r:.120}")
+    if not all(type(i) is int and 0 <= i < len(files) for i in raw):
+        raise fail(where, f"malformed field 'coded' {raw!r:.120}")
+    return frozenset(files[i] for i in raw)
+
+
+def with_codec(data: bytes, coded: frozenset[str], base_xxh3: str | None, where: str) -> bytes:
+    """The text of manifest ``data`` as the persistent level stores it: naming the files of
+    ``coded`` it lists as coded (format_version 8 when it names one) and its base's manifest
+    by ``base_xxh3`` (that level's copy, which may differ from the faster level's). The same
+    bytes for the same arguments, so a flush that runs again keeps what it wrote."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or not isinstance(doc.get("data_files"), list):
+        raise fail(where, "not a manifest")
+    files = [i for i, f in enumerate(doc["data_files"]) if f in coded]
+    if files:
+        doc["format_version"] = CODEC_FORMAT_VERSION
+        doc["codec"] = CODEC_NAME
+        doc["coded"] = files
+    if base_xxh3 is not None and isinstance(doc.get("base"), dict):
+        doc["base"]["xxh3_128"] = base_xxh3
+    return _dumps(doc).encode()
 
 
 def _replicated(raw: Any, where: str) -> Replicated:

@@ -182,6 +182,7 @@ _TYPES: dict[str, Callable[[Any, str, str], Any]] = {
     "partner": _partner,
     "stats": _bool,
     "memory": _or_none(_size),
+    "codec": _or_none(_text, "none"),
 }
 
 

@@ -22,6 +22,7 @@ from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import Lineage, commit_key
 from cryosnap._run.capture.capturer import Capturer
 from cryosnap._run.chain import ChainIndex
+from cryosnap._run.levels.codec import LevelCodec
 from cryosnap._run.levels.levels import Level, Levels
 from cryosnap._run.lock import RunLock, acquire_run_lock
 from cryosnap._run.memory import MemoryLevel
@@ -277,7 +278,8 @@ def open_levels(
     levels: list[Level] = []
     if scratch is not None:
         levels.append(Level(SCRATCH, scratch, options.scratch_keep, shared=False))
-    levels.append(Level(PERSISTENT, persistent, options.retention, shared=True))
+    codec = LevelCodec(options.codec) if options.codec is not None else None
+    levels.append(Level(PERSISTENT, persistent, options.retention, shared=True, codec=codec))
     opened = Levels(levels, chain=chain, coordinator=coord)
     undo.callback(opened.release_locks)
     levels[-1].locks.extend(_shared_lock(persistent, coord))

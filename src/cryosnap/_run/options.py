@@ -16,6 +16,7 @@ from typing import Any
 import cryosnap._run.signals as _signals
 from cryosnap import _validate
 from cryosnap._format.chunks import validate_chunk_bytes
+from cryosnap._format.codec import require_zstd
 from cryosnap._format.commit import RUN_ID_PATTERN
 from cryosnap._run.capture.devdiff import DeviceDiff
 from cryosnap._run.redundancy.rs import parse_rs, require_zfec
@@ -66,6 +67,7 @@ class RunOptions:
     partner: bool | str = False  # False, True, "xor" or "rs:K+M"
     stats: bool = True
     memory: int | str | None = None  # the memory level's byte budget per participant
+    codec: str | None = None  # None, "zstd" or "auto": the persistent level's data files
 
     def __post_init__(self) -> None:
         # The order of the checks is the Checkpointer's of old: with several bad arguments,
@@ -104,6 +106,7 @@ class RunOptions:
         _set(self, "stats", _validate.boolean(self.stats, "stats"))
         self._check_partner()
         _set(self, "memory", _memory(self.memory))
+        _check_codec(self.codec, self.scratch)
         self._check_storage()
         _check_device_diff(self.device_diff, self.incremental, chunk_bytes)
 
@@ -285,6 +288,21 @@ def _scratch_devices(scratch: object) -> tuple[Device, ...] | None:
     if not items:
         raise ValueError("scratch=[] is invalid: give None or at least one path or Device")
     return tuple(t if isinstance(t, Device) else Device(t) for t in items)  # type: ignore[arg-type]
+
+
+def _check_codec(codec: object, scratch: object) -> None:
+    if codec is None:
+        return
+    if codec not in ("zstd", "auto"):
+        raise ValueError(f"codec={codec!r} is invalid: allowed are None, 'zstd' and 'auto'")
+    if scratch is None:
+        # The codec runs in the flush (levels/flush.py): a run without scratch writes the
+        # persistent level directly, where no codec is applied yet.
+        raise ValueError(
+            f"codec={codec!r} compresses what the flush from scratch writes to the persistent "
+            "level: it needs scratch= (a run without scratch writes plain data files)"
+        )
+    require_zstd(f"codec={codec!r}")
 
 
 def _check_device_diff(wanted: object, incremental: bool, chunk_bytes: int) -> None:

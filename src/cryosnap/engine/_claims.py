@@ -16,14 +16,14 @@ import numpy as np
 from cryosnap._format.blobs import STORED
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
-from cryosnap.engine._resolved import ResolvedPart, _check_claimed_bytes
+from cryosnap.engine._resolved import ResolvedPart, _check_claimed_bytes, chain_coded
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     IntegrityError,
 )
-from cryosnap.storage import Store
+from cryosnap.storage import Store, decoded
 
 __all__ = ["check_chain_claims", "check_used_files", "leaf_path"]
 
@@ -40,6 +40,7 @@ def check_chain_claims(
     files may be retired (their chunks superseded) and are checked after resolution if used. A
     file that is missing is left to the read, which names the leaf. Returns the files whose
     sizes were checked."""
+    store = decoded(store, chain_coded(chain))
     sizes: dict[str, int] = {}
     wanted = set(chain[0][0].data_files) | set(listed)
     for f in {f for m, _k, _h in chain for f in m.data_files if f in wanted}:
@@ -104,6 +105,7 @@ def check_used_files(store: Store, part: ResolvedPart, checked: set[str]) -> Non
     unchecked = [i for i, f in enumerate(part.files) if f not in checked]
     if not unchecked or not part.blobs:
         return
+    store = decoded(store, part.coded)
     size = np.full(len(part.files), -1, np.int64)
     for i in unchecked:
         with contextlib.suppress(CheckpointNotFoundError):  # missing: the read names it

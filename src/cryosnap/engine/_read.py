@@ -51,6 +51,7 @@ from cryosnap.engine._records import read_commit, read_manifest
 from cryosnap.engine._resolved import (
     ResolvedBlob,
     ResolvedPart,
+    chain_coded,
     chain_manifests,
     resolve,
 )
@@ -64,7 +65,7 @@ from cryosnap.errors import (
     PartNotFoundError,
     StateMismatchError,
 )
-from cryosnap.storage import Store
+from cryosnap.storage import Store, decoded
 
 __all__ = [
     "PartNotFoundError",
@@ -155,6 +156,9 @@ def _read_verified(
             else:
                 _check_into(skeleton, into, where)
         chain = chain_manifests(store, manifest, ref.key, ref.xxh3)
+        # Coded data files (a persistent level's codec) are read as their plain bytes through
+        # the store's reads: neither mapped nor read cold (both would see the frames).
+        store = decoded(store, chain_coded(chain))
         # Every size, offset and count the chain claims is checked before any allocation.
         checked = check_chain_claims(store, chain, set(record.data_files))
         sizes = [manifest.blobs[i].nbytes for i in index]

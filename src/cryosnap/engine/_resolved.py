@@ -26,6 +26,7 @@ from cryosnap.storage import Store
 
 __all__ = [
     "MAX_CHAIN",
+    "chain_coded",
     "chain_keys",
     "PartChunks",
     "ResolvedBlob",
@@ -172,6 +173,9 @@ class ResolvedPart:
     blobs: list[ResolvedBlob]
     chain: tuple[int, ...]  # steps whose manifests resolution needed, oldest first
     chain_keys: tuple[str, ...] = ()  # the keys of those manifests (this rank's), in order
+    # The data files stored with the level's codec (any manifest of the chain says so):
+    # readers go through storage's ``decoded(store, coded)``.
+    coded: frozenset[str] = frozenset()
     _by_path: dict[str, int] = field(default_factory=dict)
     # Every chunk at once, as resolution built them (None, or stale after a replace(blobs=):
     # :meth:`chunks` builds them again).
@@ -411,7 +415,14 @@ def resolve(
         state.apply(m, f"{store.url}: {_k}")
     steps = tuple(m.step for m, _k, _h in reversed(chain))
     keys = tuple(k for _m, k, _h in reversed(chain))
-    return state.part(manifest, key, xxh3, steps, paths, keys=keys)
+    part = state.part(manifest, key, xxh3, steps, paths, keys=keys)
+    part.coded = chain_coded(chain)
+    return part
+
+
+def chain_coded(chain: list[tuple[Manifest, str, str]]) -> frozenset[str]:
+    """The data files a chain of manifests names as coded."""
+    return frozenset().union(*(m.coded for m, _k, _h in chain))
 
 
 def chain_manifests(

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from cryosnap.errors import DirectIOError
+from cryosnap.storage._codec import CodedWriter, DecodedStore, coded_size, decoded, read_index
 from cryosnap.storage._fsspec import FsspecStore
 from cryosnap.storage._linked import LinkedStore, linked
 from cryosnap.storage._local import LocalStore
@@ -28,9 +29,11 @@ from cryosnap.storage.base import (
 
 __all__ = [
     "BlobWriter",
+    "CodedWriter",
     "ConditionalWrites",
     "ConditionalWritesUnsupported",
     "DEFAULT_TIMEOUT_SECONDS",
+    "DecodedStore",
     "FsspecStore",
     "LinkedStore",
     "LocalStore",
@@ -40,9 +43,12 @@ __all__ = [
     "TruncatedError",
     "WrapperStore",
     "check_direct_io",
+    "coded_size",
+    "decoded",
     "join_location",
     "open_run_store",
     "open_store",
+    "read_index",
     "unwrap",
     "validate_key",
 ]

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cryosnap._format.limits import MAX_STEP
-from cryosnap._format.manifest import FORMAT_VERSION, Manifest
+from cryosnap._format.manifest import FORMAT_VERSION, Manifest, with_codec
 from cryosnap.errors import CheckpointFormatError
 
 from .documents import (
@@ -131,7 +131,7 @@ MANIFEST_CASES = [
     ("tree", MISSING, "'tree'"),
     ("kind", "cryosnap.commit", "not a cryosnap manifest"),
     ("hash", "sha256", "hash algorithm"),
-    ("format_version", 8, "format_version"),
+    ("format_version", 9, "format_version"),
     ("format_version", True, "format_version"),
     ("format_version", MISSING, "format_version"),
 ]
@@ -166,3 +166,57 @@ def test_manifest_validation_names_the_field(
 def test_manifest_garbage(body: bytes, match: str) -> None:
     with pytest.raises(CheckpointFormatError, match=match):
         Manifest.from_json(body, WHERE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coded data files (format_version 8)
+
+
+@given(manifests(), st.data())
+def test_coded_files_round_trip_as_format_version_8(
+    manifest: Manifest, data: st.DataObject
+) -> None:
+    coded = frozenset(
+        data.draw(st.sets(st.sampled_from(manifest.data_files))) if manifest.data_files else ()
+    )
+    m, body = dataclasses.replace(manifest, coded=coded).encode()
+    doc = json.loads(body)
+    if coded:
+        assert doc["format_version"] == 8 and doc["codec"] == "shuffle-zstd"
+        assert sorted(manifest.data_files[i] for i in doc["coded"]) == sorted(coded)
+    else:
+        assert "coded" not in doc and doc["format_version"] == FORMAT_VERSION
+    assert Manifest.from_json(body, WHERE).coded == coded == m.coded
+    # with_codec, the flush's rewrite of a plain manifest's text, says the same
+    plain = manifest.to_json()
+    again = Manifest.from_json(with_codec(plain, coded, None, WHERE), WHERE)
+    assert again.coded == coded and again.format_version == (8 if coded else FORMAT_VERSION)
+    assert with_codec(plain, coded, None, WHERE) == with_codec(plain, coded, None, WHERE)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"codec": "shuffle-zstd", "coded": [0]}, "in a manifest of format_version 1"),
+        ({"format_version": 8, "codec": "lz4", "coded": [0]}, "codec 'lz4'.*upgrade cryosnap"),
+        ({"format_version": 8, "codec": "shuffle-zstd", "coded": [5]}, "malformed field 'coded'"),
+        ({"format_version": 8, "codec": "shuffle-zstd", "coded": [0, 0]}, "malformed field"),
+        ({"format_version": 8, "codec": "shuffle-zstd", "coded": "0"}, "malformed field"),
+        ({"format_version": 8, "codec": "shuffle-zstd", "coded": [True]}, "malformed field"),
+    ],
+)
+def test_coded_fields_are_checked(fields: dict[str, Any], match: str) -> None:
+    manifest = Manifest(
+        step=1,
+        rank=0,
+        chunk_bytes=4096,
+        data_files=("data/000000000001-r00000-aa.dat",),
+        blobs=(),
+        skeleton={"t": "none"},
+        leaves=0,
+        logical_bytes=0,
+        created_unix=1.0,
+    )
+    doc = {**json.loads(manifest.to_json()), **fields}
+    with pytest.raises(CheckpointFormatError, match=match):
+        Manifest.from_json(json.dumps(doc).encode(), WHERE)

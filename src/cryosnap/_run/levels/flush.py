@@ -7,6 +7,8 @@ run's writer flushes; no collectives here. docs/design/levels.md has the why.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -22,7 +24,9 @@ from cryosnap._format.blobs import STORED
 from cryosnap._format.chunks import HASH_BYTES, hash_chunks_released
 from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import version_prefix
-from cryosnap._format.marks import parse_mark_key
+from cryosnap._format.manifest import with_codec
+from cryosnap._format.marks import MarkRecord, parse_mark_key
+from cryosnap._run.levels.codec import LevelCodec
 from cryosnap.engine import chain_keys, chain_manifests, read_commit, read_manifest
 from cryosnap.errors import (
     CheckpointError,
@@ -33,7 +37,7 @@ from cryosnap.errors import (
     SourceDamagedError,
     StorageError,
 )
-from cryosnap.storage import Store
+from cryosnap.storage import CodedWriter, Store, coded_size, read_index
 
 __all__ = ["Flushed", "Flusher", "flush_keys", "flush_version"]
 
@@ -78,17 +82,19 @@ _NO_CHUNKS = _Chunks(
 _Claim = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]
 
 
-def _claims(src: Store, record: CommitRecord) -> tuple[dict[str, _Chunks], dict[str, str]]:
+def _claims(
+    src: Store, record: CommitRecord
+) -> tuple[dict[str, _Chunks], dict[str, tuple[str, str | None]]]:
     """Every stored chunk the version's chain claims, per data file, from manifests verified
-    against the hashes their successors record; and those manifests (key -> hash). A chunk
-    referenced by several versions (or de-duplicated within one) is claimed once per
-    reference; duplicates are merged."""
+    against the hashes their successors record; and those manifests, each rank's oldest
+    first (key -> hash and the key of its base). A chunk referenced by several versions (or
+    de-duplicated within one) is claimed once per reference; duplicates are merged."""
     parts: dict[str, list[_Claim]] = {}
-    manifests: dict[str, str] = {}
+    manifests: dict[str, tuple[str, str | None]] = {}
     for ref in record.manifests:
         manifest, _ = read_manifest(src, record, ref.rank)
-        for m, key, xxh3 in chain_manifests(src, manifest, ref.key, ref.xxh3):
-            manifests[key] = xxh3
+        for m, key, xxh3 in reversed(chain_manifests(src, manifest, ref.key, ref.xxh3)):
+            manifests[key] = (xxh3, None if m.base is None else m.base.key)
             for entry in m.blobs:
                 for key, claim in _entry_claims(
                     m.data_files, entry.table, entry.hashes, m.chunk_bytes
@@ -170,12 +176,15 @@ def _copy_file(
     chunks: _Chunks,
     chunk_bytes: int,
     yield_to: Callable[[], None] = _no_wait,
-) -> None:
+    codec: LevelCodec | None = None,
+) -> bool:
     """Copy ``key`` in large reads; every claimed chunk is checked before its bytes are
-    written. Windows end on chunk boundaries, so each chunk is hashed whole."""
+    written. Windows end on chunk boundaries, so each chunk is hashed whole. With ``codec``
+    the file may be written coded (its writer compresses each frame as it fills): returns
+    whether it was."""
     _check_claims(key, nbytes, chunks)
     ends = chunks.offsets + chunks.lengths
-    writer = dst.open_writer(key)
+    writer = dst.open_writer(key) if codec is None else codec.open_writer(dst, key)
     try:
         buf = memoryview(bytearray(min(nbytes, _COPY_BYTES + chunk_bytes)))
         lo = 0
@@ -189,12 +198,17 @@ def _copy_file(
             view = buf[: hi - lo]
             src.read_into(key, lo, [view])
             _verify_window(key, src, view, lo, chunks, chunk_bytes)
+            if codec is not None and not isinstance(writer, CodedWriter):
+                codec.sample(view)
             writer.write([view])
             lo = hi
         writer.commit()
     except BaseException:
         writer.abort()
         raise
+    if codec is not None:
+        codec.written(writer)  # type: ignore[arg-type]
+    return isinstance(writer, CodedWriter)
 
 
 def _from_src(step: int, src: Store, read: Callable[[], _T]) -> _T:
@@ -231,6 +245,7 @@ def flush_version(
     *,
     yield_to: Callable[[], None] = _no_wait,
     fence: Callable[[], None] = _no_fence,
+    codec: LevelCodec | None = None,
 ) -> int:
     """Make version ``step`` of ``src`` complete on ``dst``; returns the bytes copied.
 
@@ -242,52 +257,149 @@ def flush_version(
     first). Every chunk copied is checked against its recorded hash; a damaged or incomplete
     scratch copy raises :class:`SourceDamagedError`. ``fence()`` runs before the commit record
     is written (a writer that lost the run's lock makes nothing visible).
+
+    ``codec`` (the persistent level's, levels/codec.py) writes data files coded where it says
+    so; the manifests naming coded files, and the commit record and marks naming those
+    manifests, are then stored on ``dst`` with bytes of their own (docs/FORMAT.md, "Coded
+    data files"). A coded file already on ``dst`` stays coded, with or without ``codec``.
     """
     record = _from_src(step, src, lambda: read_commit(src, step))
     claims, manifests = _from_src(step, src, lambda: _claims(src, record))
-    copied = 0
-    for key in record.data_files:
-        nbytes = _from_src(step, src, lambda key=key: src.size(key))  # type: ignore[misc]
-        if dst.exists(key) and dst.size(key) == nbytes:
-            continue
-        chunks = claims.get(key, _NO_CHUNKS)
-
-        def copy(key: str = key, n: int = nbytes, c: _Chunks = chunks) -> None:
-            _copy_file(src, dst, key, n, c, record.chunk_bytes, yield_to)
-
-        _from_src(step, src, copy)
-        copied += nbytes
+    copied, coded = _copy_data(src, dst, step, record, claims, yield_to, codec)
     # The manifests of this version and of every version its chain inherits from, as each
     # names its base (key and hash, checked here); their commit records are not needed (a base
     # may be gone from scratch's retention: it is not a version here, only a manifest this one
-    # resolves through).
-    for key, xxh3 in manifests.items():
-        data = _from_src(step, src, lambda key=key: src.read(key))  # type: ignore[misc]
+    # resolves through). A chain naming coded files is written as dst stores it (with_codec).
+    texts = _dst_manifests(src, dst, step, manifests, coded, set(record.data_files))
+    for key, (data, _src) in texts.items():
+        if dst.exists(key) and dst.read(key) == data:
+            continue
+        dst.write(key, data)
+        copied += len(data)
+    body = _from_src(step, src, lambda: src.read(record.key))
+    dst_body = _dst_record(body, record, texts)
+    fence()
+    dst.write(record.key, dst_body)
+    rebind = None if dst_body is body else xxhash.xxh3_128_hexdigest(dst_body)
+    return copied + len(dst_body) + _copy_marks(src, dst, step, rebind)
+
+
+def _copy_data(
+    src: Store,
+    dst: Store,
+    step: int,
+    record: CommitRecord,
+    claims: dict[str, _Chunks],
+    yield_to: Callable[[], None],
+    codec: LevelCodec | None,
+) -> tuple[int, set[str]]:
+    """Copy the version's data files ``dst`` lacks (``codec``: coded where it says); the
+    plain bytes copied and the data files of the record that are coded on ``dst``."""
+    copied = 0
+    coded: set[str] = set()
+    for key in record.data_files:
+        nbytes = _from_src(step, src, lambda key=key: src.size(key))  # type: ignore[misc]
+        if dst.exists(key):
+            have = dst.size(key)
+            if have == nbytes:
+                continue
+            # A coded copy is kept, whatever this flush's codec: committed versions on dst
+            # may name it coded (an earlier flush of the chain), or a flush interrupted
+            # after it wrote it.
+            if coded_size(dst, key, nbytes):
+                coded.add(key)
+                continue
+        chunks = claims.get(key, _NO_CHUNKS)
+
+        def copy(key: str = key, n: int = nbytes, c: _Chunks = chunks) -> bool:
+            return _copy_file(src, dst, key, n, c, record.chunk_bytes, yield_to, codec)
+
+        if _from_src(step, src, copy):
+            coded.add(key)
+        copied += nbytes
+    return copied, coded
+
+
+def _coded_on(dst: Store, files: set[str]) -> set[str]:
+    """Of ``files`` (named by older manifests of a chain, not by the version's record: their
+    chunks are superseded, their plain size unknown here), those that are coded on ``dst``."""
+    out: set[str] = set()
+    for key in sorted(files):
+        try:
+            read_index(dst, key)
+        except (CheckpointError, OSError):
+            continue
+        out.add(key)
+    return out
+
+
+def _dst_manifests(
+    src: Store,
+    dst: Store,
+    step: int,
+    manifests: dict[str, tuple[str, str | None]],
+    coded: set[str],
+    listed: set[str],
+) -> dict[str, tuple[bytes, bytes]]:
+    """Per manifest of the chain (oldest first), its bytes on dst and on src: the same bytes
+    unless it names a file coded on dst (``coded``: of the record's files, ``listed``; the
+    others are asked of dst) or its base's bytes changed (then :func:`with_codec`)."""
+    out: dict[str, tuple[bytes, bytes]] = {}
+    datas: dict[str, bytes] = {}
+    for key, (xxh3, _base) in manifests.items():
+        data = datas[key] = _from_src(step, src, lambda key=key: src.read(key))  # type: ignore[misc]
         if xxhash.xxh3_128_hexdigest(data) != xxh3:
             raise SourceDamagedError(
                 f"step {step} on scratch {src.url}: manifest {key} does not match its hash",
                 step=step,
                 path=src.url,
             )
-        if dst.exists(key) and dst.read(key) == data:
-            continue
-        dst.write(key, data)
-        copied += len(data)
-    body = _from_src(step, src, lambda: src.read(record.key))
-    fence()
-    dst.write(record.key, body)
-    return copied + len(body) + _copy_marks(src, dst, step)
+    named = {key: set(json.loads(data).get("data_files", ())) for key, data in datas.items()}
+    frozen = frozenset(coded | _coded_on(dst, set().union(*named.values()) - listed))
+    for key, (_xxh3, base) in manifests.items():
+        data = datas[key]
+        base_text = out.get(base) if base is not None else None
+        new_base = None
+        if base_text is not None and base_text[0] is not base_text[1]:
+            new_base = xxhash.xxh3_128_hexdigest(base_text[0])
+        names = frozen.intersection(named[key])
+        if new_base is None and not names:
+            out[key] = (data, data)
+        else:
+            out[key] = (with_codec(data, frozen, new_base, key), data)
+    return out
 
 
-def _copy_marks(src: Store, dst: Store, step: int) -> int:
+def _dst_record(body: bytes, record: CommitRecord, texts: dict[str, tuple[bytes, bytes]]) -> bytes:
+    """The commit record as dst stores it: ``body`` itself unless a manifest it names was
+    written with other bytes there (then naming those bytes)."""
+    refs = []
+    for ref in record.manifests:
+        data, plain = texts[ref.key]
+        if data is plain:
+            refs.append(ref)
+        else:
+            refs.append(
+                dataclasses.replace(ref, xxh3=xxhash.xxh3_128_hexdigest(data), nbytes=len(data))
+            )
+    if refs == list(record.manifests):
+        return body
+    return dataclasses.replace(record, manifests=tuple(refs)).to_json()
+
+
+def _copy_marks(src: Store, dst: Store, step: int, rebind: str | None = None) -> int:
     """The version's mark records, after its commit record (as ``Checkpointer.mark`` writes
-    them): bound to the commit record's bytes, copied as they are. A failure is logged: the
+    them): bound to the commit record's bytes, copied as they are (``rebind``: to the hash of
+    dst's commit record, where its bytes differ from src's). A failure is logged: the
     version is flushed; only a mark given before the flush is missing on ``dst``."""
     copied = 0
     try:
         for key in src.list(version_prefix(step)):
             if parse_mark_key(key) is not None:
                 data = src.read(key)
+                if rebind is not None:
+                    mark = MarkRecord.from_json(data, key)
+                    data = dataclasses.replace(mark, commit_xxh3=rebind).to_json()
                 dst.write(key, data)
                 copied += len(data)
     except CheckpointError as exc:

@@ -8,6 +8,7 @@ docs/design/levels.md has the why.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from cryosnap import engine
 from cryosnap._format.keys import Lineage, supersedes, visible_versions
 from cryosnap._run.chain import ChainIndex
+from cryosnap._run.levels.codec import LevelCodec
 from cryosnap._run.levels.flush import (
     CollectiveFlush,
     Flushed,
@@ -53,6 +55,8 @@ class Level:
     locks: list[RunLock] = field(default_factory=list)
     # Files retention must not delete: versions whose commit record may still land.
     reserved: set[str] = field(default_factory=set)
+    # The codec of the data files a flush writes here (Checkpointer(codec=)), or None.
+    codec: LevelCodec | None = None
 
     def steps(self) -> list[int]:
         return engine.list_steps(self.store)
@@ -89,6 +93,7 @@ class Handoff:
         # What the flush of each resumed version (one this session did not save, so without
         # a SaveInfo) cost: bounded by the versions resumed at open.
         self.resumed: dict[int, Flushed] = {}
+        plain = functools.partial(flush_version, codec=self.dst.codec)
         self.flusher = Flusher(
             self.src.store,
             self.dst.store,
@@ -96,7 +101,7 @@ class Handoff:
             on_done=self._done,
             yield_to=yield_to,
             fence=levels.fence,
-            flush=flush if flush is not None else flush_version,
+            flush=flush if flush is not None else plain,
             agree=flush.agree if flush is not None else None,
         )
 
@@ -222,6 +227,13 @@ class Levels:
         for i in range(len(self.levels) - 1):
             flush = None
             if rewrite is not None and self.rewritten(i + 1):
+                codec = self.levels[i + 1].codec
+                if codec is not None:
+                    raise ValueError(
+                        f"codec={codec.mode!r} is not supported yet where "
+                        "several ranks each flush node-local scratch to the persistent level "
+                        "(the ranks write it again): use codec=None there"
+                    )
                 flush = rewrite(i + 1)
             self.handoffs.append(
                 Handoff(self, i, retry_seconds=retry_seconds, yield_to=yield_to, flush=flush)

@@ -35,7 +35,7 @@ from cryosnap.engine.fetch._plan import (
 )
 from cryosnap.engine.fetch._verify import Outcome, Verifier
 from cryosnap.errors import CheckpointError, CheckpointNotFoundError, IntegrityError
-from cryosnap.storage import Store
+from cryosnap.storage import Store, decoded
 from cryosnap.storage.base import TruncatedError
 
 __all__ = ["Fetched", "read_blobs"]
@@ -69,6 +69,9 @@ def read_blobs(
     verified in its view, while the others are still read. ``limits`` cut the read (None:
     :meth:`ReadLimits.current`, taken here, on the caller's thread)."""
     limits = limits if limits is not None else ReadLimits.current()
+    # Coded files (a persistent level's codec) are read as their plain bytes; a reader that
+    # mapped or read them cold would see frames: it never gets here with them (_read.py).
+    store = decoded(store, part.coded)
     cb = part.manifest.chunk_bytes
     wrong = wrong_chunk_count(part.chunks(), cb)
     if wrong >= 0:
