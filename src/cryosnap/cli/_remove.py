@@ -33,7 +33,8 @@ def cmd_gc(location: str, *, keep: int, dry_run: bool = False, as_json: bool = F
         return
     verb = ("would delete", "would free") if dry_run else ("deleted", "freed")
     kept_files = (
-        f" ({human_bytes(removal.still_read_bytes)} of their data stays: kept versions or forks read it)"
+        f" ({human_bytes(removal.still_read_bytes)} of their data stays: kept versions or forks "
+        "read it)"
         if removal.still_read_bytes
         else ""
     )
