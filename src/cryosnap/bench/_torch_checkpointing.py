@@ -46,7 +46,7 @@ def unavailable() -> str | None:
         importlib.import_module("torch_checkpointing")
     except ImportError as exc:
         if exc.name == "torch_checkpointing":
-            return f"not installed (pip install --no-deps torch_checkpointing=={VERSION})"
+            return f"not installed; pip install --no-deps torch_checkpointing=={VERSION}"
         return f"does not import: {exc}"
     except Exception as exc:  # a torch it does not support fails in its own way
         return f"does not import: {type(exc).__name__}: {exc}"

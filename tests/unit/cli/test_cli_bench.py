@@ -358,7 +358,7 @@ def test_a_folder_is_dropped_from_the_page_cache(direct_dir: Path) -> None:
 def test_an_absent_peer_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch_checkpointing is optional: where it does not import, no peer and no saver, and the
     reason in ``missing`` (the run's notes say "not measured (...)")."""
-    why = f"not installed (pip install --no-deps torch_checkpointing=={tc.VERSION})"
+    why = f"not installed; pip install --no-deps torch_checkpointing=={tc.VERSION}"
     monkeypatch.setattr(tc, "unavailable", lambda: why)
     import torch
 
@@ -375,7 +375,7 @@ def test_an_absent_peer_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch) 
 def test_a_missing_module_is_reported_as_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_checkpointing", None)  # import raises ImportError
     assert tc.unavailable() == (
-        f"not installed (pip install --no-deps torch_checkpointing=={tc.VERSION})"
+        f"not installed; pip install --no-deps torch_checkpointing=={tc.VERSION}"
     )
 
 
