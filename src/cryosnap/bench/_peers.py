@@ -1,7 +1,9 @@
 """The peers measured side by side: the memcpy and raw write+fsync limits, ``torch.save``,
-safetensors, torch.distributed.checkpoint (``save`` and ``async_save``), torchsnapshot, and
-cryosnap's ``save`` and ``Checkpointer`` eager and lazy. Runs on the caller's thread; a peer's
-threads (cryosnap's writer, DCP's executor) are drained before the next peer runs.
+safetensors, torch.distributed.checkpoint (``save`` and ``async_save``), torchsnapshot,
+torch_checkpointing (optional: :mod:`cryosnap.bench._torch_checkpointing`), and cryosnap's
+``save`` and ``Checkpointer`` eager and lazy. Runs on the caller's thread; a peer's threads
+(cryosnap's writer, DCP's executor, torch_checkpointing's writer process) are drained before the
+next peer runs.
 """
 
 from __future__ import annotations
@@ -514,6 +516,13 @@ def make_peers(workload: str, into: StateDict) -> tuple[list[Peer], dict[str, st
         peers.append(TorchsnapshotPeer())
     else:
         missing["torchsnapshot"] = "not installed"
+    from cryosnap.bench import _torch_checkpointing as tc  # it builds on Peer
+
+    why = tc.unavailable()
+    if why is None:
+        peers.append(tc.TorchCheckpointingPeer())
+    else:
+        missing[tc.KEY] = why
     if not incremental:
         peers += [CryosnapPeer(), CheckpointerPeer(lazy=False, incremental=False, direct_io=False)]
     peers += [
@@ -534,6 +543,7 @@ def import_peers() -> None:
         "torch.distributed.checkpoint.state_dict_saver",
         "torch.distributed.checkpoint.state_dict_loader",
         "torchsnapshot",
+        "torch_checkpointing",
     ):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import importlib
 import importlib.util
 import os
@@ -98,14 +99,18 @@ def warm_page_cache(root: Path) -> int:
     return total
 
 
-def drop_file_cache(root: Path) -> float | None:
+def drop_file_cache(root: Path) -> tuple[int, int] | None:
     """fsync every file under ``root`` and drop its pages from the page cache
     (``POSIX_FADV_DONTNEED``): a cold read of this folder's files only, no root needed, the
-    rest of the machine's cache untouched. Returns the share of their pages still cached
-    (``mincore``; None where it cannot be told)."""
+    rest of the machine's cache untouched. Returns ``(pages still cached, pages)`` of those files
+    after the drop (``mincore``; None where it cannot be told). Raises :class:`OSError` (ENOTSUP)
+    where this platform has no ``posix_fadvise``."""
     from cryosnap import _native
 
+    if not hasattr(os, "posix_fadvise"):
+        raise OSError(errno.ENOTSUP, "this platform has no posix_fadvise: nothing can be evicted")
     cached = total = 0
+    told = False
     for path in iter_files(root):
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -118,8 +123,8 @@ def drop_file_cache(root: Path) -> float | None:
         finally:
             os.close(fd)
         if counts is not None:  # None: an empty file, or no mincore here
-            cached, total = cached + counts[0], total + counts[1]
-    return cached / total if total else None
+            cached, total, told = cached + counts[0], total + counts[1], True
+    return (cached, total) if told else None
 
 
 _DROP_CACHES = Path("/proc/sys/vm/drop_caches")
@@ -273,7 +278,7 @@ def machine_info() -> dict[str, Any]:
         info["torch_threads"] = torch.get_num_threads()
     except ImportError:
         info["torch"] = None
-    for name in ("safetensors", "torchsnapshot"):
+    for name in ("safetensors", "torchsnapshot", "torch_checkpointing"):
         try:
             info[name] = importlib.import_module(name).__version__
         except (ImportError, AttributeError):

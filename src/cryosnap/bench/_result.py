@@ -31,6 +31,8 @@ METRICS = (
     "restore_into_seconds",
     "restore_cold_seconds",
     "restore_cold_fresh_seconds",
+    "cold_cached_pages",
+    "cold_pages",
     "save_peak_bytes",
     "restore_peak_bytes",
     "restore_into_peak_bytes",

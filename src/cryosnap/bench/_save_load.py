@@ -89,6 +89,7 @@ def run_save_load(
             "other peers save the whole state"
         )
     rounds = config.warmup + config.repeat
+    cold_skipped: dict[str, str] = {}
     clock = Clock(rounds * len(peers), progress)
     try:
         for peer in peers:
@@ -105,10 +106,12 @@ def run_save_load(
                 if fig.error is None:
                     work = root / f"{peer.key}-{r}"
                     try:
-                        _measure_peer(
+                        why = _measure_peer(
                             peer, fig if timed else None, state, into, work,
                             verify=r == 0, cold=cold, meter=meter, sparse=sparse,
                         )  # fmt: skip
+                        if why is not None:
+                            cold_skipped[peer.key] = why
                     except Exception as exc:
                         fig.error = ctrl_c.failure(exc)
                 clock.tick(f"{label}: {peer.label}")
@@ -117,7 +120,11 @@ def run_save_load(
             with contextlib.suppress(Exception):
                 peer.close()
     if cold and not any("restore_cold_seconds" in f.samples for f in result.peers):
-        result.cold = "not measured: the files stayed in the page cache (a memory file system?)"
+        why = next(iter(cold_skipped.values()), "no peer's files left the page cache")
+        result.cold = f"not measured: {why}"
+    else:
+        result.notes += [f"{key}: cold reads skipped: {why}" for key, why in cold_skipped.items()]
+    result.notes += _cold_check(result.peers)
     for fig in result.peers:
         if fig.error is not None:
             result.notes.append(f"{fig.label}: failed: {fig.error}")
@@ -126,6 +133,19 @@ def run_save_load(
     result.notes += [f"{key}: not measured ({why})" for key, why in result.missing.items()]
     result.elapsed_seconds = clock.elapsed
     return result
+
+
+def _cold_check(peers: list[PeerFigures]) -> list[str]:
+    """The note of what ``mincore`` found of each peer's pages before its cold reads."""
+    cached = sum(sum(p.samples.get("cold_cached_pages", [])) for p in peers)
+    pages = sum(sum(p.samples.get("cold_pages", [])) for p in peers)
+    readers = [p.key for p in peers if "cold_pages" in p.samples]
+    if not pages:
+        return []
+    return [
+        f"cold reads checked with mincore before each: {int(cached):,} of {int(pages):,} pages "
+        f"of the peers' files were still in the page cache ({', '.join(readers)})"
+    ]
 
 
 def _per_byte(figures: dict[str, PeerFigures], peers: list[Peer], nbytes: int) -> list[str]:
@@ -167,9 +187,10 @@ def _measure_peer(
     cold: bool,
     meter: MemoryMeter,
     sparse: SparseChange | None,
-) -> None:
+) -> str | None:
     """One repetition of one peer: save (timed), then its restores (timed); ``fig`` None: a
-    warm-up round (nothing recorded). ``work`` is removed at the end, whatever happens."""
+    warm-up round (nothing recorded). ``work`` is removed at the end, whatever happens.
+    Returns why its cold reads were skipped (None: measured, or not asked for)."""
     work.mkdir()
     state, into = peer.saved_state(state), peer.into_for(into)
     try:
@@ -202,7 +223,8 @@ def _measure_peer(
                 fig.add("restore_into_seconds", seconds)
                 fig.add("restore_into_peak_bytes", peak)
         if cold:
-            _time_cold(peer, fig, work, into, meter)
+            return _time_cold(peer, fig, work, into, meter)
+        return None
     finally:
         try:
             peer.end()
@@ -217,10 +239,12 @@ _COLD_LEFT = 0.1
 
 def _time_cold(
     peer: Peer, fig: PeerFigures | None, work: Path, into: StateDict, meter: MemoryMeter
-) -> None:
+) -> str | None:
     """The cold restores of one repetition, each after the peer's files left the page cache:
     into= (``restore_cold_seconds``) where the peer has it, else the fresh load; the fresh
-    load of a peer that has both (``restore_cold_fresh_seconds``)."""
+    load of a peer that has both (``restore_cold_fresh_seconds``). Before each, what ``mincore``
+    says is left of the peer's pages: ``cold_cached_pages`` of ``cold_pages``. Returns why the
+    cold reads were skipped (None: measured)."""
     loads: list[tuple[str, Callable[[], object]]] = []
     if peer.restores_into:
         loads.append(("restore_cold_seconds", lambda: peer.load_into(work, into)))
@@ -228,13 +252,24 @@ def _time_cold(
         metric = "restore_cold_fresh_seconds" if peer.restores_into else "restore_cold_seconds"
         loads.append((metric, lambda: peer.load(work)))
     for metric, load in loads:
-        left = _probes.drop_file_cache(peer.folder(work))
-        if left is not None and left > _COLD_LEFT:
-            return  # the file system keeps its pages (tmpfs): nothing cold to measure
+        try:
+            counts = _probes.drop_file_cache(peer.folder(work))
+        except OSError as exc:
+            return f"its files could not be evicted ({exc.strerror or exc})"
+        if counts is not None and counts[0] > _COLD_LEFT * counts[1]:
+            # the file system keeps its pages (tmpfs): nothing cold to measure
+            return (
+                f"{counts[0]:,} of its {counts[1]:,} pages stayed in the page cache after "
+                "POSIX_FADV_DONTNEED (a memory file system?)"
+            )
         seconds, _, loaded = _time_restore(load, meter)
         del loaded
         if fig is not None:
             fig.add(metric, seconds)
+            if counts is not None:
+                fig.add("cold_cached_pages", counts[0])
+                fig.add("cold_pages", counts[1])
+    return None
 
 
 def _time_save(peer: Peer, work: Path, state: StateDict, meter: MemoryMeter) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The training workload: an MLP with Adam trained with a checkpoint every N steps by each
-saver (none, cryosnap eager and lazy, ``torch.save``, DCP ``async_save``), the step time
-measured. Runs on the caller's thread.
+saver (none, cryosnap eager and lazy, ``torch.save``, DCP ``async_save``, torch_checkpointing's
+async save where it imports), the step time measured. Runs on the caller's thread.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import gc
 import math
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cryosnap.bench import _torch_checkpointing as tc
 from cryosnap.bench._clock import Clock, CtrlC
 from cryosnap.bench._config import SEED, TRAIN_EVERY, BenchConfig, ProgressFn
 from cryosnap.bench._peers import dcp_async_save, dcp_available
@@ -186,11 +188,66 @@ class TorchSaver(Saver):
         self.durable_seconds.append(seconds)
 
 
-def _savers() -> list[Saver]:
+class TorchCheckpointingSaver(Saver):
+    """torch_checkpointing's ``CheckpointManager`` (async; the CPU-only configuration of
+    :mod:`cryosnap.bench._torch_checkpointing`): the save call returns when staged (the next
+    step may change the state); durable when its write future is done and the bench's fsync of
+    the files (its writer does not fsync) returned, in the future's callback."""
+
+    key = tc.KEY
+    label = "torch_checkpointing async save"
+
+    def open(self, work: Path, model: Any, opt: Any) -> None:
+        super().open(work, model, opt)
+        self.manager = tc.manager()
+        self.pending: list[tuple[Future[Any], threading.Event]] = []
+
+    def save(self, step: int) -> None:
+        t0 = time.perf_counter()
+        path = self.work / f"step-{step}"
+        payload = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        future = tc.save(self.manager, path, payload)
+        self.save_seconds.append(time.perf_counter() - t0)
+
+        synced = threading.Event()
+
+        def durable(done: Future[Any]) -> None:
+            try:
+                if done.exception() is None:
+                    tc.fsync_tree(path)
+                    fsync_path(self.work)
+                    self.durable_seconds.append(time.perf_counter() - t0)
+            finally:
+                synced.set()
+
+        future.add_done_callback(durable)
+        self.pending.append((future, synced))
+
+    def drain(self) -> None:
+        pending, self.pending = self.pending, []
+        for future, synced in pending:
+            future.result()
+            synced.wait()  # the callback's fsync runs after result() returns
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self.manager.close()
+
+
+def _savers(missing: dict[str, str]) -> list[Saver]:
     savers: list[Saver] = [Saver(), CryosnapSaver(lazy=False), CryosnapSaver(lazy=True)]
     savers.append(TorchSaver())
     if dcp_available():
         savers.append(DcpSaver())
+    else:
+        missing["dcp_async"] = "torch.distributed is not available in this torch build"
+    why = tc.unavailable()
+    if why is None:
+        savers.append(TorchCheckpointingSaver())
+    else:
+        missing[tc.KEY] = why
     return savers
 
 
@@ -223,9 +280,9 @@ def run_training(
     result = new_result(config, command, nbytes, leaves, title)
     result.memory_method = "not measured in the training workload"
     result.cold = "not measured in the training workload"
-    savers = _savers()
-    if not dcp_available():
-        result.missing["dcp_async"] = "torch.distributed is not available in this torch build"
+    savers = _savers(result.missing)
+    if tc.unavailable() is None:
+        result.notes.append(f"{tc.KEY}: {tc.NOTE}")
     result.training_setup = {
         "width": width,
         "layers": _MLP_LAYERS,

@@ -516,8 +516,9 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
             ),
         ] = False,
     ) -> None:
-        """Measure cryosnap against torch.save, safetensors, DCP (and torchsnapshot) on the same
-        state, beside this machine's limits (memcpy, raw write+fsync, raw read)."""
+        """Measure cryosnap against torch.save, safetensors, DCP (and torchsnapshot,
+        torch_checkpointing where installed) on the same state, beside this machine's limits
+        (memcpy, raw write+fsync, raw read); every reader timed warm and cold."""
         cmd_bench(
             size=size,
             workload=workload,

@@ -25,7 +25,10 @@ from typing import Any
 import pytest
 
 from cryosnap import bench as benchmark
-from cryosnap.bench import _peers, _probes
+from cryosnap.bench import _peers, _probes, _save_load, _training
+from cryosnap.bench import _torch_checkpointing as tc
+from cryosnap.bench._probes import MemoryMeter
+from cryosnap.bench._result import PeerFigures
 from cryosnap.bench._workloads import dense_shapes
 from cryosnap.cli import main
 
@@ -42,6 +45,8 @@ def expected_peers() -> set[str]:
         keys |= {"dcp", "dcp_async"}
     if importlib.util.find_spec("torchsnapshot") is not None:
         keys.add("torchsnapshot")
+    if tc.unavailable() is None:
+        keys.add(tc.KEY)
     return keys
 
 
@@ -153,6 +158,22 @@ def test_dense_json_table_cold_and_plot(capsys: pytest.CaptureFixture[str], tmp_
     assert cryosnap_medians["restore_cold_fresh_seconds"] > 0
     assert "restore_cold_seconds" in peers_of(doc)["cryosnap"]["ratios"]  # x the direct read
     assert "restore cold" in stdout and "cold fresh" in stdout
+    # Every reader, the peers as well as cryosnap, is read cold too, after mincore found at
+    # most a tenth of its pages still cached (one check per cold read: 2 with fresh and into=).
+    for key, peer in peers_of(doc).items():
+        reads = sum(
+            m in peer["samples"] for m in ("restore_cold_seconds", "restore_cold_fresh_seconds")
+        )
+        warm = sum(m in peer["samples"] for m in ("restore_seconds", "restore_into_seconds"))
+        assert reads == warm, key  # raw_direct: its read is cold whatever the cache
+        if not reads:
+            continue
+        pages, cached = peer["samples"]["cold_pages"], peer["samples"]["cold_cached_pages"]
+        assert len(pages) == len(cached) == reads, key
+        assert all(p * 4096 >= doc["state"]["bytes"] for p in pages), key
+        assert all(c <= p // 10 for c, p in zip(cached, pages, strict=True)), key
+    (checked,) = [n for n in doc["notes"] if n.startswith("cold reads checked with mincore")]
+    assert "torch," in checked and "cryosnap," in checked
     assert doc["memory_method"]
     assert png.read_bytes().startswith(PNG_SIGNATURE)
     assert f"wrote {png}" in stdout
@@ -186,6 +207,8 @@ def test_training(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     keys = {"none", "cryosnap_eager", "cryosnap_lazy", "torch"}
     if _peers.dcp_available():
         keys.add("dcp_async")
+    if tc.unavailable() is None:
+        keys.add(tc.KEY)
     assert set(methods) == {(k, every) for k in keys for every in (1, 10)}
     for (key, _every), m in methods.items():
         assert m["error"] is None, (key, m["error"])
@@ -327,5 +350,85 @@ def test_a_folder_is_dropped_from_the_page_cache(direct_dir: Path) -> None:
         os.close(fd)
     if counts is None or counts[0] < counts[1] // 2:
         pytest.skip("mincore is not available here, or the file was not cached")
-    left = _probes.drop_file_cache(direct_dir)
-    assert left is not None and left <= 0.1
+    counts = _probes.drop_file_cache(direct_dir)
+    assert counts is not None and counts[1] == 2 * (1 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert counts[0] <= counts[1] // 10
+
+
+def test_an_absent_peer_is_skipped_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_checkpointing is optional: where it does not import, no peer and no saver, and the
+    reason in ``missing`` (the run's notes say "not measured (...)")."""
+    why = f"not installed; pip install --no-deps torch_checkpointing=={tc.VERSION}"
+    monkeypatch.setattr(tc, "unavailable", lambda: why)
+    import torch
+
+    into = {"x": torch.zeros(4)}
+    peers, missing = _peers.make_peers("dense", into)
+    assert tc.KEY not in {p.key for p in peers}
+    assert missing[tc.KEY] == why
+    training_missing: dict[str, str] = {}
+    savers = _training._savers(training_missing)
+    assert tc.KEY not in {s.key for s in savers}
+    assert training_missing[tc.KEY] == why
+
+
+def test_a_missing_module_is_reported_as_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_checkpointing", None)  # import raises ImportError
+    assert tc.unavailable() == (
+        f"not installed; pip install --no-deps torch_checkpointing=={tc.VERSION}"
+    )
+
+
+def _cold_counts(direct_dir: Path, peer: _peers.Peer) -> tuple[PeerFigures, str | None]:
+    """Save with ``peer`` into ``direct_dir`` (durable), then its cold reads."""
+    import torch
+
+    state = {f"t{i}": torch.arange(i, i + (1 << 18), dtype=torch.float32) for i in range(4)}
+    into = {k: torch.zeros_like(t) for k, t in state.items()}
+    work = direct_dir / "work"
+    work.mkdir()
+    peer.setup(direct_dir, state)
+    try:
+        finish = peer.save(work, state)
+        if finish is not None:
+            finish()
+        fig = PeerFigures(peer.key, peer.label, peer.limit)
+        why = _save_load._time_cold(peer, fig, work, into, MemoryMeter())
+        if why is None and peer.restores_into:
+            assert all(torch.equal(into[k], state[k]) for k in state)
+    finally:
+        peer.close()
+    return fig, why
+
+
+def test_torch_save_read_cold_after_mincore_says_evicted(direct_dir: Path) -> None:
+    fig, why = _cold_counts(direct_dir, _peers.TorchSavePeer())
+    assert why is None
+    assert len(fig.samples["restore_cold_seconds"]) == 1
+    (pages,), (cached,) = fig.samples["cold_pages"], fig.samples["cold_cached_pages"]
+    assert pages * 4096 >= 4 << 20 and cached <= pages // 10
+
+
+def test_cold_reads_without_posix_fadvise_say_why(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(os, "posix_fadvise")
+    fig, why = _cold_counts(direct_dir, _peers.TorchSavePeer())
+    assert why is not None and "no posix_fadvise" in why
+    assert "restore_cold_seconds" not in fig.samples and "cold_pages" not in fig.samples
+
+
+@pytest.mark.skipif(tc.unavailable() is not None, reason=f"torch_checkpointing: {tc.unavailable()}")
+@pytest.mark.timeout(180)
+def test_torch_checkpointing_saves_durably_and_reads_cold(direct_dir: Path) -> None:
+    """The real peer: an async save staged and written (fsync'd by the bench), its files
+    evicted (mincore) before a cold load into the tensors and a cold fresh load."""
+    peer = tc.TorchCheckpointingPeer()
+    fig, why = _cold_counts(direct_dir, peer)
+    assert why is None
+    assert set(fig.samples) >= {"restore_cold_seconds", "restore_cold_fresh_seconds"}
+    pages, cached = fig.samples["cold_pages"], fig.samples["cold_cached_pages"]
+    assert len(pages) == 2
+    assert all(p * 4096 >= 4 << 20 and c <= p // 10 for c, p in zip(cached, pages, strict=True))
+    files = list((direct_dir / "work" / "tc").rglob("*"))
+    assert sum(f.stat().st_size for f in files if f.is_file()) >= 4 << 20
