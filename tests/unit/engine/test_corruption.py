@@ -346,11 +346,11 @@ def test_unsafe_manifest_key_is_refused(run: Run) -> None:
 
 
 @pytest.mark.parametrize("doc", ["manifest", "commit"])
-@pytest.mark.parametrize("version", [0, 8, "1", None, True])
+@pytest.mark.parametrize("version", [0, 9, "1", None, True])
 def test_unknown_format_version(run: Run, doc: str, version: Any) -> None:
-    # (A manifest may say 2 to 7: it holds packed tensors, files, columns, packed arrays,
-    # statistics or an ancestor's data files; a commit record 2: an ancestor's data files.)
-    if doc == "commit" and version == 8:
+    # (A manifest may say 2 to 8: it holds packed tensors, files, columns, packed arrays,
+    # statistics, an ancestor's data files or coded ones; a commit record 2: an ancestor's.)
+    if doc == "commit" and version == 9:
         version = 3
     change = {"format_version": version}
     _rewrite(run, **{doc: change})
