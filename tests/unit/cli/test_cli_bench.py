@@ -329,3 +329,79 @@ def test_a_folder_is_dropped_from_the_page_cache(direct_dir: Path) -> None:
         pytest.skip("mincore is not available here, or the file was not cached")
     left = _probes.drop_file_cache(direct_dir)
     assert left is not None and left <= 0.1
+
+
+# -- the scale workload ------------------------------------------------------------------------
+
+SCALE_KEYS = {
+    "ranks",
+    "max_sent_bytes_per_rank",
+    "max_received_bytes_per_rank",
+    "rounds",
+    "leader_seconds",
+    "restore_read_bytes_per_rank",
+    "metadata_bytes_per_rank",
+}
+
+
+def test_scale_prints_the_json_alone(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert (
+        main(["bench", "--workload", "scale", "--ranks", "2,8", "--dir", str(tmp_path), "--json"])
+        == 0
+    )
+    out, err = capsys.readouterr()
+    rows = json.loads(out)["scale"]
+    assert [row["ranks"] for row in rows] == [2, 8]
+    for row in rows:
+        assert set(row) >= SCALE_KEYS
+        assert row["rounds"] > 0 and row["max_sent_bytes_per_rank"] > 0
+        assert row["restore_read_bytes_per_rank"] > 0 and row["metadata_bytes_per_rank"] > 0
+    # 8 ranks: each receives the other 7's contributions, more than 2 ranks' one
+    assert rows[1]["max_received_bytes_per_rank"] > rows[0]["max_received_bytes_per_rank"]
+    assert "8 ranks: restore" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_scale_table_and_json_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "scale.json"
+    assert main(["bench", "--workload", "scale", "--ranks", "3", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ +3 +\d+ B", out, re.MULTILINE), out
+    assert f"wrote {out_file}" in out
+    assert [row["ranks"] for row in json.loads(out_file.read_text())["scale"]] == [3]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--workload", "scale", "--ranks", "64,x"], ["--ranks", "'x' is not a world size"]),
+        (["--workload", "scale", "--ranks", "0"], ["--ranks", "'0' is not a world size"]),
+        (
+            ["--workload", "scale", "--size", "4MiB"],
+            ["--size", "does not apply to --workload scale"],
+        ),
+        (
+            ["--workload", "scale", "--dir", "/nonexistent/x"],
+            ["--dir", "not an existing directory"],
+        ),
+        (["--ranks", "64"], ["--ranks applies to --workload scale only"]),
+        (["--json"], ["--json needs a FILE except with --workload scale"]),
+    ],
+)
+def test_scale_bad_arguments_exit_2_before_measuring(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    fragments: list[str],
+) -> None:
+    from cryosnap.bench import _scale
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a bad argument must be refused before the benchmark runs")
+
+    monkeypatch.setattr(_scale, "measure_scale", never)
+    monkeypatch.setattr(benchmark, "run", never)
+    assert main(["bench", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    one_error_line(err, *fragments)
