@@ -68,13 +68,14 @@ class _Tally:
 class _Collective:
     """One collective on one channel: every rank's pickled contribution, then the result."""
 
-    __slots__ = ("done", "kind", "pickled", "result", "root")
+    __slots__ = ("complete", "done", "kind", "pickled", "result", "root")
 
     def __init__(self, kind: str, root: int) -> None:
         self.kind = kind
         self.root = root
         self.pickled: dict[int, bytes] = {}
-        self.done = threading.Event()
+        self.done = threading.Event()  # set when complete, or on an abort
+        self.complete = False
         self.result: list[Any] = []
 
 
@@ -97,7 +98,6 @@ class SimulatedWorld:
         self._issued: dict[tuple[int, str], int] = {}
         self._tallies = [_Tally() for _ in range(self.world_size)]
         self._aborted: str | None = None
-        self._abort_event = threading.Event()
         # Per leader thread: its CPU clock at the first and the latest collective since reset.
         self._leader_clock: dict[int, tuple[float, float]] = {}
 
@@ -151,9 +151,14 @@ class SimulatedWorld:
     def abort(self, reason: str) -> None:
         """Fail every collective in progress and to come (a participant crashed)."""
         with self._lock:
-            if self._aborted is None:
-                self._aborted = reason
-        self._abort_event.set()
+            self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        """Abort under the lock: wake every waiting rank (no rank polls: thousands wait)."""
+        if self._aborted is None:
+            self._aborted = reason
+        for op in self._pending.values():
+            op.done.set()
 
     # -- counters --------------------------------------------------------------------------
 
@@ -205,8 +210,7 @@ class SimulatedWorld:
                     f"collective {n} on channel {name!r}: rank {rank} called {kind} (root "
                     f"{root}) where another rank called {op.kind} (root {op.root})"
                 )
-                self._aborted = problem
-                self._abort_event.set()
+                self._fail(problem)
                 raise CoordinationError(problem)
             op.pickled[rank] = payload
             last = len(op.pickled) == self.world_size
@@ -217,6 +221,7 @@ class SimulatedWorld:
             with self._lock:
                 self._count(op)
             op.pickled.clear()
+            op.complete = True
             op.done.set()
         elif not self._wait(op, limit):
             with self._lock:
@@ -231,13 +236,13 @@ class SimulatedWorld:
         return op.result
 
     def _wait(self, op: _Collective, limit: float) -> bool:
-        deadline = time.monotonic() + limit
-        while not op.done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
-            if self._abort_event.is_set():
-                raise CoordinationError(f"the simulated world was aborted: {self._aborted}")
-            if time.monotonic() >= deadline:
-                return False
-        return True
+        """Whether ``op`` completed within ``limit``; an abort raises."""
+        op.done.wait(limit)
+        if op.complete:
+            return True
+        if self._aborted is not None:
+            raise CoordinationError(f"the simulated world was aborted: {self._aborted}")
+        return False
 
     def _tick(self) -> None:
         now = time.thread_time()
