@@ -25,6 +25,10 @@ __all__ = ["RankCounters", "SimulatedWorld"]
 
 T = TypeVar("T")
 
+# An exchange first tells every rank the size of each payload to it, as an all-to-all of int64
+# (TorchCoordinator and MPICoordinator do): 8 bytes each way per other rank.
+_SIZE_BYTES = 8
+
 # The leader: the rank whose CPU time the world measures (cryosnap's decisions are rank 0's).
 LEADER = 0
 
@@ -36,8 +40,10 @@ class RankCounters:
     The model is the logical one, independent of the collective's algorithm: an all-gather
     sends this rank's pickled object once (one message) and receives every other rank's (one
     message each); a broadcast sends the root's object once and every other rank receives it
-    once; a barrier is an all-gather of nothing (messages, no bytes); an exchange counts each
-    payload to another rank (a payload to itself costs nothing). ``rounds`` counts the
+    once; a barrier is an all-gather of nothing (messages, no bytes); an exchange counts the
+    8-byte sizes it sends to and receives from every other rank (the all-to-all of sizes the
+    real coordinators run; bytes, not messages), then each payload to another rank as one
+    message (a payload to itself costs nothing). ``rounds`` counts the
     collectives the rank took part in, on every channel.
     """
 
@@ -274,7 +280,10 @@ class SimulatedWorld:
                 else:
                     tally.messages_received += 1
                     tally.bytes_received += size
-        else:  # exchange: the payloads themselves, sender to receiver
+        else:  # exchange: the sizes every rank learns (an all-to-all), then the payloads
+            for tally in self._tallies:
+                tally.bytes_sent += _SIZE_BYTES * (world - 1)
+                tally.bytes_received += _SIZE_BYTES * (world - 1)
             for src, sends in enumerate(op.result):
                 for dst, body in sends.items():
                     if dst == src:

@@ -76,10 +76,11 @@ def test_broadcast_barrier_and_exchange_counts() -> None:
     world.run(body)
     size = _size(payload)
     counted = world.all_counters()
+    sizes = 8 * 3  # the exchange's all-to-all of int64 sizes, each way
     # rank 0: receives the broadcast, 1+3 barrier messages, 2+3+4 exchange bytes in 3 messages
-    assert counted[0] == RankCounters(1, 1 + 3 + 3, 0, size + 2 + 3 + 4, 3)
-    assert counted[2] == RankCounters(1 + 1 + 1, 3, size + 3, 0, 3)
-    assert counted[3] == RankCounters(1 + 1, 1 + 3, 4, size, 3)
+    assert counted[0] == RankCounters(1, 1 + 3 + 3, sizes, size + 2 + 3 + 4 + sizes, 3)
+    assert counted[2] == RankCounters(1 + 1 + 1, 3, size + 3 + sizes, sizes, 3)
+    assert counted[3] == RankCounters(1 + 1, 1 + 3, 4 + sizes, size + sizes, 3)
     world.reset()
     assert world.counters(3) == RankCounters()
     assert world.leader_seconds == 0.0
