@@ -42,11 +42,13 @@ _TIMEOUT_SECONDS = 3600.0
 class ScaleFigures:
     """One world size's figures (the keys of ``cryosnap bench --workload scale --json``).
 
-    Per save (the second, steady-state save): the largest bytes any rank sent and received,
+    Per save (the second one, which also retires the first: ``keep=1``, the steady state of a
+    run under retention): the largest bytes any rank sent and received,
     the collectives each rank took part in, and the CPU seconds of the leader's (rank 0's)
     threads. ``restore_read_bytes_per_rank``: the most any rank read from the store to
     restore. ``metadata_bytes_per_rank``: the largest rank's manifest plus the commit record
-    (the metadata a rank reads to restore its part), as written on disk.
+    (the metadata a rank reads to restore its part), as written on disk. The ``but_leader``
+    figures leave rank 0 out (it broadcasts the decisions: its send is the largest).
     """
 
     ranks: int
@@ -56,6 +58,8 @@ class ScaleFigures:
     leader_seconds: float
     restore_read_bytes_per_rank: int
     metadata_bytes_per_rank: int
+    max_sent_bytes_but_leader: int
+    max_received_bytes_but_leader: int
     manifest_bytes_per_rank: int
     commit_bytes: int
     save_seconds: float
@@ -114,7 +118,7 @@ def measure_scale(
     directory: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ScaleFigures:
-    """Open N Checkpointers on one run, save twice (the second measured), restore; the figures.
+    """Open N Checkpointers on one run (``keep=1``), save twice (the second measured), restore.
 
     Every phase is one :meth:`SimulatedWorld.run`, so the counters are read between phases,
     with no collective open. The restore is checked: each rank gets its own shard back.
@@ -131,7 +135,7 @@ def measure_scale(
 
             def first(c: SimulatedRank) -> None:
                 ckpt = ckpts[c.rank] = Checkpointer(
-                    stores[c.rank], comm=c, chunk_bytes=_CHUNK_BYTES, keep=2
+                    stores[c.rank], comm=c, chunk_bytes=_CHUNK_BYTES, keep=1
                 )
                 ckpt.save(1, _state(c.rank, 1, model), replicated=["model"]).result()
 
@@ -171,6 +175,8 @@ def measure_scale(
         leader_seconds=leader,
         restore_read_bytes_per_rank=read,
         metadata_bytes_per_rank=manifest + commit,
+        max_sent_bytes_but_leader=max((c.bytes_sent for c in saved[1:]), default=0),
+        max_received_bytes_but_leader=max((c.bytes_received for c in saved[1:]), default=0),
         manifest_bytes_per_rank=manifest,
         commit_bytes=commit,
         save_seconds=save_seconds,
