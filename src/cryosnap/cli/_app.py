@@ -463,7 +463,11 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
         ] = None,
         workload: Annotated[
             str,
-            typer.Option("--workload", help="dense, many-small, sparse or training."),
+            typer.Option(
+                "--workload",
+                help="dense, many-small, sparse, training, or scale (coordination of N "
+                "simulated ranks).",
+            ),
         ] = "dense",
         repeat: Annotated[
             int, typer.Option("--repeat", help="Timed rounds; tables show medians.")
@@ -474,7 +478,10 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
         json_file: Annotated[
             str | None,
             typer.Option(
-                "--json", metavar="FILE", help="Write machine, command, every sample to FILE."
+                "--json",
+                metavar="FILE",
+                help="Write machine, command, every sample to FILE (scale: without FILE, print "
+                "the JSON alone).",
             ),
         ] = None,
         plot: Annotated[
@@ -500,6 +507,14 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
             float,
             typer.Option("--step-seconds", help="training: the batch is tuned for this step time."),
         ] = 1.0,
+        ranks: Annotated[
+            str | None,
+            typer.Option(
+                "--ranks",
+                metavar="N,N,...",
+                help="scale: the world sizes to simulate (default 64,512,4096).",
+            ),
+        ] = None,
         cold: Annotated[
             bool,
             typer.Option(
@@ -532,6 +547,7 @@ def _add_bench_command(app: typer.Typer, invocation: Invocation) -> None:
             step_seconds=step_seconds,
             cold=cold,
             wide=wide,
+            ranks=ranks,
             command=invocation.command(),
         )
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cryosnap._units import human_bytes
 from cryosnap.cli._common import CliUsageError, check_image_out
 from cryosnap.cli._render import PROG, Column, Table, print_line, truncate
 
@@ -31,6 +32,7 @@ def cmd_bench(
     step_seconds: float = 1.0,
     cold: bool = True,
     wide: bool = False,
+    ranks: str | None = None,
     command: str = PROG + " bench",
 ) -> None:
     """Run :func:`cryosnap.bench.run`, print the table, write ``--json`` and ``--plot``
@@ -41,6 +43,17 @@ def cmd_bench(
     """
     from cryosnap import bench
 
+    if workload == "scale":
+        asked = {"--size": size is not None, "--plot": plot is not None, "--wide": wide}
+        extra = [name for name, given in asked.items() if given]
+        if extra:
+            raise CliUsageError(f"{', '.join(extra)}: does not apply to --workload scale")
+        _bench_scale(ranks, json_file, directory)
+        return
+    if ranks is not None:
+        raise CliUsageError("--ranks applies to --workload scale only")
+    if json_file == "-":
+        raise CliUsageError("--json needs a FILE except with --workload scale")
     try:
         config = bench.BenchConfig(
             workload=workload,
@@ -81,6 +94,68 @@ def cmd_bench(
         except (OSError, ValueError) as exc:
             raise CliUsageError(f"--plot {plot}: cannot write the plot: {exc}") from None
         print_line(f"wrote {plot}")
+
+
+def _bench_scale(ranks: str | None, json_file: str | None, directory: str | None) -> None:
+    """The scale workload: a table (and ``--json FILE``), or with a bare ``--json`` the JSON
+    alone on stdout, ``{"scale": [figures per world size]}``."""
+    from cryosnap.bench import _scale
+    from cryosnap.errors import BenchError
+
+    try:
+        sizes = list(_scale.SCALE_RANKS) if ranks is None else _scale.parse_ranks(ranks)
+    except BenchError as exc:
+        raise CliUsageError(str(exc)) from None
+    if directory is not None and not os.path.isdir(directory):
+        raise CliUsageError(f"--dir {directory!r} is not an existing directory")
+    if json_file not in (None, "-"):
+        _check_out(json_file, "--json")
+    figures = []
+    for n in sizes:
+        figures.append(
+            _scale.measure_scale(
+                n,
+                directory=None if directory is None else Path(directory),
+                progress=lambda what: print(f"{PROG} bench: {what}", file=sys.stderr, flush=True),
+            )
+        )
+    doc = {"scale": [f.to_json() for f in figures]}
+    if json_file == "-":
+        print(json.dumps(doc, indent=2))
+        return
+    table = Table(
+        [
+            Column("ranks", right=True),
+            Column("sent/rank", right=True),
+            Column("received/rank", right=True),
+            Column("rounds", right=True),
+            Column("leader CPU", right=True),
+            Column("restore read/rank", right=True),
+            Column("metadata/rank", right=True),
+            Column("save", right=True),
+        ]
+    )
+    for f in figures:
+        table.add(
+            str(f.ranks),
+            human_bytes(f.max_sent_bytes_per_rank),
+            human_bytes(f.max_received_bytes_per_rank),
+            str(f.rounds),
+            f"{f.leader_seconds * 1e3:.1f} ms",
+            human_bytes(f.restore_read_bytes_per_rank),
+            human_bytes(f.metadata_bytes_per_rank),
+            f"{f.save_seconds:.2f} s",
+        )
+    print_line("per save, the largest figure of any rank; ranks simulated (cryosnap.testing)")
+    table.render()
+    if json_file:
+        try:
+            with open(json_file, "w") as out:
+                json.dump(doc, out, indent=2)
+                out.write("\n")
+        except OSError as exc:
+            raise CliUsageError(f"--json {json_file}: cannot write: {exc}") from None
+        print_line(f"wrote {json_file}")
 
 
 def _render(result: Any, *, wide: bool = False) -> None:

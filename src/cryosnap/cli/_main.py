@@ -37,8 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _bare_json(args: list[str]) -> list[str]:
+    """``bench ... --json`` without a FILE (last, or before another option) as ``--json -``:
+    the scale workload's JSON on stdout (the parser has no options with an optional value)."""
+    if not args or args[0] != "bench":
+        return args
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        after = args[i + 1] if i + 1 < len(args) else None
+        if arg == "--json" and (after is None or (after.startswith("-") and after != "-")):
+            out.append("-")
+    return out
+
+
 def _run(invocation: Invocation) -> int:
-    args, error = list(invocation.args), invocation.error
+    args, error = _bare_json(list(invocation.args)), invocation.error
     try:
         import typer
     except ImportError:

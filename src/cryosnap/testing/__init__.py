@@ -1,9 +1,11 @@
 """Test support for cryosnap and for third-party storage backends.
 
 :class:`FaultyStore` (here) injects failures, stalls and throttling, :class:`FaultySyscalls`
-failures of direct writes; :mod:`cryosnap.testing.store`
+failures of direct writes; :class:`SimulatedWorld` is a process group of N ranks as threads that
+counts each rank's messages, bytes and rounds; :mod:`cryosnap.testing.store`
 is the Store conformance suite (it imports pytest, hypothesis and numpy; this package does not).
-Everything here runs on the calling thread. docs/design/storage.md has an example.
+Everything here runs on the calling thread but :meth:`SimulatedWorld.run`, which starts a
+thread per rank. docs/design/storage.md has an example.
 """
 
 from __future__ import annotations
@@ -11,8 +13,16 @@ from __future__ import annotations
 import sys
 
 from cryosnap.testing._faulty import Fault, FaultyStore, FaultySyscalls
+from cryosnap.testing._world import RankCounters, SimulatedRank, SimulatedWorld
 
-__all__ = ["Fault", "FaultyStore", "FaultySyscalls"]
+__all__ = [
+    "Fault",
+    "FaultyStore",
+    "FaultySyscalls",
+    "RankCounters",
+    "SimulatedRank",
+    "SimulatedWorld",
+]
 
 if "pytest" in sys.modules:
     # Only where pytest already runs: the package never imports it. Before the suite's import.

@@ -432,3 +432,79 @@ def test_torch_checkpointing_saves_durably_and_reads_cold(direct_dir: Path) -> N
     assert all(p * 4096 >= 4 << 20 and c <= p // 10 for c, p in zip(cached, pages, strict=True))
     files = list((direct_dir / "work" / "tc").rglob("*"))
     assert sum(f.stat().st_size for f in files if f.is_file()) >= 4 << 20
+
+
+# -- the scale workload ------------------------------------------------------------------------
+
+SCALE_KEYS = {
+    "ranks",
+    "max_sent_bytes_per_rank",
+    "max_received_bytes_per_rank",
+    "rounds",
+    "leader_seconds",
+    "restore_read_bytes_per_rank",
+    "metadata_bytes_per_rank",
+}
+
+
+def test_scale_prints_the_json_alone(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert (
+        main(["bench", "--workload", "scale", "--ranks", "2,8", "--dir", str(tmp_path), "--json"])
+        == 0
+    )
+    out, err = capsys.readouterr()
+    rows = json.loads(out)["scale"]
+    assert [row["ranks"] for row in rows] == [2, 8]
+    for row in rows:
+        assert set(row) >= SCALE_KEYS
+        assert row["rounds"] > 0 and row["max_sent_bytes_per_rank"] > 0
+        assert row["restore_read_bytes_per_rank"] > 0 and row["metadata_bytes_per_rank"] > 0
+    # 8 ranks: each receives the other 7's contributions, more than 2 ranks' one
+    assert rows[1]["max_received_bytes_per_rank"] > rows[0]["max_received_bytes_per_rank"]
+    assert "8 ranks: restore" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_scale_table_and_json_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "scale.json"
+    assert main(["bench", "--workload", "scale", "--ranks", "3", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ +3 +\d+ B", out, re.MULTILINE), out
+    assert f"wrote {out_file}" in out
+    assert [row["ranks"] for row in json.loads(out_file.read_text())["scale"]] == [3]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--workload", "scale", "--ranks", "64,x"], ["--ranks", "'x' is not a world size"]),
+        (["--workload", "scale", "--ranks", "0"], ["--ranks", "'0' is not a world size"]),
+        (
+            ["--workload", "scale", "--size", "4MiB"],
+            ["--size", "does not apply to --workload scale"],
+        ),
+        (
+            ["--workload", "scale", "--dir", "/nonexistent/x"],
+            ["--dir", "not an existing directory"],
+        ),
+        (["--ranks", "64"], ["--ranks applies to --workload scale only"]),
+        (["--json"], ["--json needs a FILE except with --workload scale"]),
+    ],
+)
+def test_scale_bad_arguments_exit_2_before_measuring(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    fragments: list[str],
+) -> None:
+    from cryosnap.bench import _scale
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a bad argument must be refused before the benchmark runs")
+
+    monkeypatch.setattr(_scale, "measure_scale", never)
+    monkeypatch.setattr(benchmark, "run", never)
+    assert main(["bench", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    one_error_line(err, *fragments)
