@@ -15,6 +15,9 @@ go, and a job SIGKILLed mid-epoch resumes bit for bit in a new one. Under
 from __future__ import annotations
 
 import json
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,26 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*sync_dist=True.*:UserWarning"),
     pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_worker_as_it_was() -> Iterator[None]:
+    """A DDP strategy in this process (devices=1) starts a process group, sets MASTER_PORT,
+    WORLD_SIZE and the like in os.environ and installs signal handlers: all of it would reach
+    the tests this worker runs next (a later Accelerator wraps its model in DDP, a child
+    inherits the port and fails to bind it). Undone after each test."""
+    env = dict(os.environ)
+    signals = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
+    handlers = {s: signal.getsignal(s) for s in signals}
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 def _losses(out: Path, rank: int, fit: str) -> list[tuple[int, float]]:
