@@ -21,6 +21,7 @@ from cryosnap.bench._probes import (
 )
 from cryosnap.bench._result import BenchResult
 from cryosnap.bench._runner import run
+from cryosnap.bench._scale import SCALE_RANKS, ScaleFigures, measure_scale, parse_ranks
 from cryosnap.errors import BenchError, MissingDependencyError
 
 __all__ = [
@@ -29,13 +30,17 @@ __all__ = [
     "BenchResult",
     "BenchStep",
     "MissingDependencyError",
+    "SCALE_RANKS",
+    "ScaleFigures",
     "WORKLOADS",
     "check_plot_available",
     "current_rss_bytes",
     "drop_page_cache",
     "fsync_path",
     "iter_files",
+    "measure_scale",
     "median",
+    "parse_ranks",
     "parse_size",
     "peak_rss_bytes",
     "plot",

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cryosnap._units import human_bytes
 from cryosnap.cli._common import CliUsageError, check_image_out
 from cryosnap.cli._render import PROG, Column, Table, print_line, truncate
+from cryosnap.progress import human_bytes
 
 
 def cmd_bench(
@@ -99,7 +99,7 @@ def cmd_bench(
 def _bench_scale(ranks: str | None, json_file: str | None, directory: str | None) -> None:
     """The scale workload: a table (and ``--json FILE``), or with a bare ``--json`` the JSON
     alone on stdout, ``{"scale": [figures per world size]}``."""
-    from cryosnap.bench import _scale
+    from cryosnap import bench as _scale
     from cryosnap.errors import BenchError
 
     try:
