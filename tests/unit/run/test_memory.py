@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -229,11 +231,23 @@ def _save_and_die(run: Path, scratch: Path) -> None:
 
 
 def _killed_child(run: Path, scratch: Path) -> None:
-    pid = os.fork()
-    if pid == 0:
-        _save_and_die(run, scratch)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+    """A new interpreter, not a fork of this (threaded) worker: a forked copy of the worker's
+    threads' locks can hang the child (it did, under load). The memory root is inherited
+    through the environment (the ``shm`` fixture)."""
+    code = (
+        "import sys; from pathlib import Path; "
+        "from tests.unit.run.test_memory import _save_and_die; "
+        "_save_and_die(Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(run), str(scratch)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(120)
