@@ -177,9 +177,9 @@ def bench_fork(base: Path, args: argparse.Namespace) -> list[h.Check]:
         ckpt.save(0, {**state, "step": 0}).result()
         state["w0"] += 1.0
         ckpt.save(1, {**state, "step": 1}).result()
-    before = _tree_bytes(anc)
+    before = h.tree_bytes(anc)
     fork_s, fork = h.timed(lambda: cryosnap.Run(anc).fork(1, dest))
-    written = _tree_bytes(dest) + _tree_bytes(anc) - before
+    written = h.tree_bytes(dest) + h.tree_bytes(anc) - before
     logical = fork.summary(1).logical_bytes
     load_fork_s, _ = h.timed(lambda: cryosnap.load(dest))
     load_anc_s, _ = h.timed(lambda: cryosnap.load(anc, step=1))
@@ -211,10 +211,6 @@ def bench_fork(base: Path, args: argparse.Namespace) -> list[h.Check]:
             h.format_bytes(info.written_bytes),
         ),
     ]
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def main(argv: list[str] | None = None) -> None:

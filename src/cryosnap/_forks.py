@@ -23,7 +23,7 @@ from cryosnap._format.keys import parse_commit_key
 from cryosnap._run.lock import LOCK_KEY, acquire_run_lock
 from cryosnap.engine import copy_version, create_fork, fork_record, holds, plan_fork
 from cryosnap.errors import CheckpointExistsError, CheckpointNotFoundError
-from cryosnap.storage import LinkedStore, Store, open_run_store
+from cryosnap.storage import LinkedStore, Store, location_of, open_run_store
 
 __all__ = ["RunLineage", "fork_run", "lineage_of"]
 
@@ -47,8 +47,8 @@ def fork_run(
             plan = plan_fork(
                 source,
                 step,
-                source_location=_location(source),
-                fork_location=_location(store),
+                source_location=location_of(source),
+                fork_location=location_of(store),
             )
             create_fork(source, plan, store)
         else:
@@ -66,7 +66,7 @@ def _copy(source: Store, step: int, store: Store, fence: Callable[[], None]) -> 
     token = new_token()
     commit = engine.read_commit(source, step).to_json()
     record = ForkRecord(
-        token, _location(source), step, xxhash.xxh3_128_hexdigest(commit), (), now_unix()
+        token, location_of(source), step, xxhash.xxh3_128_hexdigest(commit), (), now_unix()
     )
     fence()
     store.write(FORK_KEY, record.to_json())
@@ -112,13 +112,6 @@ def _existing(path: str) -> str:
             break
         path = parent
     return path
-
-
-def _location(store: Store) -> str:
-    if isinstance(store, LinkedStore):
-        return store.location()
-    root = store.capabilities.local_path
-    return store.url if root is None else os.path.realpath(root)
 
 
 @dataclass(frozen=True, slots=True)

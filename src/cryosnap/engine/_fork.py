@@ -44,7 +44,7 @@ from cryosnap.errors import (
     CheckpointNotFoundError,
     IntegrityError,
 )
-from cryosnap.storage import LinkedStore, Store
+from cryosnap.storage import LinkedStore, Store, location_of
 
 __all__ = [
     "ForkPlan",
@@ -316,7 +316,7 @@ def create_fork(source: Store, plan: ForkPlan, fork: Store) -> None:
         for index, files in plan.holds.items():
             hold = Hold(
                 plan.record.token,
-                _location(fork),
+                location_of(fork),
                 plan.record.parent,
                 plan.record.step,
                 tuple(files),
@@ -367,10 +367,3 @@ def _ancestor_stores(source: Store, plan: ForkPlan) -> dict[int, Store]:
         assert isinstance(source, LinkedStore), "a fork's source is opened as a LinkedStore"
         out[index] = source.ancestor(index - 1)[0]
     return out
-
-
-def _location(store: Store) -> str:
-    if isinstance(store, LinkedStore):
-        return store.location()
-    root = store.capabilities.local_path
-    return store.url if root is None else os.path.realpath(root)

@@ -13,7 +13,7 @@ from typing import Any
 from cryosnap.errors import DirectIOError
 from cryosnap.storage._codec import CodedWriter, DecodedStore, coded_size, decoded, read_index
 from cryosnap.storage._fsspec import FsspecStore
-from cryosnap.storage._linked import LinkedStore, linked
+from cryosnap.storage._linked import LinkedStore, linked, location_of
 from cryosnap.storage._local import LocalStore
 from cryosnap.storage._timeout import TimeoutStore
 from cryosnap.storage._wrap import WrapperStore, unwrap
@@ -46,6 +46,7 @@ __all__ = [
     "coded_size",
     "decoded",
     "join_location",
+    "location_of",
     "open_run_store",
     "open_store",
     "read_index",

@@ -22,7 +22,7 @@ from cryosnap.errors import CheckpointError, CheckpointFormatError, CheckpointNo
 from cryosnap.storage._wrap import WrapperStore
 from cryosnap.storage.base import BlobWriter, BytesLike, Store
 
-__all__ = ["LinkedStore", "linked"]
+__all__ = ["LinkedStore", "linked", "location_of"]
 
 
 class LinkedStore(WrapperStore):
@@ -60,10 +60,8 @@ class LinkedStore(WrapperStore):
         return self._opener
 
     def location(self) -> str:
-        """Where this run is, as its ancestors' holds name it: the real path of a directory
-        (symbolic links and ``..`` resolved), the URL of any other store."""
-        root = self.inner.capabilities.local_path
-        return self.url if root is None else os.path.realpath(root)
+        """Where this run is, as its ancestors' holds name it (:func:`location_of`)."""
+        return location_of(self.inner)
 
     def fork_record(self) -> ForkRecord | None:
         """This run's ``FORK.json`` (None: the run is no fork), read once."""
@@ -191,6 +189,13 @@ def _own(key: str) -> str:
     if key.startswith("ancestors/"):
         raise CheckpointError(f"{key}: a fork never writes or deletes its ancestors' files")
     return key
+
+
+def location_of(store: Store) -> str:
+    """Where the run on ``store`` is, as holds and fork records name it: the real path of a
+    directory (symbolic links and ``..`` resolved), the URL of any other store."""
+    root = store.capabilities.local_path
+    return store.url if root is None else os.path.realpath(root)
 
 
 def linked(store: Store, opener: Callable[[str], Store]) -> Store:
