@@ -10,6 +10,7 @@ else from the checkout's ``src/``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import gc
@@ -58,6 +59,7 @@ __all__ = [
     "command_line",
     "current_rss_bytes",
     "environment",
+    "framework_main",
     "format_bytes",
     "format_ms",
     "format_s",
@@ -249,6 +251,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+Ranks = list[dict[str, Any]]
+
+
+def framework_main(
+    args: argparse.Namespace,
+    name: str,
+    *,
+    worker: Callable[[argparse.Namespace], None],
+    launch: Callable[[argparse.Namespace, Path], Ranks],
+    report: Callable[[Ranks], dict[str, Any]],
+    describe: Callable[[Ranks], str],
+) -> None:
+    """The main of a framework script (bench_frameworks_*.py): a rank it launched runs
+    ``worker``; the script itself launches the ranks in a scratch folder, prints
+    ``describe(ranks)``, the report and the load, and writes ``--json``."""
+    if args.worker is not None:
+        worker(args)
+        return
+    before = load_average()
+    with scratch_dir(f"bench-{name}-", args.dir) as folder:
+        ranks = launch(args, folder)
+    print(describe(ranks))
+    summary = report(ranks)
+    print_load(before)
+    write_json(args.json, {"environment": environment(), "summary": summary, "ranks": ranks})
 
 
 def launch_ranks(

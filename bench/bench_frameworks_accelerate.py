@@ -235,19 +235,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker is not None:
-        worker(args)
-        return
-    before = h.load_average()
-    with h.scratch_dir("bench-accelerate-", args.dir) as folder:
-        ranks = launch(args, folder)
-    print(
-        f"{ranks[0]['params'] / 1e6:.1f}M parameters, 2 gloo ranks, {args.rounds} round(s), "
-        f"frozen {args.frozen:.0%} of the layers"
+    h.framework_main(
+        args,
+        "accelerate",
+        worker=worker,
+        launch=launch,
+        report=report,
+        describe=lambda ranks: (
+            f"{ranks[0]['params'] / 1e6:.1f}M parameters, 2 gloo ranks, {args.rounds} round(s), "
+            f"frozen {args.frozen:.0%} of the layers"
+        ),
     )
-    summary = report(ranks)
-    h.print_load(before)
-    h.write_json(args.json, {"environment": h.environment(), "summary": summary, "ranks": ranks})
 
 
 if __name__ == "__main__":

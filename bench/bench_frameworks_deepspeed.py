@@ -271,19 +271,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker is not None:
-        worker(args)
-        return
-    before = h.load_average()
-    with h.scratch_dir("bench-deepspeed-", args.dir) as folder:
-        ranks = launch(args, folder)
-    print(
-        f"{ranks[0]['params'] / 1e6:.1f}M parameters, ZeRO stage {args.stage}, 2 gloo ranks, "
-        f"{args.rounds} round(s)"
+    h.framework_main(
+        args,
+        "deepspeed",
+        worker=worker,
+        launch=launch,
+        report=report,
+        describe=lambda ranks: (
+            f"{ranks[0]['params'] / 1e6:.1f}M parameters, ZeRO stage {args.stage}, 2 gloo ranks, "
+            f"{args.rounds} round(s)"
+        ),
     )
-    summary = report(ranks)
-    h.print_load(before)
-    h.write_json(args.json, {"environment": h.environment(), "summary": summary, "ranks": ranks})
 
 
 if __name__ == "__main__":
