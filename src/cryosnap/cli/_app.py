@@ -438,6 +438,10 @@ _PlanHash = Annotated[str | None, _text("--hash-bandwidth", "RATE", "One thread'
 _PlanLocal = Annotated[
     str | None, _text("--local-bandwidth", "RATE", "One node's scratch write with fsync.")
 ]
+_PlanLocalRead = Annotated[
+    str | None,
+    _text("--local-read-bandwidth", "RATE", "One node's scratch read (default: as its write)."),
+]
 _PlanPfs = Annotated[
     str | None, _text("--pfs-bandwidth", "RATE", "The shared level's aggregate write rate.")
 ]
@@ -481,6 +485,7 @@ def _add_plan_command(app: typer.Typer) -> None:
         memcpy_bandwidth: _PlanMemcpy = None,
         hash_bandwidth: _PlanHash = None,
         local_bandwidth: _PlanLocal = None,
+        local_read_bandwidth: _PlanLocalRead = None,
         pfs_bandwidth: _PlanPfs = None,
         node_bandwidth: _PlanNode = None,
         latency: _PlanLatency = None,
@@ -511,6 +516,7 @@ def _add_plan_command(app: typer.Typer) -> None:
                 node_bandwidth,
                 latency,
                 cores_per_node,
+                local_read_bandwidth,
             ),
             method=method,
             seed=seed,

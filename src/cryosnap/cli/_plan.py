@@ -63,6 +63,7 @@ class RateArgs:
     node_bandwidth: str | None = None
     latency: str | None = None
     cores_per_node: int | None = None
+    local_read_bandwidth: str | None = None
 
     def given(self) -> list[str]:
         return [
@@ -184,6 +185,11 @@ def _plan_prediction(costs: list[str], job: JobArgs, rates: RateArgs) -> CostPre
         _rate(rates.node_bandwidth, "--node-bandwidth") if rates.node_bandwidth else math.inf,
         _duration(rates.latency or "0", "--latency"),
         cores_per_node=rates.cores_per_node,
+        local_read_bytes_per_second=(
+            _rate(rates.local_read_bandwidth, "--local-read-bandwidth")
+            if rates.local_read_bandwidth
+            else None
+        ),
     )
     try:
         return predict(shape, machine, scratch=job.scratch, partner=_partner(job.partner))

@@ -104,7 +104,9 @@ class Machine:
     node's injection bandwidth (to the shared level, and to partner nodes). ``latency``: one
     stage of a collective (a collective of N ranks takes ceil(log2 N) stages). ``cores``: per
     node, for the capture copies and the hashing threads of its ranks (None: no fewer than its
-    ranks need).
+    ranks need). ``local_read``: one node's scratch read, shared by its ranks (None: as
+    ``local``); the flush reads scratch back from the disk (scratch is written with direct
+    I/O, so not from the page cache).
     """
 
     memcpy_bytes_per_second: float
@@ -114,6 +116,7 @@ class Machine:
     node_bytes_per_second: float
     latency_seconds: float
     cores_per_node: int | None = None
+    local_read_bytes_per_second: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +132,19 @@ class Machine:
         latency = _validate.seconds(self.latency_seconds, "latency_seconds", allow_zero=True)
         object.__setattr__(self, "latency_seconds", latency)
         _validate.positive_int_or_none(self.cores_per_node, "cores_per_node")
+        read = self.local_read_bytes_per_second
+        read = (
+            self.local_bytes_per_second
+            if read is None
+            else _rate(read, "local_read_bytes_per_second")
+        )
+        object.__setattr__(self, "local_read_bytes_per_second", read)
+
+    @property
+    def read_bytes_per_second(self) -> float:
+        """One node's scratch read (the write rate where none was given)."""
+        read = self.local_read_bytes_per_second
+        return self.local_bytes_per_second if read is None else read
 
     def cpu_share(self, streams: int) -> float:
         """The fraction of one core each of ``streams`` busy threads of a node gets."""
@@ -269,7 +285,7 @@ def _scratch(
         seconds += max(network_s, parity_s)
     coordination = collectives * machine.collective_seconds(shape.ranks)
     terms.append(("coordination", coordination))
-    restart = max(per_rank * part / machine.local_bytes_per_second, hash_s)
+    restart = max(per_rank * part / machine.read_bytes_per_second, hash_s)
     restart += machine.collective_seconds(shape.ranks)
     written = part * (1.0 + (parity[2] if parity else 0.0))
     return LevelTime(
@@ -277,23 +293,34 @@ def _scratch(
     )
 
 
-def _persistent(shape: JobShape, machine: Machine, *, retention: bool) -> LevelTime:
-    """Every rank writes its share (hashed as it passes: a flush certifies what it copies, a
-    direct save hashes what it captured) at its share of the shared bandwidth, then the commit
-    and retention's collectives. A flush reads its scratch files back from the page cache,
-    just written: the model charges no read."""
+def _persistent(shape: JobShape, machine: Machine, *, scratch: bool, retention: bool) -> LevelTime:
+    """Every rank writes its share of the version at its share of the shared bandwidth, then
+    the commit's and retention's collectives. How the share gets there:
+
+    - a save without scratch: the writer hashes what the capture copied while the appender
+      writes it (overlapped);
+    - a flush of one rank: its scratch files are copied in large reads, every chunk hashed as
+      it passes (read, hash and write overlap);
+    - a flush of several ranks (``Rewriter``): each rank reads its share back from scratch,
+      every chunk verified, and only then writes it as a save does (read, then write).
+    """
     share = shape.share_bytes
     rate = _shared_rate(shape, machine)
-    hash_s = share / (machine.hash_bytes_per_second * machine.cpu_share(shape.ranks_per_node))
+    per_rank = shape.ranks_per_node
+    hash_s = share / (machine.hash_bytes_per_second * machine.cpu_share(per_rank))
+    read_s = per_rank * share / machine.read_bytes_per_second if scratch else 0.0
     write_s = share / rate
+    if scratch and shape.ranks > 1:
+        moved = max(read_s, hash_s) + write_s
+    else:
+        moved = max(read_s, hash_s, write_s)
     collectives = PERSISTENT_COLLECTIVES + (RETENTION_COLLECTIVES if retention else 0)
     coordination = collectives * machine.collective_seconds(shape.ranks)
-    terms = (("hash", hash_s), ("write", write_s), ("coordination", coordination))
+    terms = (("read", read_s), ("hash", hash_s), ("write", write_s), ("coordination", coordination))
     # A restart reads every rank's own state and the whole replicated state on every rank.
     restart = max(shape.part_bytes / rate, shape.part_bytes / machine.hash_bytes_per_second)
     restart += machine.collective_seconds(shape.ranks)
-    seconds = max(hash_s, write_s) + coordination
-    return LevelTime("persistent", seconds, 0.0, share, collectives, restart, terms)
+    return LevelTime("persistent", moved + coordination, 0.0, share, collectives, restart, terms)
 
 
 def predict(
@@ -322,7 +349,7 @@ def predict(
     levels: list[LevelTime] = []
     if scratch:
         levels.append(_scratch(shape, machine, partner, xor_set_size))
-    levels.append(_persistent(shape, machine, retention=retention))
+    levels.append(_persistent(shape, machine, scratch=scratch, retention=retention))
     durable = stall
     timed = []
     for level in levels:

@@ -67,13 +67,26 @@ def test_a_save_through_scratch_follows_the_formulas() -> None:
     scratch, persistent = p.levels
     # the node's 4 ranks share its 4 GB/s; hashing (10 GB/s) overlaps and is faster
     assert scratch.seconds == pytest.approx(4 * part / (4 * GB) + 3 * stages * 1e-3)
-    # each rank gets min(1000 GB/s / 64, 25 GB/s / 4) = 6.25 GB/s of the shared level
-    assert persistent.seconds == pytest.approx(share / (6.25 * GB) + 6 * stages * 1e-3)
+    # the flush of several ranks reads each share back (the node's 4 ranks share its read
+    # rate, the write's where none is given), then writes it: each rank gets
+    # min(1000 GB/s / 64, 25 GB/s / 4) = 6.25 GB/s of the shared level
+    read = 4 * share / (4 * GB)
+    assert persistent.seconds == pytest.approx(read + share / (6.25 * GB) + 6 * stages * 1e-3)
     assert scratch.durable_seconds == pytest.approx(p.stall_seconds + scratch.seconds)
     assert persistent.durable_seconds == pytest.approx(scratch.durable_seconds + persistent.seconds)
     assert scratch.written_bytes_per_rank == part
     assert persistent.written_bytes_per_rank == pytest.approx(share)
     assert dict(scratch.terms)["write"] > dict(scratch.terms)["hash"]
+
+
+def test_one_rank_flushes_by_a_copy_that_overlaps_read_hash_and_write() -> None:
+    m = machine(local_read_bytes_per_second=2 * GB, pfs_bytes_per_second=3 * GB)
+    flush = predict(JobShape(1, 1, GIB), m, retention=False).level("persistent")
+    assert flush.seconds == pytest.approx(GIB / (2 * GB))  # the read is the slowest
+    rewrite = predict(JobShape(2, 1, GIB), m, retention=False).level("persistent")
+    stage = 1e-3 * PERSISTENT_COLLECTIVES
+    assert rewrite.seconds == pytest.approx(GIB / (2 * GB) + GIB / (1.5 * GB) + stage)
+    assert dict(rewrite.terms)["read"] == pytest.approx(GIB / (2 * GB))
 
 
 def test_saving_straight_to_the_shared_level_copies_only_a_share() -> None:

@@ -1,0 +1,303 @@
+"""The time-to-durable model of ``cryosnap plan`` against measured saves at 1, 2, 4 and 8 ranks.
+
+First the machine's rates, measured here the way a Checkpointer spends them: one thread's
+memory copy (numpy ``copyto``, what the capture does), one thread's xxh3-128 rate over 1 MiB
+chunks (the writer's hashing), an ``O_DIRECT`` write + fsync of 256 MiB into the run's folder
+and its ``O_DIRECT`` read back (the scratch and persistent levels' disk; buffered where the
+file system refuses O_DIRECT),
+and the latency of one collective of an ``InProcessGroup`` (an all_gather of 2 ranks, the
+median of 200). Then per world size N, the ranks are threads of this process, each with its own
+coordinator of one ``InProcessGroup`` and its own ``Checkpointer(persistent,
+scratch=<scratch>/rank-r, keep=1, chunk_bytes=1 MiB)``: the state is ``--state-mib`` MiB of
+float32 split evenly over the ranks (each rank's own, sharded) plus ``--replicated-mib`` MiB
+replicated on every rank (one array, ``replicated=["model"]``), random numbers (no two chunks
+alike: equal chunks are stored once). One untimed save, then
+``--repeat`` full versions (one element of every 1 MiB chunk changed before each, so every
+chunk is new), each started on every rank together and awaited on every rank before the next:
+stall = the ``save`` call (``SaveInfo.stall_seconds``), scratch-durable =
+``pending.seconds_to("scratch")`` (from the ``save`` call), persistent-durable = that plus
+``pending.seconds_to("persistent")``, each the most of any rank, then the median over the
+repeats. The
+model (:func:`cryosnap.plan.predict`, fed the rates measured above, both levels' bandwidth the
+disk's, ``cores_per_node`` the CPUs this process may use) predicts the same three figures;
+the table prints both and the error (predicted / measured - 1).
+
+    .venv/bin/python bench/bench_plan_model.py                      # ~1-2 min, ~2 GiB
+    .venv/bin/python bench/bench_plan_model.py --ranks 1 2 --repeat 2 --state-mib 64
+
+The disk is shared with whatever else runs on the machine: the load average is printed beside
+the figures. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from _harness import environment, load_average, print_load, scratch_dir, write_json
+from cryosnap import Checkpointer
+from cryosnap.dist import InProcessGroup
+from cryosnap.plan import JobShape, Machine, predict
+
+MIB = 1 << 20
+CHUNK_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------------------------- the rates
+
+
+def memcpy_rate(nbytes: int = 256 * MIB) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # first touch
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        samples.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(samples)
+
+
+def hash_rate(nbytes: int = 256 * MIB) -> float:
+    from cryosnap._native import hash_chunks  # the writer's own hashing
+
+    data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        hash_chunks(data, CHUNK_BYTES, 0)
+        samples.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(samples)
+
+
+def _open_direct(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:  # the file system refuses O_DIRECT: buffered
+        return os.open(path, flags, 0o644)
+
+
+def disk_rates(folder: Path, nbytes: int = 256 * MIB) -> tuple[float, float]:
+    """``(write, read)``: O_DIRECT write + fsync of ``nbytes`` from a page-aligned buffer, then
+    O_DIRECT read of it back (the medians of 3), as the scratch level writes and the flush
+    reads."""
+    buf = mmap.mmap(-1, nbytes)
+    buf.write(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
+    view = memoryview(buf)
+    writes, reads = [], []
+    for i in range(3):
+        path = folder / f"rate-{i}.bin"
+        fd = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            t0 = time.perf_counter()
+            done = 0
+            while done < nbytes:
+                done += os.write(fd, view[done : done + 64 * MIB])
+            os.fsync(fd)
+            writes.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+        fd = _open_direct(path, os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            done = 0
+            while done < nbytes:
+                done += os.readv(fd, [view[done : done + 64 * MIB]])
+            reads.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+            path.unlink()
+    return nbytes / statistics.median(writes), nbytes / statistics.median(reads)
+
+
+def collective_latency(ranks: int = 2, rounds: int = 200) -> float:
+    group = InProcessGroup(ranks)
+    times: list[float] = []
+
+    def body(rank: int) -> None:
+        coord = group.coordinator(rank)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            coord.all_gather(rank)
+            if rank == 0:
+                times.append(time.perf_counter() - t0)
+
+    run_threads(ranks, body)
+    return statistics.median(times)
+
+
+def run_threads(ranks: int, body: Any) -> list[Any]:
+    out: list[Any] = [None] * ranks
+    errors: list[BaseException] = []
+
+    def main(rank: int) -> None:
+        try:
+            out[rank] = body(rank)
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+# ------------------------------------------------------------------------------ the measured
+
+
+def touch(array: np.ndarray) -> None:
+    """Change one element of every 1 MiB chunk: the next version is a full one."""
+    array[:: CHUNK_BYTES // array.itemsize] += 1.0
+
+
+def measure(ranks: int, args: argparse.Namespace, folder: Path) -> dict[str, float]:
+    group = InProcessGroup(ranks, timeout=600.0)
+    shard = (args.state_mib * MIB // ranks) // 4
+    # Random bytes: no chunk equals another (equal chunks are stored once, not written again).
+    rng = np.random.default_rng(ranks)
+    model = rng.random(args.replicated_mib * MIB // 4, dtype=np.float32)
+    shards = [rng.random(shard, dtype=np.float32) for _ in range(ranks)]
+    ckpts: list[Checkpointer | None] = [None] * ranks
+    persistent, scratch = folder / "persistent", folder / "scratch"
+
+    def open_rank(rank: int) -> None:
+        ckpts[rank] = Checkpointer(
+            persistent,
+            scratch=str(scratch),
+            comm=group.coordinator(rank),
+            keep=1,
+            chunk_bytes=CHUNK_BYTES,
+        )
+
+    def save_rank(rank: int, step: int) -> tuple[float, float, float]:
+        ckpt = ckpts[rank]
+        assert ckpt is not None
+        pending = ckpt.save(step, {"model": model, "shard": shards[rank]}, replicated=["model"])
+        info = pending.result()
+        scratch_s = pending.seconds_to("scratch")
+        return info.stall_seconds, scratch_s, scratch_s + pending.seconds_to("persistent")
+
+    run_threads(ranks, open_rank)
+    samples: list[tuple[float, float, float]] = []
+    try:
+        for step in range(args.repeat + 1):
+            touch(model)
+            for s in shards:
+                touch(s)
+            os.sync()
+            got = run_threads(ranks, lambda r, step=step: save_rank(r, step))
+            if step:  # the first save allocates the staging pools and starts the threads
+                stall = max(g[0] for g in got)
+                samples.append((stall, max(g[1] for g in got), max(g[2] for g in got)))
+    finally:
+        run_threads(ranks, lambda r: ckpts[r].close() if ckpts[r] else None)
+    return {
+        "stall_seconds": statistics.median(s[0] for s in samples),
+        "scratch_seconds": statistics.median(s[1] for s in samples),
+        "persistent_seconds": statistics.median(s[2] for s in samples),
+    }
+
+
+def predicted(ranks: int, args: argparse.Namespace, machine: Machine) -> dict[str, float]:
+    shape = JobShape(
+        ranks,
+        ranks,
+        (args.state_mib * MIB // ranks) // 4 * 4,
+        replicated_bytes=args.replicated_mib * MIB,
+    )
+    p = predict(shape, machine, scratch=True, retention=True)
+    return {
+        "stall_seconds": p.stall_seconds,
+        "scratch_seconds": p.level("scratch").durable_seconds,
+        "persistent_seconds": p.level("persistent").durable_seconds,
+    }
+
+
+def measure_machine(folder: Path, cores: int) -> Machine:
+    disk, read = disk_rates(folder)
+    return Machine(
+        memcpy_bytes_per_second=memcpy_rate(),
+        hash_bytes_per_second=hash_rate(),
+        local_bytes_per_second=disk,
+        pfs_bytes_per_second=disk,
+        node_bytes_per_second=float("inf"),
+        latency_seconds=collective_latency(),
+        cores_per_node=cores,
+        local_read_bytes_per_second=read,
+    )
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("| ranks | figure | measured | predicted | error |")
+    print("|---:|---|---:|---:|---:|")
+    for row in rows:
+        for key, label in (
+            ("stall_seconds", "stall"),
+            ("scratch_seconds", "scratch-durable"),
+            ("persistent_seconds", "persistent-durable"),
+        ):
+            got, want = row["measured"][key], row["predicted"][key]
+            print(
+                f"| {row['ranks']} | {label} | {got:.3f} s | {want:.3f} s | {want / got - 1:+.0%} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--state-mib", type=int, default=512, help="sharded, over all ranks")
+    parser.add_argument("--replicated-mib", type=int, default=128, help="on every rank")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="the folder of the runs (default: temp)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    before = load_average()
+    cores = len(os.sched_getaffinity(0))
+    rows = []
+    with scratch_dir("cryosnap-plan-model-", args.dir) as folder:
+        machine = measure_machine(folder, cores)
+        print(
+            f"rates: memcpy {machine.memcpy_bytes_per_second / 1e9:.2f} GB/s, hash "
+            f"{machine.hash_bytes_per_second / 1e9:.2f} GB/s, disk O_DIRECT write+fsync "
+            f"{machine.local_bytes_per_second / 1e9:.2f} GB/s, read "
+            f"{machine.read_bytes_per_second / 1e9:.2f} GB/s, collective "
+            f"{machine.latency_seconds * 1e6:.0f} us, {cores} cores"
+        )
+        for ranks in args.ranks:
+            loads = [load_average()]
+            with scratch_dir(f"n{ranks}-", folder) as run:
+                got = measure(ranks, args, run)
+            loads.append(load_average())
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "measured": got,
+                    "predicted": predicted(ranks, args, machine),
+                    "load_average": loads,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    print()
+    print_table(rows)
+    print_load(before)
+    write_json(
+        args.json,
+        {"environment": environment(), "machine": machine.__repr__(), "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()
