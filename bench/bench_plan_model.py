@@ -240,6 +240,67 @@ def measure_machine(folder: Path, cores: int) -> Machine:
     )
 
 
+# ------------------------------------------------------------------- published machines
+
+# Figures from the machines' published pages (docs/PERFORMANCE.md cites each one); the ones
+# marked "assumed" are not published there and are this script's assumptions.
+GBS = 1e9
+FRONTIER = Machine(
+    memcpy_bytes_per_second=36 * GBS,  # D2H per GCD (OLCF Frontier User Guide)
+    hash_bytes_per_second=29 * GBS,  # one core's xxh3 rate, measured on this machine (assumed)
+    local_bytes_per_second=4 * GBS,  # 2 NVMe drives per node (cited); their rate (assumed)
+    pfs_bytes_per_second=4.6e12,  # Orion's capacity tier, write (insideHPC, OLCF specs)
+    node_bytes_per_second=100 * GBS,  # 4 Slingshot-11 NICs of 200 Gb/s per node
+    latency_seconds=50e-6,  # one stage of a collective between Python ranks (assumed)
+    cores_per_node=64,  # one 64-core EPYC per node (OLCF Frontier User Guide)
+)
+FRONTIER_RANKS_PER_NODE = 8  # 8 GCDs per node, one rank each
+PERLMUTTER = Machine(
+    memcpy_bytes_per_second=25 * GBS,  # A100 D2H over PCIe 4.0 x16 (assumed)
+    hash_bytes_per_second=29 * GBS,  # as above (assumed)
+    local_bytes_per_second=1.0,  # unused: saved straight to the shared level (--no-scratch)
+    pfs_bytes_per_second=5e12,  # Perlmutter Scratch, "aggregate bandwidth of >5 TB/sec"
+    node_bytes_per_second=100 * GBS,  # 4 Slingshot-11 NICs per GPU node
+    latency_seconds=50e-6,  # (assumed)
+    cores_per_node=64,  # one 64-core EPYC 7763 per GPU node
+)
+PERLMUTTER_RANKS_PER_NODE = 4  # 4 A100 per node, one rank each
+PUBLISHED_RANKS = (64, 256, 1024, 4096, 16384)
+
+
+def published(state_bytes: int, replicated_bytes: int) -> None:
+    """The model's predictions at 64 to 16,384 ranks on both machines, as a markdown table."""
+    print(
+        f"Per rank {state_bytes / 2**30:g} GiB of its own and {replicated_bytes / 2**30:g} GiB "
+        "replicated.\n"
+    )
+    print(
+        "| ranks | Frontier nodes | stall | scratch-durable | Orion-durable | Orion, no scratch "
+        "| Orion bound by | Perlmutter nodes | stall | Lustre-durable | Lustre bound by |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    for ranks in PUBLISHED_RANKS:
+        f_shape = JobShape(ranks, FRONTIER_RANKS_PER_NODE, state_bytes, replicated_bytes)
+        p_shape = JobShape(ranks, PERLMUTTER_RANKS_PER_NODE, state_bytes, replicated_bytes)
+        f = predict(f_shape, FRONTIER)
+        direct = predict(f_shape, FRONTIER, scratch=False)
+        p = predict(p_shape, PERLMUTTER, scratch=False)
+        print(
+            f"| {ranks:,} | {f_shape.nodes:,} | {f.stall_seconds:.2f} s "
+            f"| {f.level('scratch').durable_seconds:.1f} s "
+            f"| {f.level('persistent').durable_seconds:.1f} s "
+            f"| {direct.level('persistent').durable_seconds:.1f} s | {bound(f_shape, FRONTIER)} "
+            f"| {p_shape.nodes:,} | {p.stall_seconds:.2f} s "
+            f"| {p.level('persistent').durable_seconds:.1f} s | {bound(p_shape, PERLMUTTER)} |"
+        )
+
+
+def bound(shape: JobShape, machine: Machine) -> str:
+    aggregate = machine.pfs_bytes_per_second / shape.ranks
+    injection = machine.node_bytes_per_second / shape.ranks_per_node
+    return "aggregate" if aggregate < injection else "injection"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| ranks | figure | measured | predicted | error |")
     print("|---:|---|---:|---:|---:|")
@@ -263,7 +324,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="the folder of the runs (default: temp)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--published",
+        action="store_true",
+        help="only print the predictions on Frontier's and Perlmutter's published figures",
+    )
     args = parser.parse_args()
+    if args.published:
+        published(4 << 30, 2 << 30)
+        return
     before = load_average()
     cores = len(os.sched_getaffinity(0))
     rows = []

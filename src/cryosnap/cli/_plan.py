@@ -94,7 +94,8 @@ def cmd_plan(
         raise CliUsageError(f"--method must be auto, analytic or search, got {method!r}")
     if plot:
         check_image_out(plot)
-    prediction = _plan_prediction(costs, job or JobArgs(), rates or RateArgs())
+    predicted = _plan_prediction(costs, job or JobArgs(), rates or RateArgs())
+    prediction, direct = predicted if predicted is not None else (None, None)
     if prediction is not None and not mtbfs:
         if plot:
             raise CliUsageError("--plot needs --mtbf: without failures there is no plan to draw")
@@ -111,7 +112,8 @@ def cmd_plan(
         raise CliUsageError(str(exc)) from None
     written = _plan_plot(levels, failures, result, plot) if plot else None
     if prediction is not None:
-        _print_prediction(prediction, levels, result, as_json=as_json, plot=written)
+        other = _without_scratch(direct, failures, method, seed) if direct else None
+        _print_prediction(prediction, levels, result, as_json=as_json, plot=written, other=other)
         return
     if as_json:
         print_json(_plan_doc(levels, result, written))
@@ -131,8 +133,15 @@ def _plan_doc(levels: list[LevelCost], result: Plan, written: str | None) -> dic
 # the job's shape
 
 
-def _plan_prediction(costs: list[str], job: JobArgs, rates: RateArgs) -> CostPrediction | None:
-    """The predicted save of the job's shape, or None when no shape is given (``--cost``)."""
+Alternative = tuple[CostPrediction, list[LevelCost], Plan]
+
+
+def _plan_prediction(
+    costs: list[str], job: JobArgs, rates: RateArgs
+) -> tuple[CostPrediction, CostPrediction | None] | None:
+    """The predicted save of the job's shape and, with scratch, the same save straight to the
+    shared level (the alternative the plan is compared with); None when no shape is given
+    (``--cost``)."""
     if not job.given():
         rated = rates.given() + (["--replicated-bytes"] if job.replicated_bytes else [])
         rated += (["--no-scratch"] if not job.scratch else []) + (
@@ -192,9 +201,27 @@ def _plan_prediction(costs: list[str], job: JobArgs, rates: RateArgs) -> CostPre
         ),
     )
     try:
-        return predict(shape, machine, scratch=job.scratch, partner=_partner(job.partner))
+        chosen = predict(shape, machine, scratch=job.scratch, partner=_partner(job.partner))
     except (TypeError, ValueError) as exc:
         raise CliUsageError(str(exc)) from None
+    return chosen, predict(shape, machine, scratch=False) if job.scratch else None
+
+
+def _without_scratch(
+    direct: CostPrediction, failures: list[FailureClass], method: str, seed: int
+) -> Alternative:
+    """The plan of the save straight to the shared level: every failure is then survived by
+    the shared level alone."""
+    (persistent,) = direct.level_costs()
+    moved = [
+        FailureClass(f.name, f.mtbf_seconds, persistent.name, f.distribution) for f in failures
+    ]
+    chosen: Any = method
+    return (
+        direct,
+        [persistent],
+        plan([persistent], moved, method=chosen, simulation=Simulation(seed=seed)),
+    )
 
 
 def _size(text: str, option: str) -> int:
@@ -443,11 +470,17 @@ def _print_prediction(
     *,
     as_json: bool,
     plot: str | None = None,
+    other: Alternative | None = None,
 ) -> None:
     if as_json:
         doc: dict[str, Any] = {"prediction": prediction.to_dict(), "plan": None}
         if levels is not None and result is not None:
             doc["plan"] = _plan_doc(levels, result, plot)
+        if other is not None:
+            doc["without_scratch"] = {
+                "prediction": other[0].to_dict(),
+                "plan": _plan_doc(other[1], other[2], None),
+            }
         print_json(doc)
         return
     shape = prediction.shape
@@ -483,6 +516,24 @@ def _print_prediction(
     if levels is not None and result is not None:
         print_line()
         _plan_render(levels, result)
+    if other is not None and result is not None:
+        _render_alternative(other, result)
+
+
+def _render_alternative(other: Alternative, result: Plan) -> None:
+    direct, _, alone = other
+    persistent = direct.levels[0]
+    print_line(
+        f"without scratch (--no-scratch): stall {_seconds(direct.stall_seconds)}, durable "
+        f"after {_seconds(persistent.durable_seconds)}; expected waste "
+        f"{alone.expected_waste:.2%} (a version every "
+        f"{_human_duration(alone.base_interval_seconds)})"
+    )
+    better = alone.expected_waste < result.expected_waste
+    print_line(
+        "recommended: "
+        + ("without scratch (the lower expected waste)" if better else "the levels above")
+    )
 
 
 def _seconds(value: float) -> str:

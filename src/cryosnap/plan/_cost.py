@@ -299,8 +299,8 @@ def _persistent(shape: JobShape, machine: Machine, *, scratch: bool, retention: 
 
     - a save without scratch: the writer hashes what the capture copied while the appender
       writes it (overlapped);
-    - a flush of one rank: its scratch files are copied in large reads, every chunk hashed as
-      it passes (read, hash and write overlap);
+    - a flush of one rank: its scratch files are copied window by window on one thread, each
+      window read, its chunks verified, then written (read, hash and write add up);
     - a flush of several ranks (``Rewriter``): each rank reads its share back from scratch,
       every chunk verified, and only then writes it as a save does (read, then write).
     """
@@ -310,10 +310,12 @@ def _persistent(shape: JobShape, machine: Machine, *, scratch: bool, retention: 
     hash_s = share / (machine.hash_bytes_per_second * machine.cpu_share(per_rank))
     read_s = per_rank * share / machine.read_bytes_per_second if scratch else 0.0
     write_s = share / rate
-    if scratch and shape.ranks > 1:
+    if not scratch:
+        moved = max(hash_s, write_s)
+    elif shape.ranks > 1:
         moved = max(read_s, hash_s) + write_s
     else:
-        moved = max(read_s, hash_s, write_s)
+        moved = read_s + hash_s + write_s
     collectives = PERSISTENT_COLLECTIVES + (RETENTION_COLLECTIVES if retention else 0)
     coordination = collectives * machine.collective_seconds(shape.ranks)
     terms = (("read", read_s), ("hash", hash_s), ("write", write_s), ("coordination", coordination))

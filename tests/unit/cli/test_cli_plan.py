@@ -216,6 +216,18 @@ def test_plan_with_the_shape_and_failures_json(capsys: pytest.CaptureFixture[str
     assert [lv["save_seconds"] for lv in doc["plan"]["levels"]] == [c.save_seconds for c in costs]
     assert doc["plan"]["expected_waste"] == expected.expected_waste
     assert [lv["every"] for lv in doc["plan"]["levels"]] == [lv.every for lv in expected.levels]
+    # the same save straight to the shared level, which then survives every failure
+    machine = Machine(20e9, 10e9, 4e9, 1e12, 25e9, 50e-6)
+    direct = predict(JobShape(64, 8, 1 << 30, replicated_bytes=4 << 30), machine, scratch=False)
+    alone = plan(
+        direct.level_costs(),
+        [
+            FailureClass("crash", 7200, "persistent"),
+            FailureClass("outage", 2 * 86400, "persistent"),
+        ],
+    )
+    assert doc["without_scratch"]["prediction"] == direct.to_dict()
+    assert doc["without_scratch"]["plan"]["expected_waste"] == alone.expected_waste
 
 
 def test_plan_with_the_shape_renders_the_plan_and_takes_restart_overrides(
@@ -227,6 +239,13 @@ def test_plan_with_the_shape_renders_the_plan_and_takes_restart_overrides(
     code, out, _ = cli(capsys, *SHAPE, *FAILURES)
     assert code == 0
     assert "expected waste:" in out and "persistent alone at Young/Daly" in out
+    assert "without scratch (--no-scratch): stall" in out
+    # scratch takes 10.7 s (8 ranks share 4 GB/s), the shared level 0.4 s: it is better alone
+    assert out.splitlines()[-1] == "recommended: without scratch (the lower expected waste)"
+    # a fast scratch and a slow shared level: the two levels are better
+    fast = ["--local-bandwidth", "400GB/s", "--pfs-bandwidth", "20GB/s"]
+    code, out, _ = cli(capsys, *SHAPE, *FAILURES, *fast)
+    assert out.splitlines()[-1] == "recommended: the levels above"
 
 
 def test_plan_without_scratch_predicts_one_level(capsys: pytest.CaptureFixture[str]) -> None:
