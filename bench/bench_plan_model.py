@@ -6,7 +6,8 @@ chunks (the writer's hashing), an ``O_DIRECT`` write + fsync of 256 MiB into the
 and its ``O_DIRECT`` read back (the scratch and persistent levels' disk; buffered where the
 file system refuses O_DIRECT),
 and the latency of one collective of an ``InProcessGroup`` (an all_gather of 2 ranks, the
-median of 200). Then per world size N, the ranks are threads of this process, each with its own
+median of 200), measured again before each world size (the machine's load moves). Then per
+world size N, the ranks are threads of this process, each with its own
 coordinator of one ``InProcessGroup`` and its own ``Checkpointer(persistent,
 scratch=<scratch>/rank-r, keep=1, chunk_bytes=1 MiB)``: the state is ``--state-mib`` MiB of
 float32 split evenly over the ranks (each rank's own, sharded) plus ``--replicated-mib`` MiB
@@ -17,10 +18,10 @@ chunk is new), each started on every rank together and awaited on every rank bef
 stall = the ``save`` call (``SaveInfo.stall_seconds``), scratch-durable =
 ``pending.seconds_to("scratch")`` (from the ``save`` call), persistent-durable = that plus
 ``pending.seconds_to("persistent")``, each the most of any rank, then the median over the
-repeats. The
-model (:func:`cryosnap.plan.predict`, fed the rates measured above, both levels' bandwidth the
-disk's, ``cores_per_node`` the CPUs this process may use) predicts the same three figures;
-the table prints both and the error (predicted / measured - 1).
+repeats. The model (:func:`cryosnap.plan.predict`, fed the rates measured before that world
+size, both levels' bandwidth the disk's, ``cores_per_node`` the CPUs this process may use)
+predicts the same three figures; the table prints both, the error (predicted / measured - 1)
+and the load average before and after.
 
     .venv/bin/python bench/bench_plan_model.py                      # ~1-2 min, ~2 GiB
     .venv/bin/python bench/bench_plan_model.py --ranks 1 2 --repeat 2 --state-mib 64
@@ -301,10 +302,21 @@ def bound(shape: JobShape, machine: Machine) -> str:
     return "aggregate" if aggregate < injection else "injection"
 
 
+def describe(machine: Machine, cores: int) -> str:
+    return (
+        f"rates: memcpy {machine.memcpy_bytes_per_second / 1e9:.2f} GB/s, hash "
+        f"{machine.hash_bytes_per_second / 1e9:.2f} GB/s, disk O_DIRECT write+fsync "
+        f"{machine.local_bytes_per_second / 1e9:.2f} GB/s, read "
+        f"{machine.read_bytes_per_second / 1e9:.2f} GB/s, collective "
+        f"{machine.latency_seconds * 1e6:.0f} us, {cores} cores"
+    )
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("| ranks | figure | measured | predicted | error |")
-    print("|---:|---|---:|---:|---:|")
+    print("| ranks | load (1 min) | figure | measured | predicted | error |")
+    print("|---:|---|---|---:|---:|---:|")
     for row in rows:
+        load = "-".join(f"{x:.0f}" for x in row["load_average"])
         for key, label in (
             ("stall_seconds", "stall"),
             ("scratch_seconds", "scratch-durable"),
@@ -312,7 +324,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ):
             got, want = row["measured"][key], row["predicted"][key]
             print(
-                f"| {row['ranks']} | {label} | {got:.3f} s | {want:.3f} s | {want / got - 1:+.0%} |"
+                f"| {row['ranks']} | {load} | {label} | {got:.3f} s | {want:.3f} s "
+                f"| {want / got - 1:+.0%} |"
             )
 
 
@@ -337,22 +350,25 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     rows = []
     with scratch_dir("cryosnap-plan-model-", args.dir) as folder:
-        machine = measure_machine(folder, cores)
-        print(
-            f"rates: memcpy {machine.memcpy_bytes_per_second / 1e9:.2f} GB/s, hash "
-            f"{machine.hash_bytes_per_second / 1e9:.2f} GB/s, disk O_DIRECT write+fsync "
-            f"{machine.local_bytes_per_second / 1e9:.2f} GB/s, read "
-            f"{machine.read_bytes_per_second / 1e9:.2f} GB/s, collective "
-            f"{machine.latency_seconds * 1e6:.0f} us, {cores} cores"
-        )
         for ranks in args.ranks:
+            # The rates are measured again before each world size: the machine's load moves.
             loads = [load_average()]
+            machine = measure_machine(folder, cores)
+            print(describe(machine, cores), flush=True)
             with scratch_dir(f"n{ranks}-", folder) as run:
                 got = measure(ranks, args, run)
             loads.append(load_average())
             rows.append(
                 {
                     "ranks": ranks,
+                    "rates": {
+                        "memcpy_bytes_per_second": machine.memcpy_bytes_per_second,
+                        "hash_bytes_per_second": machine.hash_bytes_per_second,
+                        "local_bytes_per_second": machine.local_bytes_per_second,
+                        "local_read_bytes_per_second": machine.read_bytes_per_second,
+                        "latency_seconds": machine.latency_seconds,
+                        "cores_per_node": cores,
+                    },
                     "measured": got,
                     "predicted": predicted(ranks, args, machine),
                     "load_average": loads,
@@ -362,10 +378,7 @@ def main() -> None:
     print()
     print_table(rows)
     print_load(before)
-    write_json(
-        args.json,
-        {"environment": environment(), "machine": machine.__repr__(), "rows": rows},
-    )
+    write_json(args.json, {"environment": environment(), "rows": rows})
 
 
 if __name__ == "__main__":
