@@ -71,7 +71,7 @@ def memcpy_rate(nbytes: int = 256 * MIB) -> float:
 def hash_rate(nbytes: int = 256 * MIB) -> float:
     from cryosnap._native import hash_chunks  # the writer's own hashing
 
-    data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    data = memoryview(np.random.default_rng(0).bytes(nbytes))
     samples = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -204,12 +204,17 @@ def measure(ranks: int, args: argparse.Namespace, folder: Path) -> dict[str, flo
                 stall = max(g[0] for g in got)
                 samples.append((stall, max(g[1] for g in got), max(g[2] for g in got)))
     finally:
-        run_threads(ranks, lambda r: ckpts[r].close() if ckpts[r] else None)
+        run_threads(ranks, lambda r: close(ckpts[r]))
     return {
         "stall_seconds": statistics.median(s[0] for s in samples),
         "scratch_seconds": statistics.median(s[1] for s in samples),
         "persistent_seconds": statistics.median(s[2] for s in samples),
     }
+
+
+def close(ckpt: Checkpointer | None) -> None:
+    if ckpt is not None:
+        ckpt.close()
 
 
 def predicted(ranks: int, args: argparse.Namespace, machine: Machine) -> dict[str, float]:
