@@ -24,7 +24,7 @@ from cryosnap.cli._inspect import cmd_inspect
 from cryosnap.cli._log import cmd_log
 from cryosnap.cli._ls import cmd_ls
 from cryosnap.cli._memory import cmd_memory
-from cryosnap.cli._plan import cmd_plan
+from cryosnap.cli._plan import JobArgs, RateArgs, cmd_plan
 from cryosnap.cli._remove import cmd_gc, cmd_rm
 from cryosnap.cli._render import PROG, Invocation, print_line
 from cryosnap.cli._verify import cmd_verify
@@ -387,62 +387,137 @@ def _add_demo_command(app: typer.Typer) -> None:
             raise typer.Exit(code)
 
 
+def _text(name: str, metavar: str, help_text: str) -> Any:
+    return typer.Option(name, metavar=metavar, help=help_text)
+
+
+# cryosnap plan's options, one alias each (the command has many).
+_PlanPairs = list[str] | None
+_PlanCost = Annotated[
+    _PlanPairs,
+    _text("--cost", "LEVEL=SECONDS", "Save cost of a level; repeat per level, fastest first."),
+]
+_PlanMtbf = Annotated[
+    _PlanPairs,
+    _text(
+        "--mtbf",
+        "CLASS=SECONDS:LEVEL",
+        "A failure class: mean time between failures and the lowest level that survives it; "
+        "repeat per class.",
+    ),
+]
+_PlanRestart = Annotated[
+    _PlanPairs,
+    _text(
+        "--restart",
+        "LEVEL=SECONDS",
+        "Restart cost from a level (default: its save cost, or the predicted one).",
+    ),
+]
+_PlanWeibull = Annotated[
+    _PlanPairs,
+    _text("--weibull", "CLASS=SHAPE", "Weibull inter-arrival times for a class (default: exp)."),
+]
+_PlanRanks = Annotated[
+    int | None, typer.Option("--ranks", min=1, help="The job's shape: ranks in all (no --cost).")
+]
+_PlanPerNode = Annotated[
+    int | None, typer.Option("--ranks-per-node", min=1, help="Ranks on each node.")
+]
+_PlanState = Annotated[
+    str | None, _text("--state-bytes", "SIZE", "Each rank's own (sharded) state, e.g. 4GiB.")
+]
+_PlanReplicated = Annotated[
+    str | None,
+    _text("--replicated-bytes", "SIZE", "State identical on every rank (default 0)."),
+]
+_PlanMemcpy = Annotated[
+    str | None, _text("--memcpy-bandwidth", "RATE", "One rank's capture copy, e.g. 20GB/s.")
+]
+_PlanHash = Annotated[str | None, _text("--hash-bandwidth", "RATE", "One thread's xxh3 rate.")]
+_PlanLocal = Annotated[
+    str | None, _text("--local-bandwidth", "RATE", "One node's scratch write with fsync.")
+]
+_PlanLocalRead = Annotated[
+    str | None,
+    _text("--local-read-bandwidth", "RATE", "One node's scratch read (default: as its write)."),
+]
+_PlanPfs = Annotated[
+    str | None, _text("--pfs-bandwidth", "RATE", "The shared level's aggregate write rate.")
+]
+_PlanNode = Annotated[
+    str | None,
+    _text("--node-bandwidth", "RATE", "One node's injection bandwidth (default: no limit)."),
+]
+_PlanLatency = Annotated[
+    str | None, _text("--latency", "DURATION", "One stage of a collective, e.g. 5us.")
+]
+_PlanCores = Annotated[
+    int | None,
+    typer.Option("--cores-per-node", min=1, help="Cores for the ranks' copies and hashing."),
+]
+_PlanNoScratch = Annotated[
+    bool, typer.Option("--no-scratch", help="Save straight to the shared level.")
+]
+_PlanPartner = Annotated[
+    str | None, _text("--partner", "copy|xor|rs:K+M", "Redundancy across nodes on scratch.")
+]
+_PlanMethod = Annotated[
+    str, typer.Option("--method", help="auto (analytic where it applies), analytic or search.")
+]
+_PlanSeed = Annotated[
+    int, typer.Option("--seed", min=0, help="Seed of the simulated failure traces.")
+]
+_PlanPlot = Annotated[str | None, _text("--plot", "OUT.png", "Plot waste against the intervals.")]
+
+
 def _add_plan_command(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_command(
-        cost: Annotated[
-            list[str],
-            typer.Option(
-                "--cost",
-                metavar="LEVEL=SECONDS",
-                help="Save cost of a level; repeat per level, fastest first (scratch first).",
-            ),
-        ],
-        mtbf: Annotated[
-            list[str],
-            typer.Option(
-                "--mtbf",
-                metavar="CLASS=SECONDS:LEVEL",
-                help="A failure class: mean time between failures and the lowest level that "
-                "survives it; repeat per class.",
-            ),
-        ],
-        restart: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--restart",
-                metavar="LEVEL=SECONDS",
-                help="Restart cost from a level (default: its save cost).",
-            ),
-        ] = None,
-        weibull: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--weibull",
-                metavar="CLASS=SHAPE",
-                help="Weibull inter-arrival times for a class (default: exponential).",
-            ),
-        ] = None,
-        method: Annotated[
-            str,
-            typer.Option("--method", help="auto (analytic where it applies), analytic or search."),
-        ] = "auto",
-        seed: Annotated[
-            int, typer.Option("--seed", min=0, help="Seed of the simulated failure traces.")
-        ] = 0,
-        plot: Annotated[
-            str | None,
-            typer.Option("--plot", metavar="OUT.png", help="Plot waste against the intervals."),
-        ] = None,
+        cost: _PlanCost = None,
+        mtbf: _PlanMtbf = None,
+        restart: _PlanRestart = None,
+        weibull: _PlanWeibull = None,
+        ranks: _PlanRanks = None,
+        ranks_per_node: _PlanPerNode = None,
+        state_bytes: _PlanState = None,
+        replicated_bytes: _PlanReplicated = None,
+        memcpy_bandwidth: _PlanMemcpy = None,
+        hash_bandwidth: _PlanHash = None,
+        local_bandwidth: _PlanLocal = None,
+        local_read_bandwidth: _PlanLocalRead = None,
+        pfs_bandwidth: _PlanPfs = None,
+        node_bandwidth: _PlanNode = None,
+        latency: _PlanLatency = None,
+        cores_per_node: _PlanCores = None,
+        no_scratch: _PlanNoScratch = False,
+        partner: _PlanPartner = None,
+        method: _PlanMethod = "auto",
+        seed: _PlanSeed = 0,
+        plot: _PlanPlot = None,
         json_output: Annotated[bool, JSON_OPT] = False,
     ) -> None:
         """Per-level checkpoint intervals that minimise the expected waste (SECONDS may end in
-        s, m, h or d)."""
+        s, m, h or d); from each level's --cost, or from the job's shape (--ranks ...), which
+        also prints the predicted stall and time to durable per level."""
         cmd_plan(
-            cost,
-            mtbf,
+            cost or [],
+            mtbf or [],
             restart or [],
             weibull or [],
+            job=JobArgs(
+                ranks, ranks_per_node, state_bytes, replicated_bytes, not no_scratch, partner
+            ),
+            rates=RateArgs(
+                memcpy_bandwidth,
+                hash_bandwidth,
+                local_bandwidth,
+                pfs_bandwidth,
+                node_bandwidth,
+                latency,
+                cores_per_node,
+                local_read_bandwidth,
+            ),
             method=method,
             seed=seed,
             plot=plot,
