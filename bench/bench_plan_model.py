@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ import numpy as np
 
 from _harness import environment, load_average, print_load, scratch_dir, write_json
 from cryosnap import Checkpointer
+from cryosnap.bench import measure_rates
 from cryosnap.dist import InProcessGroup
 from cryosnap.plan import JobShape, Machine, predict
 
@@ -54,86 +53,6 @@ CHUNK_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------------------- the rates
-
-
-def memcpy_rate(nbytes: int = 256 * MIB) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # first touch
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        samples.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(samples)
-
-
-def hash_rate(nbytes: int = 256 * MIB) -> float:
-    from cryosnap._native import hash_chunks  # the writer's own hashing
-
-    data = memoryview(np.random.default_rng(0).bytes(nbytes))
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        hash_chunks(data, CHUNK_BYTES, 0)
-        samples.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(samples)
-
-
-def _open_direct(path: Path, flags: int) -> int:
-    try:
-        return os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError:  # the file system refuses O_DIRECT: buffered
-        return os.open(path, flags, 0o644)
-
-
-def disk_rates(folder: Path, nbytes: int = 256 * MIB) -> tuple[float, float]:
-    """``(write, read)``: O_DIRECT write + fsync of ``nbytes`` from a page-aligned buffer, then
-    O_DIRECT read of it back (the medians of 3), as the scratch level writes and the flush
-    reads."""
-    buf = mmap.mmap(-1, nbytes)
-    buf.write(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
-    view = memoryview(buf)
-    writes, reads = [], []
-    for i in range(3):
-        path = folder / f"rate-{i}.bin"
-        fd = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            t0 = time.perf_counter()
-            done = 0
-            while done < nbytes:
-                done += os.write(fd, view[done : done + 64 * MIB])
-            os.fsync(fd)
-            writes.append(time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-        fd = _open_direct(path, os.O_RDONLY)
-        try:
-            t0 = time.perf_counter()
-            done = 0
-            while done < nbytes:
-                done += os.readv(fd, [view[done : done + 64 * MIB]])
-            reads.append(time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-            path.unlink()
-    return nbytes / statistics.median(writes), nbytes / statistics.median(reads)
-
-
-def collective_latency(ranks: int = 2, rounds: int = 200) -> float:
-    group = InProcessGroup(ranks)
-    times: list[float] = []
-
-    def body(rank: int) -> None:
-        coord = group.coordinator(rank)
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            coord.all_gather(rank)
-            if rank == 0:
-                times.append(time.perf_counter() - t0)
-
-    run_threads(ranks, body)
-    return statistics.median(times)
 
 
 def run_threads(ranks: int, body: Any) -> list[Any]:
@@ -233,16 +152,16 @@ def predicted(ranks: int, args: argparse.Namespace, machine: Machine) -> dict[st
 
 
 def measure_machine(folder: Path, cores: int) -> Machine:
-    disk, read = disk_rates(folder)
+    rates = measure_rates(folder)
     return Machine(
-        memcpy_bytes_per_second=memcpy_rate(),
-        hash_bytes_per_second=hash_rate(),
-        local_bytes_per_second=disk,
-        pfs_bytes_per_second=disk,
+        memcpy_bytes_per_second=rates.memcpy_bytes_per_second,
+        hash_bytes_per_second=rates.hash_bytes_per_second,
+        local_bytes_per_second=rates.write_bytes_per_second,
+        pfs_bytes_per_second=rates.write_bytes_per_second,
         node_bytes_per_second=float("inf"),
-        latency_seconds=collective_latency(),
+        latency_seconds=rates.latency_seconds,
         cores_per_node=cores,
-        local_read_bytes_per_second=read,
+        local_read_bytes_per_second=rates.read_bytes_per_second,
     )
 
 

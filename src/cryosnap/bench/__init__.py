@@ -19,6 +19,7 @@ from cryosnap.bench._probes import (
     tree_bytes,
     warm_page_cache,
 )
+from cryosnap.bench._rates import MachineRates, measure_rates
 from cryosnap.bench._result import BenchResult
 from cryosnap.bench._runner import run
 from cryosnap.bench._scale import SCALE_RANKS, ScaleFigures, measure_scale, parse_ranks
@@ -29,6 +30,7 @@ __all__ = [
     "BenchError",
     "BenchResult",
     "BenchStep",
+    "MachineRates",
     "MissingDependencyError",
     "SCALE_RANKS",
     "ScaleFigures",
@@ -38,6 +40,7 @@ __all__ = [
     "drop_page_cache",
     "fsync_path",
     "iter_files",
+    "measure_rates",
     "measure_scale",
     "median",
     "parse_ranks",

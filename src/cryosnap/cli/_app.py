@@ -456,6 +456,15 @@ _PlanCores = Annotated[
     int | None,
     typer.Option("--cores-per-node", min=1, help="Cores for the ranks' copies and hashing."),
 ]
+_PlanMeasure = Annotated[
+    str | None,
+    _text(
+        "--measure",
+        "DIR",
+        "Measure the rates not given on this machine: the copy, the hashing, and the disk "
+        "under DIR (for both levels).",
+    ),
+]
 _PlanNoScratch = Annotated[
     bool, typer.Option("--no-scratch", help="Save straight to the shared level.")
 ]
@@ -490,6 +499,7 @@ def _add_plan_command(app: typer.Typer) -> None:
         node_bandwidth: _PlanNode = None,
         latency: _PlanLatency = None,
         cores_per_node: _PlanCores = None,
+        measure: _PlanMeasure = None,
         no_scratch: _PlanNoScratch = False,
         partner: _PlanPartner = None,
         method: _PlanMethod = "auto",
@@ -517,6 +527,7 @@ def _add_plan_command(app: typer.Typer) -> None:
                 latency,
                 cores_per_node,
                 local_read_bandwidth,
+                measure,
             ),
             method=method,
             seed=seed,

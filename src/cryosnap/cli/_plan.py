@@ -9,11 +9,12 @@ then feed the plan), prints the plan beside the baselines and draws the waste cu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
+from cryosnap.bench import measure_rates
 from cryosnap.cli._common import CliUsageError, check_image_out
 from cryosnap.cli._render import Column, Table, note, print_json, print_line
 from cryosnap.plan import (
@@ -64,6 +65,7 @@ class RateArgs:
     latency: str | None = None
     cores_per_node: int | None = None
     local_read_bandwidth: str | None = None
+    measure: str | None = None
 
     def given(self) -> list[str]:
         return [
@@ -158,6 +160,8 @@ def _plan_prediction(
             "give either --cost (each level's save cost) or the job's shape (--ranks ...), "
             "not both: with the shape, the costs are predicted"
         )
+    if rates.measure is not None:
+        rates = _measured(rates)
     missing = [
         o
         for o, v in (
@@ -205,6 +209,28 @@ def _plan_prediction(
     except (TypeError, ValueError) as exc:
         raise CliUsageError(str(exc)) from None
     return chosen, predict(shape, machine, scratch=False) if job.scratch else None
+
+
+def _measured(rates: RateArgs) -> RateArgs:
+    """``rates`` with the ones not given measured on this machine (``--measure DIR``): the
+    capture copy, the hashing, and the disk under DIR for both the scratch and the shared level
+    (one machine's figure: give --pfs-bandwidth for a shared file system elsewhere)."""
+    assert rates.measure is not None
+    got = measure_rates(rates.measure)
+    found = {
+        "memcpy_bandwidth": got.memcpy_bytes_per_second,
+        "hash_bandwidth": got.hash_bytes_per_second,
+        "local_bandwidth": got.write_bytes_per_second,
+        "local_read_bandwidth": got.read_bytes_per_second,
+        "pfs_bandwidth": got.write_bytes_per_second,
+    }
+    used: dict[str, Any] = {
+        k: f"{v / 1e6:.0f}MB/s" for k, v in found.items() if getattr(rates, k) is None
+    }
+    if used:
+        told = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in used.items())
+        note(f"measured at {got.folder}: {told}")
+    return replace(rates, **used)
 
 
 def _without_scratch(

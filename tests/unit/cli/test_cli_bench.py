@@ -508,3 +508,14 @@ def test_scale_bad_arguments_exit_2_before_measuring(
     out, err = capsys.readouterr()
     assert out == ""
     one_error_line(err, *fragments)
+
+
+def test_measure_rates_measures_and_leaves_nothing(tmp_path: Path) -> None:
+    rates = benchmark.measure_rates(tmp_path, nbytes=4 << 20)
+    assert rates.memcpy_bytes_per_second > 0 and rates.hash_bytes_per_second > 0
+    assert rates.write_bytes_per_second > 0 and rates.read_bytes_per_second > 0
+    assert rates.latency_seconds > 0 and rates.folder == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(benchmark.BenchError, match="not a folder"):
+        benchmark.measure_rates(tmp_path / "f", nbytes=4 << 20)

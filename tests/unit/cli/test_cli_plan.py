@@ -291,3 +291,29 @@ def test_plan_shape_usage_errors_exit_2_with_one_line(
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("cryosnap: error: ")
     assert message in err
+
+
+def test_plan_measure_fills_the_rates_not_given(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    shape = ["--ranks", "4", "--ranks-per-node", "2", "--state-bytes", "64MiB"]
+    code, out, err = cli(
+        capsys, *shape, "--pfs-bandwidth", "1TB/s", "--measure", str(tmp_path), "--json"
+    )
+    assert code == 0, err
+    measured = next(line for line in err.splitlines() if "measured at" in line)
+    for option in ("--memcpy-bandwidth", "--hash-bandwidth", "--local-bandwidth"):
+        assert option in measured
+    assert "--pfs-bandwidth" not in measured  # given: kept
+    doc = json.loads(out)
+    assert [lv["name"] for lv in doc["prediction"]["levels"]] == ["scratch", "persistent"]
+    assert list(tmp_path.iterdir()) == []  # the probe's files are gone
+
+
+def test_plan_measure_of_a_folder_that_is_not_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    shape = ["--ranks", "4", "--ranks-per-node", "2", "--state-bytes", "64MiB"]
+    code, _, err = cli(capsys, *shape, "--measure", str(tmp_path / "missing"))
+    assert code != 0
+    assert err.strip().count("\n") == 0 and "not a folder" in err
