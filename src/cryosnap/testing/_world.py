@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 # An exchange first tells every rank the size of each payload to it, as an all-to-all of int64
 # (TorchCoordinator and MPICoordinator do): 8 bytes each way per other rank.
-_SIZE_BYTES = 8
+SIZE_BYTES = 8
 
 # The leader: the rank whose CPU time the world measures (cryosnap's decisions are rank 0's).
 LEADER = 0
@@ -282,8 +282,8 @@ class SimulatedWorld:
                     tally.bytes_received += size
         else:  # exchange: the sizes every rank learns (an all-to-all), then the payloads
             for tally in self._tallies:
-                tally.bytes_sent += _SIZE_BYTES * (world - 1)
-                tally.bytes_received += _SIZE_BYTES * (world - 1)
+                tally.bytes_sent += SIZE_BYTES * (world - 1)
+                tally.bytes_received += SIZE_BYTES * (world - 1)
             for src, sends in enumerate(op.result):
                 for dst, body in sends.items():
                     if dst == src:
