@@ -9,7 +9,6 @@ rank share one tally under a lock (the writer's thread and the program's count i
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,13 +16,13 @@ from typing import Any
 from cryosnap._validate import wrong_type
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CountersNotKeptError
-from cryosnap.testing._world import SIZE_BYTES, RankCounters, SimulatedRank
+from cryosnap.testing._world import SIZE_BYTES, RankCounters, SimulatedRank, pickled
 
 __all__ = ["CountingCoordinator", "counters_of"]
 
 
 def _pickled(obj: Any) -> int:
-    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return len(pickled(obj))
 
 
 class _Tally:
