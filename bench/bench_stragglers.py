@@ -85,7 +85,7 @@ def simulated(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
 
     world = SimulatedWorld(args.ranks, timeout=TIMEOUT)
     opts = {"mib": args.mib, "delay": args.delay, "repeat": args.repeat}
-    return world.run(lambda c: rank_rounds(c, folder / "run", **opts))  # type: ignore[arg-type]
+    return world.run(lambda c: rank_rounds(c, folder / "run", **opts))
 
 
 def gloo(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
