@@ -85,6 +85,22 @@ def test_a_rank_killed_in_each_phase_aborts_the_version_on_every_other_rank(
         np.testing.assert_array_equal(part["own"], state_of(rank, newest + 1)["own"])
 
 
+@pytest.mark.timeout(240)
+def test_gloo_ranks_that_disagree_on_the_run_id_or_format_open_nothing(tmp_path: Path) -> None:
+    """Rank 1 opens with another run id, then as another cryosnap release (an older manifest
+    format): every rank's open raises ParticipantMismatchError and nothing is written; the
+    same ranks agreeing then open and save."""
+    from cryosnap import engine
+    from cryosnap.storage import LocalStore
+
+    for rank, got in enumerate(launch("mismatch", tmp_path / "mismatch", "-", frozenset())):
+        assert got["run_id"].startswith(f"ParticipantMismatchError: rank {rank}: "), got
+        assert "run id: 'mine' (ranks 0, 2, 3) vs 'other' (ranks 1)" in got["run_id"]
+        assert "format versions: " in got["format"] and "(ranks 1)" in got["format"], got
+        assert got["written_after_refusals"] is False and got["saved"] == 1
+    assert engine.list_steps(LocalStore(tmp_path / "run")) == [1]
+
+
 # -- the ranks' side ------------------------------------------------------------------------------
 
 
@@ -181,10 +197,40 @@ def _restart(out: Path) -> dict[str, Any]:
     return got
 
 
+def _mismatch(out: Path) -> dict[str, Any]:
+    import cryosnap
+    import cryosnap._run.rollcall as rollcall
+    from cryosnap.dist import TorchCoordinator
+
+    rank = _init()
+    run = out.parent / "run"
+    comm = TorchCoordinator(timeout=TIMEOUT)
+    got: dict[str, Any] = {}
+    try:
+        cryosnap.Checkpointer(run, comm=comm, run_id="other" if rank == 1 else "mine")
+    except cryosnap.CheckpointError as exc:
+        got["run_id"] = f"{type(exc).__name__}: {exc}"
+    newest = rollcall.written_formats()
+    if rank == 1:  # as a process of an older release would
+        rollcall.written_formats = lambda: [newest[0] - 1, newest[1]]
+    try:
+        cryosnap.Checkpointer(run, comm=comm)
+    except cryosnap.CheckpointError as exc:
+        got["format"] = f"{type(exc).__name__}: {exc}"
+    rollcall.written_formats = lambda: newest
+    got["written_after_refusals"] = run.exists()
+    with cryosnap.Checkpointer(run, comm=comm) as ckpt:
+        got["saved"] = ckpt.save(1, state_of(rank, 1)).result().step
+    return got
+
+
 def main(scenario: str, out: Path, phase: str) -> None:
     import torch.distributed as dist
 
-    got = _killed(out, phase) if scenario == "killed" else _restart(out)
+    if scenario == "mismatch":
+        got = _mismatch(out)
+    else:
+        got = _killed(out, phase) if scenario == "killed" else _restart(out)
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(got))
     if scenario == "killed":
         # A peer vanished: gloo's groups are broken, and torch may abort at interpreter exit
