@@ -151,3 +151,29 @@ def test_sixteen_gloo_ranks_are_killed_resume_bit_exact_and_count_as_simulated(
     tmp_path: Path,
 ) -> None:
     kill_and_resume(tmp_path, 16, launch_gloo, 900)
+
+
+def report(kind: str, world: int) -> None:
+    """Print one uninterrupted job's per-rank counters beside the simulation's (the figures
+    of docs/PERFORMANCE.md): ``python tests/integration/test_scale_ranks.py mpi:64 gloo:16``."""
+    import tempfile
+    import time
+
+    launch = launch_mpi if kind == "mpi" else launch_gloo
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        real = launch(world, Path(tmp) / "full-out", Path(tmp) / "full" / "run", -1, 1200)
+        wall = time.perf_counter() - t0
+        sim = simulate(world, Path(tmp) / "sim1" / "run")
+    same = all(r["counters"] == s["counters"] for r, s in zip(real, sim, strict=True))
+    print(f"{kind}, {world} ranks: every rank equal to the simulation's: {same}; {wall:.1f} s")
+    print(f"  rank 0: {real[0]['counters']}")
+    for pick in (min, max):
+        figures = {k: pick(r["counters"][k] for r in real[1:]) for k in real[0]["counters"]}
+        print(f"  ranks 1-{world - 1}, {pick.__name__}: {figures}")
+
+
+if __name__ == "__main__":  # the forkserver of the gloo ranks imports this module as main
+    for arg in sys.argv[1:]:
+        kind, world = arg.split(":")
+        report(kind, int(world))
