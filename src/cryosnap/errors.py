@@ -61,8 +61,14 @@ catch one class. Where a builtin already means the same thing, the error derives
     │                                                    instead
     ├── CheckpointTimeoutError (+ TimeoutError)          ``result(timeout=)`` ran out of time
     ├── CoordinationError                                a collective among the run's participants
-    │                                                    failed or timed out (a rank died or
-    │                                                    disagrees)
+    │   │                                                failed or timed out (a rank died or
+    │   │                                                disagrees)
+    │   ├── ParticipantMismatchError                     at open, the participants disagree on
+    │   │                                                the world size, their ranks, the run id
+    │   │                                                or the format version (nothing written)
+    │   └── CountersNotKeptError                         message counters asked of a coordinator
+    │                                                    that keeps none (a real group not
+    │                                                    wrapped in ``CountingCoordinator``)
     ├── ReplicaDivergenceError                           state saved as replicated differs
     │                                                    between ranks (names the leaf and
     │                                                    the ranks); nothing is committed
@@ -102,6 +108,7 @@ __all__ = [
     "ConditionalWritesUnsupported",
     "ConfigError",
     "CoordinationError",
+    "CountersNotKeptError",
     "DcpError",
     "DcpFormatError",
     "DirectIOError",
@@ -115,6 +122,7 @@ __all__ = [
     "MemoryLevelError",
     "MissingDependencyError",
     "PartNotFoundError",
+    "ParticipantMismatchError",
     "ReplicaDivergenceError",
     "RunLockedError",
     "SourceDamagedError",
@@ -322,6 +330,17 @@ class ConditionalWritesUnsupported(StorageError):
 class CoordinationError(CheckpointError):
     """A collective among the run's participants failed or did not complete within its
     timeout: a participant died, hangs, or does not take part in the same decision."""
+
+
+class ParticipantMismatchError(CoordinationError):
+    """The participants opening one run disagree on who they are: the world size, the ranks
+    (two claim one rank), the run id or the manifest format version they write. Raised on every
+    participant at open, before anything is written; the message names each side's ranks."""
+
+
+class CountersNotKeptError(CoordinationError):
+    """Message counters (``cryosnap.testing.counters_of``) asked of a coordinator that keeps
+    none: a real group's coordinator not wrapped in ``cryosnap.testing.CountingCoordinator``."""
 
 
 class ReplicaDivergenceError(CheckpointError):

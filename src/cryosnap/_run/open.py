@@ -1,6 +1,7 @@
 """open_run: a managed run's I/O at open, from validated :class:`RunOptions` to live rooms.
 
-Opens the stores, takes the write locks, agrees on partners and rebuilds from them, drops
+Checks that the participants agree on who they are (the roll call), opens the stores, takes
+the write locks, agrees on partners and rebuilds from them, drops
 versions only some ranks' scratch committed, resumes interrupted hand-offs and starts the
 threads, in that order; a failure anywhere undoes what was done (one ExitStack).
 Runs on the caller's thread; collectives on the coordinator's channels, created in open order.
@@ -35,6 +36,7 @@ from cryosnap._run.redundancy.xor import Parity
 from cryosnap._run.redundancy.xor_rebuild import rebuild as rebuild_parity
 from cryosnap._run.restore import current_lineage
 from cryosnap._run.results import PendingSave
+from cryosnap._run.rollcall import roll_call
 from cryosnap._run.writer import Rewriter, VersionWriter, WriterThread
 from cryosnap.dist import Coordinator, LocalCoordinator
 from cryosnap.errors import (
@@ -134,6 +136,7 @@ def open_run(options: RunOptions) -> OpenRun:
     # rank; the rooms below take theirs by name (a channel is made once per name).
     for name in CHANNELS:
         coord.channel(name)
+    roll_call(coord, run_id=options.run_id)  # before any store is opened: nothing written
     policies = PolicyRoom(options.policy, clock=options.clock, coordinator=coord)
     restore_channel = coord.channel("restore")
     persistent, scratch = open_stores(options, coord)

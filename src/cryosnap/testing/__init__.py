@@ -2,7 +2,8 @@
 
 :class:`FaultyStore` (here) injects failures, stalls and throttling, :class:`FaultySyscalls`
 failures of direct writes; :class:`SimulatedWorld` is a process group of N ranks as threads that
-counts each rank's messages, bytes and rounds; :mod:`cryosnap.testing.store`
+counts each rank's messages, bytes and rounds, :class:`CountingCoordinator` counts the same on a
+real group's rank (:func:`counters_of` reads either); :mod:`cryosnap.testing.store`
 is the Store conformance suite (it imports pytest, hypothesis and numpy; this package does not).
 Everything here runs on the calling thread but :meth:`SimulatedWorld.run`, which starts a
 thread per rank. docs/design/storage.md has an example.
@@ -12,16 +13,19 @@ from __future__ import annotations
 
 import sys
 
+from cryosnap.testing._counting import CountingCoordinator, counters_of
 from cryosnap.testing._faulty import Fault, FaultyStore, FaultySyscalls
 from cryosnap.testing._world import RankCounters, SimulatedRank, SimulatedWorld
 
 __all__ = [
+    "CountingCoordinator",
     "Fault",
     "FaultyStore",
     "FaultySyscalls",
     "RankCounters",
     "SimulatedRank",
     "SimulatedWorld",
+    "counters_of",
 ]
 
 if "pytest" in sys.modules:

@@ -9,6 +9,7 @@ has the cost model.
 
 from __future__ import annotations
 
+import io
 import pickle
 import threading
 import time
@@ -21,13 +22,26 @@ from cryosnap.dist import DEFAULT_TIMEOUT_SECONDS
 from cryosnap.dist._common import outgoing, to_bytes
 from cryosnap.errors import CoordinationError
 
-__all__ = ["RankCounters", "SimulatedWorld"]
+__all__ = ["RankCounters", "SimulatedWorld", "pickled"]
 
 T = TypeVar("T")
 
 # An exchange first tells every rank the size of each payload to it, as an all-to-all of int64
 # (TorchCoordinator and MPICoordinator do): 8 bytes each way per other rank.
-_SIZE_BYTES = 8
+SIZE_BYTES = 8
+
+
+def pickled(obj: Any) -> bytes:
+    """``obj`` as the world counts it: pickled without the memo (``fast``), so its size is the
+    value's and not how the sender's objects alias (a string held twice counts twice). A real
+    group's wire format shares nothing either: CountingCoordinator pickles what arrives the same
+    way and gets the sender's size."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.fast = True  # no memo; a collective's values are trees, never self-referencing
+    pickler.dump(obj)
+    return buf.getvalue()
+
 
 # The leader: the rank whose CPU time the world measures (cryosnap's decisions are rank 0's).
 LEADER = 0
@@ -201,7 +215,7 @@ class SimulatedWorld:
         limit = self.timeout if timeout is None else timeout
         if rank == LEADER:
             self._tick()
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickled(obj)
         with self._lock:
             if self._aborted is not None:
                 raise CoordinationError(f"the simulated world was aborted: {self._aborted}")
@@ -282,8 +296,8 @@ class SimulatedWorld:
                     tally.bytes_received += size
         else:  # exchange: the sizes every rank learns (an all-to-all), then the payloads
             for tally in self._tallies:
-                tally.bytes_sent += _SIZE_BYTES * (world - 1)
-                tally.bytes_received += _SIZE_BYTES * (world - 1)
+                tally.bytes_sent += SIZE_BYTES * (world - 1)
+                tally.bytes_received += SIZE_BYTES * (world - 1)
             for src, sends in enumerate(op.result):
                 for dst, body in sends.items():
                     if dst == src:

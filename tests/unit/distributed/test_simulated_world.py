@@ -7,7 +7,6 @@ per-rank counts the scale benchmark reports.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,11 @@ import cryosnap
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CoordinationError
 from cryosnap.testing import RankCounters, SimulatedRank, SimulatedWorld
+from cryosnap.testing._world import pickled
 
 
 def _size(obj: Any) -> int:
-    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return len(pickled(obj))
 
 
 def test_a_simulated_rank_is_a_coordinator() -> None:
