@@ -27,6 +27,10 @@ in the same process (what the resume adds; the page cache is warm for every peer
 save are the maximum over the ranks (the job waits for its slowest), then the median over the
 saves, the first save apart. Nothing is asserted.
 
+``--frozen F`` freezes the first ``F`` of the layers (AdamW over the others): a later save
+then changes only the trained layers and their moments, contiguous parts of the replicated
+state, which the stripes of the replicated split spread over the ranks (the "2nd save" bytes).
+
 Run: ``.venv/bin/python bench/bench_frameworks_lightning.py`` (a few minutes on 2 cores;
 ``--width 512 --layers 2`` for a smoke run).
 """
@@ -54,7 +58,7 @@ LAUNCH_TIMEOUT_S = 3600.0
 # -- inside a rank ---------------------------------------------------------------------------------
 
 
-def _module(width: int, layers: int) -> Any:
+def _module(width: int, layers: int, frozen: float = 0.0) -> Any:
     import torch
     from lightning.pytorch import LightningModule
 
@@ -62,13 +66,16 @@ def _module(width: int, layers: int) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+            # The first layers frozen (a pretrained trunk): unchanged from save to save.
+            self.net[: round(frozen * layers)].requires_grad_(False)
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             (x,) = batch
             return self.net(x).square().mean()
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            trained = [p for p in self.parameters() if p.requires_grad]
+            return torch.optim.AdamW(trained, lr=1e-4)
 
     return Wide()
 
@@ -177,7 +184,7 @@ def _torch_saves(peer: str, where: Path, args: argparse.Namespace, rank: int) ->
                 record["bytes"].append(path.stat().st_size)
 
     trainer.save_checkpoint = save
-    trainer.fit(_module(args.width, args.layers), _loader(args.width))
+    trainer.fit(_module(args.width, args.layers, args.frozen), _loader(args.width))
     if rank == 0:
         durable = [e - s for s, e in zip(record["start"], record["ended"], strict=True)]
         written = record["bytes"]
@@ -214,7 +221,7 @@ def _cryosnap_saves(where: Path, args: argparse.Namespace) -> dict[str, Any]:
             waits[-1] += time.perf_counter() - t0
 
     saver.save, saver.wait_captured = timed_save, timed_wait
-    trainer.fit(_module(args.width, args.layers), _loader(args.width))
+    trainer.fit(_module(args.width, args.layers, args.frozen), _loader(args.width))
     infos = [p.result() for p in pendings]
     return {
         "stall": [c + w for c, w in zip(calls, waits, strict=True)],
@@ -243,7 +250,7 @@ def _restore(peer: str, where: Path, args: argparse.Namespace, last: str) -> flo
         gc.collect()
         clock.called = time.perf_counter()
         trainer.fit(
-            _module(args.width, args.layers),
+            _module(args.width, args.layers, args.frozen),
             _loader(args.width),
             ckpt_path=None if peer == "cryosnap" else path,  # the strategy resumes by itself
         )
@@ -277,7 +284,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
     command = [sys.executable, str(HERE), "--worker", str(folder / "out"), "--dir", str(folder)]
-    for name in ("width", "layers", "steps", "every"):
+    for name in ("width", "layers", "steps", "every", "frozen"):
         command += [f"--{name}", str(getattr(args, name))]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH")]))}
     return h.launch_ranks(
@@ -347,6 +354,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2)
+    parser.add_argument(
+        "--frozen", type=float, default=0.0, help="the fraction of the layers frozen, the first"
+    )
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -358,8 +368,8 @@ def main(argv: list[str]) -> None:
         launch=launch,
         report=report,
         describe=lambda ranks: (
-            f"{ranks[0]['params'] / 1e6:.1f}M parameters, 2 gloo ranks, {args.steps} steps, a save "
-            f"every {args.every}"
+            f"{ranks[0]['params'] / 1e6:.1f}M parameters ({args.frozen:.0%} of the layers "
+            f"frozen), 2 gloo ranks, {args.steps} steps, a save every {args.every}"
         ),
     )
 
