@@ -7,6 +7,7 @@ frozen 1 MiB input layer (a later save does not write it again), BatchNorm (each
 buffers), dropout with each rank's own generators and an LR scheduler.
 
     python lightning_strategy_job.py train OUT RUN [--kill-at K]  # K: each rank SIGKILLs itself
+    python lightning_strategy_job.py fsdp-train OUT RUN [--kill-at K]  # the same under FSDP
     python lightning_strategy_job.py slice OUT DIR                 # three fits in one job
     python lightning_strategy_job.py fsdp-slice OUT DIR            # the same under FSDP
 
@@ -14,8 +15,9 @@ buffers), dropout with each rank's own generators and an LR scheduler.
 uninterrupted reference into DIR/ref, a training stopped at ``STOP`` into DIR/run (its last
 save at step 6) and its resume with ``ckpt_path="last"``, in one job. Each rank appends
 ``step loss`` per optimizer step to ``OUT/losses-<rank>-<fit>.txt`` and saves its final
-weights to ``OUT/weights-<rank>-<fit>.pt``. test_lightning_strategy.py runs ``fit`` in-process
-with one device too.
+weights to ``OUT/weights-<rank>-<fit>.pt``. The Trainer takes as many devices as the job has
+processes (``WORLD_SIZE``). test_lightning_strategy.py runs ``fit`` in-process with one device
+too.
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def trainer(
     run: Path,
     out: Path,
     *callbacks: Callback,
-    devices: int = 2,
+    devices: int | None = None,
     save_on_train_end: bool = True,
     fsdp: bool = False,
     **options: Any,
@@ -187,7 +189,7 @@ def trainer(
         max_steps=TOTAL,
         strategy=strategy,
         accelerator="cpu",
-        devices=devices,
+        devices=int(os.environ.get("WORLD_SIZE", "2")) if devices is None else devices,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -231,9 +233,9 @@ def main(scenario: str, out: Path, target: Path, *args: str) -> None:
     warnings.simplefilter("ignore")  # Lightning's advice on workers and resumable loaders
     out.mkdir(parents=True, exist_ok=True)
     got: dict[str, Any] = {}
-    if scenario == "train":
+    if scenario in ("train", "fsdp-train"):
         kill = [Halt(int(args[1]), kill=True)] if args[:1] == ("--kill-at",) else []
-        got["train"] = fit(target, out, "train", *kill)
+        got["train"] = fit(target, out, "train", *kill, fsdp=scenario == "fsdp-train")
     else:
         assert scenario in ("slice", "fsdp-slice")
         fsdp = scenario == "fsdp-slice"

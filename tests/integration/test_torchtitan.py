@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from cryosnap.engine.write._shares import STRIPES_PER_RANK, stripe_bytes
 from tests.integration import ranks
 
 pytestmark = [
@@ -244,6 +245,10 @@ def test_ddp_ranks_write_half_of_the_replicated_state_and_then_only_what_changed
     changed = 3 * trainable
     assert sum(second) <= changed + 4 * CHUNK, (second, changed)
     assert sum(second) >= changed - 4 * CHUNK
+    # What changed is one contiguous part of the replicated layout (the layers after the
+    # frozen ones, their moments): the stripes spread it, each rank half within one stripe.
+    stripe = stripe_bytes(whole, 2, CHUNK) + 2 * STRIPES_PER_RANK * CHUNK
+    assert all(w <= changed / 2 + stripe for w in second), (second, changed, stripe)
     assert results[0]["final"] == results[1]["final"]  # replicated: the same everywhere
 
 

@@ -9,6 +9,7 @@ model and its Adam optimizer as the replicated state and per-rank leaves beside 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from pathlib import Path
@@ -19,11 +20,19 @@ import pytest
 
 import cryosnap
 from cryosnap import engine
+from cryosnap._format.chunks import value_runs
 from cryosnap._format.keys import manifest_key
 from cryosnap._format.manifest import Manifest
 from cryosnap._format.skeleton import blob_paths
+from cryosnap._run import replicated
 from cryosnap._state import flatten
 from cryosnap.dist import Coordinator
+from cryosnap.engine.write._shares import (
+    STRIPES_PER_RANK,
+    owner_runs,
+    stripe_bytes,
+    stripes_per_rank,
+)
 from cryosnap.errors import (
     CheckpointFormatError,
     IntegrityError,
@@ -97,21 +106,89 @@ def read_manifest(run: Path, step: int, rank: int) -> Manifest:
 # -- the split ----------------------------------------------------------------------------------
 
 
+def chunk_sizes(sizes: list[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The bytes of every chunk of the blobs laid end to end."""
+    return np.concatenate(
+        [np.minimum(CHUNK, n - np.arange(-(-n // CHUNK)) * CHUNK) for n in sizes]
+        or [np.zeros(0, np.int64)]
+    ).astype(np.int64)
+
+
+def stripe_lengths(owners: list[Any], sizes: list[int]) -> list[tuple[int, int]]:
+    """The stripes along the blobs laid end to end, as ``(owner, bytes)``."""
+    along = np.concatenate(owners) if owners else np.zeros(0, np.int32)
+    nbytes = chunk_sizes(sizes)
+    return [(int(along[a]), int(nbytes[a:b].sum())) for a, b in value_runs(along)]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
-def test_shares_split_bytes_evenly_on_chunk_boundaries(world: int) -> None:
-    rng = np.random.default_rng(world)
-    sizes = [int(s) for s in rng.integers(0, 300_000, 40)]
+@pytest.mark.parametrize("scale", [3_000, 300_000, 3_000_000])
+def test_shares_split_bytes_evenly_in_round_robin_stripes(world: int, scale: int) -> None:
+    rng = np.random.default_rng(world * scale)
+    sizes = [int(s) for s in rng.integers(0, scale, 40)]
+    total = sum(sizes)
     owners = engine.assign_shares(sizes, world, CHUNK)
     per_rank = [0] * world
     for nbytes, own in zip(sizes, owners, strict=True):
         assert len(own) == -(-nbytes // CHUNK)
-        assert (np.diff(own) >= 0).all()  # each blob: consecutive runs of consecutive ranks
         for c, r in enumerate(own.tolist()):
             per_rank[r] += min(CHUNK, nbytes - c * CHUNK)
-    assert sum(per_rank) == sum(sizes)
-    # Each cut moves to a chunk boundary: a share is off by less than a chunk per cut.
+    assert sum(per_rank) == total
+    # The last round aims every rank at 1/N: each is within one chunk of it.
     for got in per_rank:
-        assert abs(got - sum(sizes) / world) <= 2 * CHUNK
+        assert abs(got - total / world) <= CHUNK, (per_rank, total)
+    stripes = stripe_lengths(owners, sizes)
+    k = stripes_per_rank(total, world, CHUNK)
+    if world == 1:
+        assert len(stripes) <= 1
+        return
+    # Round robin: the next stripe is the next rank's (an empty stripe skips one), each rank
+    # at most k runs along the layout, every stripe but the last round's exactly
+    # stripe_bytes inside a blob and never shorter than a chunk.
+    assert all((b[0] - a[0]) % world != 0 for a, b in itertools.pairwise(stripes))
+    assert len(stripes) <= world * k
+    assert all(sum(1 for r, _n in stripes if r == rank) <= k for rank in range(world))
+    longest = max(n for _r, n in stripes)
+    assert longest <= stripe_bytes(total, world, CHUNK) + 2 * k * CHUNK
+    assert stripe_bytes(total, world, CHUNK) % CHUNK == 0
+    if total >= 64 * world * CHUNK:
+        assert k == STRIPES_PER_RANK
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_shares_spread_any_contiguous_change_within_one_stripe(world: int) -> None:
+    """Whatever contiguous run of chunks changes, no rank's part of it exceeds 1/N of it by
+    more than one stripe (a positional split would put it all on one or two ranks)."""
+    rng = np.random.default_rng(world)
+    sizes = [int(s) for s in rng.integers(0, 2_000_000, 12)]
+    owners = engine.assign_shares(sizes, world, CHUNK)
+    along = np.concatenate(owners)
+    nbytes = chunk_sizes(sizes)
+    longest = max(n for _r, n in stripe_lengths(owners, sizes))
+    for _ in range(500):
+        a, b = sorted(int(x) for x in rng.integers(0, len(along) + 1, 2))
+        changed = int(nbytes[a:b].sum())
+        per_rank = np.bincount(along[a:b], weights=nbytes[a:b], minlength=world)
+        assert per_rank.max() <= changed / world + longest, (a, b, per_rank, longest)
+    # The second half of the layout: every rank writes part of it.
+    half = len(along) // 2
+    assert set(along[half:].tolist()) == set(range(world))
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_owner_runs_follow_the_stripes_within_a_blob(world: int) -> None:
+    sizes = [64 * world * CHUNK * 2]  # one blob of many stripes
+    (owners,) = engine.assign_shares(sizes, world, CHUNK)
+    runs = owner_runs(owners, 0, len(owners))
+    assert sum(n for _a, n, _r in runs) == len(owners)
+    assert [r for _a, _n, r in runs] == [j % world for j in range(len(runs))]
+    assert len(runs) == world * STRIPES_PER_RANK
+    for first, count in ((3, 40), (100, 1), (0, 0), (len(owners) - 5, 5)):
+        got = owner_runs(owners, first, count)
+        assert [(a, n) for a, n, _r in got] == [
+            (first + a, b - a) for a, b in value_runs(owners[first : first + count])
+        ]
+        assert all((owners[a : a + n] == r).all() for a, n, r in got)
 
 
 # -- saving: written once in total, split across ranks ------------------------------------------
@@ -171,6 +248,46 @@ def test_replicated_state_is_written_once_split_across_ranks(
             assert got["data"] == {"epoch": 1, "position": 100 * rank}
             assert got["optim"]["state"][0]["exp_avg"].equal(reference[1]["state"][0]["exp_avg"])
         engine.verify_part(LocalStore(run), 1, rank=rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_contiguous_changed_half_is_spread_over_the_ranks(tmp_path: Path, world: int) -> None:
+    """An incremental save whose changes are one contiguous half of the replicated state (a
+    trainable half, the layers after a frozen trunk): each rank writes 1/N of the change, give
+    or take one stripe, not the half's owner all of it."""
+    layers = 16
+    weights = {f"w{i:02d}": torch.arange(16384, dtype=torch.float32) + i for i in range(layers)}
+    run = tmp_path / "run"
+
+    def body(c: Coordinator) -> Any:
+        state = {"model": {k: v.clone() for k, v in weights.items()}}
+        with cryosnap.Checkpointer(run, comm=c, chunk_bytes=CHUNK) as ckpt:
+            first = ckpt.save(0, state, replicated=True).result(timeout=60)
+            for i in range(layers // 2, layers):
+                state["model"][f"w{i:02d}"] += 1.0  # the second half: trained
+            second = ckpt.save(1, state, replicated=True).result(timeout=60)
+        return first.written_bytes, second.written_bytes
+
+    results = run_ranks(world, body)
+    flat = flatten({"model": weights}, pack_bytes=CHUNK)
+    total = flat.logical_bytes
+    changed = total // 2
+    split = replicated.plan(flat, True, world, CHUNK)
+    sizes = [flat.blobs[i].nbytes for i in split.blobs]
+    longest = max(n for _r, n in stripe_lengths([split.shares[i] for i in split.blobs], sizes))
+    assert longest <= stripe_bytes(total, world, CHUNK) + 2 * STRIPES_PER_RANK * CHUNK
+    firsts = [f for f, _s in results]
+    seconds = [s for _f, s in results]
+    assert sum(firsts) == total
+    assert all(abs(f - total / world) <= CHUNK for f in firsts), firsts
+    # Written once in total, spread within one stripe of 1/N per rank; every rank wrote.
+    assert sum(seconds) == changed
+    assert all(0 < s <= changed / world + longest for s in seconds), (seconds, longest)
+    got = cryosnap.load(run, step=1, rank=world - 1)["model"]
+    for i in range(layers):
+        want = weights[f"w{i:02d}"] + (1.0 if i >= layers // 2 else 0.0)
+        assert got[f"w{i:02d}"].equal(want)
+    engine.verify_part(LocalStore(run), 1, rank=0)
 
 
 def test_retention_keeps_the_files_other_ranks_parts_reference(

@@ -18,7 +18,16 @@ from cryosnap.engine.items import Hashed
 from cryosnap.engine.write._differ import EXTERNAL, Differ, FileTable
 from cryosnap.errors import CheckpointError
 
-__all__ = ["Location", "Owners", "ShareMap", "assign_shares", "owner_runs"]
+__all__ = [
+    "STRIPES_PER_RANK",
+    "Location",
+    "Owners",
+    "ShareMap",
+    "assign_shares",
+    "owner_runs",
+    "stripe_bytes",
+    "stripes_per_rank",
+]
 
 Owners = np.ndarray[Any, np.dtype[np.int32]]
 _Ints = np.ndarray[Any, np.dtype[np.int64]]
@@ -27,29 +36,95 @@ _Ints = np.ndarray[Any, np.dtype[np.int64]]
 Location = tuple[int, int, int, str, int]
 
 
+# At most this many stripes per rank per save: each rank's share is that many runs (and one
+# more per blob a stripe straddles), which is what the ranks exchange and every manifest records
+# for each other rank. docs/design/write-path.md has the why.
+STRIPES_PER_RANK = 8
+
+
+def stripes_per_rank(total_bytes: int, world_size: int, chunk_bytes: int) -> int:
+    """How many stripes each rank gets of ``total_bytes`` of replicated blobs: as many as
+    :data:`STRIPES_PER_RANK` allows while a stripe stays at least that many chunks long (so a
+    rank's share, its first rounds cut by position, cannot outgrow its 1/N before the last)."""
+    per_rank_chunks = total_bytes // (max(world_size, 1) * chunk_bytes)
+    k = 1
+    while k < STRIPES_PER_RANK and (k + 1) * (k + 1) <= per_rank_chunks:
+        k += 1
+    return k
+
+
+def stripe_bytes(total_bytes: int, world_size: int, chunk_bytes: int) -> int:
+    """The length of one stripe of the first rounds: a whole number of chunks, at least one
+    (the last round's stripes take what is left, about as long: :func:`assign_shares`)."""
+    k = stripes_per_rank(total_bytes, world_size, chunk_bytes)
+    return chunk_bytes * max(1, total_bytes // (world_size * k * chunk_bytes))
+
+
 def assign_shares(sizes: Sequence[int], world_size: int, chunk_bytes: int) -> list[Owners]:
     """For each blob of ``sizes`` bytes (in order), the rank that writes each of its chunks.
-    The blobs are laid end to end and cut into ``world_size`` ranges of equal bytes; a chunk
-    belongs to the range its first byte falls in."""
+
+    The blobs are laid end to end and cut at chunk boundaries into ``world_size * k`` stripes
+    (``k``: :func:`stripes_per_rank`), stripe ``j`` to rank ``j % world_size``: a contiguous
+    change longer than ``world_size`` stripes is spread over every rank. The first ``k - 1``
+    rounds are stripes of :func:`stripe_bytes` each; the last round cuts what is left so that
+    every rank's bytes in all come within one chunk of ``1/world_size`` of the total."""
     total = sum(sizes)
-    # The first byte of ranks 1 .. world_size-1 in the blobs laid end to end.
-    cuts = np.array([total * r // world_size for r in range(1, world_size)], np.int64)
-    out: list[Owners] = []
+    starts = _chunk_starts(sizes, chunk_bytes)
+    if world_size <= 1 or total == 0:
+        return [np.zeros(len(s), np.int32) for s in starts]
+    # Where a stripe may end: every chunk's first byte, and the end.
+    bounds = np.concatenate([*starts, np.array([total], np.int64)])
+    cuts = _stripe_ends(bounds, total, world_size, chunk_bytes)
+    return [(np.searchsorted(cuts, s, side="right") % world_size).astype(np.int32) for s in starts]
+
+
+def _chunk_starts(sizes: Sequence[int], chunk_bytes: int) -> list[_Ints]:
+    """Per blob, the first byte of each of its chunks in the blobs laid end to end."""
+    out: list[_Ints] = []
     at = 0
     for nbytes in sizes:
-        starts = at + np.arange(chunk_count(nbytes, chunk_bytes), dtype=np.int64) * chunk_bytes
-        out.append(np.searchsorted(cuts, starts, side="right").astype(np.int32))
+        out.append(at + np.arange(chunk_count(nbytes, chunk_bytes), dtype=np.int64) * chunk_bytes)
         at += nbytes
     return out
 
 
+def _stripe_ends(bounds: _Ints, total: int, world_size: int, chunk_bytes: int) -> _Ints:
+    """The end of every stripe but the last (non-decreasing; equal ends: an empty stripe).
+
+    Rounds ``0 .. k-2`` end at the first boundary at or after each multiple of the stripe
+    length: inside one blob a stripe is then exactly that many chunks. They leave each rank
+    off its ``(k-1)/k`` of the total by less than ``k - 1`` chunks, which the stripe length (at
+    least ``k`` chunks) keeps smaller than a stripe. The last round aims each rank's total at
+    exactly ``total / world_size`` and ends at the boundary nearest to that: boundaries are at
+    most a chunk apart, so each rank ends within half a chunk of its aim on either side, and
+    its total within one chunk of its 1/N."""
+    n = world_size
+    k = stripes_per_rank(total, n, chunk_bytes)
+    stripe = stripe_bytes(total, n, chunk_bytes)
+    marks = stripe * np.arange(1, n * (k - 1) + 1, dtype=np.int64)
+    first = bounds[np.minimum(np.searchsorted(bounds, marks, side="left"), len(bounds) - 1)]
+    lengths = np.diff(np.concatenate([np.zeros(1, np.int64), first]))
+    owned = lengths.reshape(k - 1, n).sum(axis=0) if k > 1 else np.zeros(n, np.int64)
+    at = int(first[-1]) if k > 1 else 0
+    # The last round's aims, times n (integers): at + sum over ranks <= r of (total/n - owned).
+    aims = n * at + total * np.arange(1, n, dtype=np.int64) - n * np.cumsum(owned)[:-1]
+    last = _nearest(bounds * n, aims) if n > 1 else np.zeros(0, np.int64)
+    return np.concatenate([first, bounds[last]])
+
+
+def _nearest(points: _Ints, aims: _Ints) -> _Ints:
+    """For each aim, the index of the nearest of the sorted ``points`` (ties: the lower)."""
+    hi = np.minimum(np.searchsorted(points, aims, side="left"), len(points) - 1)
+    lo = np.maximum(hi - 1, 0)
+    return np.where(aims - points[lo] <= points[hi] - aims, lo, hi)
+
+
 def owner_runs(owners: Owners, first: int, count: int) -> list[tuple[int, int, int]]:
-    """Chunks ``first .. first+count-1`` as runs ``(first, count, owner)`` of one owner each."""
+    """Chunks ``first .. first+count-1`` as runs ``(first, count, owner)`` of one owner each
+    (stripes: a rank's chunks recur along a blob, so runs are found, never assumed)."""
     if count == 0:
         return []
     part = owners[first : first + count]
-    if part[0] == part[-1]:  # owners never decrease along a blob: one owner throughout
-        return [(first, count, int(part[0]))]
     return [(first + a, b - a, int(part[a])) for a, b in value_runs(part)]
 
 
