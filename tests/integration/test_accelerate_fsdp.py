@@ -126,5 +126,5 @@ def test_cpu_fsdp2_accelerator_refuses_fsdp1_and_one_process(
 
     with pytest.raises(ValueError, match="fsdp_version=2"):
         cpu_fsdp2_accelerator(FullyShardedDataParallelPlugin(fsdp_version=1))
-    with pytest.raises(ValueError, match="several ranks"):
+    with pytest.raises(ValueError, match="CPU job of several ranks"):
         cpu_fsdp2_accelerator()

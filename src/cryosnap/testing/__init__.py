@@ -2,8 +2,8 @@
 
 :class:`FaultyStore` (here) injects failures, stalls and throttling, :class:`FaultySyscalls`
 failures of direct writes; :class:`SimulatedWorld` is a process group of N ranks as threads that
-counts each rank's messages, bytes and rounds; :func:`cpu_fsdp2_accelerator` runs Accelerate's
-FSDP2 path on a CPU job; :mod:`cryosnap.testing.store`
+counts each rank's messages, bytes and rounds; :func:`cpu_fsdp2_accelerator` and
+:func:`as_cpu_fsdp2` run Accelerate's FSDP2 path on a CPU job; :mod:`cryosnap.testing.store`
 is the Store conformance suite (it imports pytest, hypothesis and numpy; this package does not).
 Everything here runs on the calling thread but :meth:`SimulatedWorld.run`, which starts a
 thread per rank. docs/design/storage.md has an example.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from cryosnap.testing._accelerate import cpu_fsdp2_accelerator
+from cryosnap.testing._accelerate import as_cpu_fsdp2, cpu_fsdp2_accelerator
 from cryosnap.testing._faulty import Fault, FaultyStore, FaultySyscalls
 from cryosnap.testing._world import RankCounters, SimulatedRank, SimulatedWorld
 
@@ -24,6 +24,7 @@ __all__ = [
     "RankCounters",
     "SimulatedRank",
     "SimulatedWorld",
+    "as_cpu_fsdp2",
     "cpu_fsdp2_accelerator",
 ]
 
