@@ -10,7 +10,8 @@ ranks (Accelerate pads the last batch). ``record`` (every loss, to a file that s
 SIGKILL) and ``--kill-at`` (rank 0 kills itself after that step) are the test's instruments.
 ``--fsdp``: the model is sharded by Accelerate's FSDP2 path (``prepare`` calls
 ``fully_shard``), which Accelerate takes on a CPU job only through
-:func:`cryosnap.testing.cpu_fsdp2_accelerator`.
+:func:`cryosnap.testing.cpu_fsdp2_accelerator`; with ``--device`` on the job's accelerators,
+where Accelerate picks FSDP itself (tests/gpu/test_accelerate_fsdp_gpu.py).
 
     torchrun --nproc-per-node 2 accelerate_job.py train OUT RUN --steps 20 --every 4 --kill-at 14
 """
@@ -72,12 +73,18 @@ class Seen:
 
 
 def prepared(
-    total_limit: int | None = None, fsdp: bool = False
+    total_limit: int | None = None, fsdp: bool = False, device: bool = False
 ) -> tuple[Accelerator, Any, Any, Any, Any, Seen]:
     """A fresh process's worth: seeded, a new model, optimizer, scheduler and loader; with
-    ``fsdp`` the model sharded by Accelerate's FSDP2 ``prepare``."""
+    ``fsdp`` the model sharded by Accelerate's FSDP2 ``prepare`` (on the CPU, or with
+    ``device`` on the accelerators Accelerate finds)."""
     config = ProjectConfiguration(total_limit=total_limit)
-    if fsdp:
+    if fsdp and device:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        accelerator = Accelerator(fsdp_plugin=plugin, project_config=config)
+    elif fsdp:
         accelerator = cpu_fsdp2_accelerator(project_config=config)
     else:
         accelerator = Accelerator(cpu=True, project_config=config)
@@ -106,7 +113,7 @@ def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(local(t).detach().contiguous().numpy().tobytes())
+        h.update(local(t).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -116,11 +123,17 @@ def addresses(model: torch.nn.Module) -> dict[str, int]:
 
 
 def train(
-    run: Path, out: Path, steps: int, every: int, kill_at: int | None, fsdp: bool = False
+    run: Path,
+    out: Path,
+    steps: int,
+    every: int,
+    kill_at: int | None,
+    fsdp: bool = False,
+    device: bool = False,
 ) -> None:
     """Train ``steps`` optimizer steps (resuming from ``run`` if it holds a version), saving
     every ``every``; each rank appends ``step loss`` per step to ``out/losses-<rank>.txt``."""
-    accelerator, model, opt, loader, sched, seen = prepared(fsdp=fsdp)
+    accelerator, model, opt, loader, sched, seen = prepared(fsdp=fsdp, device=device)
     rank = accelerator.process_index
     out.mkdir(parents=True, exist_ok=True)
     losses = (out / f"losses-{rank}.txt").open("a")
@@ -221,7 +234,7 @@ def local_digests(model: torch.nn.Module, opt: Any) -> dict[str, str]:
         tensors.update({f"optim/{i}/{k}": v for k, v in state.items()})
     found = {}
     for name, t in tensors.items():
-        raw = local(t).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = local(t).detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         found[name] = hashlib.sha256(raw).hexdigest()[:16]
     return found
 
@@ -246,6 +259,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--device", action="store_true", help="with --fsdp: on accelerators")
     parser.add_argument("--other", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.scenario == "bytes":
@@ -253,7 +267,7 @@ def main(argv: list[str]) -> None:
     elif args.scenario == "fsdp":
         fsdp_shards(args.run, args.out, args.other)
     else:
-        train(args.run, args.out, args.steps, args.every, args.kill_at, args.fsdp)
+        train(args.run, args.out, args.steps, args.every, args.kill_at, args.fsdp, args.device)
 
 
 if __name__ == "__main__":
