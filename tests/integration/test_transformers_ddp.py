@@ -32,6 +32,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("torch.distributed")
 
 import cryosnap
+from cryosnap.integrations.transformers import resume
 from tests import forkserver
 from tests.integration import manifests, ranks, transformers_job
 from tests.integration.test_dist_torch import free_port
@@ -157,6 +158,11 @@ def test_fsdp2_saves_each_ranks_shards_and_resumes_bit_exact(tmp_path: Path) -> 
     loaded = [cryosnap.load(run, rank=r, keys=["model"])["model"] for r in range(WORLD)]
     for shard in loaded:
         assert tuple(shard["transformer.wte.weight"].shape) == (32, 16)  # rows of 64 x 16
+    # One process cannot resume 2 ranks' shards: refused before anything is trained.
+    alone = transformers_job.trainer(tmp_path / "alone", tmp_path / "alone-out")
+    with pytest.raises(cryosnap.WorldSizeError, match="saved by 2 ranks under FSDP2"):
+        resume(alone, run)
+    assert alone.state.global_step == 0
 
 
 # A child process: a Trainer with a DeepSpeed config changes the process for good (its

@@ -439,6 +439,8 @@ def _read(
         if step is not None:
             raise
         return None
+    # The callback saves version N at global step N: the step that load() took.
+    _refuse_other_world(path, json.loads(_text(saved["trainer_state"]))["global_step"], 1)
     return None, saved
 
 
@@ -493,17 +495,7 @@ def _load_part(path: str, step: int, world: int, rank: int, allow_pickle: bool) 
     """Rank ``rank``'s part of version ``step``: its own when as many ranks saved it, else
     saved part ``rank % saved`` (every part holds the replicated state; the RNG states are
     another rank's, so training goes on, not bit for bit as it would have)."""
-    info = Run(path).info(step)
-    saved = info.world_size
-    if saved != world and _sharded_version(info.world_size, info.replicated):
-        raise errors.WorldSizeError(
-            f"step {step} of {path} was saved by {saved} ranks under FSDP2 (each rank's DTensor "
-            f"shards of the model and optimizer) and {world} resume it: resume at {saved} "
-            "ranks; to change the world size, save through the Trainer's own FSDP checkpoints "
-            "(save_strategy, torch.distributed.checkpoint, which reshards when it loads)",
-            step=step,
-            path=path,
-        )
+    saved = _refuse_other_world(path, step, world)
     if saved != world and rank == 0:
         log.warning(
             "cryosnap: step %d of %s was saved by %d process(es), resumed by %d: every rank "
@@ -563,6 +555,24 @@ def _part(obj: Any, name: str) -> Any:
     if obj is None:
         raise TypeError(f"cannot resume: the Trainer has no {name} yet")
     return obj
+
+
+def _refuse_other_world(path: str, step: int, world: int) -> int:
+    """The world size that saved version ``step``; a version of FSDP2 shards that ``world``
+    processes would resume at another size is a WorldSizeError (another rank's shard is not
+    this one's)."""
+    info = Run(path).info(step)
+    saved = info.world_size
+    if saved != world and _sharded_version(saved, info.replicated):
+        raise errors.WorldSizeError(
+            f"step {step} of {path} was saved by {saved} ranks under FSDP2 (each rank's DTensor "
+            f"shards of the model and optimizer) and {world} resume it: resume at {saved} "
+            "ranks; to change the world size, save through the Trainer's own FSDP checkpoints "
+            "(save_strategy, torch.distributed.checkpoint, which reshards when it loads)",
+            step=step,
+            path=path,
+        )
+    return saved
 
 
 def _sharded_version(world_size: int, replicated: Any) -> bool:
