@@ -23,6 +23,14 @@ Figures per round are the maximum over the ranks (the job waits for its slowest 
 the median over the rounds; bytes are per rank. Restores read what the page cache holds of
 the files just written, for both. Nothing is asserted.
 
+``--fsdp``: the model sharded by Accelerate's FSDP2 path instead
+(``FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")``,
+which Accelerate takes on a CPU job only through :func:`cryosnap.testing.cpu_fsdp2_accelerator`;
+``prepare`` is Accelerate's ``fully_shard``). Then ``save_state`` writes the model and the
+optimizer with torch.distributed.checkpoint (each rank its ``__<rank>_0.distcp`` files, rank 0
+the ``.metadata``), and ``Checkpoints`` each rank's DTensor shards; a rank's bytes are the files
+it wrote (and fsyncs, for durable).
+
 Run: ``.venv/bin/python bench/bench_frameworks_accelerate.py --rounds 2`` (a few minutes on 2
 cores; ``--width 1024 --layers 4`` for a smoke run). Each rank holds the model, its gradients,
 AdamW's state, DDP's buckets and cryosnap's staging of its share: about 3 GB per rank at the
@@ -50,12 +58,20 @@ LAUNCH_TIMEOUT_S = 3600.0
 # -- the ranks' side -----------------------------------------------------------------------------
 
 
-def _prepared(width: int, layers: int, frozen: float) -> tuple[Any, ...]:
+def _prepared(width: int, layers: int, frozen: float, fsdp: bool) -> tuple[Any, ...]:
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
 
-    accelerator = Accelerator(cpu=True)
+    from cryosnap.testing import cpu_fsdp2_accelerator
+
+    if fsdp:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"
+        )
+        accelerator = cpu_fsdp2_accelerator(plugin)
+    else:
+        accelerator = Accelerator(cpu=True)
     set_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
     for layer in list(model)[: int(frozen * layers)]:
@@ -74,24 +90,30 @@ def _step(accelerator: Any, model: Any, opt: Any, batches: Any) -> None:
     opt.zero_grad()
 
 
-def _fsync_tree(path: Path) -> None:
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            h.fsync_path(f)
+def _owner(f: Path) -> int:
+    """The rank that wrote a file of ``save_state``: its RNG file, under FSDP its DCP data
+    files (``__<rank>_<n>.distcp``) are each rank's own; the rest rank 0's."""
+    if f.name.startswith("random_states_"):
+        return int(f.stem.split("_")[-1])
+    if f.suffix == ".distcp":
+        return int(f.name.split("_")[2])
+    return 0
 
 
-def _save_state_round(acc: Any, model: Any, opt: Any, batches: Any, folder: Path) -> dict[str, Any]:
+def _save_state_round(
+    acc: Any, model: Any, opt: Any, batches: Any, folder: Path, fsdp: bool
+) -> dict[str, Any]:
     gc.collect()
     acc.wait_for_everyone()
     t0 = time.perf_counter()
     acc.save_state(str(folder))
     stall = time.perf_counter() - t0
-    _fsync_tree(folder)  # save_state does not sync: durable once its files are
+    files = sorted(f for f in folder.rglob("*") if f.is_file())
+    owned = [f for f in files if _owner(f) == acc.process_index]
+    for f in owned if fsdp else files:  # save_state does not sync: durable once its files are
+        h.fsync_path(f)
     durable = time.perf_counter() - t0
     acc.wait_for_everyone()
-    mine = f"random_states_{acc.process_index}.pkl"
-    files = [f for f in folder.iterdir() if f.is_file()]
-    owned = [f for f in files if f.name == mine or (acc.is_main_process and "random" not in f.name)]
     written = sum(f.stat().st_size for f in owned)
     _step(acc, model, opt, batches)
     acc.wait_for_everyone()
@@ -133,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from cryosnap.integrations.accelerate import Checkpoints
 
-    acc, model, opt, loader = _prepared(args.width, args.layers, args.frozen)
+    acc, model, opt, loader = _prepared(args.width, args.layers, args.frozen, args.fsdp)
 
     def batches() -> Any:
         while True:
@@ -152,7 +174,8 @@ def worker(args: argparse.Namespace) -> None:
             for peer in order:
                 if peer == "save_state":
                     folder = base / f"save_state-{r}"  # the same on every rank
-                    results[peer].append(_save_state_round(acc, model, opt, it, folder))
+                    got = _save_state_round(acc, model, opt, it, folder, args.fsdp)
+                    results[peer].append(got)
                 else:
                     got = _cryosnap_round(acc, model, opt, it, ckpts, 2 * r + 1)
                     results[peer].append(got)
@@ -167,6 +190,7 @@ def launch(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
     command = [sys.executable, str(HERE), "--worker", str(folder / "out"), "--dir", str(folder)]
     for name in ("width", "layers", "rounds", "warmup", "frozen"):
         command += [f"--{name}", str(getattr(args, name))]
+    command += ["--fsdp"] if args.fsdp else []
     return h.launch_ranks(command, folder / "out", timeout_s=LAUNCH_TIMEOUT_S, cwd=HERE.parent)
 
 
@@ -231,6 +255,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--frozen", type=float, default=0.0, help="fraction of layers frozen")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (Accelerate's) not DDP")
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -242,7 +267,8 @@ def main(argv: list[str]) -> None:
         launch=launch,
         report=report,
         describe=lambda ranks: (
-            f"{ranks[0]['params'] / 1e6:.1f}M parameters, 2 gloo ranks, {args.rounds} round(s), "
+            f"{ranks[0]['params'] / 1e6:.1f}M parameters, 2 gloo ranks, "
+            f"{'FSDP2' if args.fsdp else 'DDP'}, {args.rounds} round(s), "
             f"frozen {args.frozen:.0%} of the layers"
         ),
     )

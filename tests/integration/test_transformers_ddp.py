@@ -7,7 +7,9 @@ version's manifests), and each rank's RNG states are its own. A job resumed from
 with weights bit for bit those of the uninterrupted job, every logged loss equal. The unmarked
 slice runs the three trainings (reference, stopped, resumed) in one job of processes started
 with torchrun's environment; the deep test SIGKILLs a ``torchrun`` job (every process of it)
-mid-epoch and resumes it with a new ``torchrun``. A DeepSpeed config or a sharded model is
+mid-epoch and resumes it with a new ``torchrun``. Under the Trainer's own FSDP2 path (made
+to run on the CPU job by :func:`cryosnap.testing.as_cpu_fsdp2`) each rank writes its DTensor
+shards and resumes them bit for bit. A DeepSpeed config, FSDP1 or DTensors outside FSDP2 are
 refused with ``UnsupportedError`` (with DeepSpeed, saying how the Trainer's own saves go
 through cryosnap).
 """
@@ -30,6 +32,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("torch.distributed")
 
 import cryosnap
+from cryosnap.integrations.transformers import resume
 from tests import forkserver
 from tests.integration import manifests, ranks, transformers_job
 from tests.integration.test_dist_torch import free_port
@@ -118,11 +121,57 @@ def test_ddp_saves_one_nth_per_rank_and_resumes_bit_exact(tmp_path: Path) -> Non
     assert not parts[0]["rng"]["torch"].equal(parts[1]["rng"]["torch"])
 
 
+@pytest.mark.timeout(240)
+def test_fsdp2_saves_each_ranks_shards_and_resumes_bit_exact(tmp_path: Path) -> None:
+    """The Trainer's own FSDP2 path (transformers_job.py --fsdp): each rank writes its DTensor
+    shards of the model and optimizer and a share of the rest; a Trainer resumed from the
+    run ends with every rank's shards bit for bit those of the uninterrupted one."""
+    run, out = tmp_path / "run", tmp_path / "out"
+    args = ("--resume-in-process", "6", "--chunk-bytes", str(CHUNK), "--fsdp")
+    got = ranks.launch(JOB, str(run), WORLD, out, *args, elastic=True)
+    for rank in range(WORLD):
+        assert got[rank]["step"] == 12
+        assert got[rank]["final"] == got[rank]["reference"], rank
+    assert got[0]["final"] != got[1]["final"]  # shards, not replicas
+    reference = _losses(out / "reference.txt")
+    assert _losses(out / "resumed.txt") == reference[6:]
+    assert cryosnap.Run(run).steps() == STEPS
+    sharded = ("model", "optimizer")
+    parts = []
+    for rank in range(WORLD):
+        info = cryosnap.Run(run).info(STEPS[0], rank=rank)
+        assert info.replicated == ("lr_scheduler", "trainer_state")
+        size = {"shards": 0, "replicated": 0, "own": 0}
+        for leaf in info.leaves:
+            key = leaf.path.strip("/").split("/")[0]
+            if leaf.shared_with is None:
+                kind = "shards" if key in sharded else "replicated"
+                size[kind if key in (*sharded, *info.replicated) else "own"] += leaf.nbytes
+        # A full version: its shards, its own keys, and its share of the replicated rest.
+        written = manifests.written(run, STEPS[0], rank)
+        low = size["shards"] + size["own"]
+        assert low <= written <= low + size["replicated"] / WORLD + CHUNK, (rank, written, size)
+        parts.append(size["shards"])
+    # Each rank's local shards: half of the model and optimizer (FSDP2 shards dim 0, which
+    # the small tensors do not split evenly: rows of a 1-row tensor lie on rank 0).
+    assert abs(parts[0] - parts[1]) <= CHUNK, parts
+    loaded = [cryosnap.load(run, rank=r, keys=["model"])["model"] for r in range(WORLD)]
+    for shard in loaded:
+        assert tuple(shard["transformer.wte.weight"].shape) == (32, 16)  # rows of 64 x 16
+    # One process cannot resume 2 ranks' shards: refused before anything is trained.
+    alone = transformers_job.trainer(tmp_path / "alone", tmp_path / "alone-out")
+    with pytest.raises(cryosnap.WorldSizeError, match="saved by 2 ranks under FSDP2"):
+        resume(alone, run)
+    assert alone.state.global_step == 0
+
+
 # A child process: a Trainer with a DeepSpeed config changes the process for good (its
 # environment and accelerate's shared state make every later Trainer a DeepSpeed one).
 _REFUSED = """
 import json, sys, torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import Replicate, distribute_tensor
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers import TrainerControl, TrainerState
 import cryosnap
@@ -143,10 +192,14 @@ def model():
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
 callback = CryosnapCallback(sys.argv[2], save_steps=1)
 args = TrainingArguments(output_dir=sys.argv[3], use_cpu=True, report_to="none")
-sharded = fully_shard(model())
-out["fsdp"] = refused(
-    lambda: callback.on_train_begin(args, TrainerState(), TrainerControl(), model=sharded)
-)
+def begin(sharded):
+    return lambda: callback.on_train_begin(args, TrainerState(), TrainerControl(), model=sharded)
+out["fsdp"] = refused(begin(FullyShardedDataParallel(model(), device_id=torch.device("cpu"))))
+replicated = model()  # a DTensor weight outside FSDP2 (tensor parallelism's kind)
+wte = replicated.transformer.wte
+mesh = init_device_mesh("cpu", (1,))
+wte.weight = torch.nn.Parameter(distribute_tensor(wte.weight.detach(), mesh, [Replicate()]))
+out["dtensor"] = refused(begin(replicated))
 dist.destroy_process_group()
 ds = TrainingArguments(
     output_dir=sys.argv[3], use_cpu=True, report_to="none",
@@ -170,7 +223,9 @@ def test_deepspeed_and_sharded_models_are_refused(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     refused = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "does not support a sharded model (FSDP" in refused["fsdp"]
+    assert "does not support a model sharded by FSDP1" in refused["fsdp"]
+    assert "DTensors beyond FSDP2's" in refused["dtensor"]
+    assert "fsdp_config={'version': 2}" in refused["fsdp"]  # what it does save
     # What to do instead, as test_deepspeed_routes.py does it.
     for advice in ("deepspeed.register()", '"cryosnap": {"path"', 'save_strategy="steps"'):
         assert advice in refused["deepspeed"], refused["deepspeed"]

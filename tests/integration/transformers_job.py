@@ -12,7 +12,11 @@ are the test's instruments.
 
     python transformers_job.py RUN OUT --kill-at 7 --signal KILL
     torchrun --nproc-per-node 2 transformers_job.py RUN OUT [--pause-at 8] [--chunk-bytes 4096]
-    torchrun --nproc-per-node 2 transformers_job.py RUN OUT --resume-in-process 6
+    torchrun --nproc-per-node 2 transformers_job.py RUN OUT --resume-in-process 6 [--fsdp]
+
+``--fsdp``: ``fsdp=True``, ``fsdp_config={"version": 2}``; the Trainer's Accelerator
+made FSDP2 (:func:`cryosnap.testing.as_cpu_fsdp2`: on a CPU job Accelerate, and so the
+Trainer, would train with DDP), after which the Trainer's own FSDP2 path shards the model.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from transformers import (
 )
 
 from cryosnap.integrations.transformers import CryosnapCallback
+from cryosnap.testing import as_cpu_fsdp2
 
 SAMPLES, BATCH, TOTAL, EVERY = 16, 4, 12, 3  # 4 steps per epoch; saves at 3, 6, 9, 12
 
@@ -125,17 +130,39 @@ class StopAt(TrainerCallback):
 
 
 def digests(model: torch.nn.Module | None) -> dict[str, str]:
-    """A sha256 of each tensor of the model's state dict: equal iff bit for bit equal."""
+    """A sha256 of each tensor of the model's state dict (under FSDP2 this rank's shards):
+    equal iff bit for bit equal."""
     assert model is not None
     return {
-        k: hashlib.sha256(v.detach().contiguous().numpy().tobytes()).hexdigest()
+        k: hashlib.sha256(_local(v).detach().contiguous().numpy().tobytes()).hexdigest()
         for k, v in model.state_dict().items()
     }
 
 
-def trainer(run: Path, out: Path, *callbacks: TrainerCallback, **options: Any) -> Trainer:
-    """A fresh process's worth: seeded, a new model and Trainer, the callback given to it."""
+def _local(t: Any) -> torch.Tensor:
+    found: torch.Tensor = t.to_local() if hasattr(t, "to_local") else t
+    return found
+
+
+class FSDP2Trainer(Trainer):
+    """The Trainer, its Accelerator made FSDP2 as it would be on accelerators."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        super().create_accelerator_and_postprocess()
+        plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {}))
+        as_cpu_fsdp2(self.accelerator, plugin)
+        self.is_fsdp_enabled = True  # what the Trainer reads off the accelerator's state
+
+
+def trainer(
+    run: Path, out: Path, *callbacks: TrainerCallback, fsdp: bool = False, **options: Any
+) -> Trainer:
+    """A fresh process's worth: seeded, a new model and Trainer, the callback given to it;
+    with ``fsdp`` the Trainer's FSDP2."""
     set_seed(0)
+    sharding: dict[str, Any] = {"fsdp": True, "fsdp_config": {"version": 2}} if fsdp else {}
     config = GPT2Config(
         vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.1
     )
@@ -153,8 +180,9 @@ def trainer(run: Path, out: Path, *callbacks: TrainerCallback, **options: Any) -
         disable_tqdm=True,
         seed=0,
         dataloader_num_workers=0,
+        **sharding,
     )
-    return Trainer(
+    return (FSDP2Trainer if fsdp else Trainer)(
         model=GPT2LMHeadModel(config),
         args=args,
         train_dataset=Tokens(SAMPLES * args.world_size),
@@ -182,17 +210,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--pause-at", type=int, help="wait to be killed when this step starts")
     parser.add_argument("--resume-in-process", type=int, metavar="STEP", help="see below")
     parser.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    parser.add_argument("--fsdp", action="store_true")
     args = parser.parse_args(argv)
     options = {"chunk_bytes": args.chunk_bytes}
     if args.resume_in_process is not None:
-        resume_in_process(args.run, args.out, args.resume_in_process, **options)
+        resume_in_process(args.run, args.out, args.resume_in_process, args.fsdp, **options)
         return
     callbacks: list[TrainerCallback] = [Record(args.out / "losses.txt")]
     if args.kill_at is not None:
         callbacks.append(Stop(args.kill_at, getattr(signal, f"SIG{args.signal}")))
     if args.pause_at is not None:
         callbacks.append(Pause(args.pause_at, args.out))
-    job = trainer(args.run, args.out, *callbacks, **options)
+    job = trainer(args.run, args.out, *callbacks, fsdp=args.fsdp, **options)
     job.train(resume_from_checkpoint=True)  # a job script that may be requeued
     if args.kill_at is not None:
         sys.exit(3)  # not reached: the signal ends the process
@@ -201,13 +230,14 @@ def main(argv: list[str]) -> None:
         torch.distributed.destroy_process_group()
 
 
-def resume_in_process(run: Path, out: Path, cut: int, **options: Any) -> None:
+def resume_in_process(run: Path, out: Path, cut: int, fsdp: bool, **options: Any) -> None:
     """In one process per rank: an uninterrupted training (``OUT/reference``), one into
     ``run`` stopped after step ``cut``, and a new Trainer resumed from ``run`` to the end."""
-    reference = trainer(out / "reference", out, Record(out / "reference.txt"), **options)
+    record = Record(out / "reference.txt")
+    reference = trainer(out / "reference", out, record, fsdp=fsdp, **options)
     reference.train()
-    trainer(run, out, Record(out / "losses.txt"), StopAt(cut), **options).train()
-    resumed = trainer(run, out, Record(out / "resumed.txt"), **options)
+    trainer(run, out, Record(out / "losses.txt"), StopAt(cut), fsdp=fsdp, **options).train()
+    resumed = trainer(run, out, Record(out / "resumed.txt"), fsdp=fsdp, **options)
     resumed.train(resume_from_checkpoint=True)
     report(out, resumed, reference=digests(reference.model), final=digests(resumed.model))
 

@@ -3,6 +3,7 @@
 
 :class:`Checkpoints` (made after ``accelerator.prepare``) saves what ``save_state`` saves, plus
 the exact data position of the prepared dataloaders; :class:`_Position` keeps that position.
+Under FSDP2 each rank writes its own DTensor shards of the model and optimizer.
 With a DeepSpeed plugin the engine's own files go through cryosnap's DeepSpeed checkpoint
 engine (cryosnap.integrations.deepspeed), in the same version as the rest.
 Runs on the training loop's thread (the dataloader hooks on the thread that iterates); the
@@ -60,12 +61,11 @@ _ORDERED = (RandomSampler, SeedableRandomSampler, SequentialSampler, Distributed
 # beside the DeepSpeed engine's files (cryosnap.integrations.deepspeed names its keys after them).
 _BESIDE_DEEPSPEED = "accelerate"
 
+# Under FSDP2 the models and optimizers are each rank's own shards (DTensors: each rank writes
+# its local shard); what is the same on every rank is written 1/N each.
+_REPLICATED_FSDP = ["schedulers", "scaler", "accelerator"]
+
 _UNSUPPORTED = {
-    DistributedType.FSDP: (
-        "FSDP: sharded model and optimizer state is not supported by Checkpoints yet "
-        "(Accelerate runs FSDP only on accelerators, where it has not been tested); use "
-        "accelerator.save_state for now"
-    ),
     DistributedType.MEGATRON_LM: "Megatron-LM: the Megatron engine saves its own state",
     DistributedType.XLA: "XLA: the tensors live on a TPU and its loaders are XLA's",
 }
@@ -89,6 +89,14 @@ class Checkpoints:
     (BatchNorm statistics differ per rank), generators, positions and registered objects
     are each rank's own.
 
+    Under FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) the parameters and the
+    optimizer's state are DTensors sharded over the ranks: each rank writes its own local
+    shards (about 1/N of the model and optimizer each, no gather), the scheduler, scaler and
+    accelerator step are written 1/N, and ``restore`` puts every rank's shards back in place.
+    A version restores on the mesh that saved it: another world size is a
+    :class:`~cryosnap.WorldSizeError`, another layout a :class:`~cryosnap.StateMismatchError`,
+    each naming the ways on. FSDP1 is refused.
+
     With a DeepSpeed plugin (``Accelerator(deepspeed_plugin=...)``) the model, optimizer and
     scheduler are the DeepSpeed engine's: cryosnap's DeepSpeed checkpoint engine is installed
     on it, ``save(step)`` is ``engine.save_checkpoint(path, tag=f"step{step}")`` through it
@@ -101,8 +109,8 @@ class Checkpoints:
     Parameters
     ----------
     accelerator
-        The prepared ``accelerate.Accelerator`` (single process, DDP or DeepSpeed with one
-        model; not FSDP, Megatron-LM or XLA yet).
+        The prepared ``accelerate.Accelerator`` (single process, DDP, FSDP2 or DeepSpeed
+        with one model; not FSDP1, Megatron-LM or XLA).
     path
         The run: a directory or an fsspec URL.
     exact
@@ -212,8 +220,12 @@ class Checkpoints:
         self._ckpt.wait()  # this process's own saves count: the newest may still be in flight
         try:
             self._ckpt.restore(step, into=state)
-        except CheckpointNotFoundError as exc:
-            if step is None and not isinstance(exc, WorldSizeError) and not self._ckpt.steps():
+        except WorldSizeError as exc:
+            if _is_fsdp2(self.accelerator):
+                raise _fsdp_world_size_error(exc) from exc
+            raise
+        except CheckpointNotFoundError:
+            if step is None and not self._ckpt.steps():
                 return None
             raise
         # Under DDP: the first synchronized training forward warms the gradient buckets up.
@@ -315,20 +327,59 @@ class Checkpoints:
             )
 
     def _replicated(self) -> list[str] | None:
-        return _REPLICATED if self.accelerator.num_processes > 1 else None
+        if self.accelerator.num_processes == 1:
+            return None
+        return _REPLICATED_FSDP if _is_fsdp2(self.accelerator) else _REPLICATED
 
 
 def _check_supported(accelerator: Accelerator) -> None:
     why = _UNSUPPORTED.get(accelerator.distributed_type)
     if why is not None:
         raise NotImplementedError(f"cryosnap Checkpoints does not support {why}")
+    fsdp2 = _is_fsdp2(accelerator)
+    if accelerator.distributed_type == DistributedType.FSDP and not fsdp2:
+        raise NotImplementedError(
+            "cryosnap Checkpoints does not support FSDP1 (FullyShardedDataParallel's flat "
+            "parameters): use FullyShardedDataParallelPlugin(fsdp_version=2), whose DTensor "
+            "shards each rank writes, or accelerator.save_state"
+        )
     for model in accelerator._models:
         for name, param in model.named_parameters():
-            if _is_dtensor(param):
+            if not _is_dtensor(param):
+                continue
+            if not fsdp2:
                 raise NotImplementedError(
-                    f"cryosnap Checkpoints does not support sharded parameters yet ({name} is "
-                    "a DTensor: FSDP2, tensor or context parallelism); use accelerator.save_state"
+                    f"cryosnap Checkpoints does not support sharded parameters outside FSDP2 "
+                    f"({name} is a DTensor: tensor or context parallelism); use "
+                    "accelerator.save_state"
                 )
+            mesh, placements = param.device_mesh, param.placements
+            if mesh.ndim != 1 or not all(p.is_shard() for p in placements):
+                raise NotImplementedError(
+                    f"cryosnap Checkpoints under FSDP2 saves parameters sharded over a 1-D mesh; "
+                    f"{name} lies on a {mesh.ndim}-D mesh with placements {list(placements)} "
+                    "(HSDP, tensor or context parallelism): use accelerator.save_state"
+                )
+
+
+def _is_fsdp2(accelerator: Accelerator) -> bool:
+    """Whether the accelerator shards its model with FSDP2 (``fsdp_version=2``)."""
+    return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.is_fsdp2)
+
+
+def _fsdp_world_size_error(exc: WorldSizeError) -> WorldSizeError:
+    """``exc`` of a restore under FSDP2, with the ways on that apply to sharded state: its
+    shards are each rank's, so ``replicated_only`` and one rank's part give no model back."""
+    what = str(exc).split(" Ways on: ")[0].rstrip(".")  # the others' ways do not apply here
+    return WorldSizeError(
+        f"{what}. Under FSDP2 the model and optimizer of a version are the saving ranks' "
+        "DTensor shards, which Checkpoints restores in place on the mesh that saved them: "
+        "restart at the saved world size; to change it, save through "
+        "torch.distributed.checkpoint with cryosnap.dcp's storage writer (dcp.load reshards) "
+        "or with accelerator.save_state",
+        step=exc.step,
+        path=exc.path,
+    )
 
 
 def _one_engine(accelerator: Accelerator) -> Any:

@@ -3,7 +3,8 @@
 ``Trainer(..., callbacks=[CryosnapCallback("runs/exp1", save_steps=100)])``; resume with
 ``trainer.train(resume_from_checkpoint=True)`` or :func:`resume`. No pickle, no ``torch.load``.
 Runs on the training loop's thread of every process; the writes run on the Checkpointer's
-writer thread. Under DDP every rank holds the run and writes 1/N of the replicated state; the
+writer thread. Under DDP every rank holds the run and writes 1/N of the replicated state
+(under FSDP2 its own DTensor shards of the model and optimizer, and 1/N of the rest); the
 collectives (on the job's default group) are the run's opening, a broadcast of rank 0's trainer
 state at each save and the agreement on the version a resume reads.
 docs/design/integrations.md has what is saved, how resume works and the limits.
@@ -50,6 +51,10 @@ _RESUME_HINT = "pass trainer.train(resume_from_checkpoint=True)"
 # its own again.
 _REPLICATED = ("lr_scheduler", "model", "optimizer", "trainer_state")
 
+# Under FSDP2 the model's parameters and the optimizer's state are each rank's own DTensor
+# shards (each rank writes its local shards); the rest of the replicated state is as above.
+_REPLICATED_FSDP = ("lr_scheduler", "trainer_state")
+
 # A version that some rank cannot read for these (content or a manifest that does not verify)
 # makes a resume without a step fall back to the previous version on every rank, as
 # cryosnap.load does for one process.
@@ -82,11 +87,16 @@ class CryosnapCallback(TrainerCallback):
     version: model parameters, optimizer, LR scheduler and trainer state are written once in
     total, 1/N by each rank; each rank's RNG states and model buffers are its own, and each
     gets its own back on resume. The path must then be one that every rank reaches (a shared
-    file system or an object store; node-local fast storage goes in ``scratch=``). A Trainer
-    with a DeepSpeed config, or one that shards the model (FSDP, tensor parallel), is refused
-    with :class:`~cryosnap.UnsupportedError`: with DeepSpeed the Trainer's own saves go
-    through cryosnap instead (:func:`cryosnap.integrations.deepspeed.register` and a
-    ``"cryosnap"`` section in the DeepSpeed config; the error says how).
+    file system or an object store; node-local fast storage goes in ``scratch=``). Under
+    FSDP2 (``fsdp_config={"version": 2}``) the parameters and the optimizer's state are each
+    rank's DTensor shards: each rank writes its own, a resume fills them in place on the same
+    world size (another is a :class:`~cryosnap.WorldSizeError`; the shards are read twice
+    then: verified before training starts, and into the model once the Trainer sharded it).
+    A Trainer with a DeepSpeed config, or one that shards the model otherwise (FSDP1, HSDP,
+    tensor parallel), is refused with :class:`~cryosnap.UnsupportedError`: with DeepSpeed
+    the Trainer's own saves go through cryosnap instead
+    (:func:`cryosnap.integrations.deepspeed.register` and a ``"cryosnap"`` section in the
+    DeepSpeed config; the error says how).
     """
 
     def __init__(
@@ -137,11 +147,12 @@ class CryosnapCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        _refuse_unsupported(args, kwargs.get("model"), None)
+        fsdp2 = _refuse_unsupported(args, kwargs.get("model"), None)
         self._distributed = _world_size() > 1
         if self._distributed:
             # Every rank (collective): each writes its part, the replicated state split.
-            self._saver.begin(state.global_step, distributed=True, replicated=_REPLICATED)
+            replicated = _REPLICATED_FSDP if fsdp2 else _REPLICATED
+            self._saver.begin(state.global_step, distributed=True, replicated=replicated)
         elif state.is_world_process_zero:
             self._saver.begin(state.global_step)
 
@@ -235,8 +246,9 @@ def _world_size() -> int:
     return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _refuse_unsupported(args: TrainingArguments, model: Any, trainer: Trainer | None) -> None:
-    """Refuse a Trainer whose state cryosnap cannot save as it is yet (UnsupportedError)."""
+def _refuse_unsupported(args: TrainingArguments, model: Any, trainer: Trainer | None) -> bool:
+    """Refuse a Trainer whose state cryosnap cannot save as it is yet (UnsupportedError);
+    whether its model is sharded by FSDP2 (each rank's DTensor shards)."""
     deepspeed = (
         getattr(trainer, "is_deepspeed_enabled", False)
         or bool(getattr(args, "deepspeed", None))
@@ -252,17 +264,25 @@ def _refuse_unsupported(args: TrainingArguments, model: Any, trainer: Trainer | 
             'DeepSpeed config, keep the Trainer\'s save_strategy="steps" with save_steps=N, '
             "and resume with trainer.train(resume_from_checkpoint=True)"
         )
-    if getattr(trainer, "is_fsdp_enabled", False) or (model is not None and _sharded(model)):
-        raise UnsupportedError(
-            "CryosnapCallback does not support a sharded model (FSDP, tensor parallel) yet: "
-            "its parameters and optimizer state differ on every rank. Train without the "
-            "callback (the Trainer's save_strategy saves FSDP state through "
-            "torch.distributed.checkpoint), or with DDP (every rank writes 1/N)"
-        )
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "fsdp_plugin", None) if plugin is not None else None
+    if getattr(trainer, "is_fsdp_enabled", False) and getattr(plugin, "fsdp_version", 1) != 2:
+        raise UnsupportedError(_NOT_SHARDED_SO.format(what="FSDP1 (flat parameters)"))
+    return model is not None and _fsdp2(model)
 
 
-def _sharded(model: Any) -> bool:
-    """Whether ``model`` is sharded across ranks: FSDP (1 or 2) modules or DTensor weights."""
+# How a sharded model the callback does not save is refused; {what} names the sharding.
+_NOT_SHARDED_SO = (
+    "CryosnapCallback does not support a model sharded by {what}: it saves DDP models "
+    "(every rank writes 1/N) and FSDP2 ones (fsdp_config={{'version': 2}}: every rank writes "
+    "its DTensor shards). Train without the callback (the Trainer's save_strategy saves "
+    "sharded state through torch.distributed.checkpoint), or with DDP or FSDP2"
+)
+
+
+def _fsdp2(model: Any) -> bool:
+    """Whether ``model`` is sharded by FSDP2 over a 1-D mesh (each rank's DTensor shards);
+    another sharding (FSDP1, HSDP, tensor parallel) is an UnsupportedError."""
     import torch.distributed as dist
 
     modules = getattr(model, "modules", None)
@@ -271,9 +291,19 @@ def _sharded(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in modules()):
-        return True
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    found = list(modules())
+    if any(isinstance(m, FullyShardedDataParallel) for m in found):
+        raise UnsupportedError(_NOT_SHARDED_SO.format(what="FSDP1 (flat parameters)"))
+    shards = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if not shards:
+        return False
+    if not any(isinstance(m, FSDPModule) for m in found) or any(
+        p.device_mesh.ndim != 1 or not all(x.is_shard() for x in p.placements) for p in shards
+    ):
+        raise UnsupportedError(
+            _NOT_SHARDED_SO.format(what="DTensors beyond FSDP2's over one mesh dimension")
+        )
+    return True
 
 
 def _same_path(a: str, b: str) -> bool:
@@ -373,10 +403,12 @@ def _train_from(
         raise TypeError(
             f"cannot resume through this transformers version: Trainer has no {missing}"
         )
-    saved = _read(path, step, allow_pickle)
-    if saved is None:
+    found = _read(path, step, allow_pickle)
+    if found is None:
         log.info("cryosnap: %s holds no version yet, training from the start", path)
         return train(**train_kwargs)
+    at, saved = found
+    shards = None if at is None else _shards_reader(path, at, allow_pickle)
     trainer_state = _text(saved["trainer_state"])
     log.info(
         "cryosnap: resuming from step %s of %s", json.loads(trainer_state)["global_step"], path
@@ -384,7 +416,7 @@ def _train_from(
     with tempfile.TemporaryDirectory(prefix="cryosnap-resume-") as tmp:
         with open(os.path.join(tmp, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(trainer_state)
-        with _loading_from(trainer, saved):
+        with _loading_from(trainer, saved, shards):
             return train(resume_from_checkpoint=tmp, **train_kwargs)
 
 
@@ -393,10 +425,12 @@ def _text(trainer_state: str | bytes) -> str:
     return trainer_state.decode() if isinstance(trainer_state, bytes) else trainer_state
 
 
-def _read(path: str, step: int | None, allow_pickle: bool) -> dict[str, Any] | None:
-    """This process's state of version ``step`` of ``path`` (None: the newest that verifies);
-    None when ``step`` is None and the run holds no version. In a job of several processes
-    collective: see :func:`_read_own_part`."""
+def _read(
+    path: str, step: int | None, allow_pickle: bool
+) -> tuple[int | None, dict[str, Any]] | None:
+    """This process's state of version ``step`` of ``path`` (None: the newest that verifies),
+    and in a job of several processes the step read; None when ``step`` is None and the run
+    holds no version. In a job of several processes collective: see :func:`_read_own_part`."""
     if _world_size() > 1:
         return _read_own_part(path, step, allow_pickle)
     try:
@@ -405,10 +439,14 @@ def _read(path: str, step: int | None, allow_pickle: bool) -> dict[str, Any] | N
         if step is not None:
             raise
         return None
-    return saved
+    # The callback saves version N at global step N: the step that load() took.
+    _refuse_other_world(path, json.loads(_text(saved["trainer_state"]))["global_step"], 1)
+    return None, saved
 
 
-def _read_own_part(path: str, step: int | None, allow_pickle: bool) -> dict[str, Any] | None:
+def _read_own_part(
+    path: str, step: int | None, allow_pickle: bool
+) -> tuple[int, dict[str, Any]] | None:
     """Every rank (collective): its own part of version ``step`` of ``path``, verified; with
     ``step`` None the newest version that every rank reads intact (rank 0 lists the run).
     Each part holds the whole replicated state (chunks written by any rank) and the rank's
@@ -428,7 +466,7 @@ def _read_own_part(path: str, step: int | None, allow_pickle: bool) -> dict[str,
         failures = _gathered(None if failed is None else _describe(failed))
         if not any(failures):
             assert isinstance(saved, dict)
-            return saved
+            return at, saved
         damaged = all(f is None or f[2] for f in failures)
         if step is not None or not damaged:
             _raise_first(path, at, failed, failures)
@@ -457,7 +495,7 @@ def _load_part(path: str, step: int, world: int, rank: int, allow_pickle: bool) 
     """Rank ``rank``'s part of version ``step``: its own when as many ranks saved it, else
     saved part ``rank % saved`` (every part holds the replicated state; the RNG states are
     another rank's, so training goes on, not bit for bit as it would have)."""
-    saved = Run(path).info(step).world_size
+    saved = _refuse_other_world(path, step, world)
     if saved != world and rank == 0:
         log.warning(
             "cryosnap: step %d of %s was saved by %d process(es), resumed by %d: every rank "
@@ -519,18 +557,71 @@ def _part(obj: Any, name: str) -> Any:
     return obj
 
 
+def _refuse_other_world(path: str, step: int, world: int) -> int:
+    """The world size that saved version ``step``; a version of FSDP2 shards that ``world``
+    processes would resume at another size is a WorldSizeError (another rank's shard is not
+    this one's)."""
+    info = Run(path).info(step)
+    saved = info.world_size
+    if saved != world and _sharded_version(saved, info.replicated):
+        raise errors.WorldSizeError(
+            f"step {step} of {path} was saved by {saved} ranks under FSDP2 (each rank's DTensor "
+            f"shards of the model and optimizer) and {world} resume it: resume at {saved} "
+            "ranks; to change the world size, save through the Trainer's own FSDP checkpoints "
+            "(save_strategy, torch.distributed.checkpoint, which reshards when it loads)",
+            step=step,
+            path=path,
+        )
+    return saved
+
+
+def _sharded_version(world_size: int, replicated: Any) -> bool:
+    """Whether a version of a job of several ranks holds each rank's shards of the model
+    (FSDP2: the model was not saved as replicated)."""
+    return world_size > 1 and isinstance(replicated, tuple) and "model" not in replicated
+
+
+def _shards_reader(path: str, step: int, allow_pickle: bool) -> Callable[[Any], None] | None:
+    """For a version of FSDP2 shards: a function that restores this rank's shards of the
+    given top-level keys into the live objects (``into=``: each DTensor's local shard filled
+    in place, its layout checked; the optimizer's state wrapped as DTensors of its
+    parameters'); None for any other version."""
+    info = Run(path).info(step)
+    if not _sharded_version(info.world_size, info.replicated):
+        return None
+    rank = _rank()
+
+    def restore(into: Any) -> None:
+        load(path, step=step, rank=rank, into=into, keys=list(into), allow_pickle=allow_pickle)
+
+    return restore
+
+
 @contextmanager
-def _loading_from(trainer: Trainer, saved: dict[str, Any]) -> Iterator[None]:
-    """Make ``trainer``'s checkpoint loaders read ``saved`` while the block runs."""
+def _loading_from(
+    trainer: Trainer, saved: dict[str, Any], shards: Callable[[Any], None] | None
+) -> Iterator[None]:
+    """Make ``trainer``'s checkpoint loaders read ``saved`` while the block runs; with
+    ``shards`` (a version of FSDP2 shards) the model and optimizer come from it instead, once
+    the Trainer sharded them."""
 
     def load_model(_checkpoint: str, model: Any = None) -> None:
         weights, buffers = saved["model"], saved.get("model_buffers")
+        target = _part(trainer.model, "model")
+        if shards is not None:
+            shards({"model": _model_parts(target)[0]})
+            target.load_state_dict(buffers or {}, strict=False)
+            return
         if buffers:  # a distributed version holds the buffers apart (each rank's own)
             weights = {**weights, **buffers}
-        _part(trainer.model, "model").load_state_dict(weights)
+        target.load_state_dict(weights)
 
     def load_optimizer_and_scheduler(_checkpoint: str | None) -> None:
-        _part(trainer.optimizer, "optimizer").load_state_dict(saved["optimizer"])
+        optimizer = _part(trainer.optimizer, "optimizer")
+        if shards is not None:
+            shards({"optimizer": optimizer})
+        else:
+            optimizer.load_state_dict(saved["optimizer"])
         _part(trainer.lr_scheduler, "lr_scheduler").load_state_dict(saved["lr_scheduler"])
 
     def load_rng(_checkpoint: str | None) -> None:
