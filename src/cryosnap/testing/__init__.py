@@ -28,8 +28,8 @@ __all__ = [
     "SimulatedRank",
     "SimulatedWorld",
     "as_cpu_fsdp2",
-    "cpu_fsdp2_accelerator",
     "counters_of",
+    "cpu_fsdp2_accelerator",
 ]
 
 if "pytest" in sys.modules:
