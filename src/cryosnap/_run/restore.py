@@ -22,6 +22,7 @@ from cryosnap._format.keys import Lineage, max_generation, version_prefix, visib
 from cryosnap._run import ddp
 from cryosnap._run.health import ANY_VERSION, Choice
 from cryosnap._run.levels.levels import Levels
+from cryosnap._run.read_once import read_once_enabled, shared_reads
 from cryosnap._state.device import target_device
 from cryosnap.dist import LEADER, Coordinator, agree
 from cryosnap.errors import (
@@ -387,8 +388,9 @@ def restore_agreed(
     for step in reversed(common):
         probe: list[Store] = []
         records = handed_records(coord, stores, ask.shared, step)
+        reading = _read_once(coord, stores, records, ask, step)
         try:
-            state = restore_levels(stores, step, into=None, ask=ask, served=probe, records=records)
+            state = restore_levels(reading, step, into=None, ask=ask, served=probe, records=records)
             error, kind = "", ""
         except WorldSizeError as exc:
             state, error, kind = None, str(exc), "world"
@@ -403,11 +405,19 @@ def restore_agreed(
         if not errors:
             if restored is not None:
                 restored.append(step)
+            # The stores the caller knows, not the read-once wrappers over them.
+            back = dict(zip(map(id, reading), stores, strict=True))
             if into is None:
                 if served is not None:
-                    served.extend(probe)
+                    served.extend(back.get(id(st), st) for st in probe)
                 return state
-            return restore_levels(stores, step, into=into, ask=ask, served=served, records=records)
+            read_from: list[Store] = []
+            state = restore_levels(
+                reading, step, into=into, ask=ask, served=read_from, records=records
+            )
+            if served is not None:
+                served.extend(back.get(id(st), st) for st in read_from)
+            return state
         if any(k == "damage" for _e, k in errors):
             damaged[step] = next(e for e, k in errors if k == "damage")
         log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0][0])
@@ -420,6 +430,27 @@ def restore_agreed(
     raise CheckpointNotFoundError(
         f"no version of {where} can be restored by all {coord.world_size} participants"
     )
+
+
+def _read_once(
+    coord: Coordinator,
+    stores: Sequence[Store],
+    records: Mapping[tuple[int, int], CommitRecord],
+    ask: Ask,
+    step: int,
+) -> list[Store]:
+    """``stores``, each shared one whose version was saved at this world size wrapped so that
+    its replicated chunks are read once in the job (:mod:`read_once`: collective, one
+    exchange per such store, the same on every rank: the records handed out are the same
+    everywhere, and so are ``ask`` and the environment). Not for ``replicated_only`` or
+    ``keys`` restores, nor with ``CRYOSNAP_RESTORE_READ_ONCE=0``."""
+    out = list(stores)
+    if ask.only or ask.keys is not None or not read_once_enabled():
+        return out
+    for (i, s), record in sorted(records.items(), key=lambda item: item[0]):
+        if s == step and record.world_size == coord.world_size:
+            out[i] = shared_reads(coord, stores[i], record)
+    return out
 
 
 def _common_steps(listed: list[list[int]]) -> list[int]:
