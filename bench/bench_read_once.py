@@ -89,7 +89,8 @@ def worker(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     root = Path(args.dir) / "run"
     model = _model(args.mib)
-    state = {"model": model, "own": np.full(16384, rank, dtype=np.float32)}
+    own = np.full(16384, rank, dtype=np.float32)
+    state = {"model": model, "own": own}
     store = Counting(LocalStore(root))
     with cryosnap.Checkpointer(store, chunk_bytes=1 << 20) as ckpt:
         ckpt.save(1, state, replicated=["model"]).result()
@@ -106,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
                 got = ckpt.restore()
                 seconds = time.perf_counter() - t0
             same = all(np.array_equal(got["model"][k], v) for k, v in model.items())
-            same = same and np.array_equal(got["own"], state["own"])
+            same = same and np.array_equal(got["own"], own)
             if not same:
                 raise SystemExit(f"rank {rank}: {mode} restored another state")
             out["rounds"].append({"mode": mode, "read": store.read_bytes, "seconds": seconds})
