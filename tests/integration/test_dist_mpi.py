@@ -79,6 +79,10 @@ def test_collectives_of_three_ranks(tmp_path: Path) -> None:
         assert got["rank"] == rank and got["world"] == 3
         assert got["gathered"] == [{"rank": r, "pad": "x" * r} for r in range(3)]
         assert got["root"] == "from 1"
+        # gather: everything on the root (unequal lengths, its own included), None elsewhere
+        expected = [{"rank": r, "pad": "y" * (3 - r)} for r in range(3)] if rank == 2 else None
+        assert got["gathered_to_2"] == expected
+        assert got["agreed"] == 2 * 3
         assert got["side"] == [0, 10, 20] and got["cached"] is True
         # Two threads, each on its own channel, in opposite orders on different ranks.
         assert got["threads"] == {"a": [0, 1, 2], "b": [0, -1, -2]}
@@ -167,13 +171,15 @@ def test_rs_parity_rebuilds_two_wiped_nodes(tmp_path: Path) -> None:
 def _collectives(comm: Any) -> dict[str, Any]:
     import threading
 
-    from cryosnap.dist import MPICoordinator
+    from cryosnap.dist import MPICoordinator, agree
 
     c = MPICoordinator(comm, timeout=TIMEOUT)
     rank = c.rank
     got: dict[str, Any] = {"rank": rank, "world": c.world_size}
     got["gathered"] = c.all_gather({"rank": rank, "pad": "x" * rank})  # unequal lengths
     got["root"] = c.broadcast(f"from {rank}", root=1)
+    got["gathered_to_2"] = c.gather({"rank": rank, "pad": "y" * (3 - rank)}, root=2)
+    got["agreed"] = agree(c, rank * 3, max)
     c.barrier()
     side = c.channel("side")
     got["side"] = side.all_gather(rank * 10)

@@ -142,6 +142,10 @@ def test_collectives_of_three_processes(tmp_path: Path) -> None:
         assert got["rank"] == rank and got["world"] == 3
         assert got["gathered"] == [{"rank": r, "pad": "x" * r} for r in range(3)]
         assert got["root"] == "from 1"
+        # gather: everything on the root (unequal lengths, its own included), None elsewhere
+        expected = [{"rank": r, "pad": "y" * (3 - r)} for r in range(3)] if rank == 2 else None
+        assert got["gathered_to_2"] == expected
+        assert got["agreed"] == 2 * 3
         assert got["side"] == [0, 10, 20] and got["cached"] is True
         # Two threads, each on its own channel, in opposite orders on different ranks.
         assert got["threads"] == {"a": [0, 1, 2], "b": [0, -1, -2]}
@@ -177,7 +181,7 @@ def test_a_rank_killed_between_saves_fails_the_next_version_on_the_survivor(
     from cryosnap.storage import LocalStore
 
     survivor, _ = launch("killed", 2, tmp_path, killed=frozenset({1}))
-    assert survivor["error"].startswith("CoordinationError: rank 0/2: all_gather")
+    assert survivor["error"].startswith("CoordinationError: rank 0/2: gather")
     assert "'main/writer'" in survivor["error"]
     # Step 1 never became visible; step 0 is intact and loads.
     assert survivor["steps"] == [0] == engine.list_steps(LocalStore(tmp_path / "run"))
@@ -317,13 +321,15 @@ def _init() -> tuple[int, int]:
 
 
 def _collectives(out: Path) -> dict[str, Any]:
-    from cryosnap.dist import TorchCoordinator
+    from cryosnap.dist import TorchCoordinator, agree
 
     rank, _ = _init()
     c = TorchCoordinator(timeout=TIMEOUT)
     got: dict[str, Any] = {"rank": c.rank, "world": c.world_size}
     got["gathered"] = c.all_gather({"rank": rank, "pad": "x" * rank})  # unequal lengths
     got["root"] = c.broadcast(f"from {rank}", root=1)
+    got["gathered_to_2"] = c.gather({"rank": rank, "pad": "y" * (3 - rank)}, root=2)
+    got["agreed"] = agree(c, rank * 3, max)
     c.barrier()
     side = c.channel("side")
     got["side"] = side.all_gather(rank * 10)

@@ -7,6 +7,7 @@ Pure: (de)serialization and validation only, no I/O. Runs on whichever thread ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -155,6 +156,61 @@ class CommitRecord:
     def key(self) -> str:
         """Where this record lies on a tier."""
         return commit_key(self.step, self.lineage)
+
+    def for_rank(self, rank: int) -> CommitRecord:
+        """This record as one rank needs it to read its part: the header and that rank's
+        manifest reference only (no data file list: a part's reader checks the files its own
+        manifests name). Never written: a distributed restore's leader hands it to the rank."""
+        # The references are sorted by rank, one per rank (from_json checks it): O(1).
+        if 0 <= rank < len(self.manifests) and self.manifests[rank].rank == rank:
+            refs: tuple[ManifestRef, ...] = (self.manifests[rank],)
+        else:
+            refs = tuple(m for m in self.manifests if m.rank == rank)
+        return dataclasses.replace(self, manifests=refs, data_files=())
+
+    def header_json(self) -> dict[str, Any]:
+        """What :meth:`for_rank` keeps, as JSON (with ``rank``'s reference as ``manifests``)."""
+        return {
+            "step": self.step,
+            "world_size": self.world_size,
+            "manifests": [[m.rank, m.key, m.xxh3, m.nbytes] for m in self.manifests],
+            "logical_bytes": self.logical_bytes,
+            "written_bytes": self.written_bytes,
+            "leaves": self.leaves,
+            "chunk_bytes": self.chunk_bytes,
+            "root": self.root,
+            "created_unix": self.created_unix,
+            "incremental": self.incremental,
+            "chain": list(self.chain),
+            "run_id": self.run_id,
+            "lineage": None
+            if self.lineage is None
+            else [self.lineage.generation, self.lineage.fork],
+        }
+
+    @classmethod
+    def from_header_json(cls, doc: dict[str, Any]) -> CommitRecord:
+        """:meth:`header_json` back (from the leader, which read and checked the record)."""
+        lineage = doc["lineage"]
+        return cls(
+            step=int(doc["step"]),
+            world_size=int(doc["world_size"]),
+            manifests=tuple(
+                ManifestRef(int(r), str(k), str(h), int(n)) for r, k, h, n in doc["manifests"]
+            ),
+            data_files=(),
+            logical_bytes=int(doc["logical_bytes"]),
+            written_bytes=int(doc["written_bytes"]),
+            leaves=int(doc["leaves"]),
+            chunk_bytes=int(doc["chunk_bytes"]),
+            root=str(doc["root"]),
+            created_unix=float(doc["created_unix"]),
+            incremental=bool(doc["incremental"]),
+            chain=tuple(int(s) for s in doc["chain"]),
+            metrics=None,
+            run_id=doc["run_id"],
+            lineage=None if lineage is None else Lineage(int(lineage[0]), int(lineage[1])),
+        )
 
     @classmethod
     def of_parts(

@@ -7,13 +7,14 @@ Pure: strings in, strings out; no I/O.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "Lineage",
     "commit_key",
     "data_key",
+    "data_writers",
     "manifest_key",
     "max_generation",
     "parse_commit_key",
@@ -24,6 +25,7 @@ __all__ = [
     "validate_key",
     "version_prefix",
     "visible_versions",
+    "written_by",
 ]
 
 _KEY_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -90,6 +92,50 @@ def data_key(step: int, rank: int, token: str) -> str:
 
 
 _DATA_NAME = re.compile(r"data/([0-9]{12})-r[0-9]{5}-[^/]+\.dat")
+
+
+_DATA_WRITER = re.compile(r"data/([0-9]{12})-r([0-9]{5})-[^/]+\.dat")
+
+
+def data_writers(keys: Iterable[str]) -> tuple[list[list[int]], list[str]]:
+    """Data files ``keys`` as the writers that made them, ``[step, first rank, last rank]``
+    (ranks in a run), and the keys that are no :func:`data_key`: a description whose size
+    grows with the versions, not with the ranks, when every rank's files of a step are in it.
+    It names more than ``keys`` where a writer made files that ``keys`` leaves out."""
+    pairs: set[tuple[int, int]] = set()
+    other: list[str] = []
+    for key in keys:
+        m = _DATA_WRITER.fullmatch(key)
+        if m is None:
+            other.append(key)
+        else:
+            pairs.add((int(m.group(1)), int(m.group(2))))
+    runs: list[list[int]] = []
+    for step, rank in sorted(pairs):
+        if runs and runs[-1][0] == step and runs[-1][2] == rank - 1:
+            runs[-1][2] = rank
+        else:
+            runs.append([step, rank, rank])
+    return runs, sorted(other)
+
+
+def written_by(runs: Sequence[Sequence[int]], other: Collection[str]) -> Callable[[str], bool]:
+    """Whether a data file is among those :func:`data_writers` described (a predicate)."""
+    ranks: dict[int, list[tuple[int, int]]] = {}
+    for step, lo, hi in runs:
+        ranks.setdefault(int(step), []).append((int(lo), int(hi)))
+    named = frozenset(other)
+
+    def test(key: str) -> bool:
+        if key in named:
+            return True
+        m = _DATA_WRITER.fullmatch(key)
+        if m is None:
+            return False
+        rank = int(m.group(2))
+        return any(lo <= rank <= hi for lo, hi in ranks.get(int(m.group(1)), ()))
+
+    return test
 
 
 def step_of_data_key(key: str) -> int | None:

@@ -8,7 +8,7 @@ docs/design/write-path.md has the why.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from cryosnap import engine
 from cryosnap._format.keys import Lineage, supersedes
@@ -151,8 +151,24 @@ class ChainIndex:
         """No later version may reference these data files (retention is about to delete
         them). The base, the version just committed, is protected by retention."""
         gone = set(files)
-        if self.index and gone:
-            self.index = {h: loc for h, loc in self.index.items() if loc[0] not in gone}
+        if gone:
+            self.forget_where(gone.__contains__)
+
+    def forget_where(self, doomed: Callable[[str], bool]) -> None:
+        """:meth:`forget_files` of every data file ``doomed`` says yes to (a description of
+        the doomed files that need not list them: retention's decision on a shared level)."""
+        if not self.index:
+            return
+        verdicts: dict[str, bool] = {}
+        kept: dict[bytes, tuple[str, int]] = {}
+        for h, loc in self.index.items():
+            key = loc[0]
+            gone = verdicts.get(key)
+            if gone is None:
+                gone = verdicts[key] = doomed(key)
+            if not gone:
+                kept[h] = loc
+        self.index = kept
 
     def forget(self) -> None:
         """The next version is full: what the base points to may be gone."""

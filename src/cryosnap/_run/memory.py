@@ -40,7 +40,8 @@ from cryosnap._run.redundancy.rs_rebuild import rebuild as rebuild_rs
 from cryosnap._run.redundancy.xor import Parity
 from cryosnap._run.redundancy.xor_rebuild import rebuild as rebuild_xor
 from cryosnap._units import human_bytes
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
+from cryosnap.dist._agree import first_errors
 from cryosnap.errors import CheckpointError, CoordinationError, MemoryLevelError
 from cryosnap.storage import Store
 from cryosnap.storage._local import LocalStore
@@ -219,8 +220,7 @@ class MemoryLevel:
             _check_room(directory, budget)
         except (MemoryLevelError, OSError) as exc:
             problem = str(exc)
-        told = coord.all_gather(problem) if coord.world_size > 1 else [problem]
-        bad = [(r, p) for r, p in enumerate(told) if p]
+        bad = agree(coord, problem, first_errors)
         if bad:
             raise MemoryLevelError(
                 "memory=: " + "; ".join(f"rank {r}: {p}" for r, p in bad), path=url
@@ -282,10 +282,9 @@ class MemoryLevel:
         committed version). A version that does not fit some rank's budget, or the free
         memory, is skipped on every rank with a warning; whether it is in memory now."""
         mine = _describe_version(src, step)
-        told = self.coord.all_gather(mine)
+        told = self._describe_to_neighbours(mine)
         problem = mine.get("error") or self._room_problem(step, told)
-        verdict = self.coord.all_gather(problem)
-        bad = [(r, p) for r, p in enumerate(verdict) if p]
+        bad = agree(self.coord, problem, first_errors)
         if bad:
             self.skipped.add(step)
             self._warn(step, bad)
@@ -310,8 +309,7 @@ class MemoryLevel:
                 self.store.write(record_key, body)
             except CheckpointError as exc:
                 errors.append(str(exc))
-        outcome = self.coord.all_gather("; ".join(errors))
-        failed = [(r, e) for r, e in enumerate(outcome) if e]
+        failed = agree(self.coord, "; ".join(errors), first_errors)
         if failed:
             self._take_back(record_key)
             self.skipped.add(step)
@@ -365,7 +363,24 @@ class MemoryLevel:
             return {k for k in self.store.list() if parse_commit_key(k) is None}
         return {f for idx in indexes if me in idx.members for f, _ in idx.members[me].files}
 
-    def _room_problem(self, step: int, told: list[dict[str, Any]]) -> str:
+    def _describe_to_neighbours(self, mine: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """This rank's description of a version to the ranks that hold its copies or share
+        its parity set, theirs back (one exchange: O(1) payloads per rank in N); by rank,
+        this rank's own included."""
+        me = self.coord.rank
+        body = json.dumps(mine).encode()
+        if self.partners is not None:
+            to = [self.partners.target]
+        elif self.parity is not None:
+            to = [r for r in self.parity.ranks if r != me]
+        else:
+            to = []
+        got = self.coord.exchange({r: body for r in to if r != me})
+        told = {src: json.loads(raw) for src, raw in got.items()}
+        told[me] = mine
+        return told
+
+    def _room_problem(self, step: int, told: dict[int, dict[str, Any]]) -> str:
         """Why version ``step`` does not fit this rank's memory ('' when it does): its part,
         the copies this rank holds for others and its parity, against the budget, the free
         space of the file system and the system's available memory."""

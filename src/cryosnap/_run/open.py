@@ -38,7 +38,7 @@ from cryosnap._run.restore import current_lineage
 from cryosnap._run.results import PendingSave
 from cryosnap._run.rollcall import roll_call
 from cryosnap._run.writer import Rewriter, VersionWriter, WriterThread
-from cryosnap.dist import Coordinator, LocalCoordinator
+from cryosnap.dist import Coordinator, LocalCoordinator, agree
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -503,8 +503,7 @@ def drop_partial_scratch(
     has it, its commit record goes from this rank's scratch (and from the partner copies this
     rank holds), so it is saved again normally."""
     own = engine.list_steps(scratch)
-    told = coord.all_gather(own)
-    common = set.intersection(*(set(t) for t in told))
+    common = set(agree(coord, own, _common))
     on_persistent = set(engine.list_steps(persistent))
     stores = [scratch, *(partners.held.values() if partners is not None else ())]
     for store in stores:
@@ -518,3 +517,8 @@ def drop_partial_scratch(
                 store.url,
             )
             store.delete(commit_key(step, lineage))
+
+
+def _common(told: list[list[int]]) -> list[int]:
+    """The leader's verdict: the steps on every rank's scratch."""
+    return sorted(set.intersection(*(set(t) for t in told)))

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.policy import SavePolicy
 
 __all__ = ["PolicyRoom"]
@@ -52,8 +52,7 @@ class PolicyRoom:
             )
         if self._coord.world_size == 1:
             return due
-        votes = self._channel.all_gather([due, self.preempted])
-        return bool(votes[0][0] or any(preempted for _due, preempted in votes))
+        return agree(self._channel, [due, self.preempted], _decide)
 
     def on_signal(self, signum: int) -> None:
         self.preempted = True
@@ -85,3 +84,8 @@ class PolicyRoom:
         if method is not None:
             with self._lock:
                 method(step, now=self._clock(), **figures)
+
+
+def _decide(votes: list[list[bool]]) -> bool:
+    """The leader's verdict: save when rank 0's policy says so, or any rank was preempted."""
+    return bool(votes[0][0] or any(preempted for _due, preempted in votes))

@@ -1,7 +1,8 @@
 """Replicated state: top-level keys identical on every rank, written once in total.
 
-Each rank writes its share of the replicated chunks; one all_gather checks that the replicas
-agree (:class:`~cryosnap.ReplicaDivergenceError` otherwise) and tells where every share lies.
+Each rank writes its share of the replicated chunks; the leader checks that the replicas
+agree (:class:`~cryosnap.ReplicaDivergenceError` otherwise) and tells every rank where every
+share lies (:func:`cryosnap.dist.agree`: O(1) bytes per rank in N).
 Runs on the caller's thread (:func:`replicated_keys`) and the writer thread (the rest).
 docs/design/distributed.md has the why.
 """
@@ -20,7 +21,7 @@ from cryosnap import engine
 from cryosnap._format.manifest import Replicated
 from cryosnap._format.skeleton import Json, dict_items, encode_key, iter_leaves
 from cryosnap._state import FlatState
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.engine.write import Owners, assign_shares
 from cryosnap.errors import CheckpointError, ReplicaDivergenceError
 
@@ -142,7 +143,7 @@ def _digest(obj: Any) -> str:
 
 def send_failure(coord: Coordinator, error: BaseException) -> None:
     """This rank failed before the exchange: take part in it, saying so."""
-    coord.all_gather({"error": f"{type(error).__name__}: {error}"})
+    agree(coord, {"error": f"{type(error).__name__}: {error}"}, _decide)
 
 
 def exchange(
@@ -150,8 +151,10 @@ def exchange(
 ) -> None:
     """Compare the replicated keys across ranks, then give ``writer`` the others' shares.
 
-    Raises :class:`ReplicaDivergenceError` (on every rank alike) when the replicated state or
-    the ``replicated=`` argument differs, :class:`CheckpointError` when another rank failed."""
+    The leader compares and merges (:func:`_decide`); every rank receives the decision, whose
+    size is bounded by the replicated state's chunks, not by the ranks. Raises
+    :class:`ReplicaDivergenceError` (on every rank alike) when the replicated state or the
+    ``replicated=`` argument differs, :class:`CheckpointError` when another rank failed."""
     leaves = _leaves(flat, plan.keys, writer.blob_root) if plan.keys is not None else {}
     files: dict[str, int] = {}
     position = {b: c for c, b in enumerate(plan.blobs)}
@@ -166,35 +169,58 @@ def exchange(
         "files": list(files),
         "runs": runs,
     }
-    gathered = coord.all_gather(mine)
-    failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
-    if failed:
-        reason = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    decided = agree(coord, mine, _decide)
+    if "failed" in decided:
+        reason = "; ".join(f"rank {r}: {e}" for r, e in decided["failed"])
         raise CheckpointError(f"step {step} was not committed: {reason}")
-    if len({json.dumps(g["keys"]) for g in gathered}) > 1:
-        told = ", ".join(f"rank {r}: {g['keys']!r:.80}" for r, g in enumerate(gathered))
+    if "keys" in decided:
         raise ReplicaDivergenceError(
-            f"step {step}: the ranks passed different replicated= ({told}); every rank must "
-            "name the same keys. Nothing was committed"
+            f"step {step}: the ranks passed different replicated= ({decided['keys']}); every "
+            "rank must name the same keys. Nothing was committed"
         )
     if plan.keys is None:
         return
+    if "differing" in decided:
+        wanted: list[str] = decided["differing"] or sorted(leaves)
+        told = agree(
+            coord,
+            {k: leaves.get(k, []) for k in wanted},
+            lambda detail: _divergence(step, wanted, detail),
+        )
+        raise ReplicaDivergenceError(told)
+    me = coord.rank
+    writer.place_external(
+        [
+            (plan.blobs[c], first, count, decided["files"][f], offset)
+            for r, c, first, count, f, offset in decided["runs"]
+            if r != me
+        ]
+    )
+
+
+def _decide(gathered: list[dict[str, Any]]) -> dict[str, Any]:
+    """The leader's decision over every rank's replicated summary: ``failed`` (ranks that
+    failed), ``keys`` (the replicated= arguments differ), ``differing`` (leaves whose content
+    differs; [] when only the blob counts do), else the merged table of every rank's shares:
+    ``files`` and ``runs`` (``[rank, blob, first, count, file, offset]``)."""
+    failed = [[r, g["error"]] for r, g in enumerate(gathered) if "error" in g]
+    if failed:
+        return {"failed": failed}
+    if len({json.dumps(g["keys"]) for g in gathered}) > 1:
+        told = ", ".join(f"rank {r}: {g['keys']!r:.80}" for r, g in enumerate(gathered))
+        return {"keys": told}
     differing = sorted(
         {k for g in gathered for k in g["digests"] if _differs(gathered, "digests", k)}
     )
     if differing or len({g["blobs"] for g in gathered}) > 1:
-        wanted = differing or sorted(leaves)
-        detail = coord.all_gather({k: leaves.get(k, []) for k in wanted})
-        raise ReplicaDivergenceError(_divergence(step, wanted, detail))
-    me = coord.rank
-    writer.place_external(
-        [
-            (plan.blobs[c], first, count, g["files"][f], offset)
-            for r, g in enumerate(gathered)
-            if r != me
-            for c, first, count, f, offset in g["runs"]
-        ]
-    )
+        return {"differing": differing}
+    files: dict[str, int] = {}
+    runs = [
+        [r, c, first, count, files.setdefault(g["files"][f], len(files)), offset]
+        for r, g in enumerate(gathered)
+        for c, first, count, f, offset in g["runs"]
+    ]
+    return {"files": list(files), "runs": runs}
 
 
 def _differs(gathered: Sequence[dict[str, Any]], field: str, key: str) -> bool:

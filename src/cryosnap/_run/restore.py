@@ -9,19 +9,22 @@ Runs on the caller's thread; its collectives use the channel it is given.
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cryosnap import engine
+from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import Lineage, max_generation, version_prefix, visible_versions
 from cryosnap._run import ddp
 from cryosnap._run.health import ANY_VERSION, Choice
 from cryosnap._run.levels.levels import Levels
+from cryosnap._run.read_once import read_once_enabled, shared_reads
 from cryosnap._state.device import target_device
-from cryosnap.dist import Coordinator
+from cryosnap.dist import LEADER, Coordinator, agree
 from cryosnap.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -63,7 +66,8 @@ def restore_run(
     the store this participant's part was read from. Per level, this participant reads its
     rank's part on a shared level, part 0 of its own run on a private one (a distributed run's
     node-local scratch, its ``memory`` level: read first); without a step and with several
-    participants, the step is agreed on ``channel``."""
+    participants, the step is agreed on ``channel`` and the leader hands each participant
+    its entry of the commit record (:func:`handed_records`: O(1) metadata per rank)."""
     me = channel.rank
     private = [False] if memory is not None else []
     ask = Ask(
@@ -80,6 +84,8 @@ def restore_run(
     restored: list[int] = []
     served: list[Store] = []
     if step is not None or channel.world_size == 1:
+        # No collective: with an explicit step each participant reads on its own (a survivor
+        # of a dead peer can still restore), the whole commit record included.
         state = restore_levels(stores, step, into=into, ask=ask, restored=restored, served=served)
     else:
         state = restore_agreed(
@@ -105,10 +111,47 @@ def rewound_lineage(
         # commits its own scratch record in the lineage, so they agree on it. (On shared
         # levels only, every rank lists the same records: no collective, and a survivor
         # of a dead peer can still restore.)
-        told = channel.all_gather([later, newest])
-        later, newest = any(t[0] for t in told), max(t[1] for t in told)
+        later, newest = agree(channel, [later, newest], _newest_lineage)
     lineage = Lineage(newest + 1, step) if later else current_lineage(records)
     return lineage, later or lineage != current
+
+
+def _newest_lineage(told: list[list[Any]]) -> list[Any]:
+    """The leader's verdict on the ranks' ``[later, newest]``: any later, the highest."""
+    return [any(t[0] for t in told), max(t[1] for t in told)]
+
+
+def handed_records(
+    channel: Coordinator, stores: Sequence[Store], shared: Sequence[bool], step: int
+) -> dict[tuple[int, int], CommitRecord]:
+    """Collective (with several participants): the leader reads ``step``'s commit record on
+    each shared tier once and hands every rank only its own entry
+    (:meth:`CommitRecord.for_rank`, over :meth:`Coordinator.exchange`), so a rank reads O(1)
+    metadata however many ranks saved; by ``(tier index, step)``. A record the leader cannot
+    read is handed to nobody: each rank reads it itself and meets the same error, as a rank
+    of a world of one does."""
+    if channel.world_size == 1:
+        return {}
+    me = channel.rank
+    out: dict[tuple[int, int], CommitRecord] = {}
+    sends: dict[int, bytes] = {}
+    if me == LEADER:
+        entries: dict[int, dict[str, Any]] = {}
+        for i, (store, is_shared) in enumerate(zip(stores, shared, strict=True)):
+            if not is_shared:
+                continue
+            try:
+                record = engine.read_commit(store, step)
+            except CheckpointError:
+                continue
+            out[(i, step)] = record
+            for r in range(1, channel.world_size):
+                entries.setdefault(r, {})[str(i)] = record.for_rank(r).header_json()
+        sends = {r: json.dumps(doc, separators=(",", ":")).encode() for r, doc in entries.items()}
+    for body in channel.exchange(sends).values():
+        for i, doc in json.loads(body).items():
+            out[(int(i), step)] = CommitRecord.from_header_json(doc)
+    return out
 
 
 def current_lineage(records: Sequence[tuple[int, Lineage | None]]) -> Lineage | None:
@@ -144,15 +187,21 @@ def restore_levels(
     ask: Ask,
     restored: list[int] | None = None,
     served: list[Store] | None = None,
+    records: Mapping[tuple[int, int], CommitRecord] | None = None,
 ) -> Any:
     """Restore from the fastest tier holding a complete copy of the version (of the newest
     one that verifies, without ``step``); a damaged copy falls back to the next tier. A
     version saved by another number of ranks than ``ask.participants`` is a
     :class:`WorldSizeError` before any tier is read (:func:`_check_world`). The versions are
     those of every tier's records together (a rewind on one supersedes on all); the step
-    restored is appended to ``restored``, the tier it was read from to ``served``."""
+    restored is appended to ``restored``, the tier it was read from to ``served``.
+    ``records``: commit records by (tier index, step) as :func:`handed_records` gave them
+    (read from the tier where absent)."""
     where = " + ".join(t.url for t in tiers)
-    readers = [_reader(rank=r, into=into, ask=ask) for r in ask.ranks]
+    handed = records or {}
+    readers = [
+        _reader(rank=r, into=into, ask=ask, records=handed, tier=i) for i, r in enumerate(ask.ranks)
+    ]
     # The versions the choice allows, decided once (its warning said which it skips).
     allowed = _allowed(tiers, ask, where) if step is None and ask.choice.any else None
 
@@ -161,7 +210,7 @@ def restore_levels(
         return steps if allowed is None else [s for s in steps if s in allowed]
 
     def attempt(s: int) -> Any:
-        _check_world(tiers, ask, s, where)
+        _check_world(tiers, ask, s, where, handed)
         # Only the tiers holding the version itself: another may hold a record it superseded.
         versions = engine.list_versions(*tiers)
         held = [set(engine.list_records(t, version_prefix(s))) for t in tiers]
@@ -208,18 +257,30 @@ def _allowed(tiers: Sequence[Store], ask: Ask, where: str) -> set[int]:
     return allowed
 
 
-def _check_world(tiers: Sequence[Store], ask: Ask, step: int, where: str) -> None:
+def _check_world(
+    tiers: Sequence[Store],
+    ask: Ask,
+    step: int,
+    where: str,
+    handed: Mapping[tuple[int, int], CommitRecord],
+) -> None:
     """Refuse a version saved by another number of ranks than restore it (unless only its
     replicated keys are asked for). The saved number is a shared tier's commit record's: a
     private tier (a distributed run's scratch) holds each rank's part as a run of one."""
     if ask.participants is None or ask.only:
         return
-    for tier, shared in zip(tiers, ask.shared, strict=True):
-        if shared and engine.step_exists(tier, step):
+    for i, (tier, shared) in enumerate(zip(tiers, ask.shared, strict=True)):
+        known = handed.get((i, step))
+        if known is not None:
+            saved = known.world_size
+        elif shared and engine.step_exists(tier, step):
             saved = engine.read_commit(tier, step).world_size
-            if saved != ask.participants:
-                raise _world_size_error(where, step, saved, ask.participants)
-            return
+        else:
+            continue
+        if saved != ask.participants:
+            raise _world_size_error(where, step, saved, ask.participants)
+        return
+    return
 
 
 def _world_size_error(where: str, step: int, saved: int, participants: int) -> WorldSizeError:
@@ -245,13 +306,22 @@ def restore_one(store: Store, step: int | None, *, into: Any, ask: Ask) -> Any:
     return restore_levels([store], step, into=into, ask=ask)
 
 
-def _reader(*, rank: int, into: Any, ask: Ask) -> Callable[[Store, int], Any]:
-    """``read(store, step)``: one rank's part of a version from one store, as asked."""
+def _reader(
+    *,
+    rank: int,
+    into: Any,
+    ask: Ask,
+    records: Mapping[tuple[int, int], CommitRecord] | None = None,
+    tier: int = 0,
+) -> Callable[[Store, int], Any]:
+    """``read(store, step)``: one rank's part of a version from one store (tier ``tier``), as
+    asked; with the commit record ``records`` holds for it, if any."""
 
     def read(store: Store, step: int) -> Any:
         state = engine.read_part(
             store,
             step,
+            record=(records or {}).get((tier, step)),
             rank=rank,
             into=into,
             allow_pickle=ask.allow_pickle,
@@ -313,13 +383,14 @@ def restore_agreed(
     mine = sorted(engine.list_versions(*stores))
     if ask.choice.any:  # each participant's own view; the intersection is the agreement
         mine = ask.choice.filter(stores, mine, where)
-    listed = coord.all_gather(mine)
-    common = sorted(set.intersection(*(set(steps) for steps in listed)))
+    common: list[int] = agree(coord, mine, _common_steps)
     damaged: dict[int, str] = {}
     for step in reversed(common):
         probe: list[Store] = []
+        records = handed_records(coord, stores, ask.shared, step)
+        reading = _read_once(coord, stores, records, ask, step)
         try:
-            state = restore_levels(stores, step, into=None, ask=ask, served=probe)
+            state = restore_levels(reading, step, into=None, ask=ask, served=probe, records=records)
             error, kind = "", ""
         except WorldSizeError as exc:
             state, error, kind = None, str(exc), "world"
@@ -327,19 +398,26 @@ def restore_agreed(
             state, error, kind = None, str(exc), "damage"
         except CheckpointNotFoundError as exc:
             state, error, kind = None, str(exc), "missing"
-        told = coord.all_gather([error, kind])
-        world = [e for e, k in told if k == "world"]
+        errors: list[list[str]] = agree(coord, [error, kind], _failures)
+        world = [e for e, k in errors if k == "world"]
         if world:
             raise WorldSizeError(world[0])
-        errors = [(e, k) for e, k in told if e]
         if not errors:
             if restored is not None:
                 restored.append(step)
+            # The stores the caller knows, not the read-once wrappers over them.
+            back = dict(zip(map(id, reading), stores, strict=True))
             if into is None:
                 if served is not None:
-                    served.extend(probe)
+                    served.extend(back.get(id(st), st) for st in probe)
                 return state
-            return restore_levels(stores, step, into=into, ask=ask, served=served)
+            read_from: list[Store] = []
+            state = restore_levels(
+                reading, step, into=into, ask=ask, served=read_from, records=records
+            )
+            if served is not None:
+                served.extend(back.get(id(st), st) for st in read_from)
+            return state
         if any(k == "damage" for _e, k in errors):
             damaged[step] = next(e for e, k in errors if k == "damage")
         log.warning("step %d of %s cannot be restored by every rank: %s", step, where, errors[0][0])
@@ -352,6 +430,43 @@ def restore_agreed(
     raise CheckpointNotFoundError(
         f"no version of {where} can be restored by all {coord.world_size} participants"
     )
+
+
+def _read_once(
+    coord: Coordinator,
+    stores: Sequence[Store],
+    records: Mapping[tuple[int, int], CommitRecord],
+    ask: Ask,
+    step: int,
+) -> list[Store]:
+    """``stores``, each shared one whose version was saved at this world size wrapped so that
+    its replicated chunks are read once in the job (:mod:`read_once`: collective, one
+    exchange per such store, the same on every rank: the records handed out are the same
+    everywhere, and so are ``ask`` and the environment). Not for ``replicated_only`` or
+    ``keys`` restores, nor with ``CRYOSNAP_RESTORE_READ_ONCE=0``."""
+    out = list(stores)
+    if ask.only or ask.keys is not None or not read_once_enabled():
+        return out
+    for (i, s), record in sorted(records.items(), key=lambda item: item[0]):
+        if s == step and record.world_size == coord.world_size:
+            out[i] = shared_reads(coord, stores[i], record)
+    return out
+
+
+def _common_steps(listed: list[list[int]]) -> list[int]:
+    """The leader's verdict: the steps every participant listed."""
+    return sorted(set.intersection(*(set(steps) for steps in listed)))
+
+
+def _failures(told: list[list[str]]) -> list[list[str]]:
+    """The leader's verdict on one step: ``[error, kind]`` of each participant that could not
+    read its part (a world-size error first: it ends the restore on every participant).
+    Bounded: the first of each kind, so the decision does not grow with the ranks."""
+    first: dict[str, list[str]] = {}
+    for error, kind in told:
+        if error and kind not in first:
+            first[kind] = [error, kind]
+    return sorted(first.values(), key=lambda ek: ek[1] != "world")
 
 
 # -- the fallback of a restore without a step (its only caller is above) -----------------------

@@ -20,7 +20,8 @@ from cryosnap._run.levels.levels import Levels
 from cryosnap._run.open import newest_record, open_levels, open_stores, resume_handoffs
 from cryosnap._run.options import RunOptions
 from cryosnap._run.results import PendingSave
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
+from cryosnap.dist._agree import first_errors
 from cryosnap.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -171,10 +172,9 @@ def _check_scratch_parts(options: RunOptions, coord: Coordinator) -> None:
                 "`cryosnap flush` with the job's layout, one process per rank (mpiexec -n N or "
                 "torchrun --nproc-per-node N)"
             )
-    problems = [problem] if coord.world_size == 1 else coord.all_gather(problem)
-    found = [p for p in problems if p]
+    found = agree(coord, problem, first_errors)
     if found:
-        raise CheckpointNotFoundError("; ".join(found))
+        raise CheckpointNotFoundError("; ".join(p for _r, p in found))
 
 
 def _directory(location: object) -> str | None:
@@ -244,12 +244,19 @@ def _gathered(
     none)."""
     if coord.world_size == 1:
         return flushed, failed
-    told = coord.all_gather(
-        {
-            "flushed": [[v.step, v.nbytes, v.seconds] for v in flushed],
-            "failed": [[f.step, f.rank, f.error, f.damaged] for f in failed],
-        }
+    mine = {
+        "flushed": [[v.step, v.nbytes, v.seconds] for v in flushed],
+        "failed": [[f.step, f.rank, f.error, f.damaged] for f in failed],
+    }
+    versions, failures = agree(coord, mine, _merged)
+    return (
+        [FlushedVersion(int(s), int(n), float(sec)) for s, n, sec in versions],
+        [FlushFailure(int(s), int(r), str(e), bool(d)) for s, r, e, d in failures],
     )
+
+
+def _merged(told: list[dict[str, Any]]) -> list[list[list[Any]]]:
+    """The leader's merge of every rank's outcomes (:func:`_gathered`), as JSON."""
     # One failure per version: the cause (a rank's damaged scratch copy) before what the other
     # ranks saw of it (the version not committed).
     first: dict[int, FlushFailure] = {}
@@ -265,8 +272,8 @@ def _gathered(
         for s, n, sec in t["flushed"]:
             prev = totals.get(int(s), (0, 0.0))
             totals[int(s)] = (prev[0] + int(n), max(prev[1], float(sec)))
-    versions = [FlushedVersion(s, n, sec) for s, (n, sec) in sorted(totals.items()) if s not in bad]
-    return versions, failures
+    versions = [[s, n, sec] for s, (n, sec) in sorted(totals.items()) if s not in bad]
+    return [versions, [[f.step, f.rank, f.error, f.damaged] for f in failures]]
 
 
 def _one_line(exc: BaseException) -> str:

@@ -34,7 +34,8 @@ from cryosnap._run.redundancy.rs import RSParity
 from cryosnap._run.redundancy.xor import Parity
 from cryosnap._run.results import CaptureTracker, PendingSave, SaveInfo
 from cryosnap._state import FlatState
-from cryosnap.dist import Coordinator
+from cryosnap.dist import LEADER, Coordinator, agree
+from cryosnap.dist._agree import first_errors
 from cryosnap.engine.items import Batch
 from cryosnap.errors import (
     CheckpointError,
@@ -255,9 +256,9 @@ class VersionWriter:
                 if self.partners is not None and not copied:
                     self.partners.copy_files(self.coord, self.store, job.step, [])
                 self._agree_commit(job.step, None, exc, job)
-            except CheckpointError as agree:
-                log.error("step %d: telling the other participants failed: %s", job.step, agree)
-                self.note_disagreement(agree)
+            except CheckpointError as told:
+                log.error("step %d: telling the other participants failed: %s", job.step, told)
+                self.note_disagreement(told)
 
     def _saved(self, job: Job, part: engine.PartResult) -> SaveInfo:
         """What the committed ``part`` cost (the SaveInfo of this level)."""
@@ -291,22 +292,24 @@ class VersionWriter:
         error: BaseException | None,
         job: Job | None = None,
     ) -> None:
-        """Gather every participant's part; once all are durable rank 0 commits (a private
-        level: every rank commits its own); everyone learns the outcome. Raises when this
-        version is not committed."""
+        """Gather every participant's part to the leader; once all are durable the leader
+        commits (a private level: every rank commits its own); everyone learns the outcome
+        (a broadcast). Raises when this version is not committed."""
+        if self.private:
+            said = "" if error is None else str(error) or type(error).__name__
+            failed = agree(self.coord, said, first_errors)
+            self._commit_private(step, part, error, job, failed)
+            return
         mine: dict[str, Any] = (
             {"part": summary_of(part).to_json()} if part is not None else {"error": str(error)}
         )
-        gathered = self.coord.all_gather(mine)
-        if self.private:
-            self._commit_private(step, part, error, job, gathered)
-            return
+        gathered = self.coord.gather(mine, root=LEADER)
         outcome: dict[str, Any] = {}
         raised: CheckpointError | None = None
-        if self.coord.rank == 0:
+        if gathered is not None:
             raised = self._commit(step, job, gathered)
             outcome = {"ok": True} if raised is None else {"error": str(raised)}
-        outcome = self.coord.broadcast(outcome)
+        outcome = self.coord.broadcast(outcome, root=LEADER)
         if error is not None:
             return  # the caller re-raises its own failure
         if raised is not None:
@@ -320,13 +323,13 @@ class VersionWriter:
         part: engine.PartResult | None,
         error: BaseException | None,
         job: Job | None,
-        gathered: list[dict[str, Any]],
+        failed: list[tuple[int, Any]],
     ) -> None:
         """Every rank writes its own commit record (and its partner's copy of it) once every
         part is durable; a second gather tells whether all records landed, and a rank whose
         record landed while another's did not takes it back, so a version is on every rank's
-        scratch or on none (a rank killed in between: the ranks agree at the next open)."""
-        failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
+        scratch or on none (a rank killed in between: the ranks agree at the next open).
+        ``failed``: ``[rank, error]`` of each rank whose part failed (agreed)."""
         body: bytes | None = None
         problem = ""
         if not failed and part is not None:
@@ -334,8 +337,7 @@ class VersionWriter:
         if self.partners is not None:
             errors = self.partners.copy_record(self.coord, step, body)
             problem = problem or "; ".join(errors)
-        told = self.coord.all_gather(problem)
-        bad = [(r, e) for r, e in enumerate(told) if e]
+        bad = agree(self.coord, problem, first_errors)
         if bad:
             self._take_back(commit_key(step, job.lineage if job else None), own=body is not None)
         if error is not None:
@@ -648,5 +650,4 @@ class Rewriter:
         writer = self.writer
         if writer.disagreed is not None:
             return False
-        told = writer.coord.all_gather(retry and step not in writer.in_doubt)
-        return all(told)
+        return agree(writer.coord, retry and step not in writer.in_doubt, all)

@@ -7,6 +7,7 @@ rank reads on restore. Runs on the caller's thread; the ranks are the world's th
 
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 import time
@@ -17,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import commit_key, manifest_key
 from cryosnap.checkpointer import Checkpointer
+from cryosnap.engine import read_commit
 from cryosnap.errors import BenchError
 from cryosnap.storage import LocalStore
 from cryosnap.storage._wrap import WrapperStore
@@ -45,10 +48,12 @@ class ScaleFigures:
     Per save (the second one, which also retires the first: ``keep=1``, the steady state of a
     run under retention): the largest bytes any rank sent and received,
     the collectives each rank took part in, and the CPU seconds of the leader's (rank 0's)
-    threads. ``restore_read_bytes_per_rank``: the most any rank read from the store to
-    restore. ``metadata_bytes_per_rank``: the largest rank's manifest plus the commit record
-    (the metadata a rank reads to restore its part), as written on disk. The ``but_leader``
-    figures leave rank 0 out (it broadcasts the decisions: its send is the largest).
+    threads. ``restore_read_bytes_per_rank``: the most any rank but the leader read from the
+    store to restore (the leader also reads the whole commit record, O(N):
+    ``leader_restore_read_bytes``). ``metadata_bytes_per_rank``: the largest rank's manifest
+    plus its entry of the commit record (what the leader hands it: the metadata a rank reads
+    or receives to restore its part); ``commit_bytes``: the whole record on disk. The
+    ``but_leader`` figures leave rank 0 out (it gathers: its receive is the largest).
     """
 
     ranks: int
@@ -63,6 +68,7 @@ class ScaleFigures:
     manifest_bytes_per_rank: int
     commit_bytes: int
     save_seconds: float
+    leader_restore_read_bytes: int
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,18 +161,23 @@ def measure_scale(
             for store in stores:
                 store.read_bytes = 0
             say(f"{ranks} ranks: restore")
-            restored = world.run(lambda c: _ckpt(ckpts, c).restore(2))
+            # A resume: the newest version, agreed (restore(step) is collective-free, so
+            # each rank reads the whole commit record itself).
+            restored = world.run(lambda c: _ckpt(ckpts, c).restore())
             for rank, state in enumerate(restored):
                 if int(state["shard"][0]) != rank * 1000 + 2 or not np.array_equal(
                     state["model"], model
                 ):
                     raise BenchError(f"the scale workload restored rank {rank}'s state wrong")
-            read = max(s.read_bytes for s in stores)
+            read = max((s.read_bytes for s in stores[1:]), default=stores[0].read_bytes)
+            leader_read = stores[0].read_bytes
             world.run(lambda c: _ckpt(ckpts, c).close())
         finally:
             threading.stack_size(old_stack)
         manifest = max(root.size(manifest_key(2, r)) for r in range(ranks))
         commit = root.size(commit_key(2))
+        record = read_commit(root, 2)
+        entry = max(_entry_bytes(record, r) for r in range(ranks))
     return ScaleFigures(
         ranks=ranks,
         max_sent_bytes_per_rank=max(c.bytes_sent for c in saved),
@@ -174,13 +185,20 @@ def measure_scale(
         rounds=max(c.rounds for c in saved),
         leader_seconds=leader,
         restore_read_bytes_per_rank=read,
-        metadata_bytes_per_rank=manifest + commit,
+        metadata_bytes_per_rank=manifest + entry,
         max_sent_bytes_but_leader=max((c.bytes_sent for c in saved[1:]), default=0),
         max_received_bytes_but_leader=max((c.bytes_received for c in saved[1:]), default=0),
         manifest_bytes_per_rank=manifest,
         commit_bytes=commit,
         save_seconds=save_seconds,
+        leader_restore_read_bytes=leader_read,
     )
+
+
+def _entry_bytes(record: CommitRecord, rank: int) -> int:
+    """The size of rank's entry of ``record`` as the leader hands it (_run/restore.py)."""
+    doc = record.for_rank(rank).header_json()
+    return len(json.dumps(doc, separators=(",", ":")).encode())
 
 
 def _ckpt(ckpts: list[Checkpointer | None], c: SimulatedRank) -> Checkpointer:

@@ -128,6 +128,7 @@ def _bench_scale(ranks: str | None, json_file: str | None, directory: str | None
             Column("ranks", right=True),
             Column("sent/rank", right=True),
             Column("received/rank", right=True),
+            Column("received, but leader", right=True),
             Column("rounds", right=True),
             Column("leader CPU", right=True),
             Column("restore read/rank", right=True),
@@ -140,13 +141,17 @@ def _bench_scale(ranks: str | None, json_file: str | None, directory: str | None
             str(f.ranks),
             human_bytes(f.max_sent_bytes_per_rank),
             human_bytes(f.max_received_bytes_per_rank),
+            human_bytes(f.max_received_bytes_but_leader),
             str(f.rounds),
             f"{f.leader_seconds * 1e3:.1f} ms",
             human_bytes(f.restore_read_bytes_per_rank),
             human_bytes(f.metadata_bytes_per_rank),
             f"{f.save_seconds:.2f} s",
         )
-    print_line("per save, the largest figure of any rank; ranks simulated (cryosnap.testing)")
+    print_line(
+        "per save, the largest figure of any rank (the leader, rank 0, receives O(N)); restore "
+        "read and metadata: any rank but the leader; ranks simulated (cryosnap.testing)"
+    )
     table.render()
     if json_file:
         try:

@@ -299,14 +299,18 @@ class StorageWriter(_DcpStorageWriter):
         except (CheckpointError, TypeError, ValueError, RuntimeError) as exc:
             error = f"rank {coord.rank}: {type(exc).__name__}: {exc}"
         keys = [[fqn, None if o is None else list(o)] for fqn, o in map(_key_of, results)]
-        told = coord.all_gather([error, keys, mine])
-        step = int(told[0][2])  # rank 0's: every rank saves the same step
-        self._step = step
-        errors = [e for e, _k, _s in told if e]
-        if errors:
-            raise DcpError(f"step {step}: nothing saved: {errors[0]}")
+        # Rank 0 learns where every item lies (its metadata names them); the others only the
+        # step and the first error: O(1) bytes each.
+        told = coord.gather([error, keys, mine])
+        decided = (
+            None if told is None else [int(told[0][2]), next((t[0] for t in told if t[0]), "")]
+        )
+        step, first = coord.broadcast(decided)
+        self._step = step = int(step)
+        if first:
+            raise DcpError(f"step {step}: nothing saved: {first}")
         where: dict[ItemKey, int] = {}
-        for r, (_e, ks, _s) in enumerate(told):
+        for r, (_e, ks, _s) in enumerate(told or []):
             for fqn, offsets in ks:
                 where[(fqn, None if offsets is None else tuple(offsets))] = r
         text, metadata = self._metadata_text(coord, planner, where, step)

@@ -1,7 +1,8 @@
 """The participants of a run and how they agree: the :class:`Coordinator` protocol.
 
 :class:`LocalCoordinator` (a world of one, the default), :class:`InProcessGroup` (threads),
-:class:`TorchCoordinator` (torch.distributed), :class:`MPICoordinator` (mpi4py).
+:class:`TorchCoordinator` (torch.distributed), :class:`MPICoordinator` (mpi4py); :func:`agree`
+(gather to the leader, its decision broadcast: O(1) bytes per participant).
 Every collective has a timeout (:class:`~cryosnap.CoordinationError`, never a hang); each
 background thread of a Checkpointer uses its own channel (:meth:`Coordinator.channel`).
 docs/design/distributed.md has the why.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from cryosnap.dist._agree import LEADER, agree
 from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS
 from cryosnap.dist._local import LocalCoordinator
 from cryosnap.dist._mpi import MPICoordinator
@@ -22,9 +24,11 @@ __all__ = [
     "Coordinator",
     "DEFAULT_TIMEOUT_SECONDS",
     "InProcessGroup",
+    "LEADER",
     "LocalCoordinator",
     "MPICoordinator",
     "TorchCoordinator",
+    "agree",
 ]
 
 
@@ -48,6 +52,15 @@ class Coordinator(Protocol):
 
     def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         """Every participant's ``obj``, by rank."""
+        ...
+
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        """Every participant's ``obj``, by rank, on ``root``; None on the others.
+
+        Each participant but ``root`` sends one message and ``root`` receives one from each:
+        O(1) bytes per participant, O(N) on ``root`` (where :meth:`all_gather` gives every
+        participant O(N)). A ``root`` outside ``0 .. world_size - 1`` is a ``ValueError``.
+        """
         ...
 
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:

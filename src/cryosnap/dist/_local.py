@@ -30,6 +30,11 @@ class LocalCoordinator:
     def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         return [obj]
 
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        if root != 0:
+            raise ValueError(f"root={root} is invalid in a world of one: allowed is 0")
+        return [obj]
+
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
         if root != 0:
             raise ValueError(f"root={root} is invalid in a world of one: allowed is 0")

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from cryosnap._validate import integer, seconds
-from cryosnap.errors import CoordinationError
 from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
+from cryosnap.errors import CoordinationError
 
 __all__ = ["MPICoordinator"]
 
@@ -109,6 +109,30 @@ class MPICoordinator:
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         request = self._comm.Iallgatherv(
             [data, MPI.BYTE], [out, (sizes.tolist(), displs.tolist()), MPI.BYTE]
+        )
+        call.wait(request, (data, out))
+        return [
+            _decode(out[int(d) : int(d) + int(n)].tobytes())
+            for d, n in zip(displs, sizes, strict=True)
+        ]
+
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        integer(root, "root", minimum=0, maximum=self._world - 1)
+        MPI = self._MPI
+        call = _Call(self, "gather", timeout)
+        data = np.frombuffer(_encode(obj), dtype=np.uint8)
+        mine = np.array([data.size], dtype=np.int64)
+        here = self._rank == root
+        sizes = np.zeros(self._world if here else 0, dtype=np.int64)
+        request = self._comm.Igather([mine, MPI.INT64_T], [sizes, MPI.INT64_T], root=root)
+        call.wait(request, (mine, sizes))
+        if not here:
+            call.wait(self._comm.Igatherv([data, MPI.BYTE], None, root=root), (data,))
+            return None
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        request = self._comm.Igatherv(
+            [data, MPI.BYTE], [out, (sizes.tolist(), displs.tolist()), MPI.BYTE], root=root
         )
         call.wait(request, (data, out))
         return [

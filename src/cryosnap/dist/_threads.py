@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cryosnap._validate import integer, positive_int, seconds
-from cryosnap.errors import CoordinationError
 from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
+from cryosnap.errors import CoordinationError
 
 __all__ = ["InProcessGroup"]
 
@@ -111,6 +111,11 @@ class _Participant:
 
     def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         return self._group._exchange(self._next(), self._rank, obj, timeout)
+
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        integer(root, "root", minimum=0, maximum=self.world_size - 1)
+        everyone = self._group._exchange(self._next(), self._rank, obj, timeout)
+        return everyone if self._rank == root else None
 
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
         integer(root, "root", minimum=0, maximum=self.world_size - 1)

@@ -18,8 +18,8 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from cryosnap._validate import integer, seconds
-from cryosnap.errors import CoordinationError
 from cryosnap.dist._common import DEFAULT_TIMEOUT_SECONDS, outgoing, to_bytes
+from cryosnap.errors import CoordinationError
 
 __all__ = ["TorchCoordinator", "initialized_world"]
 
@@ -137,6 +137,44 @@ class TorchCoordinator:
         out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(self._world)]
         call.run(lambda left: self._group.allgather(out, buf, timeout=left))
         return [_decode(t[:n].numpy().tobytes()) for t, n in zip(out, lengths, strict=True)]
+
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        integer(root, "root", minimum=0, maximum=self._world - 1)
+        torch = self._torch()
+        call = _Call(self, "gather", timeout)
+        data = _encode(obj)
+        mine = torch.tensor([len(data)], dtype=torch.int64)
+        here = self._rank == root
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._world)] if here else []
+        # gloo's gather wants equal sizes: the sizes are gathered, then each payload goes
+        # straight to the root (so no rank pads to the largest one, nor receives any but root).
+        call.run(lambda left: self._group.gather(sizes, mine, root, timeout=left))
+        tag = call.number % _TAG_LIMIT
+        if not here:
+            payload = _uint8(torch, memoryview(data))
+            work = call.post(self._group.send, [payload], root, tag)
+            self._finish(call, [work], (work, payload))
+            return None
+        incoming = {
+            src: torch.empty(int(n.item()), dtype=torch.uint8)
+            for src, n in enumerate(sizes)
+            if src != root
+        }
+        works = [call.post(self._group.recv, [buf], src, tag) for src, buf in incoming.items()]
+        self._finish(call, works, (works, incoming))
+        return [
+            obj if r == root else _decode(incoming[r].numpy().tobytes())
+            for r in range(self._world)
+        ]
+
+    def _finish(self, call: _Call, works: list[Any], keep: Any) -> None:
+        """Wait for ``works``; on a failure keep them (gloo may still use their tensors)."""
+        try:
+            for work in works:
+                call.wait(work)
+        except CoordinationError:
+            self._abandoned.append(keep)
+            raise
 
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
         integer(root, "root", minimum=0, maximum=self._world - 1)

@@ -106,11 +106,12 @@ def _prefaulted(views: Sequence[memoryview]) -> Iterator[None]:
 
 
 def _open_part(
-    store: Store, step: int, rank: int
+    store: Store, step: int, rank: int, record: CommitRecord | None = None
 ) -> tuple[CommitRecord, Manifest, ManifestRef, str]:
-    """The commit record of ``step``, rank's manifest and its ref, and where it is (for
-    messages); a rank the version has no part for is :func:`_no_part`'s error."""
-    record = read_commit(store, step)
+    """The commit record of ``step`` (``record``, when the caller has it), rank's manifest and
+    its ref, and where it is (for messages); a rank the version has no part for is
+    :func:`_no_part`'s error."""
+    record = record if record is not None else read_commit(store, step)
     if rank >= record.world_size:
         raise _no_part(store, record, rank)
     manifest, ref = read_manifest(store, record, rank)
@@ -128,6 +129,7 @@ def _read_verified(
     keys: Sequence[str | int] | None = None,
     device: Any = None,
     limits: ReadLimits,
+    record: CommitRecord | None = None,
 ) -> tuple[ResolvedPart, Restorer, Fetched]:
     """Resolve one rank's part, allocate its leaves, read and verify every chunk into them
     (reported to a line ``progress`` makes, if given). ``keys``: only these top-level keys
@@ -144,7 +146,7 @@ def _read_verified(
     state: its pages to fault in, then a second copy into ``into``. Elsewhere a read is a
     request to a remote store: the leaves are read once and copied."""
     with paused_gc():
-        record, manifest, ref, where = _open_part(store, step, rank)
+        record, manifest, ref, where = _open_part(store, step, rank, record)
         skeleton, index = manifest.skeleton, list(range(len(manifest.blobs)))
         if keys is not None:
             skeleton, index = renumbered(keys_skeleton(skeleton, keys, where), len(index))
@@ -491,8 +493,13 @@ def read_part(
     keys: Sequence[str | int] | None = None,
     progress: ProgressFactory | None = None,
     limits: ReadLimits | None = None,
+    record: CommitRecord | None = None,
 ) -> Any:
     """Read, verify and assemble one rank's state of ``step`` (optionally into ``into``).
+
+    ``record``: the version's commit record as the caller already has it, not read again: a
+    distributed restore's leader reads it once and gives each rank a record naming only that
+    rank's manifest (:meth:`CommitRecord.for_rank`), so a rank reads O(1) metadata in N.
 
     ``keys``: only these top-level keys of a dict state are read and verified (damage in the
     others' chunks does not matter); a dict of them comes back, and ``into`` (a dict holding
@@ -535,6 +542,7 @@ def read_part(
                     device=device,
                     progress=progress,
                     limits=limits,
+                    record=record,
                 )
             target = _into_keys(into, keys, step, "selected")
             tree = _read_whole(
@@ -547,6 +555,7 @@ def read_part(
                 keys=keys,
                 progress=progress,
                 limits=limits,
+                record=record,
             )
             return _put_back(into, tree, keys)
 
@@ -583,6 +592,7 @@ def _read_whole(
     keys: Sequence[str | int] | None = None,
     progress: ProgressFactory | None = None,
     limits: ReadLimits,
+    record: CommitRecord | None = None,
 ) -> Any:
     t0 = time.perf_counter()
     part, restorer, fetched = _read_verified(
@@ -595,6 +605,7 @@ def _read_whole(
         keys=keys,
         device=device,
         limits=limits,
+        record=record,
     )
     if device is not None and device.type != "cpu" and not restorer.moved:
         # Not wrapped: running out of device memory is no damage of the version.

@@ -41,7 +41,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 import cryosnap
 from cryosnap.checkpointer import Checkpointer, PendingSave
-from cryosnap.dist import Coordinator, TorchCoordinator
+from cryosnap.dist import Coordinator, TorchCoordinator, agree
 from cryosnap.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -248,17 +248,15 @@ class CryosnapCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def _commit(self, c: _Collecting, extra: Mapping[str, Any]) -> PendingSave | None:
         """The version of ``c``'s files, ``extra``'s top-level keys beside them (None: no rank
         saved a file of a checkpoint, as ``save_16bit_model``'s commit)."""
-        told = self._channel.all_gather([c.step, sorted(c.files)])
-        steps = {s for s, names in told if names}
-        if not steps:
+        # The leader checks the steps and makes the table of files (it names every rank's
+        # files: DeepSpeed's layout needs it on every rank, O(N) in N, as its files are).
+        decided = agree(self._channel, [c.step, sorted(c.files)], _decide_files)
+        if decided is None:
             return None
-        if len(steps) != 1 or None in steps:
-            raise CoordinationError(
-                f"tag {c.info.tag!r}: the ranks saved it at different global steps {told!r:.200}",
-                path=self._run,
-            )
-        step = int(steps.pop())
-        files = _owners([names for _s, names in told])
+        if "error" in decided:
+            raise CoordinationError(f"tag {c.info.tag!r}: {decided['error']}", path=self._run)
+        step = int(decided["step"])
+        files: dict[str, int] = decided["files"]
         meta = {
             "format": _FORMAT,
             "tag": c.info.tag,
@@ -896,6 +894,17 @@ def _inside(path: str, run: str) -> bool:
 
 def _tag_of(path: str) -> str:
     return os.path.basename(os.path.dirname(path))
+
+
+def _decide_files(told: list[list[Any]]) -> dict[str, Any] | None:
+    """The leader's decision over every rank's ``[step, file names]``: None when no rank saved
+    a file, an error when the ranks saved at different steps, else the step and the owners."""
+    steps = {s for s, names in told if names}
+    if not steps:
+        return None
+    if len(steps) != 1 or None in steps:
+        return {"error": f"the ranks saved it at different global steps {told!r:.200}"}
+    return {"step": steps.pop(), "files": _owners([names for _s, names in told])}
 
 
 def _owners(names: list[list[str]]) -> dict[str, int]:

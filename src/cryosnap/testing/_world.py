@@ -43,6 +43,10 @@ def pickled(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+# A broadcast's tree: each rank forwards the object to at most this many children, so what any
+# rank sends is bounded whatever the world size (depth: log2 N rounds of messages).
+BROADCAST_FAN_OUT = 2
+
 # The leader: the rank whose CPU time the world measures (cryosnap's decisions are rank 0's).
 LEADER = 0
 
@@ -51,10 +55,13 @@ LEADER = 0
 class RankCounters:
     """What one rank put on and took off the wire since the last :meth:`SimulatedWorld.reset`.
 
-    The model is the logical one, independent of the collective's algorithm: an all-gather
-    sends this rank's pickled object once (one message) and receives every other rank's (one
-    message each); a broadcast sends the root's object once and every other rank receives it
-    once; a barrier is an all-gather of nothing (messages, no bytes); an exchange counts the
+    The model is the logical one: an all-gather sends this rank's pickled object once (one
+    message) and receives every other rank's (one message each); a gather sends each rank's
+    object but the root's once, and the root receives them all; a broadcast runs down a
+    binary tree rooted at the root (:data:`BROADCAST_FAN_OUT` children per rank): every other
+    rank receives the object once and each rank sends it once to each of its children, so no
+    rank sends more than two copies; a barrier is a gather of nothing to rank 0 and its
+    broadcast (messages, no bytes); an exchange counts the
     8-byte sizes it sends to and receives from every other rank (the all-to-all of sizes the
     real coordinators run; bytes, not messages), then each payload to another rank as one
     message (a payload to itself costs nothing). ``rounds`` counts the
@@ -277,21 +284,35 @@ class SimulatedWorld:
         sizes = [len(op.pickled[r]) for r in range(world)]
         for tally in self._tallies:
             tally.rounds += 1
-        if op.kind in ("all_gather", "barrier"):
-            total = sum(sizes) if op.kind == "all_gather" else 0
+        if op.kind == "all_gather":
+            total = sum(sizes)
             for r, tally in enumerate(self._tallies):
-                mine = sizes[r] if op.kind == "all_gather" else 0
                 tally.messages_sent += 1 if world > 1 else 0
                 tally.messages_received += world - 1
-                tally.bytes_sent += mine if world > 1 else 0
-                tally.bytes_received += total - mine
+                tally.bytes_sent += sizes[r] if world > 1 else 0
+                tally.bytes_received += total - sizes[r]
+        elif op.kind == "barrier":  # a gather of nothing to rank 0, then its tree broadcast
+            for r, tally in enumerate(self._tallies):
+                tally.messages_sent += len(broadcast_children(r, LEADER, world))
+                if r != LEADER:
+                    tally.messages_sent += 1
+                    tally.messages_received += 1
+            self._tallies[LEADER].messages_received += world - 1
+        elif op.kind == "gather":
+            for r, tally in enumerate(self._tallies):
+                if r != op.root:
+                    tally.messages_sent += 1
+                    tally.bytes_sent += sizes[r]
+            root = self._tallies[op.root]
+            root.messages_received += world - 1
+            root.bytes_received += sum(sizes) - sizes[op.root]
         elif op.kind == "broadcast":
             size = sizes[op.root]
             for r, tally in enumerate(self._tallies):
-                if r == op.root:
-                    tally.messages_sent += 1 if world > 1 else 0
-                    tally.bytes_sent += size if world > 1 else 0
-                else:
+                children = len(broadcast_children(r, op.root, world))
+                tally.messages_sent += children
+                tally.bytes_sent += size * children
+                if r != op.root:
                     tally.messages_received += 1
                     tally.bytes_received += size
         else:  # exchange: the sizes every rank learns (an all-to-all), then the payloads
@@ -306,6 +327,15 @@ class SimulatedWorld:
                     self._tallies[src].bytes_sent += len(body)
                     self._tallies[dst].messages_received += 1
                     self._tallies[dst].bytes_received += len(body)
+
+
+def broadcast_children(rank: int, root: int, world_size: int) -> list[int]:
+    """The ranks ``rank`` forwards a broadcast from ``root`` to: a binary tree over the ranks
+    renumbered from ``root`` (``root`` is 0; position ``p``'s children are ``2p+1, 2p+2``)."""
+    position = (rank - root) % world_size
+    first = BROADCAST_FAN_OUT * position + 1
+    last = min(first + BROADCAST_FAN_OUT, world_size)
+    return [(root + p) % world_size for p in range(first, last)]
 
 
 class SimulatedRank:
@@ -338,6 +368,11 @@ class SimulatedRank:
     def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         got = self._world._collective(self._rank, self._name, "all_gather", obj, 0, timeout)
         return list(got)
+
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        integer(root, "root", minimum=0, maximum=self.world_size - 1)
+        got = self._world._collective(self._rank, self._name, "gather", obj, root, timeout)
+        return list(got) if self._rank == root else None
 
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
         integer(root, "root", minimum=0, maximum=self.world_size - 1)

@@ -19,7 +19,7 @@ import pytest
 import cryosnap
 from cryosnap import engine
 from cryosnap._format.keys import manifest_key
-from cryosnap.dist import Coordinator, InProcessGroup, LocalCoordinator
+from cryosnap.dist import Coordinator, InProcessGroup, LocalCoordinator, agree
 from cryosnap.errors import CheckpointError, CoordinationError, StorageError
 from cryosnap.policy import EveryNSteps
 from cryosnap.storage import LocalStore
@@ -76,6 +76,23 @@ def test_collectives_of_a_group() -> None:
         assert other == [0, 10, 20]
 
 
+def test_gather_gives_everything_to_the_root_only() -> None:
+    def body(c: Coordinator) -> Any:
+        return c.gather({"rank": c.rank}, root=2), agree(c, c.rank + 1, sum)
+
+    results = run_ranks(3, body)
+    assert [r[0] for r in results] == [None, None, [{"rank": 0}, {"rank": 1}, {"rank": 2}]]
+    assert [r[1] for r in results] == [6, 6, 6]
+
+
+def test_a_gather_missing_a_participant_is_an_error_on_the_root() -> None:
+    group = InProcessGroup(2)
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not arrive"):
+        group.coordinator(0).gather("x", timeout=0.2)
+    with pytest.raises(ValueError, match="root"):
+        group.coordinator(0).gather("x", root=2)
+
+
 def test_a_missing_participant_is_an_error_not_a_hang() -> None:
     group = InProcessGroup(2)
     with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not arrive"):
@@ -113,6 +130,9 @@ def test_local_coordinator_is_a_world_of_one() -> None:
     c = LocalCoordinator()
     assert (c.rank, c.world_size) == (0, 1)
     assert c.all_gather(5) == [5] and c.broadcast("x") == "x" and c.channel("a") is c
+    assert c.gather(7) == [7] and agree(c, 3, max) == 3
+    with pytest.raises(ValueError, match="root=1"):
+        c.gather(1, root=1)
     c.barrier()
     with pytest.raises(ValueError, match="root=1"):
         c.broadcast(1, root=1)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cryosnap
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.errors import CoordinationError
 from cryosnap.testing import RankCounters, SimulatedRank, SimulatedWorld
 from cryosnap.testing._world import pickled
@@ -77,13 +77,72 @@ def test_broadcast_barrier_and_exchange_counts() -> None:
     size = _size(payload)
     counted = world.all_counters()
     sizes = 8 * 3  # the exchange's all-to-all of int64 sizes, each way
-    # rank 0: receives the broadcast, 1+3 barrier messages, 2+3+4 exchange bytes in 3 messages
-    assert counted[0] == RankCounters(1, 1 + 3 + 3, sizes, size + 2 + 3 + 4 + sizes, 3)
-    assert counted[2] == RankCounters(1 + 1 + 1, 3, size + 3 + sizes, sizes, 3)
-    assert counted[3] == RankCounters(1 + 1, 1 + 3, 4 + sizes, size + sizes, 3)
+    # The broadcast's binary tree from rank 2: 2 -> 3, 0; 3 -> 1. The barrier's from rank 0:
+    # every rank sends rank 0 one message, then 0 -> 1, 2; 1 -> 3.
+    # rank 0: receives the broadcast; 3 barrier messages in, 2 out; 2+3+4 exchange bytes in 3
+    assert counted[0] == RankCounters(2, 1 + 3 + 3, sizes, size + 2 + 3 + 4 + sizes, 3)
+    assert counted[1] == RankCounters(1 + 1 + 1, 1 + 1, 2 + sizes, size + sizes, 3)
+    assert counted[2] == RankCounters(2 + 1 + 1, 1, 2 * size + 3 + sizes, sizes, 3)
+    assert counted[3] == RankCounters(1 + 1 + 1, 1 + 1, size + 4 + sizes, size + sizes, 3)
     world.reset()
     assert world.counters(3) == RankCounters()
     assert world.leader_seconds == 0.0
+
+
+def test_gather_counts_one_send_per_rank_and_everything_on_the_root() -> None:
+    world = SimulatedWorld(5, timeout=10)
+    objs = [b"x" * (10 * r) for r in range(5)]
+    got = world.run(lambda c: c.gather(objs[c.rank], root=3))
+    assert got == [None, None, None, objs, None]
+    sizes = [_size(o) for o in objs]
+    counted = world.all_counters()
+    for rank in (0, 1, 2, 4):
+        assert counted[rank] == RankCounters(1, 0, sizes[rank], 0, 1)
+    assert counted[3] == RankCounters(0, 4, 0, sum(sizes) - sizes[3], 1)
+
+
+def test_a_broadcast_is_a_tree_no_rank_sends_more_than_two_copies() -> None:
+    world = SimulatedWorld(100, timeout=60)
+    payload = b"y" * 1000
+    got = world.run(lambda c: c.broadcast(payload if c.rank == 7 else None, root=7))
+    assert got == [payload] * 100
+    size = _size(payload)
+    counted = world.all_counters()
+    assert max(c.bytes_sent for c in counted) == 2 * size
+    assert all(c.bytes_received == size for r, c in enumerate(counted) if r != 7)
+    # Every rank but the root receives exactly once: 99 copies sent in all.
+    assert sum(c.messages_sent for c in counted) == 99
+    assert counted[7].bytes_received == 0
+
+
+def test_agree_decides_on_the_leader_and_tells_everyone() -> None:
+    world = SimulatedWorld(16, timeout=60)
+    got = world.run(lambda c: agree(c, c.rank * 3, max))
+    assert got == [45] * 16
+    counted = world.all_counters()
+    # Each rank but the leader sends its value once and receives the decision once.
+    assert all(c.messages_received == 1 and c.rounds == 2 for c in counted[1:])
+    assert counted[0].messages_received == 15
+
+
+def test_a_decision_the_leader_cannot_make_fails_on_every_rank() -> None:
+    world = SimulatedWorld(4, timeout=30)
+
+    def decide(values: list[Any]) -> Any:
+        raise ValueError("no quorum")
+
+    def body(c: SimulatedRank) -> str:
+        try:
+            agree(c, c.rank, decide)
+        except CoordinationError as exc:
+            return str(exc)
+        except ValueError as exc:
+            return f"leader: {exc}"
+        return "decided"
+
+    told = world.run(body)
+    assert told[0] == "leader: no quorum"
+    assert all("could not decide: ValueError: no quorum" in t for t in told[1:])
 
 
 def test_a_world_of_one_communicates_nothing() -> None:
@@ -138,6 +197,8 @@ def test_bad_arguments_are_refused() -> None:
         world.coordinator(2)
     with pytest.raises(ValueError, match="root"):
         world.coordinator(0).broadcast(1, root=5)
+    with pytest.raises(ValueError, match="root"):
+        world.coordinator(0).gather(1, root=2)
     with pytest.raises(ValueError, match="destination rank"):
         world.coordinator(0).exchange({9: b""})
 
@@ -181,20 +242,18 @@ def _figures(*worlds: int) -> list[Any]:
 @pytest.mark.timeout(240)
 def test_what_a_rank_sends_and_the_rounds_of_a_save_are_flat_in_n() -> None:
     small, large = _figures(8, 64)
-    assert small.rounds == large.rounds == 6
+    assert small.rounds == large.rounds == 7
     assert _within(small.max_sent_bytes_but_leader, large.max_sent_bytes_but_leader)
     assert _within(small.manifest_bytes_per_rank, large.manifest_bytes_per_rank)
-    # Every rank restores its own part: more than the replicated model, which each reads whole.
-    assert large.restore_read_bytes_per_rank > 4096 * 4
+    # Every rank restores its own part and at most its share of the replicated model (read
+    # once in the job, _run/read_once.py): less than the model, which it no longer reads whole.
+    assert 4096 < large.restore_read_bytes_per_rank < 4096 * 4
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(
-    strict=True,
-    reason="#52 part 1 is not built: the save's all-gathers and the commit record are O(N) per "
-    "rank (docs/PERFORMANCE.md, 'Coordination at scale')",
-)
 def test_what_a_rank_receives_and_reads_is_flat_in_n() -> None:
+    """#52 part 1: gathers to the leader and tree broadcasts, and the commit record handed
+    out by rank: every rank but the leader receives, reads and restores O(1) in N."""
     small, large = _figures(8, 64)
     assert _within(small.max_received_bytes_but_leader, large.max_received_bytes_but_leader)
     assert _within(small.max_sent_bytes_per_rank, large.max_sent_bytes_per_rank)
@@ -206,10 +265,14 @@ def test_what_a_rank_receives_and_reads_is_flat_in_n() -> None:
 @pytest.mark.timeout(1800)
 def test_per_rank_counts_at_64_and_512_ranks() -> None:
     small, large = _figures(64, 512)
-    assert small.rounds == large.rounds == 6
+    assert small.rounds == large.rounds == 7
     assert _within(small.max_sent_bytes_but_leader, large.max_sent_bytes_but_leader)
     assert _within(small.manifest_bytes_per_rank, large.manifest_bytes_per_rank)
-    # Today's O(N) per rank, pinned so that the change to O(1) (#52 part 1) updates it: what a
-    # rank receives, and the leader sends, grow with the world (8x the ranks: over 4x the bytes).
-    assert large.max_received_bytes_but_leader > 4 * small.max_received_bytes_but_leader
-    assert large.max_sent_bytes_per_rank > 4 * small.max_sent_bytes_per_rank
+    # O(1) per rank (#52 part 1): what a rank receives, what any rank (the leader included)
+    # sends, its metadata and its restore's reads do not grow with the world.
+    assert _within(small.max_received_bytes_but_leader, large.max_received_bytes_but_leader)
+    assert _within(small.max_sent_bytes_per_rank, large.max_sent_bytes_per_rank)
+    assert _within(small.metadata_bytes_per_rank, large.metadata_bytes_per_rank)
+    assert _within(small.restore_read_bytes_per_rank, large.restore_read_bytes_per_rank)
+    # The leader's share is O(N), as designed: it receives every rank's part summary.
+    assert large.max_received_bytes_per_rank > 4 * small.max_received_bytes_per_rank

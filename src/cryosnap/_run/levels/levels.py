@@ -16,7 +16,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from cryosnap import engine
-from cryosnap._format.keys import Lineage, supersedes, visible_versions
+from cryosnap._format.keys import (
+    Lineage,
+    data_writers,
+    supersedes,
+    visible_versions,
+    written_by,
+)
 from cryosnap._run.chain import ChainIndex
 from cryosnap._run.levels.codec import LevelCodec
 from cryosnap._run.levels.flush import (
@@ -317,10 +323,9 @@ class Levels:
         if index < len(self.handoffs):
             keep_also |= self.handoffs[index].unfinished()
         chain = self.chains.get(index)
-        forget = chain.forget_files if chain is not None else engine.ignore_files
         try:
             with self.files_lock:
-                self._retire_level(level, keep_also, forget, later)
+                self._retire_level(level, keep_also, chain, later)
         except LockLostError:
             return  # recorded by the fence; nothing was deleted
         except CoordinationError:
@@ -333,13 +338,14 @@ class Levels:
         self,
         level: Level,
         keep_also: set[int],
-        forget: Callable[[Collection[str]], None],
+        chain: ChainIndex | None,
         later: list[Callable[[], None]] | None,
     ) -> None:
         """One retention pass of ``level`` (under ``files_lock``; see :meth:`retire`)."""
         if level.shared and self.coordinator.world_size > 1:
-            self._retire_shared(level, keep_also, forget)
+            self._retire_shared(level, keep_also, chain)
         else:
+            forget = chain.forget_files if chain is not None else engine.ignore_files
             deferred: list[Callable[[], None]] | None = [] if later is not None else None
             engine.retire(
                 level.store,
@@ -363,11 +369,12 @@ class Levels:
         except CheckpointError as exc:
             log.warning("retention on %s failed: %s", url, exc)
 
-    def _retire_shared(
-        self, level: Level, protect: set[int], forget: Callable[[Collection[str]], None]
-    ) -> None:
+    def _retire_shared(self, level: Level, protect: set[int], chain: ChainIndex | None) -> None:
         """Rank 0 plans, every rank forgets the doomed files, then rank 0 deletes while the
-        others wait."""
+        others wait. The doomed files go out as the writers that made them
+        (:func:`data_writers`: a few ranges per retired version, not a name per rank), so
+        what a rank receives is flat in N; a rank forgets at most a few files more than are
+        deleted (a writer's other files), which costs de-duplication, never correctness."""
         coord = self._retire_channel
         plan: engine.RetirePlan | None = None
         decision: dict[str, object]
@@ -376,7 +383,8 @@ class Levels:
                 plan = engine.plan_retire(
                     level.store, keep=level.keep, protect=protect, reserved=set(level.reserved)
                 )
-                decision = {"files": plan.data_files}
+                runs, other = data_writers(plan.data_files)
+                decision = {"writers": runs, "other": other}
             except CheckpointError as exc:
                 decision = {"error": str(exc)}
         else:
@@ -384,9 +392,10 @@ class Levels:
         decision = coord.broadcast(decision)
         if "error" in decision:
             raise CheckpointError(f"retention on {level.store.url}: {decision['error']}")
-        files = decision["files"]
-        assert isinstance(files, list)
-        forget(files)
+        writers, named = decision["writers"], decision["other"]
+        assert isinstance(writers, list) and isinstance(named, list)
+        if chain is not None:
+            chain.forget_where(written_by(writers, named))
         coord.barrier()
         try:
             if plan is not None:

@@ -20,7 +20,7 @@ from cryosnap import engine
 from cryosnap._format.commit import CommitRecord
 from cryosnap._format.keys import commit_key, parse_commit_key
 from cryosnap._run.lock import RunLock, acquire_run_lock
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.errors import CheckpointError, CheckpointFormatError, CoordinationError
 from cryosnap.policy import RetentionPolicy
 from cryosnap.storage import BlobWriter, Store, join_location
@@ -275,7 +275,7 @@ def transfer(
         for dst, keys in wanted.items()
     }
     receivers = {src: _Receiver(incoming[src], files) for src, files in plan_in.items()}
-    rounds = max(coord.all_gather(max((s.windows for s in senders.values()), default=0)))
+    rounds = agree(coord, max((s.windows for s in senders.values()), default=0), max)
     for _ in range(rounds):
         sends = {dst: s.next() for dst, s in senders.items() if not s.done}
         for src, body in coord.exchange(sends).items():

@@ -34,7 +34,7 @@ from cryosnap._run.redundancy.xor import (
     retire,
     version_name,
 )
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.errors import CheckpointError, CheckpointFormatError, MissingDependencyError
 from cryosnap.storage import BlobWriter, Store, join_location, validate_key
 
@@ -319,7 +319,7 @@ class RSParity:
         mine, members, errors = exchange_layouts(coord, self.ranks, store, part, record)
         seg = -(-max((x.nbytes for x in members.values()), default=0) // self.k)
         rounds = 0 if errors else -(-seg // self.window_bytes())
-        everyone = max(coord.all_gather(rounds))
+        everyone = agree(coord, rounds, max)
         name = version_name(part.manifest.step, 0 if lineage is None else lineage.generation)
         token = secrets.token_hex(4)
         keys = [f"parity/{name}-{token}-{j}.rs" for j in range(self.m)]

@@ -23,7 +23,7 @@ import numpy as np
 from cryosnap import engine
 from cryosnap._format.keys import Lineage
 from cryosnap._run.redundancy import partner as _partner
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.errors import CheckpointError, CheckpointFormatError
 from cryosnap.storage import BlobWriter, Store, join_location, validate_key
 
@@ -340,7 +340,7 @@ class Parity:
         seg = segment_bytes([m.nbytes for m in members.values()], k)
         w = window_bytes(k)
         rounds = 0 if errors else -(-seg // w)
-        everyone = max(coord.all_gather(rounds))
+        everyone = agree(coord, rounds, max)
         generation = 0 if lineage is None else lineage.generation
         key = f"parity/{version_name(step, generation)}-{secrets.token_hex(4)}.xor"
         writer = self.store.open_writer(key) if not errors else None
