@@ -1,7 +1,8 @@
 """The roll call at open: the participants agree on who they are before anything is written.
 
-One all-gather of each rank's ``[rank, world size, run id, formats]``; every rank checks the
-same list, so a disagreement is a :class:`~cryosnap.errors.ParticipantMismatchError` on all of
+Each rank's ``[rank, world size, run id, formats]`` gathered to the leader, which checks the
+list and broadcasts what it found (:func:`cryosnap.dist.agree`: O(1) bytes per rank but the
+leader's), so a disagreement is a :class:`~cryosnap.errors.ParticipantMismatchError` on all of
 them alike, before the stores are opened. Runs on the caller's thread (``open_run``), on the
 coordinator's main channel; :func:`disagreement` is pure.
 """
@@ -13,7 +14,7 @@ from typing import Any
 
 from cryosnap._format.commit import FORK_COMMIT_FORMAT_VERSION
 from cryosnap._format.manifest import CODEC_FORMAT_VERSION
-from cryosnap.dist import Coordinator
+from cryosnap.dist import Coordinator, agree
 from cryosnap.errors import ParticipantMismatchError
 
 __all__ = ["disagreement", "roll_call", "written_formats"]
@@ -29,8 +30,8 @@ def roll_call(coord: Coordinator, *, run_id: str | None) -> None:
     """Raise :class:`ParticipantMismatchError` on every rank when they disagree."""
     if coord.world_size == 1:
         return
-    told = coord.all_gather([coord.rank, coord.world_size, run_id, written_formats()])
-    problem = disagreement(told)
+    mine = [coord.rank, coord.world_size, run_id, written_formats()]
+    problem = agree(coord, mine, disagreement)
     if problem:
         raise ParticipantMismatchError(
             f"rank {coord.rank}: the participants opening this run disagree: {problem}; "

@@ -31,21 +31,23 @@ __all__ = [
     "predict",
 ]
 
-# The collectives one save runs today, per step (docs/DISTRIBUTED.md, "What the ranks agree
-# on"; tests/unit/plan/test_cost.py counts them on a real save on a SimulatedWorld):
+# The collectives one save runs today, per step (docs/design/distributed.md, "One protocol";
+# tests/unit/plan/test_cost.py counts them on a real save on a SimulatedWorld). A decision is
+# two: a gather to the leader and its broadcast (``cryosnap.dist.agree``).
 # - a commit to the shared (persistent) level: where each rank's share of the replicated state
-#   lies (all_gather), every part's summary (all_gather), rank 0's outcome (broadcast);
-PERSISTENT_COLLECTIVES = 3
+#   lies (a decision), every part's summary and rank 0's outcome (a decision);
+PERSISTENT_COLLECTIVES = 4
 # - retention on the shared level (``keep=``): rank 0's plan (broadcast) and two barriers;
 RETENTION_COLLECTIVES = 3
-# - a commit to scratch: the replicated fingerprints, every part durable, every record landed;
-SCRATCH_COLLECTIVES = 3
-# - partner copies: offers, wants, rounds (exchange, exchange, all_gather) and the records,
-#   plus one exchange per window of ``WINDOW_BYTES``;
-PARTNER_COLLECTIVES = 4
-# - XOR or Reed-Solomon parity: the sets' layouts (exchange) and the rounds (all_gather), plus
+# - a commit to scratch: the replicated fingerprints, every part durable, every record landed
+#   (a decision each);
+SCRATCH_COLLECTIVES = 6
+# - partner copies: offers, wants (exchange, exchange), rounds (a decision) and the records
+#   (exchange), plus one exchange per window of ``WINDOW_BYTES``;
+PARTNER_COLLECTIVES = 5
+# - XOR or Reed-Solomon parity: the sets' layouts (exchange) and the rounds (a decision), plus
 #   one exchange per window.
-PARITY_COLLECTIVES = 2
+PARITY_COLLECTIVES = 3
 WINDOW_BYTES = 64 << 20
 
 

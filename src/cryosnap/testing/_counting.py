@@ -16,7 +16,14 @@ from typing import Any
 from cryosnap._validate import wrong_type
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CountersNotKeptError
-from cryosnap.testing._world import SIZE_BYTES, RankCounters, SimulatedRank, pickled
+from cryosnap.testing._world import (
+    LEADER,
+    SIZE_BYTES,
+    RankCounters,
+    SimulatedRank,
+    broadcast_children,
+    pickled,
+)
 
 __all__ = ["CountingCoordinator", "counters_of"]
 
@@ -108,9 +115,14 @@ class CountingCoordinator:
     # -- the protocol --------------------------------------------------------------------------
 
     def barrier(self, *, timeout: float | None = None) -> None:
+        # As the world counts it: a gather of nothing to rank 0, then its tree broadcast.
         self._inner.barrier(timeout=timeout)
-        others = self.world_size - 1
-        self._tally.add(messages_sent=min(others, 1), messages_received=others)
+        me, world = self.rank, self.world_size
+        children = len(broadcast_children(me, LEADER, world))
+        if me == LEADER:
+            self._tally.add(messages_sent=children, messages_received=world - 1)
+        else:
+            self._tally.add(messages_sent=children + 1, messages_received=1)
 
     def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         sent = _pickled(obj)
@@ -125,15 +137,31 @@ class CountingCoordinator:
         )
         return got
 
+    def gather(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> list[Any] | None:
+        sent = _pickled(obj)
+        got = self._inner.gather(obj, root=root, timeout=timeout)
+        if self.rank != root:
+            self._tally.add(messages_sent=1, bytes_sent=sent)
+        elif got is not None:
+            received = sum(_pickled(o) for r, o in enumerate(got) if r != root)
+            self._tally.add(messages_received=self.world_size - 1, bytes_received=received)
+        return got
+
     def broadcast(self, obj: Any, *, root: int = 0, timeout: float | None = None) -> Any:
+        # As the world counts it: a binary tree from ``root``; each rank receives once and
+        # forwards to its children.
         got = self._inner.broadcast(obj, root=root, timeout=timeout)
+        size = _pickled(got)
+        children = len(broadcast_children(self.rank, root, self.world_size))
         if self.rank == root:
-            if self.world_size > 1:
-                self._tally.add(messages_sent=1, bytes_sent=_pickled(obj))
-            else:
-                self._tally.add()
+            self._tally.add(messages_sent=children, bytes_sent=size * children)
         else:
-            self._tally.add(messages_received=1, bytes_received=_pickled(got))
+            self._tally.add(
+                messages_sent=children,
+                bytes_sent=size * children,
+                messages_received=1,
+                bytes_received=size,
+            )
         return got
 
     def exchange(

@@ -101,17 +101,20 @@ def test_checkpointer_saves_count_as_on_the_simulated_world(tmp_path: Path) -> N
 
 
 def test_counters_reset_and_count_a_collective_a_newer_protocol_adds() -> None:
-    class WithGather(LocalCoordinator):
-        def gather(self, obj: Any, *, root: int = 0) -> list[Any] | None:
-            return [obj] if self.rank == root else None
+    class WithScatter(LocalCoordinator):
+        def scatter(self, objs: list[Any] | None, *, root: int = 0) -> Any:
+            assert objs is not None
+            return objs[self.rank]
 
-    c = CountingCoordinator(WithGather())
+    c = CountingCoordinator(WithScatter())
     c.barrier()
     assert c.counters() == RankCounters(rounds=1)
     c.reset()
     assert c.counters() == RankCounters()
-    assert c.gather("x") == ["x"]
-    assert c.counters().rounds == 1 and c.uncounted == {"gather"}
+    assert c.gather("x") == ["x"]  # in the protocol: counted (nothing travels in a world of 1)
+    assert c.counters().rounds == 1 and c.uncounted == frozenset()
+    assert c.scatter(["y"]) == "y"
+    assert c.counters().rounds == 2 and c.uncounted == {"scatter"}
     assert c.channel("a") is c.channel("a")
     assert c.inner.world_size == 1
 

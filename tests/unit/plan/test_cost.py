@@ -66,12 +66,15 @@ def test_a_save_through_scratch_follows_the_formulas() -> None:
     assert p.stall_seconds == pytest.approx(part / (20 * GB))
     scratch, persistent = p.levels
     # the node's 4 ranks share its 4 GB/s; hashing (10 GB/s) overlaps and is faster
-    assert scratch.seconds == pytest.approx(4 * part / (4 * GB) + 3 * stages * 1e-3)
+    assert scratch.seconds == pytest.approx(
+        4 * part / (4 * GB) + SCRATCH_COLLECTIVES * stages * 1e-3
+    )
     # the flush of several ranks reads each share back (the node's 4 ranks share its read
     # rate, the write's where none is given), then writes it: each rank gets
     # min(1000 GB/s / 64, 25 GB/s / 4) = 6.25 GB/s of the shared level
     read = 4 * share / (4 * GB)
-    assert persistent.seconds == pytest.approx(read + share / (6.25 * GB) + 6 * stages * 1e-3)
+    coordination = (PERSISTENT_COLLECTIVES + RETENTION_COLLECTIVES) * stages * 1e-3
+    assert persistent.seconds == pytest.approx(read + share / (6.25 * GB) + coordination)
     assert scratch.durable_seconds == pytest.approx(p.stall_seconds + scratch.seconds)
     assert persistent.durable_seconds == pytest.approx(scratch.durable_seconds + persistent.seconds)
     assert scratch.written_bytes_per_rank == part
