@@ -159,12 +159,16 @@ def exchange(
         [position[i], first, count, files.setdefault(key, len(files)), offset]
         for i, first, count, key, offset in writer.owned_locations()
     ]
+    coded = writer.coded
     mine = {
         "keys": _keys_json(plan.keys),
         "blobs": len(plan.blobs),
         "digests": {name: _digest(v) for name, v in leaves.items()},
         "files": list(files),
         "runs": runs,
+        # Of those files, the ones coded on the level (its codec): the other ranks' manifests
+        # name them coded too.
+        "coded": [i for i, key in enumerate(files) if key in coded],
     }
     gathered = coord.all_gather(mine)
     failed = [(r, g["error"]) for r, g in enumerate(gathered) if "error" in g]
@@ -187,13 +191,14 @@ def exchange(
         detail = coord.all_gather({k: leaves.get(k, []) for k in wanted})
         raise ReplicaDivergenceError(_divergence(step, wanted, detail))
     me = coord.rank
+    others = [g for r, g in enumerate(gathered) if r != me]
     writer.place_external(
         [
             (plan.blobs[c], first, count, g["files"][f], offset)
-            for r, g in enumerate(gathered)
-            if r != me
+            for g in others
             for c, first, count, f, offset in g["runs"]
-        ]
+        ],
+        coded={g["files"][i] for g in others for i in g["coded"]},
     )
 
 
