@@ -9,11 +9,15 @@ Each state is saved plain with cryosnap; its data files are then coded as the fl
 them (storage/_codec.py's CodedWriter, frames of 4 MiB) and read back through DecodedStore:
 the ratio is plain bytes over stored bytes, the rates plain MB per second of the codec alone
 (one thread; medians of ``--repeat``). Time to durable: ``save(step, state).result()`` of the
-GPT-2 state with scratch on a local directory and the persistent level on moto, codec None,
-"zstd" and "auto" (three runs open at once, saves alternated, ``--repeat`` + 1 full versions
-each, the first left out: "auto" calibrates on it), and the rates "auto" measured.
+GPT-2 state with the persistent level on moto (``--level s3``) or a local directory
+(``--level local``), reached by the flush from scratch on a local directory (``--route
+flush``) or written directly, without scratch (``--route direct``: the write path codes on the
+writer's I/O thread), codec None, "zstd" and "auto" (three runs open at once, saves
+alternated, ``--repeat`` + 1 full versions each, the first left out: "auto" calibrates on
+it), and the rates "auto" measured. ``--durable-only`` skips the states' rates.
 
-Run: ``.venv/bin/python bench/bench_codec.py --repeat 3``
+Run: ``.venv/bin/python bench/bench_codec.py --repeat 3``, or
+``.venv/bin/python bench/bench_codec.py --repeat 3 --durable-only --route direct --level local``
 """
 
 from __future__ import annotations
@@ -118,32 +122,41 @@ def _moto() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("moto did not start")
 
 
-def durable_seconds(layers: int, width: int, steps: int, repeat: int) -> dict[str, Any]:
-    """Seconds from save() to durable on the S3 level: codec None, "zstd" and "auto", three
-    runs open at once, their saves alternated; each run's first version (auto's calibration)
-    is left out of the medians."""
+def durable_seconds(
+    layers: int, width: int, steps: int, repeat: int, *, route: str = "flush", level: str = "s3"
+) -> dict[str, Any]:
+    """Seconds from save() to durable on the persistent level (``level``: "s3" on moto, or
+    "local", a directory), reached by ``route`` ("flush" from scratch, or "direct"): codec
+    None, "zstd" and "auto", three runs open at once, their saves alternated; each run's
+    first version (auto's calibration) is left out of the medians."""
     import contextlib
 
-    import s3fs
+    proc: subprocess.Popen[bytes] | None = None
+    options: dict[str, Any] | None = None
+    if level == "s3":
+        import s3fs
 
-    proc, endpoint = _moto()
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
-    s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket="bench")
+        proc, endpoint = _moto()
+        options = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+        }
+        s3fs.S3FileSystem(**options).call_s3("create_bucket", Bucket="bench")
     codecs = ("none", "zstd", "auto")
     out: dict[str, list[float]] = {c: [] for c in codecs}
     result: dict[str, Any] = {}
     try:
         states = [gpt_state(layers, width, steps, seed) for seed in range(repeat + 1)]
         with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+            where = {
+                c: f"s3://bench/{c}" if level == "s3" else f"{d}/persistent-{c}" for c in codecs
+            }
             runs = {
                 c: stack.enter_context(
                     cryosnap.Checkpointer(
-                        f"s3://bench/{c}",
-                        scratch=f"{d}/{c}",
+                        where[c],
+                        scratch=f"{d}/{c}" if route == "flush" else None,
                         storage_options=options,
                         codec=None if c == "none" else c,
                         incremental=False,
@@ -169,14 +182,25 @@ def durable_seconds(layers: int, width: int, steps: int, repeat: int) -> dict[st
                     "coded_files": rates.coded_files,
                     "plain_files": rates.plain_files,
                 }
-        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-        for c in codecs:
-            result[f"stored_mb_{c}"] = sum(fs.du(f"bench/{c}/data", total=False).values()) / 1e6
-            result[f"durable_s_{c}"] = statistics.median(out[c])
+            stack.close()  # retention done: one version each
+            for c in codecs:
+                result[f"stored_mb_{c}"] = _stored_bytes(where[c], options) / 1e6
+                result[f"durable_s_{c}"] = statistics.median(out[c])
     finally:
-        proc.terminate()
-        proc.wait()
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
     return result
+
+
+def _stored_bytes(url: str, options: dict[str, Any] | None) -> int:
+    """The bytes of a run's data files on its persistent level (objects or files)."""
+    if options is not None:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        return int(sum(fs.du(f"{url.removeprefix('s3://')}/data", total=False).values()))
+    return sum(f.stat().st_size for f in Path(url, "data").iterdir())
 
 
 def main() -> None:
@@ -187,29 +211,35 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--route", choices=("flush", "direct"), default="flush")
+    p.add_argument("--level", choices=("s3", "local"), default="s3")
+    p.add_argument("--durable-only", action="store_true", help="skip the states' rates")
     a = p.parse_args()
     before = h.load_average()
-    result = {
-        "demo": codec_rates(demo_state(a.demo_steps), a.repeat),
-        "gpt2_adamw": codec_rates(gpt_state(a.layers, a.width, a.gpt_steps), a.repeat),
-        "s3": durable_seconds(a.layers, a.width, a.gpt_steps, a.repeat),
-    }
+    result: dict[str, Any] = {}
+    if not a.durable_only:
+        result["demo"] = codec_rates(demo_state(a.demo_steps), a.repeat)
+        result["gpt2_adamw"] = codec_rates(gpt_state(a.layers, a.width, a.gpt_steps), a.repeat)
+    result["durable"] = durable_seconds(
+        a.layers, a.width, a.gpt_steps, a.repeat, route=a.route, level=a.level
+    )
+    result["durable"].update(route=a.route, level=a.level)
     if a.json:
         print(json.dumps(result, indent=1))
         return
     h.print_load(before)
-    for name in ("demo", "gpt2_adamw"):
+    for name in ("demo", "gpt2_adamw") if not a.durable_only else ():
         r = result[name]
         print(
             f"{name:11s} {r['plain_mb']:8.1f} MB -> {r['stored_mb']:8.1f} MB  ratio "
             f"{r['ratio']:.3f}  compress {r['compress_mb_s']:6.0f} MB/s  decompress "
             f"{r['decompress_mb_s']:6.0f} MB/s"
         )
-    s = result["s3"]
+    s = result["durable"]
     for c in ("none", "zstd", "auto"):
         print(
-            f"S3 (moto) time to durable, codec={c}: {s[f'durable_s_{c}']:.2f} s "
-            f"({s[f'stored_mb_{c}']:.1f} MB in the bucket)"
+            f"{a.level} level, {a.route} route: time to durable, codec={c}: "
+            f"{s[f'durable_s_{c}']:.2f} s ({s[f'stored_mb_{c}']:.1f} MB stored)"
         )
     for c in ("zstd", "auto"):
         print(f"  {c} measured: {s[f'rates_{c}']}")

@@ -285,8 +285,8 @@ class Checkpointer(_Opened):
         (:meth:`cryosnap.Run.stats`; NaN or Inf marks a version "unhealthy"). False: none, for
         the writer thread's time they take (docs/PERFORMANCE.md).
     codec
-        The persistent level's data files, as the flush from ``scratch`` writes them: None,
-        ``"zstd"``, ``"auto"`` (README, "Compressing the persistent level").
+        The persistent level's data files (flushed from ``scratch`` or written directly):
+        None, ``"zstd"``, ``"auto"`` (README, "Compressing the persistent level").
     """
 
     def __init__(

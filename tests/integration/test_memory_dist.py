@@ -11,6 +11,7 @@ Run as a script (``python test_memory_dist.py SCENARIO OUT_DIR PARTNER``) by the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -40,7 +41,8 @@ def _run_dirs(root: Path) -> list[Path]:
 
 def _save_kill_restore(tmp: Path, world: int, partner: str, lost: list[int]) -> list[Any]:
     """Save and SIGKILL on ``world`` ranks, delete the memory of the nodes ``lost``, restart:
-    what each rank restored."""
+    the level each rank restored from. A rank whose memory was rebuilt said so in its log,
+    naming the memory level (not scratch)."""
     from cryosnap._run.memory import orphans
 
     launch("save", world, tmp, partner, script=HERE, killed=frozenset(range(world)))
@@ -55,6 +57,10 @@ def _save_kill_restore(tmp: Path, world: int, partner: str, lost: list[int]) -> 
     for rank in range(world):
         assert got[rank]["same"] and got[rank]["step"] == 2, got[rank]
         assert _run_dirs(tmp / f"shm-{rank}") == []  # removed at close
+        rebuilt = [line for line in got[rank]["log"] if "lacked versions" in line]
+        if got[rank]["from"] == "partner-memory":
+            assert len(rebuilt) == 1 and rebuilt[0].startswith(f"rank {rank}: memory "), got[rank]
+        assert not any("scratch" in line for line in rebuilt), got[rank]
     return [g["from"] for g in got]
 
 
@@ -103,11 +109,24 @@ def _open(rank: int, base: Path, partner: str) -> Any:
     )
 
 
+class _Lines(logging.Handler):
+    """The cryosnap log's warnings of this rank, as lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def main(scenario: str, out: Path, partner: str, base: str = "") -> None:
     import datetime
 
     import torch.distributed as dist
 
+    lines = _Lines()
+    logging.getLogger("cryosnap").addHandler(lines)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     got: dict[str, Any] = {}
@@ -124,6 +143,7 @@ def main(scenario: str, out: Path, partner: str, base: str = "") -> None:
         got["step"] = state["step"]
         got["from"] = ckpt.restored_from
         got["same"] = bool(np.array_equal(state["w"], want["w"])) and state["rank"] == rank
+    got["log"] = lines.lines
     (out / f"rank-{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 

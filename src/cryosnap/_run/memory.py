@@ -249,17 +249,19 @@ class MemoryLevel:
             self.partners.locks = []
             for store in self.partners.held.values():
                 _private_lock_file(store)
-            steps = self._rebuild(lambda: rebuild_partner(coord, self.store, self.partners))
+            steps = self._rebuild(
+                lambda: rebuild_partner(coord, self.store, self.partners, level=MEMORY)
+            )
         elif rs is not None:
             self.parity = RSParity.open(
                 coord, root, k=rs[0], m=rs[1], open_store=_private_store, timeout=None
             )
             sets = self.parity
-            steps = self._rebuild(lambda: rebuild_rs(coord, self.store, sets))
+            steps = self._rebuild(lambda: rebuild_rs(coord, self.store, sets, level=MEMORY))
         elif partner == "xor":
             self.parity = Parity.open(coord, root, open_store=_private_store, timeout=None)
             xor = self.parity
-            steps = self._rebuild(lambda: rebuild_xor(coord, self.store, xor))
+            steps = self._rebuild(lambda: rebuild_xor(coord, self.store, xor, level=MEMORY))
         self.rebuilt = set(steps)
 
     def _rebuild(self, rebuild: Any) -> list[int]:

@@ -106,7 +106,7 @@ class RunOptions:
         _set(self, "stats", _validate.boolean(self.stats, "stats"))
         self._check_partner()
         _set(self, "memory", _memory(self.memory))
-        _check_codec(self.codec, self.scratch)
+        _check_codec(self.codec, self.scratch, self.memory)
         self._check_storage()
         _check_device_diff(self.device_diff, self.incremental, chunk_bytes)
 
@@ -290,17 +290,20 @@ def _scratch_devices(scratch: object) -> tuple[Device, ...] | None:
     return tuple(t if isinstance(t, Device) else Device(t) for t in items)  # type: ignore[arg-type]
 
 
-def _check_codec(codec: object, scratch: object) -> None:
+def _check_codec(codec: object, scratch: object, memory: object) -> None:
     if codec is None:
         return
     if codec not in ("zstd", "auto"):
         raise ValueError(f"codec={codec!r} is invalid: allowed are None, 'zstd' and 'auto'")
-    if scratch is None:
-        # The codec runs in the flush (levels/flush.py): a run without scratch writes the
-        # persistent level directly, where no codec is applied yet.
+    if scratch is None and memory is not None:
+        # The memory level copies the first level's files as they are (memory.py): without
+        # scratch that is the persistent level, whose files the codec stores coded, and a
+        # memory level is never coded (a restore from it maps its files).
         raise ValueError(
-            f"codec={codec!r} compresses what the flush from scratch writes to the persistent "
-            "level: it needs scratch= (a run without scratch writes plain data files)"
+            f"codec={codec!r} with memory= needs scratch=: the memory level copies "
+            "the first level's data files, and without scratch that is the persistent level, "
+            "whose files the codec compresses (never the memory level's). Give scratch= or "
+            "codec=None"
         )
     require_zstd(f"codec={codec!r}")
 

@@ -162,12 +162,16 @@ def exchange(
         [position[i], first, count, files.setdefault(key, len(files)), offset]
         for i, first, count, key, offset in writer.owned_locations()
     ]
+    coded = writer.coded
     mine = {
         "keys": _keys_json(plan.keys),
         "blobs": len(plan.blobs),
         "digests": {name: _digest(v) for name, v in leaves.items()},
         "files": list(files),
         "runs": runs,
+        # Of those files, the ones coded on the level (its codec): the other ranks' manifests
+        # name them coded too.
+        "coded": [i for i, key in enumerate(files) if key in coded],
     }
     decided = agree(coord, mine, _decide)
     if "failed" in decided:
@@ -189,12 +193,14 @@ def exchange(
         )
         raise ReplicaDivergenceError(told)
     me = coord.rank
+    theirs = [run for run in decided["runs"] if run[0] != me]
+    coded_at = set(decided["coded"])
     writer.place_external(
         [
             (plan.blobs[c], first, count, decided["files"][f], offset)
-            for r, c, first, count, f, offset in decided["runs"]
-            if r != me
-        ]
+            for _, c, first, count, f, offset in theirs
+        ],
+        coded={decided["files"][run[4]] for run in theirs if run[4] in coded_at},
     )
 
 
@@ -202,7 +208,8 @@ def _decide(gathered: list[dict[str, Any]]) -> dict[str, Any]:
     """The leader's decision over every rank's replicated summary: ``failed`` (ranks that
     failed), ``keys`` (the replicated= arguments differ), ``differing`` (leaves whose content
     differs; [] when only the blob counts do), else the merged table of every rank's shares:
-    ``files`` and ``runs`` (``[rank, blob, first, count, file, offset]``)."""
+    ``files``, ``runs`` (``[rank, blob, first, count, file, offset]``) and ``coded`` (the
+    files coded on the level, by index)."""
     failed = [[r, g["error"]] for r, g in enumerate(gathered) if "error" in g]
     if failed:
         return {"failed": failed}
@@ -220,7 +227,8 @@ def _decide(gathered: list[dict[str, Any]]) -> dict[str, Any]:
         for r, g in enumerate(gathered)
         for c, first, count, f, offset in g["runs"]
     ]
-    return {"files": list(files), "runs": runs}
+    coded = sorted({files[g["files"][i]] for g in gathered for i in g["coded"]})
+    return {"files": list(files), "runs": runs, "coded": coded}
 
 
 def _differs(gathered: Sequence[dict[str, Any]], field: str, key: str) -> bool:

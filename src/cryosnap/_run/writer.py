@@ -245,6 +245,8 @@ class VersionWriter:
             compact=self.level.keep is not None,
             skeleton_texts=self.skeleton_texts,
             stats=self.stats,
+            # The persistent level's codec (Checkpointer(codec=)); None on scratch.
+            codec=self.level.codec,
         )
 
     def _tell_failure(self, job: Job, exc: BaseException, *, exchanged: bool, copied: bool) -> None:

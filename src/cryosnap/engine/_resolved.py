@@ -371,7 +371,9 @@ def _resolve_one(
     chain.apply(manifest, where)
     steps = (*base.chain, manifest.step) if base is not None else (manifest.step,)
     keys = (*base.chain_keys, key) if base is not None else (key,)
-    return chain.part(manifest, key, xxh3, steps, keys=keys)
+    part = chain.part(manifest, key, xxh3, steps, keys=keys)
+    part.coded = manifest.coded if base is None else manifest.coded | base.coded
+    return part
 
 
 def memory_limit_bytes() -> int:

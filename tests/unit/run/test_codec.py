@@ -146,8 +146,8 @@ def test_a_reader_without_zstandard_is_told_the_extra(
 def test_bad_codec_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="codec='lz4' is invalid"):
         cryosnap.Checkpointer(tmp_path / "a", scratch=tmp_path / "s", codec="lz4")
-    with pytest.raises(ValueError, match="needs scratch="):
-        cryosnap.Checkpointer(tmp_path / "a", codec="zstd")
+    with pytest.raises(ValueError, match="with memory= needs scratch="):
+        cryosnap.Checkpointer(tmp_path / "a", codec="zstd", memory="1GiB")
     monkeypatch.setitem(sys.modules, "zstandard", None)
     with pytest.raises(MissingDependencyError, match=r"cryosnap\[zstd\]"):
         cryosnap.Checkpointer(tmp_path / "a", scratch=tmp_path / "s", codec="auto")
@@ -271,9 +271,11 @@ def test_a_mark_given_before_the_flush_is_bound_to_the_coded_record(tmp_path: Pa
 _BEFORE_CODECS = "799bd3f"
 
 
-@pytest.mark.timeout(120)
-def test_a_cryosnap_from_before_codecs_refuses_by_version(tmp_path: Path) -> None:
-    """The real thing: that commit's cryosnap, from git, loads a coded run in a subprocess."""
+def load_with_cryosnap_before_codecs(
+    tmp_path: Path, run: Path, step: int
+) -> subprocess.CompletedProcess[str]:
+    """Load ``step`` of ``run`` in a subprocess with the real cryosnap of :data:`_BEFORE_CODECS`
+    (from git: the test is skipped without git or that commit); its outcome."""
     repo = Path(__file__).resolve().parents[3]
     git = shutil.which("git")
     if (
@@ -292,16 +294,23 @@ def test_a_cryosnap_from_before_codecs_refuses_by_version(tmp_path: Path) -> Non
         check=True,
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    run, _ = _two_versions(tmp_path, codec="zstd")
-    shutil.rmtree(tmp_path / "scratch")
-    code = f"import cryosnap; cryosnap.load({str(run)!r}, step=2)"
+    code = f"import cryosnap; cryosnap.load({str(run)!r}, step={step})"
     env = {**os.environ, "PYTHONPATH": str(old / "src")}
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=100
     )
+    assert str(old / "src") in proc.stderr  # it was that cryosnap that ran
+    return proc
+
+
+@pytest.mark.timeout(120)
+def test_a_cryosnap_from_before_codecs_refuses_by_version(tmp_path: Path) -> None:
+    """The real thing: that commit's cryosnap, from git, loads a coded run in a subprocess."""
+    run, _ = _two_versions(tmp_path, codec="zstd")
+    shutil.rmtree(tmp_path / "scratch")
+    proc = load_with_cryosnap_before_codecs(tmp_path, run, 2)
     assert proc.returncode != 0
     assert "format_version 8 is not supported by this cryosnap" in proc.stderr
-    assert str(old / "src") in proc.stderr  # it was that cryosnap that refused
 
 
 def test_a_fork_of_a_coded_run_reads_its_coded_files(tmp_path: Path) -> None:

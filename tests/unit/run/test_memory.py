@@ -5,6 +5,7 @@ tests/integration/test_memory_dist.py runs it with gloo processes, SIGKILL and l
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -373,3 +375,88 @@ def test_the_default_root_is_dev_shm_and_nothing_stays_there(
         c.restore()
         assert c.restored_from == "memory"
     assert not mine.exists()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real tmpfs of 8 MiB as the memory root (root only: skipped elsewhere, or where the
+    mount is refused, as in a container without CAP_SYS_ADMIN); unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"mount -t tmpfs failed: {mounted.stderr.strip()}")
+    try:
+        monkeypatch.setenv(_memory.MEMORY_ROOT_ENV, str(root))
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=True, timeout=30)
+
+
+def _fill(root: Path) -> Path:
+    """Write a file in ``root`` until the file system is full (ENOSPC); the file."""
+    filler = root / "filler"
+    block = b"\xa5" * (64 << 10)
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def test_a_full_tmpfs_skips_versions_and_loses_nothing(
+    tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real 8 MiB tmpfs: a version larger than its free space is skipped by the check
+    before the copy; one whose copy meets a real ENOSPC (another process filled the tmpfs
+    between the check and the copy) is skipped too, its partial file removed. Each with a
+    warning; the persistent level holds every version, and the memory level takes the next
+    version once there is room again."""
+    copy = _memory._copy
+    fill: list[Path] = []
+
+    def crowded(src: Any, dst: Any, keys: list[str]) -> None:
+        if not fill:  # armed: the tmpfs fills up just before this copy
+            fill.append(_fill(small_tmpfs))
+        copy(src, dst, keys)
+
+    user = small_tmpfs / f"cryosnap-{os.getuid()}"
+    with (
+        pytest.warns(RuntimeWarning, match=r"memory=64\.0 MiB is more than .* holds \(8\.0 MiB"),
+        cryosnap.Checkpointer(tmp_path / "run", memory="64MiB", incremental=False) as c,
+    ):
+        c.save(1, state_of(1)).result()  # 1 MiB: fits
+        c.wait()
+        assert c.restore()["step"] == 1 and c.restored_from == "memory"
+        with pytest.warns(RuntimeWarning, match=r"step 2 is not kept .* free, 1[12]\.\d MiB"):
+            c.save(2, state_of(2, 3 << 20)).result()  # 12 MiB: more than the tmpfs
+            c.wait()
+        assert c.restore()["step"] == 2 and c.restored_from == "persistent"
+        monkeypatch.setattr(_memory, "_copy", crowded)
+        with pytest.warns(RuntimeWarning, match=r"step 3 is not kept .*disk full"):
+            c.save(3, state_of(3, 5 << 18)).result()  # 5 MiB: fits, until the tmpfs fills
+            c.wait()
+        assert fill and not [p for p in user.rglob("*") if p.name.endswith(".partial")]
+        own = LocalStore(run_dirs(small_tmpfs)[0] / "rank-00000")
+        assert engine.list_steps(own) == []  # version 1 made room for 3; 3 never committed
+        got = c.restore()
+        assert got["step"] == 3 and c.restored_from == "persistent"
+        assert np.array_equal(got["w"], state_of(3, 5 << 18)["w"])
+        fill[0].unlink()
+        c.save(4, state_of(4, 5 << 18)).result()
+        c.wait()
+        assert c.restore()["step"] == 4 and c.restored_from == "memory"
+    for step, n in ((1, 1 << 18), (2, 3 << 20), (3, 5 << 18), (4, 5 << 18)):
+        got = cryosnap.load(tmp_path / "run", step=step)
+        assert np.array_equal(got["w"], state_of(step, n)["w"])
+    assert run_dirs(small_tmpfs) == []

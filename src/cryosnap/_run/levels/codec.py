@@ -1,9 +1,12 @@
-"""The codec of one level (``Checkpointer(codec=)``): whether the flush into the persistent
-level stores the data files it writes coded (byte shuffle + zstd, _format/codec.py), and the
-rates that decide it under ``"auto"``.
+"""The codec of one level (``Checkpointer(codec=)``): whether the data files written to the
+persistent level are stored coded (byte shuffle + zstd, _format/codec.py), and the rates that
+decide it under ``"auto"``.
 
-Runs on the level's flusher thread only (one flush at a time); :meth:`LevelCodec.snapshot`
-may be read from any thread. docs/design/levels.md ("Codecs") has the why.
+Used where the persistent level's data files are written: on its flusher thread (the copy
+from scratch, levels/flush.py) and on the writer's I/O threads (the write path,
+engine/write/: a run without scratch, or the ranks' rewrite of node-local scratch). Its
+counters take a lock; :meth:`LevelCodec.snapshot` may be read from any thread.
+docs/design/levels.md ("Codecs") has the why.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from cryosnap.storage.base import BytesLike
 
 __all__ = ["CodecRates", "LevelCodec", "pays"]
 
-# Plain bytes compressed to calibrate the codec under "auto" while the level's flushes run
-# plain: a slice of SAMPLE_BYTES from each copy window (16 MiB), so the sample spreads over
-# the version (the first 16 MiB of a GPT-2's state, its embedding, gave 1.08 where the whole
-# state gives 1.18), until CALIBRATE_BYTES were compressed.
+# Plain bytes compressed to calibrate the codec under "auto" while the level's files are
+# written plain: a slice of SAMPLE_BYTES from a buffer written after every WINDOW_BYTES (the
+# flush's copy windows are that size), so the sample spreads over the version (the first
+# 16 MiB of a GPT-2's state, its embedding, gave 1.08 where the whole state gives 1.18), until
+# CALIBRATE_BYTES were compressed. A buffer under MIN_SAMPLE_BYTES (a small leaf on the write
+# path) is not sampled: the next larger one is.
 CALIBRATE_BYTES = 64 << 20
 SAMPLE_BYTES = 1 << 20
+WINDOW_BYTES = 16 << 20
+MIN_SAMPLE_BYTES = 64 << 10
 
 
 def pays(write_bytes_per_s: float, codec_bytes_per_s: float, ratio: float) -> bool:
@@ -58,11 +65,14 @@ class CodecRates:
 
 
 class _TimedWriter:
-    """A plain writer that counts the bytes written and the seconds the writes took."""
+    """A plain writer that counts the bytes written and the seconds the writes took, and
+    hands ``codec`` a buffer to calibrate on after every :data:`WINDOW_BYTES` written."""
 
-    def __init__(self, inner: BlobWriter) -> None:
+    def __init__(self, inner: BlobWriter, codec: LevelCodec) -> None:
         self.key = inner.key
         self._inner = inner
+        self._codec = codec
+        self._unsampled = WINDOW_BYTES  # the first large buffer is sampled
         self.nbytes = 0
         self.seconds = 0.0
 
@@ -70,7 +80,13 @@ class _TimedWriter:
         t0 = time.perf_counter()
         self._inner.write(buffers)
         self.seconds += time.perf_counter() - t0
-        self.nbytes += sum(memoryview(b).nbytes for b in buffers)
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            self.nbytes += view.nbytes
+            if self._unsampled >= WINDOW_BYTES and view.nbytes >= MIN_SAMPLE_BYTES:
+                self._codec.sample(view)
+                self._unsampled = 0
+            self._unsampled += view.nbytes
 
     def tell(self) -> int:
         return self._inner.tell()
@@ -85,10 +101,10 @@ class _TimedWriter:
 
 
 class LevelCodec:
-    """``mode`` ``"zstd"`` codes every data file the flush writes; ``"auto"`` writes plain
-    until both rates are measured (the first flush: the level's writes timed, the codec
-    calibrated on a slice of each window of its chunks), then codes each file when
-    :func:`pays` says so, with the rates of every flush since (coded ones included)."""
+    """``mode`` ``"zstd"`` codes every data file written to the level; ``"auto"`` writes
+    plain until both rates are measured (the first file: the level's writes timed, the codec
+    calibrated on a slice of each window of its bytes), then codes each file when
+    :func:`pays` says so, with the rates of every file since (coded ones included)."""
 
     def __init__(self, mode: str) -> None:
         if mode not in ("zstd", "auto"):
@@ -110,29 +126,38 @@ class LevelCodec:
                 *self._files,
             )
 
-    def open_writer(self, dst: Store, key: str) -> CodedWriter | _TimedWriter:
-        """The writer of data file ``key`` on ``dst``: coded or plain, as the rates say."""
-        if self.snapshot().use:
+    def use(self) -> bool:
+        """Whether the next data file written is coded, as the rates measured so far say."""
+        return self.snapshot().use
+
+    def open_writer(
+        self, dst: Store, key: str, *, coded: bool | None = None
+    ) -> CodedWriter | _TimedWriter:
+        """The writer of data file ``key`` on ``dst``: coded or plain (``coded``; None: as
+        :meth:`use` says now). Give it to :meth:`written` once committed."""
+        if self.use() if coded is None else coded:
             return CodedWriter(dst.open_writer(key))
-        return _TimedWriter(dst.open_writer(key))
+        return _TimedWriter(dst.open_writer(key), self)
 
     def sample(self, view: memoryview) -> None:
-        """Under ``"auto"``, calibrate the codec on a slice of ``view`` (a window of plain
-        bytes a plain flush is writing) until :data:`CALIBRATE_BYTES` were compressed."""
-        if self.mode != "auto" or self._coded_plain >= CALIBRATE_BYTES or self._encoder is None:
+        """Under ``"auto"``, calibrate the codec on a slice of ``view`` (plain bytes being
+        written plain) until :data:`CALIBRATE_BYTES` were compressed."""
+        if self.mode != "auto" or self._encoder is None:
             return
         mid = max(0, (view.nbytes - SAMPLE_BYTES) // 2) // 8 * 8
         view = view[mid : mid + SAMPLE_BYTES]
-        t0 = time.perf_counter()
-        stored, _elem, _how = self._encoder.encode(view)
-        seconds = time.perf_counter() - t0
+        # Under the lock: one zstd context, and a writer of each level's file may sample.
         with self._lock:
+            if self._coded_plain >= CALIBRATE_BYTES:
+                return
+            t0 = time.perf_counter()
+            stored, _elem, _how = self._encoder.encode(view)
+            self._encode_s += time.perf_counter() - t0
             self._coded_plain += view.nbytes
             self._coded_stored += len(stored)
-            self._encode_s += seconds
 
-    def written(self, writer: CodedWriter | _TimedWriter) -> None:
-        """Count a data file once ``writer`` committed it."""
+    def written(self, writer: BlobWriter) -> None:
+        """Count a data file once ``writer`` (of :meth:`open_writer`) committed it."""
         with self._lock:
             if isinstance(writer, CodedWriter):
                 s = writer.stats
@@ -142,7 +167,7 @@ class LevelCodec:
                 self._coded_stored += s.stored_bytes
                 self._encode_s += s.encode_seconds
                 self._files[0] += 1
-            else:
+            elif isinstance(writer, _TimedWriter):
                 self._stored += writer.nbytes
                 self._write_s += writer.seconds
                 self._files[1] += 1

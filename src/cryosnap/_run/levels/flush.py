@@ -198,16 +198,14 @@ def _copy_file(
             view = buf[: hi - lo]
             src.read_into(key, lo, [view])
             _verify_window(key, src, view, lo, chunks, chunk_bytes)
-            if codec is not None and not isinstance(writer, CodedWriter):
-                codec.sample(view)
-            writer.write([view])
+            writer.write([view])  # a plain writer of "auto" calibrates the codec on it
             lo = hi
         writer.commit()
     except BaseException:
         writer.abort()
         raise
     if codec is not None:
-        codec.written(writer)  # type: ignore[arg-type]
+        codec.written(writer)
     return isinstance(writer, CodedWriter)
 
 

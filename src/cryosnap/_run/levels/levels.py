@@ -61,7 +61,8 @@ class Level:
     locks: list[RunLock] = field(default_factory=list)
     # Files retention must not delete: versions whose commit record may still land.
     reserved: set[str] = field(default_factory=set)
-    # The codec of the data files a flush writes here (Checkpointer(codec=)), or None.
+    # The codec of the data files written here, by a flush or the write path
+    # (Checkpointer(codec=), the persistent level only), or None.
     codec: LevelCodec | None = None
 
     def steps(self) -> list[int]:
@@ -233,13 +234,8 @@ class Levels:
         for i in range(len(self.levels) - 1):
             flush = None
             if rewrite is not None and self.rewritten(i + 1):
-                codec = self.levels[i + 1].codec
-                if codec is not None:
-                    raise ValueError(
-                        f"codec={codec.mode!r} is not supported yet where "
-                        "several ranks each flush node-local scratch to the persistent level "
-                        "(the ranks write it again): use codec=None there"
-                    )
+                # The ranks write the level again (writer.Rewriter): its VersionWriter
+                # applies the level's codec on the write path.
                 flush = rewrite(i + 1)
             self.handoffs.append(
                 Handoff(self, i, retry_seconds=retry_seconds, yield_to=yield_to, flush=flush)

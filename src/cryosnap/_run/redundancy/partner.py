@@ -188,9 +188,12 @@ def version_keys(store: Store, step: int) -> list[str]:
     return [*record.data_files, *engine.chain_keys(store, record)]
 
 
-def rebuild(coord: Coordinator, own: Store, partners: Partners) -> list[int]:
-    """At open (collective): a rank whose own scratch lacks the newest versions its partner
-    holds gets every file of them back from the partner. The steps this rank got back."""
+def rebuild(
+    coord: Coordinator, own: Store, partners: Partners, *, level: str = "scratch"
+) -> list[int]:
+    """At open (collective): a rank whose own store on ``level`` (``own``) lacks the newest
+    versions its partner holds gets every file of them back from the partner. The steps this
+    rank got back."""
     newest = _newest(own)
     mine = {"own": newest, "held": {str(r): _newest(s) for r, s in partners.held.items()}}
     told = coord.all_gather(mine)
@@ -204,12 +207,13 @@ def rebuild(coord: Coordinator, own: Store, partners: Partners) -> list[int]:
     steps: list[int] = []
     errors = transfer(coord, outgoing, incoming)
     if errors:
-        raise CheckpointError(f"rebuilding scratch from partner copies: {'; '.join(errors)}")
+        raise CheckpointError(f"rebuilding {level} from partner copies: {'; '.join(errors)}")
     if incoming:
         steps = [s for s in engine.list_steps(own) if s > newest]
         log.warning(
-            "rank %d: scratch %s lacked versions %s; copied back from rank %d's partner copy",
+            "rank %d: %s %s lacked versions %s; copied back from rank %d's partner copy",
             coord.rank,
+            level,
             own.url,
             steps,
             holder,

@@ -18,7 +18,7 @@ from cryosnap._format.keys import Lineage
 from cryosnap._run.redundancy import partner as _partner
 from cryosnap._run.redundancy.rs import Code, RSIndex, RSParity, element_of, stripe_of, window
 from cryosnap._run.redundancy.xor import STATUS_FAILED, STATUS_OK, Payload, index_key
-from cryosnap._run.redundancy.xor_rebuild import Rebuilt, commit_rebuilt
+from cryosnap._run.redundancy.xor_rebuild import Rebuilt, below, commit_rebuilt
 from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import BlobWriter, Store
@@ -39,15 +39,18 @@ class _Round:
     nbytes: int
 
 
-def rebuild(coord: Coordinator, own: Store, parity: RSParity) -> list[int]:
-    """At open (collective): rebuild the lost ranks (at most M) of each set that has some.
-    The steps this rank got back (verified and committed on its scratch)."""
+def rebuild(
+    coord: Coordinator, own: Store, parity: RSParity, *, level: str = "scratch"
+) -> list[int]:
+    """At open (collective): rebuild the lost ranks (at most M) of each set that has some on
+    ``level`` (``own``: this rank's store there, named in the log). The steps this rank got
+    back (verified and committed there)."""
     status = {
         "versions": [[s, *_lin(lin)] for s, lin in engine.list_versions(own).items()],
         "indexes": parity.store.list("index"),
     }
     told = coord.all_gather(status)
-    lost = lost_ranks(parity.ranks, parity.m, told)
+    lost = lost_ranks(parity.ranks, parity.m, told, level)
     plan = None
     if lost and coord.rank == min(r for r in parity.ranks if r not in lost):
         plan = _plan(parity, lost, told)
@@ -57,7 +60,7 @@ def rebuild(coord: Coordinator, own: Store, parity: RSParity) -> list[int]:
     if rounds == 0:
         return []
     if mine is not None and coord.rank in mine["lost"]:
-        return _receive(coord, own, parity, mine, rounds)
+        return _receive(coord, own, parity, mine, rounds, level)
     _send(coord, own, parity, mine, rounds)
     return []
 
@@ -66,7 +69,7 @@ def _lin(lineage: Lineage | None) -> list[int]:
     return [0, 0] if lineage is None else [lineage.generation, lineage.fork]
 
 
-def lost_ranks(ranks: Sequence[int], m: int, told: list[Any]) -> list[int]:
+def lost_ranks(ranks: Sequence[int], m: int, told: list[Any], level: str = "scratch") -> list[int]:
     """The ranks of the set ``ranks`` lacking versions newer than their newest that every
     other member holds (``told[r]["versions"]``: rank r's [step, generation, fork]); [] if
     none. More than ``m`` behind: logged, [] (the persistent level serves their versions)."""
@@ -76,12 +79,14 @@ def lost_ranks(ranks: Sequence[int], m: int, told: list[Any]) -> list[int]:
     behind = [r for r in ranks if newest[r] < top]
     if len(behind) > m:
         log.warning(
-            "RS set %s: ranks %s lost versions (newest steps %s); a set rebuilds at most M=%d "
-            "lost ranks: their versions come from the persistent level",
+            "RS set %s: ranks %s lost versions on %s (newest steps %s); a set rebuilds at most "
+            "M=%d lost ranks: their versions come from %s",
             list(ranks),
             behind,
+            level,
             [newest[r] for r in behind],
             m,
+            below(level),
         )
         return []
     if not behind:
@@ -209,7 +214,12 @@ _Open = tuple[Rebuilt, list[BlobWriter], RSIndex]  # a lost rank's files, parity
 
 
 def _receive(
-    coord: Coordinator, own: Store, parity: RSParity, plan: dict[str, Any], rounds: int
+    coord: Coordinator,
+    own: Store,
+    parity: RSParity,
+    plan: dict[str, Any],
+    rounds: int,
+    level: str,
 ) -> list[int]:
     """A lost rank: decode its blocks from the K sources' windows into its files and its
     parity, then commit each version whose every chunk verifies."""
@@ -251,7 +261,8 @@ def _receive(
     finally:
         for x in writers.values():
             _abort(x)
-    return commit_rebuilt(own, parity.rank, plan["targets"].get(str(parity.rank), []), broken, "RS")
+    targets = plan["targets"].get(str(parity.rank), [])
+    return commit_rebuilt(own, parity.rank, targets, broken, "RS", level)
 
 
 def _start(

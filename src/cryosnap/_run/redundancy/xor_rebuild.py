@@ -33,7 +33,7 @@ from cryosnap.dist import Coordinator
 from cryosnap.errors import CheckpointError
 from cryosnap.storage import BlobWriter, Store, WrapperStore
 
-__all__ = ["Rebuilt", "commit_rebuilt", "rebuild"]
+__all__ = ["Rebuilt", "below", "commit_rebuilt", "rebuild"]
 
 log = logging.getLogger("cryosnap")
 
@@ -48,15 +48,16 @@ class _Round:
     nbytes: int
 
 
-def rebuild(coord: Coordinator, own: Store, parity: Parity) -> list[int]:
-    """At open (collective): rebuild the lost rank of each set that has one. The steps this
-    rank got back (verified and committed on its scratch)."""
+def rebuild(coord: Coordinator, own: Store, parity: Parity, *, level: str = "scratch") -> list[int]:
+    """At open (collective): rebuild the lost rank of each set that has one on ``level``
+    (``own``: this rank's store there, named in the log). The steps this rank got back
+    (verified and committed there)."""
     status = {
         "versions": [[s, *_lin(lin)] for s, lin in engine.list_versions(own).items()],
         "indexes": parity.store.list("index"),
     }
     told = coord.all_gather(status)
-    lost, leader = _lost(parity.ranks, told)
+    lost, leader = _lost(parity.ranks, told, level)
     plan = None
     if lost is not None and coord.rank == leader:
         plan = _plan(parity, lost, told)
@@ -66,7 +67,7 @@ def rebuild(coord: Coordinator, own: Store, parity: Parity) -> list[int]:
     if rounds == 0:
         return []
     if mine is not None and mine["lost"] == coord.rank:
-        return _receive(coord, own, parity, mine, rounds)
+        return _receive(coord, own, parity, mine, rounds, level)
     _send(coord, own, parity, mine, rounds)
     return []
 
@@ -75,7 +76,7 @@ def _lin(lineage: Lineage | None) -> list[int]:
     return [0, 0] if lineage is None else [lineage.generation, lineage.fork]
 
 
-def _lost(ranks: Sequence[int], told: list[Any]) -> tuple[int | None, int | None]:
+def _lost(ranks: Sequence[int], told: list[Any], level: str) -> tuple[int | None, int | None]:
     """The one rank of the set ``ranks`` lacking versions newer than its newest that every
     other member holds, and the lowest other member (who plans); (None, None) if none. Two
     members behind: logged, nothing rebuilt (the persistent level serves them)."""
@@ -90,11 +91,13 @@ def _lost(ranks: Sequence[int], told: list[Any]) -> tuple[int | None, int | None
             return m, min(r for r in ranks if r != m)
     if len(behind) > 1:
         log.warning(
-            "XOR set %s: ranks %s lost versions (newest steps %s); a set rebuilds one lost "
-            "rank: their versions come from the persistent level",
+            "XOR set %s: ranks %s lost versions on %s (newest steps %s); a set rebuilds one "
+            "lost rank: their versions come from %s",
             list(ranks),
+            level,
             behind,
             [newest[r] for r in behind],
+            below(level),
         )
     return None, None
 
@@ -304,7 +307,7 @@ def _has(store: Store, key: str, nbytes: int) -> bool:
 
 
 def _receive(
-    coord: Coordinator, own: Store, parity: Parity, plan: dict[str, Any], rounds: int
+    coord: Coordinator, own: Store, parity: Parity, plan: dict[str, Any], rounds: int, level: str
 ) -> list[int]:
     """The lost rank: XOR the survivors' windows into its files and its parity, then commit
     each version whose every chunk verifies."""
@@ -344,7 +347,7 @@ def _receive(
     finally:
         for w in writers.values():
             _abort(w)
-    return commit_rebuilt(own, plan["lost"], plan["targets"], broken, "XOR")
+    return commit_rebuilt(own, plan["lost"], plan["targets"], broken, "XOR", level)
 
 
 def _start(
@@ -412,14 +415,27 @@ class _WithRecord(WrapperStore):
         return sorted({*keys, self._key}) if self._key.startswith(prefix) else keys
 
 
+def below(level: str) -> str:
+    """Where a version lost on ``level`` (and not rebuilt) is read from instead."""
+    return "the persistent level" if level == "scratch" else "scratch or the persistent level"
+
+
 def commit_rebuilt(
-    own: Store, lost: int, targets: Sequence[Sequence[Any]], broken: dict[int, str], what: str
+    own: Store,
+    lost: int,
+    targets: Sequence[Sequence[Any]],
+    broken: dict[int, str],
+    what: str,
+    level: str,
 ) -> list[int]:
     """Write the commit record of each rebuilt version (``targets``: [step, generation, fork,
-    record text], oldest first) whose part verifies on ``own``, the scratch of rank ``lost``;
-    ``broken``: the entries that failed, logged. The steps committed."""
+    record text], oldest first) whose part verifies on ``own``, the store of rank ``lost`` on
+    ``level`` (scratch or memory, named in the log); ``broken``: the entries that failed,
+    logged. The steps committed."""
     if broken:
-        log.warning("%s rebuild of rank %d: %s", what, lost, "; ".join(broken.values()))
+        log.warning(
+            "%s rebuild of rank %d on %s: %s", what, lost, level, "; ".join(broken.values())
+        )
     out: list[int] = []
     for step, gen, fork, text in targets:
         lineage = Lineage(gen, fork) if gen else None
@@ -433,19 +449,21 @@ def commit_rebuilt(
             own.write(key, body)
         except CheckpointError as exc:
             log.warning(
-                "rank %d: step %d could not be rebuilt from %s parity (%s); the persistent "
-                "level serves it",
+                "rank %d: step %d could not be rebuilt on %s from %s parity (%s); %s serves it",
                 lost,
                 step,
+                level,
                 what,
                 exc,
+                below(level),
             )
             continue
         out.append(step)
     if out:
         log.warning(
-            "rank %d: scratch %s lacked versions %s; rebuilt from %s parity",
+            "rank %d: %s %s lacked versions %s; rebuilt from %s parity",
             lost,
+            level,
             own.url,
             out,
             what,

@@ -2,7 +2,8 @@
 on an I/O thread of its own, then fsynced and committed behind the last of them.
 
 ``append``, ``start_commit``, ``wait_commit`` and ``abort`` run on the writer thread; the
-writes, the commit and the ``release`` callbacks on the appender's I/O thread.
+writes (and a level codec's compression of them), the commit and the ``release`` callbacks on
+the appender's I/O thread.
 """
 
 from __future__ import annotations
@@ -12,13 +13,31 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from cryosnap.storage import Store
 from cryosnap.storage.base import BlobWriter
 from cryosnap.storage.striped import Placement
 
-__all__ = ["Appender"]
+__all__ = ["Appender", "FileCodec"]
+
+
+class FileCodec(Protocol):
+    """How a level stores the data files written to it (``Checkpointer(codec=)``: the
+    persistent level's ``LevelCodec``, _run/levels/codec.py): coded or plain, file by file,
+    and what each one cost."""
+
+    def use(self) -> bool:
+        """Whether the next data file is coded."""
+        ...
+
+    def open_writer(self, dst: Store, key: str, *, coded: bool | None = None) -> BlobWriter:
+        """The writer of ``key`` on ``dst``, coded or plain."""
+        ...
+
+    def written(self, writer: BlobWriter) -> None:
+        """Count a file its writer (of :meth:`open_writer`) committed."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +67,26 @@ class Appender:
     """Appends buffers to one data file on a thread of its own, so hashing and diffing the
     next batch (Python, holds the GIL) overlaps writing this one (syscalls, release it).
     With a ``placement`` it reports each write's bytes and busy seconds to it. The file is
-    opened by the first write that has bytes: a part with no new bytes makes none."""
+    opened by the first write that has bytes: a part with no new bytes makes none. With a
+    ``codec`` the file is written through it, ``coded`` or plain (decided by the caller before
+    the first write, so its manifest can say so while the file is still being written)."""
 
     def __init__(
-        self, store: Store, key: str, placement: Placement | None = None, device: int = 0
+        self,
+        store: Store,
+        key: str,
+        placement: Placement | None = None,
+        device: int = 0,
+        *,
+        codec: FileCodec | None = None,
+        coded: bool = False,
     ) -> None:
         self.store = store
         self.key = key
         self.placement = placement
         self.device = device
+        self.codec = codec
+        self.coded = coded
         self._queue: queue.SimpleQueue[_Task] = queue.SimpleQueue()
         self._writer: BlobWriter | None = None
         self._thread: threading.Thread | None = None
@@ -88,6 +118,8 @@ class Appender:
                 t0 = time.perf_counter()
                 self._writer.commit()
                 self._observe(0, time.perf_counter() - t0)
+                if self.codec is not None:
+                    self.codec.written(self._writer)
         except BaseException as exc:
             self._error = exc
 
@@ -96,7 +128,7 @@ class Appender:
             if task.views and self._error is None:
                 t0 = time.perf_counter()
                 if self._writer is None:
-                    self._writer = self.store.open_writer(self.key)
+                    self._writer = self._open()
                 self._writer.write(task.views)
                 self._observe(task.nbytes, time.perf_counter() - t0)
         except BaseException as exc:
@@ -105,6 +137,11 @@ class Appender:
             if self.placement is not None:
                 self.placement.done(self.device, task.nbytes)
             task.release()
+
+    def _open(self) -> BlobWriter:
+        if self.codec is None:
+            return self.store.open_writer(self.key)
+        return self.codec.open_writer(self.store, self.key, coded=self.coded)
 
     def _observe(self, nbytes: int, seconds: float) -> None:
         if self.placement is not None:

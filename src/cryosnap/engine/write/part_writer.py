@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,12 +41,12 @@ from cryosnap.engine._limits import WriteLimits
 from cryosnap.engine._resolved import ResolvedPart, _Loc, _resolve_one
 from cryosnap.engine.items import Hashed, Item, Piece, Unchanged
 from cryosnap.engine.write import _compact
-from cryosnap.engine.write._appender import Appender
+from cryosnap.engine.write._appender import Appender, FileCodec
 from cryosnap.engine.write._differ import ALIGN_BYTES, Cursor, Differ, FileTable, Segments
 from cryosnap.engine.write._shares import Location, Owners, ShareMap, owner_runs
 from cryosnap.engine.write._stats import Recorder
 from cryosnap.errors import CheckpointError, CheckpointExistsError, StorageError
-from cryosnap.storage import Store
+from cryosnap.storage import Store, decoded
 from cryosnap.storage._direct import BLOCK_BYTES, DIRECT_MIN_BYTES
 from cryosnap.storage.striped import Placement
 
@@ -134,6 +134,11 @@ class PartWriter:
     where the other ranks' shares lie, before :meth:`finish`. ``replicated`` is recorded in
     the manifest. ``limits``: the groups batches are hashed and queued in (None:
     :meth:`WriteLimits.current`, taken here, on the thread that makes the writer).
+
+    ``codec`` (the persistent level's, ``Checkpointer(codec=)``) stores the part's data files
+    coded where it says so, compressed on the appenders' I/O threads; the manifest names them
+    coded, and so every older file it names that is coded on the level (chunk hashes and
+    offsets stay those of the plain bytes: docs/FORMAT.md, "Coded data files").
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class PartWriter:
         skeleton_texts: SkeletonTextCache | None = None,
         limits: WriteLimits | None = None,
         stats: bool = True,
+        codec: FileCodec | None = None,
     ) -> None:
         self.limits = limits if limits is not None else WriteLimits.current()
         if store.exists(commit_key(step, lineage)):
@@ -194,7 +200,17 @@ class PartWriter:
             differ=self._differ,
             files=self._files,
         )
-        self._ios = [Appender(store, k, placement, d) for d, k in enumerate(keys)]
+        # Decided once per part, before its first write: the manifest, built while the files
+        # are still being written and fsynced, says which are coded.
+        coded = codec is not None and codec.use()
+        self._ios = [
+            Appender(store, k, placement, d, codec=codec, coded=coded) for d, k in enumerate(keys)
+        ]
+        # The files this part may name that are coded on the level: its own (if coded), its
+        # chain's, the other ranks' shares' (place_external).
+        self._coded: set[str] = set(keys) if coded else set()
+        if self.base is not None:
+            self._coded.update(self.base.coded)
         self._cursors = [Cursor(d, k) for d, k in enumerate(keys)]
         self._device = 0  # the device taking the new bytes of the batch being diffed
         self._new_share = 1.0  # moving share of new bytes in a batch, to size placements
@@ -208,6 +224,11 @@ class PartWriter:
     def files(self) -> list[str]:
         """The data files this part's segments may name (its own first)."""
         return self._files.keys
+
+    @property
+    def coded(self) -> frozenset[str]:
+        """The data files this part may name that are coded on its level."""
+        return frozenset(self._coded)
 
     @property
     def shares(self) -> dict[int, Owners]:
@@ -245,7 +266,7 @@ class PartWriter:
                 groups = _first_groups(pieces, self.chunk_bytes, self.limits)
             self._add_groups(groups, release)
             return
-        self._add_placed(pieces, release, self.placement)
+        _add_placed(self, pieces, release, self.placement)
 
     def _add_groups(self, groups: list[Sequence[Item]], release: Callable[[], None]) -> None:
         """:meth:`add` of the pieces of ``groups`` (in order, one file), each group hashed and
@@ -261,36 +282,6 @@ class PartWriter:
                     release_one()
                 raise
             self._ios[0].append(out, release_one, self._cursors[0].offset - before)
-
-    def _add_placed(
-        self, pieces: Sequence[Item], release: Callable[[], None], placement: Placement
-    ) -> None:
-        """:meth:`add` over several devices: groups of about ``place_bytes``, each on the
-        device the placement chooses; ``release`` runs once every group's I/O is done."""
-        groups = _split_pieces(pieces, self.limits.place_bytes, self.chunk_bytes)
-        release_one = _release_after(len(groups), release)
-        for i, group in enumerate(groups):
-            queued = False
-            try:
-                logical = sum(p.view.nbytes for p in group if isinstance(p, Piece))
-                device = placement.choose(int(logical * self._new_share), reserve=logical)
-                self._device = device
-                before = self._cursors[device].offset
-                out = self._diff(group)
-                nbytes = self._cursors[device].offset - before
-                # Only what the batch writes keeps its reservation of the device's capacity.
-                placement.unreserve(device, logical - nbytes)
-                if logical:
-                    self._new_share = 0.5 * self._new_share + 0.5 * nbytes / logical
-                placement.enqueue(device, nbytes)
-                queued = True
-                self._ios[device].append(out, release_one, nbytes)
-            except BaseException:
-                # Groups not handed to an I/O thread are released here (a queued one is
-                # released by its thread, even when its append reports an earlier failure).
-                for _ in range(len(groups) - i - (1 if queued else 0)):
-                    release_one()
-                raise
 
     def _diff(self, pieces: Sequence[Item]) -> list[memoryview]:
         out: list[memoryview] = []
@@ -390,10 +381,12 @@ class PartWriter:
         (new, referenced or inherited: every chunk of the share)."""
         return self._shares.owned_locations()
 
-    def place_external(self, runs: Sequence[Location]) -> None:
+    def place_external(self, runs: Sequence[Location], coded: Collection[str] = ()) -> None:
         """The other ranks' shares: runs ``(blob, first chunk, chunks, data file, offset)``
-        (their :meth:`owned_locations`) become stored segments of this part."""
+        (their :meth:`owned_locations`) become stored segments of this part; ``coded``: the
+        files of those runs that are coded on the level (their :attr:`coded`)."""
         self._shares.place_external(runs)
+        self._coded.update(coded)
 
     # -- the end of the part ---------------------------------------------------------------------
 
@@ -437,7 +430,7 @@ class PartWriter:
                 refs,
                 own=set(self._files.keys[: len(self._ios)]),
                 fixed_blobs=set(self.shares),
-                size_of=self.store.size,
+                size_of=self.plain_store().size,
             )
             if moves is not None:
                 segments, files = _append_moved(self, segments, refs, moves)
@@ -445,6 +438,11 @@ class PartWriter:
                 return segments
         self._used = frozenset(refs.files())
         return segments
+
+    def plain_store(self) -> Store:
+        """The level's store reading the coded files this part may name as their plain bytes
+        (the remnants compaction copies forward, their files' sizes)."""
+        return decoded(self.store, self._coded)
 
     def _build(self, segments: Segments | None = None) -> tuple[Manifest, bytes]:
         if segments is None:
@@ -466,6 +464,7 @@ class PartWriter:
             stats=None
             if self._stats is None
             else self._stats.result(None if base is None else base.manifest.stats),
+            coded=frozenset(self._coded.intersection(segments.data_files)),
             format_version=(
                 NUMPY_PACKED_FORMAT_VERSION
                 if flat.numpy_packed
@@ -515,6 +514,37 @@ class PartWriter:
                 self.placement.release()
 
 
+def _add_placed(
+    self: PartWriter, pieces: Sequence[Item], release: Callable[[], None], placement: Placement
+) -> None:
+    """:meth:`PartWriter.add` over several devices: groups of about ``place_bytes``, each on the
+    device the placement chooses; ``release`` runs once every group's I/O is done."""
+    groups = _split_pieces(pieces, self.limits.place_bytes, self.chunk_bytes)
+    release_one = _release_after(len(groups), release)
+    for i, group in enumerate(groups):
+        queued = False
+        try:
+            logical = sum(p.view.nbytes for p in group if isinstance(p, Piece))
+            device = placement.choose(int(logical * self._new_share), reserve=logical)
+            self._device = device
+            before = self._cursors[device].offset
+            out = self._diff(group)
+            nbytes = self._cursors[device].offset - before
+            # Only what the batch writes keeps its reservation of the device's capacity.
+            placement.unreserve(device, logical - nbytes)
+            if logical:
+                self._new_share = 0.5 * self._new_share + 0.5 * nbytes / logical
+            placement.enqueue(device, nbytes)
+            queued = True
+            self._ios[device].append(out, release_one, nbytes)
+        except BaseException:
+            # Groups not handed to an I/O thread are released here (a queued one is
+            # released by its thread, even when its append reports an earlier failure).
+            for _ in range(len(groups) - i - (1 if queued else 0)):
+                release_one()
+            raise
+
+
 def _append_moved(
     self: PartWriter, segments: Segments, refs: _compact.ChunkRefs, moves: _compact.CompactPlan
 ) -> tuple[Segments, set[str]]:
@@ -530,7 +560,7 @@ def _append_moved(
             return segments, refs.files()
     at = self._cursors[device]
     placed = moves.placed(refs, at.offset)
-    views = _compact.read_moves(self.store, refs, moves, placed)
+    views = _compact.read_moves(self.plain_store(), refs, moves, placed)
     if views is None:
         return segments, refs.files()
     nbytes = placed.end - placed.start
