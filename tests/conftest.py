@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,56 @@ def no_memory_level_left() -> Any:
     assert not left, "the tests left memory levels in shared memory: " + ", ".join(
         f"{run.path} ({run.run})" for run in left
     )
+
+
+# MPICH keeps each job's intranode channel in a file /dev/shm/mpich_shm_*, unlinked by the
+# job's own exit; a job the tests SIGKILL (on purpose) leaves it, 65 MiB each.
+_SHM = Path("/dev/shm")
+
+
+def _mapped_in_shm() -> set[str]:
+    """The /dev/shm files some live process maps."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/")
+            if at >= 0:
+                names.add(line[at:].removesuffix(" (deleted)"))
+    return names
+
+
+def _unmapped_segments(start: float) -> list[tuple[Path, float]]:
+    """MPICH segments of this user created since ``start`` that no live process maps, with
+    their last change."""
+    mapped = _mapped_in_shm()
+    out = []
+    for path in _SHM.glob("mpich_shm_*"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and st.st_ctime >= start and str(path) not in mapped:
+            out.append((path, max(st.st_mtime, st.st_ctime)))
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_mpi_segments_left() -> Any:
+    """At the end of the session, unlink the MPICH segments its killed jobs left: created since
+    it started, by this user, mapped by no live process five seconds after their last change
+    (a starting job maps its own at once). As a cluster's job epilogue cleans /dev/shm after
+    a killed job."""
+    start = time.time()
+    yield
+    if not _SHM.is_dir():
+        return
+    found = _unmapped_segments(start)
+    if not found:
+        return
+    time.sleep(max(0.0, max(changed for _, changed in found) + 5.0 - time.time()))
+    for path, _ in _unmapped_segments(start):
+        path.unlink(missing_ok=True)

@@ -8,6 +8,8 @@ import errno
 import logging
 import mmap
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -233,7 +235,11 @@ def test_tmpfs_is_buffered_by_default() -> None:
     with open("/proc/self/mounts", encoding="utf-8") as f:
         if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in f):
             pytest.skip("/dev/shm is not tmpfs here")
-    assert LocalStore(f"/dev/shm/cryosnap-probe-{os.getpid()}").check_direct_io() is False
+    probe = Path(tempfile.mkdtemp(prefix="cryosnap-probe-", dir="/dev/shm"))
+    try:
+        assert LocalStore(str(probe)).check_direct_io() is False
+    finally:
+        shutil.rmtree(probe)
 
 
 def test_direct_io_must_be_a_bool_or_none(tmp_path: Path) -> None:
