@@ -380,9 +380,12 @@ def restore_agreed(
     is a :class:`WorldSizeError` on every participant alike (none resumes alone); every
     version damaged an :class:`IntegrityError`, none at all a CheckpointNotFoundError."""
     where = " + ".join(st.url for st in stores)
-    mine = sorted(engine.list_versions(*stores))
-    if ask.choice.any:  # each participant's own view; the intersection is the agreement
-        mine = ask.choice.filter(stores, mine, where)
+    mine: list[int] | None = None  # every tier shared: the leader's listing is everyone's
+    if coord.rank == LEADER or not all(ask.shared):
+        # A listing names every rank's manifest of every version: O(N) names, listed once.
+        mine = sorted(engine.list_versions(*stores))
+        if ask.choice.any:  # each participant's own view; the intersection is the agreement
+            mine = ask.choice.filter(stores, mine, where)
     common: list[int] = agree(coord, mine, _common_steps)
     damaged: dict[int, str] = {}
     for step in reversed(common):
@@ -453,9 +456,10 @@ def _read_once(
     return out
 
 
-def _common_steps(listed: list[list[int]]) -> list[int]:
-    """The leader's verdict: the steps every participant listed."""
-    return sorted(set.intersection(*(set(steps) for steps in listed)))
+def _common_steps(listed: list[list[int] | None]) -> list[int]:
+    """The leader's verdict: the steps every participant listed (None: one that lists no
+    tier of its own, whose levels are all shared)."""
+    return sorted(set.intersection(*(set(steps) for steps in listed if steps is not None)))
 
 
 def _failures(told: list[list[str]]) -> list[list[str]]:
