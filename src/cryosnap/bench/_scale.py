@@ -88,7 +88,7 @@ def parse_ranks(text: str) -> list[int]:
     return out
 
 
-class _CountingStore(WrapperStore):
+class CountingStore(WrapperStore):
     """One rank's view of the shared run: the bytes it reads (restore's cost)."""
 
     def __init__(self, inner: LocalStore) -> None:
@@ -134,7 +134,7 @@ def measure_scale(
     model = np.arange(_MODEL_FLOATS, dtype=np.float32)
     with tempfile.TemporaryDirectory(prefix="cryosnap-scale-", dir=directory) as tmp:
         root = LocalStore(Path(tmp) / "run")
-        stores = [_CountingStore(root) for _ in range(ranks)]
+        stores = [CountingStore(root) for _ in range(ranks)]
         ckpts: list[Checkpointer | None] = [None] * ranks
         old_stack = threading.stack_size(_STACK_BYTES)
         try:

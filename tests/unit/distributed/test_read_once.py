@@ -8,8 +8,6 @@ rank; a damaged replicated chunk is still found, on every rank.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,9 @@ import pytest
 
 import cryosnap
 from cryosnap._run.read_once import SharedReads
+from cryosnap.bench._scale import CountingStore
 from cryosnap.errors import IntegrityError
-from cryosnap.storage import LocalStore, Store
-from cryosnap.storage._wrap import WrapperStore
+from cryosnap.storage import LocalStore
 from cryosnap.testing import SimulatedRank, SimulatedWorld
 
 RANKS = 4
@@ -28,33 +26,9 @@ CHUNK = 4096
 MODEL = np.arange(16 * CHUNK // 4, dtype=np.float32)  # 64 KiB: 16 chunks, 4 per rank
 
 
-class _Counting(WrapperStore):
-    def __init__(self, inner: Store) -> None:
-        super().__init__(inner)
-        self.read_bytes = 0
-        self._lock = threading.Lock()
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self.read_bytes += n
-
-    def read(self, key: str) -> bytes:
-        data = self.inner.read(key)
-        self._count(len(data))
-        return data
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        self.inner.read_into(key, offset, buffers)
-        self._count(sum(memoryview(b).nbytes for b in buffers))
-
-    def read_ranges(self, key: str, ranges: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
-        self.inner.read_ranges(key, ranges)
-        self._count(sum(memoryview(b).nbytes for _, bufs in ranges for b in bufs))
-
-
 def _save_and_restore(tmp_path: Path) -> tuple[list[Any], list[int]]:
     root = LocalStore(tmp_path / "run")
-    stores = [_Counting(root) for _ in range(RANKS)]
+    stores = [CountingStore(root) for _ in range(RANKS)]
     world = SimulatedWorld(RANKS, timeout=60)
 
     def save(c: SimulatedRank) -> None:
