@@ -174,21 +174,26 @@ def test_compaction_copies_remnants_out_of_coded_files(tmp_path: Path) -> None:
 # -- "auto" ----------------------------------------------------------------------------------
 
 
-def _auto_run(path: str | Any) -> Any:
-    state = {"w": _floats(3, 256 * 1024)}
+def _auto_run(path: str | Any, n: int = 256 * 1024) -> Any:
+    state = {"w": _floats(3, n)}
     with cryosnap.Checkpointer(path, codec="auto", incremental=False) as ckpt:
         for step in (1, 2, 3):
-            state["w"] = _floats(step, 256 * 1024)
+            state["w"] = _floats(step, n)
             ckpt.save(step, state).result()
         codec = ckpt._levels.levels[-1].codec
         assert codec is not None
         return codec.snapshot()
 
 
+FAST_LEVEL_FLOATS = 4 << 20
+
+
 def test_auto_leaves_a_fast_level_plain() -> None:
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as d:
-        rates = _auto_run(f"{d}/run")
+        # 16 MiB a version: a write of a few milliseconds, which a loaded machine's scheduling
+        # cannot slow to below the codec's gain (a 1 MiB write once measured slower than it).
+        rates = _auto_run(f"{d}/run", FAST_LEVEL_FLOATS)
         assert (rates.coded_files, rates.plain_files) == (0, 3)
         assert rates.codec_bytes_per_s is not None  # calibrated on the first file's writes
         assert not any(_coded_files(Path(d, "run"), s) for s in (1, 2, 3))
