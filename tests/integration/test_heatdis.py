@@ -204,7 +204,7 @@ def test_xor_one_wiped_node_rebuilt_from_parity_two_read_from_the_persistent_lev
     last = list_steps(persistent)[-1]  # the job ended: close() flushed every version
     again = run_job(heatdis(job, "final.npy", nodes=XOR_NODES), **xor)
     assert "rebuilt from XOR parity" not in again.stderr
-    assert "ranks [1, 2] lost versions" in again.stderr, again.stderr
+    assert "ranks [1, 2] lost versions on scratch" in again.stderr, again.stderr
     assert resumed_iterations(again.stdout) == ITERATIONS - last
     np.testing.assert_array_equal(np.load(job / "final.npy"), serial_reference())
 

@@ -94,8 +94,8 @@ def _lost(ranks: Sequence[int], told: list[Any], level: str) -> tuple[int | None
             "XOR set %s: ranks %s lost versions on %s (newest steps %s); a set rebuilds one "
             "lost rank: their versions come from %s",
             list(ranks),
-            level,
             behind,
+            level,
             [newest[r] for r in behind],
             below(level),
         )
