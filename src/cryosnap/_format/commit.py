@@ -179,7 +179,9 @@ class CommitRecord:
             "leaves": self.leaves,
             "chunk_bytes": self.chunk_bytes,
             "root": self.root,
-            "created_unix": self.created_unix,
+            # As the float's hex (always as long): a rank's entry is the same size whenever
+            # the version was made, so the leader sends the same bytes for the same version.
+            "created_unix": float(self.created_unix).hex(),
             "incremental": self.incremental,
             "chain": list(self.chain),
             "run_id": self.run_id,
@@ -204,7 +206,7 @@ class CommitRecord:
             leaves=int(doc["leaves"]),
             chunk_bytes=int(doc["chunk_bytes"]),
             root=str(doc["root"]),
-            created_unix=float(doc["created_unix"]),
+            created_unix=float.fromhex(doc["created_unix"]),
             incremental=bool(doc["incremental"]),
             chain=tuple(int(s) for s in doc["chain"]),
             metrics=None,
